@@ -1,0 +1,213 @@
+"""plan() and parallelize(): trace → analyze → cost → solve → apply."""
+from __future__ import annotations
+
+import copy
+import operator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.context import ParallelMode, get_auto_parallel_context
+from autopar.mesh import Mesh
+from autopar.parallel_module import ParallelModule
+from autopar.passes.insert_collectives import insert_collectives
+from autopar.passes.localize_shapes import localize_shapes
+from autopar.passes.shard_params import local_piece
+from autopar.plan import Plan
+from autopar.runtime.grad_sync import add_axis_sync_hooks, wrap_ddp
+from autopar.runtime.groups import AxisGroup, axis_groups
+from autopar.runtime.program import RankProgram
+from autopar.sharding.placements import parse_spec
+from autopar.solver.annotations import ANNOTATIONS, resolve_params
+from autopar.solver.decode import graph_fingerprint
+from autopar.solver.search import PlanError, PlanOptions, make_plan
+from autopar.trace import Traced, trace
+
+
+def _mode(mode) -> ParallelMode:
+    return ParallelMode.parse(mode if mode is not None else get_auto_parallel_context()["parallel_mode"])
+
+
+def _options() -> PlanOptions:
+    ctx = get_auto_parallel_context()
+    return PlanOptions(grad_compression=ctx["grad_compression"], memory_budget_gb=ctx["memory_budget_gb"],
+                       time_limit_s=ctx["solver_time_limit"], microbatches=ctx["microbatches"],
+                       schedule=ctx["schedule"])
+
+
+def _check_mesh(mesh) -> Mesh:
+    if isinstance(mesh, int):
+        return Mesh(mesh)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be an autopar.Mesh (or a device count), got {type(mesh).__name__}")
+    return mesh
+
+
+def _plan_traced(model, traced: Traced, mesh: Mesh, mode: ParallelMode) -> Plan:
+    if mode == ParallelMode.HYBRID:
+        raise PlanError("HYBRID mode applies a complete plan: pass plan=<Plan or path to plan JSON>")
+    if mode != ParallelMode.SEMI_AUTO and not ANNOTATIONS.empty() and mode != ParallelMode.AUTO:
+        pass
+    param_ann = resolve_params(model, ANNOTATIONS) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
+    input_ann = dict(ANNOTATIONS.inputs) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
+    return make_plan(traced, model, mesh, mode, _options(), param_ann, input_ann)
+
+
+def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None) -> Plan:
+    """Plan only: no processes or devices needed; the model may live on the meta device."""
+    mesh = _check_mesh(mesh)
+    mode = _mode(mode)
+    traced = trace(model, example_inputs, loss_fn, example_target)
+    return _plan_traced(model, traced, mesh, mode)
+
+
+def _load_plan(plan, traced: Traced) -> Plan:
+    if isinstance(plan, (str, Path)):
+        plan = Plan.load(plan)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be an autopar.Plan or a path to a plan JSON, got {type(plan).__name__}")
+    fp = graph_fingerprint(traced.gm)
+    if plan.fingerprint and plan.fingerprint != fp:
+        raise PlanError("the given plan was made for a different model or input shapes (graph fingerprint "
+                        f"{plan.fingerprint} != {fp}); make a new plan for this model")
+    return plan
+
+
+def _broadcast_plan(p: Plan | None) -> Plan:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return p
+    box = [p.to_json(indent=None) if p is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_json(box[0])
+
+
+def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None,
+                plan=None) -> ParallelModule:
+    """Plan (on rank 0, shared with every rank) and build this rank's ParallelModule."""
+    mesh = _check_mesh(mesh)
+    mode = _mode(mode) if plan is None or mode is not None else ParallelMode.HYBRID
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model's parameters are on the meta device: parallelize() needs real weights "
+                         "(use autopar.plan() to plan a meta model, then build it for real)")
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        if world != mesh.size:
+            raise ValueError(f"mesh {mesh!r} has {mesh.size} devices but torch.distributed has {world} ranks; "
+                             "make the mesh size equal the world size")
+    elif mesh.size != 1:
+        raise RuntimeError(f"mesh {mesh!r} has {mesh.size} devices but torch.distributed is not initialized: run "
+                           "under torchrun or autopar.launch (or use a Mesh(1))")
+    traced = trace(model, example_inputs, loss_fn, example_target)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if plan is not None:
+        the_plan = _load_plan(plan, traced)
+    else:
+        err, the_plan = None, None
+        if rank == 0:
+            try:
+                the_plan = _plan_traced(model, traced, mesh, mode)
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                err = e
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [repr(err) if err is not None else None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is not None:
+                if err is not None:
+                    raise err
+                raise PlanError(f"planning failed on rank 0: {box[0]}")
+        elif err is not None:
+            raise err
+        the_plan = _broadcast_plan(the_plan)
+    from autopar.graph.chunk_hints import mark_chunk_hints
+
+    mark_chunk_hints(traced.gm)
+    return build_parallel_module(model, traced, the_plan)
+
+
+def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
+    fwd = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    out = next(n for n in fwd.graph.nodes if n.op == "output")
+    vals = out.args[0]
+    keep = vals[traced.output_index] if traced.output_index is not None else vals
+    out.args = (keep,)
+    fwd.graph.eliminate_dead_code()
+    fwd.recompile()
+    return fwd
+
+
+def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan) -> ParallelModule:
+    mesh = the_plan.mesh
+    if dist.is_initialized():
+        axes = axis_groups(mesh)
+        coords = mesh.coords(dist.get_rank())
+    else:
+        axes = {n: AxisGroup(n, None, 1, 0) for n in mesh.axis_names}
+        coords = tuple(0 for _ in mesh.shape)
+    gm = traced.gm
+    params_by_ph = {d.placeholder: (name, d) for name, d in the_plan.params.items()}
+    gm, param_sync = insert_collectives(gm, the_plan, mesh.axis_names, mesh.shape, set(traced.params))
+    gm = localize_shapes(gm, the_plan, mesh.shape)
+    fwd = _forward_graph(gm, traced)
+    slots, params, buffers = [], {}, {}
+    state = dict(model.state_dict(keep_vars=True))
+    named_p = dict(model.named_parameters(remove_duplicate=False))
+    named_b = dict(model.named_buffers(remove_duplicate=False))
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        ph = node.name
+        if ph in traced.params or ph in traced.buffers:
+            name, d = params_by_ph[ph]
+            full = (named_p.get(name) if ph in traced.params else named_b.get(name))
+            piece = local_piece(full.detach(), parse_spec(d.spec), coords, mesh.shape).clone()
+            (params if ph in traced.params else buffers)[name] = piece
+            slots.append(("param" if ph in traced.params else "buffer", name))
+        elif ph in traced.constants:
+            slots.append(("const", traced.constants[ph]))
+        elif ph in traced.inputs:
+            slots.append(("input", traced.inputs.index(ph)))
+        else:
+            slots.append(("target", None))
+    program = RankProgram(gm, fwd, slots, params, buffers, axes)
+    ddp = _grad_sync(program, the_plan, param_sync, traced, axes, mesh)
+    used = {a for d in the_plan.params.values() for a in d.aliases}
+    extra = {k: v.detach().clone() for k, v in state.items() if k not in used}
+    return ParallelModule(program, the_plan, traced, axes, coords, ddp, extra, list(state))
+
+
+def _grad_sync(program: RankProgram, the_plan: Plan, param_sync: dict, traced: Traced, axes, mesh: Mesh):
+    """DDP over the most common sync axes; hooks for the rest."""
+    if not dist.is_initialized() or mesh.size == 1:
+        return None
+    by_name = {traced.params[ph]: set(a) for ph, a in param_sync.items()}
+    weight: dict[frozenset, int] = {}
+    for name, ax in by_name.items():
+        weight[frozenset(ax)] = weight.get(frozenset(ax), 0) + program.local_tensor(name).numel()
+    main = max(weight, key=weight.get) if weight else frozenset()
+    ignore, ddp = [], None
+    for name, p in program.named_parameters():
+        ax = by_name.get(name, set())
+        if not main or not main <= ax:
+            ignore.append(name)
+            extra = ax
+        else:
+            extra = ax - main
+        if extra:
+            add_axis_sync_hooks(p, [axes[a].group for a in sorted(extra, key=mesh.axis_names.index)])
+    if main:
+        if len(main) == mesh.ndim:
+            group = dist.group.WORLD
+        elif len(main) == 1:
+            group = axes[next(iter(main))].group
+        else:
+            dm = mesh.device_mesh()
+            group = dm[tuple(a for a in mesh.axis_names if a in main)]._flatten().get_group()
+        ignore += [name for name, _ in program.named_buffers()]
+        ddp = wrap_ddp(program, group, ignore, the_plan.options.get("grad_compression"))
+    return ddp
+
+
+__all__ = ["plan", "parallelize", "operator", "torch"]

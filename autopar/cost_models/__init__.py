@@ -1,0 +1,1 @@
+"""Cost models: devices, compute, memory and communication (see docs/cost_models.md)."""

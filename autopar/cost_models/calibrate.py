@@ -1,0 +1,349 @@
+"""Measure this machine for the "cpu" device preset (``autopar calibrate``).
+
+One rank = one process with one thread, as multi-rank CPU runs use it. Measured:
+
+- matmul FLOP/s, ``2*n^3 / t`` for square fp32 (and bf16) matmuls of several sizes;
+  the best becomes ``peak_flops``; ``compute_efficiency`` = median rate of a linear
+  layer's three training matmuls (transposed operands) / peak;
+- memory bandwidth, ``2 * nbytes / t`` of a large out-of-place op (read + write);
+- kernel overhead, per kernel of a chain of tiny ops, forward + backward;
+- gloo collective alpha/beta on loopback for 2 and 4 processes: all_reduce times fitted by
+  least squares to ``t = 2(p-1) * alpha + 2(p-1)/p * n * beta``; bandwidth = 1/beta.
+
+The profile is JSON at ``~/.cache/autopar/cpu_profile.json`` (env ``AUTOPAR_PROFILE``
+overrides) and names the machine it was measured on (cpu model, core count, torch).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .devices import DeviceSpec, Link, physical_memory_bytes
+
+PROFILE_VERSION = 1
+RERUN = "run `autopar calibrate` again"
+
+
+# ---- the profile file ----------------------------------------------------------------
+
+
+def profile_path() -> Path:
+    """``$AUTOPAR_PROFILE`` or ``~/.cache/autopar/cpu_profile.json``."""
+    env = os.environ.get("AUTOPAR_PROFILE")
+    return Path(env) if env else Path.home() / ".cache" / "autopar" / "cpu_profile.json"
+
+
+def cpu_model() -> str:
+    """The CPU model string (``/proc/cpuinfo`` "model name", else ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def fingerprint() -> dict:
+    """What identifies this machine (no hostname): cpu model, core count, torch version."""
+    return {"cpu_model": cpu_model(), "nproc": os.cpu_count() or 1, "torch": torch.__version__}
+
+
+def load_profile(path: str | os.PathLike | None = None) -> dict | None:
+    """The profile at ``path`` (default :func:`profile_path`), None when there is none.
+
+    Raises ``ValueError`` naming the file when it is not valid JSON, lacks fields, or was
+    measured on another machine (cpu model or core count differ).
+    """
+    path = Path(path) if path is not None else profile_path()
+    if not path.exists():
+        return None
+    try:
+        profile = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"calibration profile {path} is corrupt ({exc}); {RERUN}") from exc
+    required = ("machine", "peak_flops", "memory_bandwidth", "kernel_overhead", "link")
+    if not isinstance(profile, dict) or any(k not in profile for k in required):
+        raise ValueError(f"calibration profile {path} is incomplete (needs {', '.join(required)}); {RERUN}")
+    theirs, ours = profile["machine"], fingerprint()
+    for key in ("cpu_model", "nproc"):
+        if theirs.get(key) != ours[key]:
+            raise ValueError(
+                f"calibration profile {path} was measured on another machine "
+                f"({key}: {theirs.get(key)!r}, this machine: {ours[key]!r}); {RERUN}"
+            )
+    return profile
+
+
+def save_profile(profile: dict, path: str | os.PathLike | None = None) -> Path:
+    """Write ``profile`` as JSON (atomically); returns the path."""
+    path = Path(path) if path is not None else profile_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(profile, indent=2, sort_keys=True), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def device_from_profile(profile: dict) -> DeviceSpec:
+    """The "cpu" :class:`DeviceSpec` of a profile: peak = the best square matmul,
+    ``compute_efficiency`` = what a linear layer's matmuls reach of it, memory efficiency 1
+    (the bandwidth is measured on a real op)."""
+    peak = dict(profile["peak_flops"])
+    fp32 = peak["fp32"]
+    peak.setdefault("tf32", fp32)
+    peak.setdefault("bf16", fp32)
+    peak.setdefault("fp16", peak["bf16"])
+    link = Link(bandwidth=float(profile["link"]["bandwidth"]), latency=float(profile["link"]["latency"]))
+    nproc = int(profile["machine"]["nproc"])
+    return DeviceSpec(
+        name="cpu",
+        peak_flops=peak,
+        memory_bytes=physical_memory_bytes() // nproc,
+        memory_bandwidth=float(profile["memory_bandwidth"]),
+        intra_node_link=link,
+        inter_node_link=link,
+        devices_per_node=nproc,
+        compute_efficiency=float(profile.get("compute_efficiency", 1.0)),
+        memory_efficiency=1.0,
+        kernel_overhead=float(profile["kernel_overhead"]),
+        notes=f"calibrated {profile.get('date', '?')}",
+    )
+
+
+# ---- single-process measurements --------------------------------------------------------
+
+
+def median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_matmul(sizes: Sequence[int], dtype: torch.dtype = torch.float32, reps: int = 5) -> dict[int, float]:
+    """FLOP/s of an ``n x n @ n x n`` matmul per size: ``2 n^3 / t``."""
+    out = {}
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        out[n] = 2.0 * n**3 / median_time(lambda: torch.mm(a, b), reps)
+    return out
+
+
+def measure_matmul_efficiency(n: int, peak: float, reps: int = 5) -> float:
+    """Median over the three matmuls of a linear layer's training step (``x @ w.T``,
+    ``g @ w``, ``g.T @ x``; shapes ``n x n``, ``n x 2n``) of ``rate / peak``, at most 1."""
+    x, w, g = torch.randn(n, n), torch.randn(2 * n, n), torch.randn(n, 2 * n)
+    flops = 2.0 * n * n * 2 * n
+    rates = [
+        flops / median_time(fn, reps)
+        for fn in (lambda: torch.mm(x, w.t()), lambda: torch.mm(g, w), lambda: torch.mm(g.t(), x))
+    ]
+    return min(1.0, statistics.median(rates) / peak)
+
+
+def measure_memory_bandwidth(nbytes: int, reps: int = 5) -> float:
+    """Bytes/s of an out-of-place op on ``nbytes`` (``torch.neg``): ``2 * nbytes / t``.
+
+    Out-of-place like most ops of a training step, so the output's allocation (page
+    faults on fresh memory) is part of the measured rate.
+    """
+    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    return 2.0 * src.numel() * 4 / median_time(lambda: torch.neg(src), reps)
+
+
+def measure_kernel_overhead(chain: int = 64, reps: int = 20) -> float:
+    """Seconds per kernel of tiny ops in a training step: a chain of ``k`` multiplies on a
+    1-element tensor, forward + backward (2k kernels), timed for ``k = chain`` and
+    ``2 * chain``; ``overhead = (t(2k) - t(k)) / (2k)`` (fixed costs cancel)."""
+    x = torch.ones(1, requires_grad=True)
+
+    def step(k: int) -> Callable[[], object]:
+        def run():
+            y = x
+            for _ in range(k):
+                y = y * 1.0001
+            torch.autograd.grad(y, x)
+
+        return run
+
+    t1, t2 = median_time(step(chain), reps, 3), median_time(step(2 * chain), reps, 3)
+    return max((t2 - t1) / (2 * chain), 1e-7)
+
+
+# ---- collectives over gloo ---------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        rows = []
+        for nbytes in sizes:
+            t = torch.ones(max(nbytes // 4, 1))
+            for _ in range(2):
+                dist.all_reduce(t)
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                times.append(time.perf_counter() - t0)
+            slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            rows.append([world, t.numel() * 4, float(slowest)])
+        if rank == 0:
+            Path(out).write_text(json.dumps(rows), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_all_reduce(world: int, sizes: Sequence[int], reps: int = 5) -> list[list[float]]:
+    """``[[p, nbytes, seconds], ...]`` of gloo all_reduce on loopback with ``world`` procs."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        mp.spawn(_collective_worker, args=(world, free_port(), list(sizes), reps, out), nprocs=world, join=True)
+        return json.loads(Path(out).read_text(encoding="utf-8"))
+
+
+def fit_alpha_beta(rows: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """Least squares of ring all_reduce ``t = 2(p-1) alpha + 2(p-1)/p n beta`` -> (alpha, beta),
+    in relative error (each row divided by its measured ``t``) so small messages count.
+
+    Non-negative: when the joint fit makes one coefficient negative, it is set to its
+    floor (alpha 1e-7 s, beta 1e-12 s/byte) and the other is fitted alone.
+    """
+    a = np.array([[2.0 * (p - 1), 2.0 * (p - 1) / p * n] for p, n, _ in rows])
+    t = np.array([row[2] for row in rows])
+    a = a / t[:, None]
+    ones = np.ones_like(t)
+    (alpha, beta), *_ = np.linalg.lstsq(a, ones, rcond=None)
+    floor = (1e-7, 1e-12)
+    if alpha < floor[0] or beta < floor[1]:
+        keep = 1 if alpha < floor[0] else 0
+        fixed = 1 - keep
+        rest = ones - a[:, fixed] * floor[fixed]
+        coef = max(float(a[:, keep] @ rest / (a[:, keep] @ a[:, keep])), floor[keep])
+        alpha, beta = (floor[0], coef) if keep == 1 else (coef, floor[1])
+    return max(float(alpha), floor[0]), max(float(beta), floor[1])
+
+
+# ---- the whole calibration -------------------------------------------------------------
+
+
+def calibrate(
+    out_path: str | os.PathLike | None = None,
+    quick: bool = False,
+    *,
+    matmul_sizes: Sequence[int] | None = None,
+    copy_bytes: int | None = None,
+    collective_sizes: Sequence[int] | None = None,
+    world_sizes: Sequence[int] = (2, 4),
+    reps: int | None = None,
+    save: bool = True,
+) -> dict:
+    """Measure this machine and save the profile (``out_path`` or :func:`profile_path`).
+
+    ``quick`` uses fewer sizes and repetitions (well under a minute); the keyword
+    arguments override sizes for tests. Returns the profile dict.
+    """
+    reps = reps or (3 if quick else 7)
+    matmul_sizes = matmul_sizes or ((128, 256, 512) if quick else (128, 256, 512, 1024, 2048))
+    copy_bytes = copy_bytes or 16 * 2**20  # a typical activation: larger ones page-fault more
+    collective_sizes = collective_sizes or (
+        (2**12, 2**16, 2**20, 2**22) if quick else (2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24)
+    )
+    started = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32 = measure_matmul(matmul_sizes, torch.float32, reps)
+        bf16 = measure_matmul(matmul_sizes[: max(1, len(matmul_sizes) - 1)], torch.bfloat16, reps)
+        efficiency = measure_matmul_efficiency(max(matmul_sizes), max(fp32.values()), reps)
+        bandwidth = measure_memory_bandwidth(copy_bytes, reps)
+        overhead = measure_kernel_overhead()
+    finally:
+        torch.set_num_threads(threads)
+    rows: list[list[float]] = []
+    for world in world_sizes:
+        rows += measure_all_reduce(world, collective_sizes, reps)
+    alpha, beta = fit_alpha_beta(rows) if rows else (5e-5, 1e-9)
+    profile = {
+        "version": PROFILE_VERSION,
+        "machine": fingerprint(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "quick": bool(quick),
+        "matmul_flops": {"fp32": {str(k): v for k, v in fp32.items()}, "bf16": {str(k): v for k, v in bf16.items()}},
+        "peak_flops": {"fp32": max(fp32.values()), "bf16": max(bf16.values())},
+        "compute_efficiency": efficiency,
+        "memory_bandwidth": bandwidth,
+        "kernel_overhead": overhead,
+        "collectives": {"all_reduce": rows},
+        "link": {"bandwidth": 1.0 / beta, "latency": alpha},
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    if save:
+        profile["path"] = str(save_profile(profile, out_path))
+    return profile
+
+
+def summary(profile: dict) -> str:
+    """A few lines for humans."""
+    link = profile["link"]
+    return "\n".join(
+        [
+            f"machine: {profile['machine']['cpu_model']} ({profile['machine']['nproc']} cores, torch {profile['machine']['torch']})",
+            f"matmul fp32 peak: {profile['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s per thread"
+            f" (bf16 {profile['peak_flops']['bf16'] / 1e9:.1f})",
+            f"memory bandwidth: {profile['memory_bandwidth'] / 1e9:.2f} GB/s per thread",
+            f"kernel overhead: {profile['kernel_overhead'] * 1e6:.1f} us",
+            f"gloo loopback: alpha {link['latency'] * 1e6:.1f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s",
+            f"saved to {profile.get('path', '-')} in {profile['seconds']} s",
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``autopar calibrate [--quick] [--out PATH]``."""
+    parser = argparse.ArgumentParser(prog="autopar calibrate", description="Measure this machine for the cost model.")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (< 1 minute)")
+    parser.add_argument("--out", default=None, help=f"profile path (default {profile_path()})")
+    args = parser.parse_args(argv)
+    print(summary(calibrate(args.out, quick=args.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

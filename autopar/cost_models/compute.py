@@ -1,0 +1,436 @@
+"""Compute cost of graph nodes: FLOPs and bytes -> roofline time, forward and backward.
+
+Work (device-independent, cached per op signature) comes from running the node's op on
+fake tensors of the node's shapes, forward and then backward through autograd:
+
+- FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convolutions, attention
+  where registered). Where it counts nothing, formulas: scaled_dot_product_attention
+  ``fwd = 4*b*heads*Sq*Sk*d``, ``bwd = 2*fwd``; other ops ``c * numel`` with ``c`` from
+  ``_FLOPS_PER_ELEMENT`` (elementwise: 1 forward, 2 backward).
+- Bytes: every non-view kernel dispatched reads its tensor inputs and writes its outputs
+  (``_KernelCounter``); gathers (embedding, index_select) read output-sized rows only.
+- Kernels: the number of non-view kernels dispatched (each pays ``kernel_overhead``).
+
+Time per phase (``devices.DeviceSpec``)::
+
+    t = max(flops / (peak[dtype] * compute_efficiency), bytes / (memory_bandwidth * memory_efficiency))
+        + kernels * kernel_overhead
+
+Backward work counts only gradients that are needed: an input needs a gradient when it
+is a parameter (``requires_grad`` in its ``meta["val"]``) or depends on one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+import weakref
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from .devices import DeviceSpec
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class OpWork:
+    """Device-independent work of one op: FLOPs, bytes moved, kernels launched."""
+
+    flops_fwd: float = 0.0
+    flops_bwd: float = 0.0
+    bytes_fwd: float = 0.0
+    bytes_bwd: float = 0.0
+    kernels_fwd: int = 0
+    kernels_bwd: int = 0
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Cost of one op on one device; ``time_*`` include ``launch_*`` (kernel overheads)."""
+
+    flops_fwd: float
+    flops_bwd: float
+    bytes_fwd: float
+    bytes_bwd: float
+    time_fwd: float
+    time_bwd: float
+    launch_fwd: float = 0.0
+    launch_bwd: float = 0.0
+
+    @property
+    def time_total(self) -> float:
+        """Seconds, forward + backward."""
+        return self.time_fwd + self.time_bwd
+
+    @property
+    def total(self) -> float:
+        """Same as :attr:`time_total`."""
+        return self.time_total
+
+    @property
+    def flops_total(self) -> float:
+        return self.flops_fwd + self.flops_bwd
+
+    @property
+    def bytes_total(self) -> float:
+        return self.bytes_fwd + self.bytes_bwd
+
+    def scaled(self, factor: float) -> "OpCost":
+        """The cost on one of ``factor`` shards: work / factor, same kernel launches.
+
+        ``time' = (time - launch) / factor + launch``.
+        """
+        if factor <= 0:
+            raise ValueError(f"shard factor must be > 0, got {factor}")
+        return OpCost(
+            self.flops_fwd / factor,
+            self.flops_bwd / factor,
+            self.bytes_fwd / factor,
+            self.bytes_bwd / factor,
+            (self.time_fwd - self.launch_fwd) / factor + self.launch_fwd,
+            (self.time_bwd - self.launch_bwd) / factor + self.launch_bwd,
+            self.launch_fwd,
+            self.launch_bwd,
+        )
+
+    def __add__(self, other: "OpCost") -> "OpCost":
+        return OpCost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+ZERO_COST = OpCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+_NO_KERNEL = {
+    aten._unsafe_view.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.lift_fresh.default,
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.empty_strided.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.sym_size.int,
+    aten.sym_stride.int,
+    aten.sym_numel.default,
+}
+_GATHERS = {aten.embedding.default, aten.index_select.default, aten.gather.default, aten.index.Tensor}
+_NORMS = {
+    aten.layer_norm.default,
+    aten.native_layer_norm.default,
+    aten.group_norm.default,
+    aten.batch_norm.default,
+    aten._native_batch_norm_legit_functional.default,
+    aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit_no_training.default,
+    aten.native_batch_norm.default,
+    aten.rms_norm.default,
+}
+_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
+_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_forward.default}
+_SDPA = {
+    aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+}
+
+# FLOPs per element (forward, backward-per-needed-gradient), used when FlopCounterMode has
+# no entry; the element count is the largest tensor the op reads or writes.
+_FLOPS_PER_ELEMENT: dict[object, tuple[float, float]] = {
+    **{op: (5.0, 8.0) for op in _NORMS},
+    **{op: (5.0, 4.0) for op in _SOFTMAX},
+    **{op: (6.0, 4.0) for op in _LOSSES},
+    aten.embedding.default: (0.0, 1.0),
+    aten.index_select.default: (0.0, 1.0),
+}
+_ELEMENTWISE = (1.0, 2.0)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes a kernel touches: expanded (stride-0) dimensions count once."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= int(size)
+    return n * t.element_size()
+
+
+class _KernelCounter(TorchDispatchMode):
+    """Counts non-view kernels and the bytes they read (inputs) and write (outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view or func in _NO_KERNEL or func.namespace == "prim":
+            return out
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if func in _GATHERS and ins:
+            ins = ins[1:]  # the source table: only output-sized rows are read
+            self.bytes += sum(_nbytes(t) for t in outs)
+        self.kernels += 1
+        self.bytes += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+        return out
+
+
+# ---- which nodes need gradients -------------------------------------------------------
+
+_RG_CACHE: "weakref.WeakKeyDictionary[fx.Graph, tuple[int, frozenset]]" = weakref.WeakKeyDictionary()
+
+
+def _val(node: fx.Node):
+    return node.meta.get("val")
+
+
+def is_parameter(node: fx.Node) -> bool:
+    """A graph input holding a trainable parameter (``get_attr`` of one, or a lifted
+    placeholder whose fake value has ``requires_grad``)."""
+    val = _val(node)
+    if node.op == "get_attr":
+        owner = node.graph.owning_module
+        try:
+            attr = owner.get_parameter(node.target) if owner is not None else None
+        except AttributeError:
+            attr = None
+        if attr is not None:
+            return attr.requires_grad
+        return isinstance(val, torch.Tensor) and val.requires_grad
+    return node.op == "placeholder" and isinstance(val, torch.Tensor) and bool(val.requires_grad)
+
+
+def _is_float(v) -> bool:
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
+def grad_nodes(graph: fx.Graph) -> frozenset:
+    """Nodes whose value needs a gradient: parameters and float values depending on one."""
+    cached = _RG_CACHE.get(graph)
+    if cached is not None and cached[0] == len(graph.nodes):
+        return cached[1]
+    need: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            if is_parameter(node):
+                need.add(node)
+        elif node.op == "call_function":
+            val = _val(node)
+            floats = any(_is_float(v) for v in tree_flatten(val)[0]) if val is not None else True
+            if floats and any(a in need for a in node.all_input_nodes):
+                need.add(node)
+    result = frozenset(need)
+    _RG_CACHE[graph] = (len(graph.nodes), result)
+    return result
+
+
+# ---- running an op on fake tensors ----------------------------------------------------
+
+
+def _tensor_sig(v: torch.Tensor, rg: bool):
+    shape = tuple(int(s) for s in v.shape)
+    stride = tuple(int(s) for s in v.stride())
+    return ("T", shape, stride, v.dtype, rg and _is_float(v))
+
+
+def _freeze(x):
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(i) for i in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    if isinstance(x, (torch.dtype, torch.device, torch.memory_format, torch.layout, int, float, bool, str, type(None))):
+        return x
+    return repr(x)
+
+
+def _signature(node: fx.Node, need: frozenset):
+    def sig(a):
+        if isinstance(a, fx.Node):
+            v = _val(a)
+            if isinstance(v, torch.Tensor):
+                return _tensor_sig(v, a in need)
+            return ("V", _freeze(v))
+        return a
+
+    args = tree_map(sig, (node.args, node.kwargs))
+    return _freeze(args)
+
+
+def _materialize(sig_args):
+    """Rebuild (args, kwargs) with fresh fake tensors (inside an active FakeTensorMode)."""
+    leaves: list[torch.Tensor] = []
+
+    def build(a):
+        if isinstance(a, tuple) and a and a[0] == "T":
+            _, shape, stride, dtype, rg = a
+            t = torch.empty_strided(shape, stride, dtype=dtype)
+            if rg:
+                t.requires_grad_(True)
+                leaves.append(t)
+            return t
+        if isinstance(a, tuple) and a and a[0] == "V":
+            return a[1]
+        if isinstance(a, tuple):
+            return [build(i) for i in a]
+        return a
+
+    args, kwargs = sig_args
+    return [build(a) for a in args], {k: build(v) for k, v in kwargs}, leaves
+
+
+def _sdpa_flops(args) -> tuple[float, float]:
+    q, k, v = args[:3]
+    batch = 1
+    for s in q.shape[:-2]:
+        batch *= int(s)
+    sq, d = int(q.shape[-2]), int(q.shape[-1])
+    sk, dv = int(k.shape[-2]), int(v.shape[-1])
+    fwd = 2.0 * batch * sq * sk * d + 2.0 * batch * sq * sk * dv
+    return fwd, 2.0 * fwd
+
+
+def _largest_numel(tensors) -> int:
+    return max((t.numel() for t in tensors if isinstance(t, torch.Tensor)), default=0)
+
+
+@lru_cache(maxsize=8192)
+def _work(target, sig) -> OpWork:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args, kwargs, leaves = _materialize(sig)
+        counter, flops = _KernelCounter(), FlopCounterMode(display=False)
+        with flops, counter:
+            out = target(*args, **kwargs)
+        fwd = (flops.get_total_flops(), counter.bytes, counter.kernels)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        bwd = (0, 0, 0)
+        if outs and leaves:
+            seeds = [torch.ones_like(t) for t in outs]
+            counter, flops = _KernelCounter(), FlopCounterMode(display=False)
+            with flops, counter:
+                torch.autograd.grad(outs, leaves, seeds, allow_unused=True)
+            bwd = (flops.get_total_flops(), counter.bytes, counter.kernels)
+        f_fwd, f_bwd = float(fwd[0]), float(bwd[0])
+        if f_fwd == 0 and fwd[2] > 0:
+            if target in _SDPA:
+                f_fwd, sdpa_bwd = _sdpa_flops(args)
+                f_bwd = sdpa_bwd if outs and leaves else 0.0
+            else:
+                per_fwd, per_bwd = _FLOPS_PER_ELEMENT.get(target, _ELEMENTWISE)
+                out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                numel = _largest_numel(out_tensors if target in _GATHERS else tensors + out_tensors)
+                f_fwd = per_fwd * numel
+                f_bwd = per_bwd * numel if bwd[2] > 0 else 0.0
+        return OpWork(f_fwd, f_bwd, float(fwd[1]), float(bwd[1]), fwd[2], bwd[2])
+
+
+_ZERO_TARGETS = {operator.getitem}
+
+
+def node_work(node: fx.Node) -> OpWork:
+    """FLOPs, bytes and kernels of one node, forward and backward (cached per signature)."""
+    if node.op != "call_function" or node.target in _ZERO_TARGETS:
+        return OpWork()
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return OpWork()
+    if target.is_view or target in _NO_KERNEL:
+        return OpWork()
+    need = grad_nodes(node.graph)
+    try:
+        return _work(target, _signature(node, need))
+    except Exception:
+        return _fallback_work(node, need)
+
+
+def _fallback_work(node: fx.Node, need: frozenset) -> OpWork:
+    """When an op cannot run on fake tensors: elementwise estimate from the metadata."""
+    ins = [_val(a) for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+    outs = [t for t in tree_flatten(_val(node))[0] if isinstance(t, torch.Tensor)]
+    numel = _largest_numel(ins + outs)
+    moved = float(sum(_nbytes(t) for t in ins + outs))
+    has_bwd = node in need
+    per_fwd, per_bwd = _FLOPS_PER_ELEMENT.get(node.target, _ELEMENTWISE)
+    return OpWork(
+        per_fwd * numel,
+        per_bwd * numel if has_bwd else 0.0,
+        moved,
+        2 * moved if has_bwd else 0.0,
+        1,
+        1 if has_bwd else 0,
+    )
+
+
+def _dtype(node: fx.Node) -> torch.dtype:
+    for v in tree_flatten(_val(node))[0] + [_val(a) for a in node.all_input_nodes]:
+        if _is_float(v):
+            return v.dtype
+    return torch.float32
+
+
+def roofline_time(flops: float, nbytes: float, kernels: int, device: DeviceSpec, dtype: torch.dtype) -> float:
+    """``max(flops / (peak * eff), bytes / (bw * mem_eff)) + kernels * kernel_overhead``."""
+    if kernels == 0 and flops == 0 and nbytes == 0:
+        return 0.0
+    compute = flops / (device.flops_per_s(dtype) * device.compute_efficiency)
+    memory = nbytes / (device.memory_bandwidth * device.memory_efficiency)
+    return max(compute, memory) + kernels * device.kernel_overhead
+
+
+def cost_from_work(work: OpWork, device: DeviceSpec, dtype: torch.dtype = torch.float32) -> OpCost:
+    """Roofline an :class:`OpWork` on ``device``."""
+    lf = work.kernels_fwd * device.kernel_overhead
+    lb = work.kernels_bwd * device.kernel_overhead
+    return OpCost(
+        work.flops_fwd,
+        work.flops_bwd,
+        work.bytes_fwd,
+        work.bytes_bwd,
+        roofline_time(work.flops_fwd, work.bytes_fwd, work.kernels_fwd, device, dtype),
+        roofline_time(work.flops_bwd, work.bytes_bwd, work.kernels_bwd, device, dtype),
+        lf,
+        lb,
+    )
+
+
+def node_cost(node: fx.Node, device: DeviceSpec) -> OpCost:
+    """Forward and backward cost of one node on ``device`` (0 for views, inputs, outputs)."""
+    work = node_work(node)
+    if work == OpWork():
+        return ZERO_COST
+    return cost_from_work(work, device, _dtype(node))
+
+
+def graph_cost(gm: fx.GraphModule | fx.Graph, device: DeviceSpec) -> dict[str, OpCost]:
+    """Node name -> :class:`OpCost` for every node of the graph."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    return {node.name: node_cost(node, device) for node in graph.nodes}
+
+
+def total_flops(gm: fx.GraphModule | fx.Graph) -> float:
+    """FLOPs of one training iteration (forward + backward, no recomputation)."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    total = 0.0
+    for node in graph.nodes:
+        w = node_work(node)
+        total += w.flops_fwd + w.flops_bwd
+    return total
+
+
+def total_cost(gm: fx.GraphModule | fx.Graph, device: DeviceSpec) -> OpCost:
+    """Sum of :func:`graph_cost` over all nodes."""
+    total = ZERO_COST
+    for cost in graph_cost(gm, device).values():
+        total = total + cost
+    return total

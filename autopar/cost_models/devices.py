@@ -1,0 +1,247 @@
+"""Devices and clusters as data: peak rates, memory, links, and the presets.
+
+A :class:`DeviceSpec` describes one accelerator (or one CPU rank) and the two links it
+talks over: ``intra_node_link`` between devices of one node, ``inter_node_link`` between
+nodes. Bandwidths are bytes/s *per direction, per device*; latencies are the alpha of the
+alpha-beta model, in seconds.
+
+Roofline time of an op (see ``compute.py``)::
+
+    t = max(flops / (peak[dtype] * compute_efficiency),
+            bytes / (memory_bandwidth * memory_efficiency)) + kernels * kernel_overhead
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+GiB = 2**30
+TERA = 1e12
+GIGA = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """An alpha-beta link: ``t(n) = latency + n / bandwidth``."""
+
+    bandwidth: float  # bytes/s per direction
+    latency: float  # seconds (alpha)
+
+    def time(self, nbytes: float) -> float:
+        """Point-to-point time of one message: ``alpha + n / B``."""
+        return self.latency + nbytes / self.bandwidth
+
+
+_DTYPE_KEYS = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device of a cluster (all devices of a mesh are alike)."""
+
+    name: str
+    peak_flops: dict[str, float]  # "fp32", "tf32", "bf16", "fp16" -> dense FLOP/s
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+    intra_node_link: Link
+    inter_node_link: Link
+    devices_per_node: int
+    compute_efficiency: float = 0.6  # fraction of peak reached by big matmuls
+    kernel_overhead: float = 5e-6  # seconds per op launch
+    memory_efficiency: float = 0.8  # fraction of memory_bandwidth reached by streaming ops
+    allow_tf32: bool = False  # fp32 matmuls run at the "tf32" rate when True
+    notes: str = field(default="", compare=False)
+
+    def flops_per_s(self, dtype: torch.dtype) -> float:
+        """Dense peak FLOP/s for ``dtype`` (not scaled by ``compute_efficiency``).
+
+        fp32 uses the "tf32" rate when ``allow_tf32``; float64 is taken as half the fp32
+        rate; dtypes without an entry (ints, fp8) use the fp32 rate.
+        """
+        fp32 = self.peak_flops["fp32"]
+        if dtype == torch.float32 and self.allow_tf32 and "tf32" in self.peak_flops:
+            return self.peak_flops["tf32"]
+        if dtype == torch.float64:
+            return self.peak_flops.get("fp64", fp32 / 2)
+        return self.peak_flops.get(_DTYPE_KEYS.get(dtype, "fp32"), fp32)
+
+    def link_for(self, group_span_nodes: bool) -> Link:
+        """The link a group uses: inter-node if it spans nodes, else intra-node."""
+        return self.inter_node_link if group_span_nodes else self.intra_node_link
+
+    def with_memory(self, nbytes: int | float) -> "DeviceSpec":
+        """A copy with ``memory_bytes = nbytes``."""
+        return dataclasses.replace(self, memory_bytes=int(nbytes))
+
+    def with_devices_per_node(self, n: int) -> "DeviceSpec":
+        """A copy with ``devices_per_node = n``."""
+        if n < 1:
+            raise ValueError(f"devices_per_node must be >= 1, got {n}")
+        return dataclasses.replace(self, devices_per_node=int(n))
+
+
+def _gbps(gbit_per_s: float) -> float:
+    """Gigabit/s -> bytes/s."""
+    return gbit_per_s * GIGA / 8
+
+
+def _v100_16gb() -> DeviceSpec:
+    """NVIDIA V100 SXM2 16 GB as in AWS p3.16xlarge.
+
+    Datasheet (NVIDIA Tesla V100 datasheet, SXM2): 15.7 TFLOP/s fp32, 125 TFLOP/s fp16
+    tensor core, no bf16/tf32 (they run at the fp32 rate here), HBM2 900 GB/s. NVLink 2.0:
+    300 GB/s aggregate per GPU = 150 GB/s per direction (hybrid cube-mesh, 8 GPUs/node).
+    p3.16xlarge network: 25 Gbit/s per instance, shared by its 8 GPUs.
+    """
+    return DeviceSpec(
+        name="v100-16gb",
+        peak_flops={"fp32": 15.7 * TERA, "tf32": 15.7 * TERA, "bf16": 15.7 * TERA, "fp16": 125 * TERA},
+        memory_bytes=16 * GiB,
+        memory_bandwidth=900 * GIGA,
+        intra_node_link=Link(bandwidth=150 * GIGA, latency=5e-6),
+        inter_node_link=Link(bandwidth=_gbps(25) / 8, latency=3e-5),
+        devices_per_node=8,
+    )
+
+
+def _a100(memory_gb: int, hbm_bw: float) -> DeviceSpec:
+    """NVIDIA A100 SXM4 (DGX A100 / p4d).
+
+    Datasheet (NVIDIA A100 Tensor Core GPU datasheet): 19.5 TFLOP/s fp32, 156 tf32,
+    312 bf16/fp16 dense; HBM2 1555 GB/s (40 GB) or HBM2e 2039 GB/s (80 GB).
+    NVLink 3: 600 GB/s aggregate = 300 GB/s per direction, 8 GPUs per node via NVSwitch.
+    Inter-node: 8 x 200 Gbit/s HDR InfiniBand per node = 25 GB/s per GPU per direction.
+    """
+    return DeviceSpec(
+        name=f"a100-{memory_gb}gb",
+        peak_flops={"fp32": 19.5 * TERA, "tf32": 156 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
+        memory_bytes=memory_gb * GiB,
+        memory_bandwidth=hbm_bw,
+        intra_node_link=Link(bandwidth=300 * GIGA, latency=5e-6),
+        inter_node_link=Link(bandwidth=_gbps(200), latency=1e-5),
+        devices_per_node=8,
+    )
+
+
+def _h100() -> DeviceSpec:
+    """NVIDIA H100 SXM5 80 GB (DGX H100).
+
+    Datasheet (NVIDIA H100 Tensor Core GPU datasheet, SXM, dense = half the sparse
+    numbers): 67 TFLOP/s fp32, 494.7 tf32, 989.4 bf16/fp16; HBM3 3.35 TB/s. NVLink 4:
+    900 GB/s aggregate = 450 GB/s per direction, 8 GPUs per node. Inter-node:
+    8 x 400 Gbit/s NDR InfiniBand (ConnectX-7) = 50 GB/s per GPU per direction.
+    """
+    return DeviceSpec(
+        name="h100",
+        peak_flops={"fp32": 67 * TERA, "tf32": 494.7 * TERA, "bf16": 989.4 * TERA, "fp16": 989.4 * TERA},
+        memory_bytes=80 * GiB,
+        memory_bandwidth=3.35e12,
+        intra_node_link=Link(bandwidth=450 * GIGA, latency=5e-6),
+        inter_node_link=Link(bandwidth=_gbps(400), latency=1e-5),
+        devices_per_node=8,
+    )
+
+
+def _h200() -> DeviceSpec:
+    """NVIDIA H200 SXM 141 GB.
+
+    Datasheet (NVIDIA H200 Tensor Core GPU datasheet): compute as H100 SXM (67 fp32,
+    494.7 tf32, 989.4 bf16/fp16 dense TFLOP/s), HBM3e 141 GB at 4.8 TB/s, NVLink 900 GB/s
+    aggregate, 400 Gbit/s NDR InfiniBand per GPU.
+    """
+    return dataclasses.replace(_h100(), name="h200", memory_bytes=141 * GiB, memory_bandwidth=4.8e12)
+
+
+def _cpu() -> DeviceSpec:
+    """This machine, one rank = one process with one thread.
+
+    From the calibration profile (``autopar calibrate``) when present; otherwise
+    conservative defaults (20 GFLOP/s fp32 per core, 5 GB/s memory, loopback
+    1 GB/s with 50 us latency, 10 us per op). Memory: physical RAM / cores.
+    """
+    from .calibrate import device_from_profile, load_profile
+
+    profile = load_profile()
+    if profile is not None:
+        return device_from_profile(profile)
+    nproc = os.cpu_count() or 1
+    loopback = Link(bandwidth=1 * GIGA, latency=5e-5)
+    return DeviceSpec(
+        name="cpu",
+        peak_flops={"fp32": 20 * GIGA, "tf32": 20 * GIGA, "bf16": 5 * GIGA, "fp16": 2 * GIGA},
+        memory_bytes=physical_memory_bytes() // nproc,
+        memory_bandwidth=5 * GIGA,
+        intra_node_link=loopback,
+        inter_node_link=loopback,
+        devices_per_node=nproc,
+        compute_efficiency=1.0,
+        memory_efficiency=1.0,
+        kernel_overhead=1e-5,
+        notes="defaults: no calibration profile (run `autopar calibrate`)",
+    )
+
+
+def physical_memory_bytes() -> int:
+    """Total RAM of this machine (8 GiB when it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * GiB
+
+
+_PRESETS = {
+    "v100-16gb": _v100_16gb,
+    "a100-40gb": lambda: _a100(40, 1555 * GIGA),
+    "a100-80gb": lambda: _a100(80, 2039 * GIGA),
+    "h100": _h100,
+    "h100-sxm": _h100,
+    "h200": _h200,
+    "cpu": _cpu,
+}
+
+
+def preset_names() -> list[str]:
+    """All names :func:`get_device` accepts (aliases included)."""
+    return list(_PRESETS)
+
+
+def get_device(name: str, memory_gb: float | None = None, gpus_per_node: int | None = None) -> DeviceSpec:
+    """A preset by name, optionally with its memory capped (GiB) or node size changed.
+
+    Unknown names raise ``ValueError`` listing every preset.
+    """
+    key = name.strip().lower()
+    if key not in _PRESETS:
+        raise ValueError(f"unknown device {name!r}; presets: {', '.join(preset_names())}")
+    spec = _PRESETS[key]()
+    if memory_gb is not None:
+        if memory_gb <= 0:
+            raise ValueError(f"memory_gb must be > 0, got {memory_gb}")
+        spec = spec.with_memory(int(memory_gb * GiB))
+    if gpus_per_node is not None:
+        spec = spec.with_devices_per_node(gpus_per_node)
+    return spec
+
+
+def axis_nodes(device: DeviceSpec, axis_size: int, inner_size: int = 1) -> int:
+    """How many nodes one group of a mesh axis spans.
+
+    Ranks are laid out row-major over the mesh, nodes hold ``devices_per_node``
+    consecutive ranks; the group of the axis containing rank 0 is
+    ``{k * inner_size : k < axis_size}`` with ``inner_size`` = product of the sizes of the
+    faster-varying axes. Returns ``|{k * inner_size // devices_per_node}|``.
+    """
+    dpn = device.devices_per_node
+    return len({(k * inner_size) // dpn for k in range(axis_size)})
+
+
+def axis_link(device: DeviceSpec, axis_size: int, inner_size: int = 1) -> Link:
+    """The link a mesh axis's collectives run over: inter-node if one group spans nodes."""
+    return device.link_for(axis_nodes(device, axis_size, inner_size) > 1)

@@ -1,0 +1,1 @@
+"""Graph analysis: repeated layers, chunk hints for fused projections, op groups."""

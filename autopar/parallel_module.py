@@ -1,0 +1,220 @@
+"""ParallelModule: what ``autopar.parallelize`` returns on each rank."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.passes.shard_params import assemble, local_piece
+from autopar.runtime import comm
+from autopar.runtime.groups import bound_axes
+from autopar.runtime.program import RankProgram
+from autopar.sharding.placements import Partial, Replicate, Shard, parse_spec, shard_factor
+from autopar.sharding.redistribute import redistribute_steps
+
+
+class ParallelModule(nn.Module):
+    """This rank's part of the model: ``step`` trains, ``forward`` infers, both on the global batch."""
+
+    def __init__(self, program: RankProgram, plan, traced, axes, coords, ddp=None, extra_state=None,
+                 state_keys=None):
+        super().__init__()
+        self.program = program
+        self.plan = plan
+        self._traced_meta = {"inputs": list(traced.inputs), "input_shapes": list(traced.input_shapes),
+                             "target_shape": traced.target_shape, "loss_index": traced.loss_index,
+                             "output_index": traced.output_index, "has_loss": traced.has_loss}
+        self._axes = axes
+        self._coords = coords
+        object.__setattr__(self, "_ddp", ddp)
+        self._extra_state = extra_state or {}
+        self._state_keys = state_keys or []
+
+    # ---- introspection -------------------------------------------------------------------
+    @property
+    def code(self) -> str:
+        """This rank's training program as Python, collectives included."""
+        return self.program.gm.code
+
+    @property
+    def mesh(self):
+        return self.plan.mesh
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.program.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    # ---- inputs ------------------------------------------------------------------------------
+    def _local_inputs(self, inputs, target, local_batch: bool):
+        meta = self._traced_meta
+        if len(inputs) != len(meta["inputs"]):
+            raise ValueError(f"the model was planned with {len(meta['inputs'])} input(s) but got {len(inputs)}")
+        out = []
+        shape_mesh = self.plan.mesh.shape
+        for i, (x, ph, shape) in enumerate(zip(inputs, meta["inputs"], meta["input_shapes"])):
+            out.append(self._localize(x, self.plan.inputs.get(ph), shape, f"input {i}", local_batch, shape_mesh))
+        tgt = None
+        if target is not None:
+            tph = self._target_placeholder()
+            tgt = self._localize(target, self.plan.inputs.get(tph), meta["target_shape"], "target", local_batch,
+                                 shape_mesh)
+        return out, tgt
+
+    def _target_placeholder(self):
+        known = set(self._traced_meta["inputs"])
+        return next((k for k in self.plan.inputs if k not in known), None)
+
+    def _localize(self, x, spec_text, global_shape, what, local_batch, mesh_shape):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{what} must be a tensor, got {type(x).__name__}")
+        spec = parse_spec(spec_text) if spec_text else tuple(Replicate() for _ in mesh_shape)
+        if local_batch:
+            dp = math.prod(mesh_shape[a] for a, p in enumerate(spec) if p == Shard(0))
+            expect = (global_shape[0] // dp,) + tuple(global_shape[1:]) if global_shape else ()
+            if tuple(x.shape) != tuple(expect):
+                raise ValueError(f"{what} has shape {list(x.shape)} but this rank's part of the batch must be "
+                                 f"{list(expect)} (global {list(global_shape)}, data-parallel size {dp}); the plan is "
+                                 "specialised to the example input shapes: re-plan for another shape")
+            spec = tuple(Replicate() if p == Shard(0) else p for p in spec)
+        elif tuple(x.shape) != tuple(global_shape):
+            raise ValueError(f"{what} has shape {list(x.shape)} but the model was planned for the global shape "
+                             f"{list(global_shape)}; pass the global batch (or local_batch=True with this rank's "
+                             "part), or re-plan with example inputs of the new shape")
+        return local_piece(x, spec, self._coords, mesh_shape).contiguous()
+
+    # ---- running -------------------------------------------------------------------------
+    def step(self, *inputs, target=None, local_batch: bool = False) -> torch.Tensor:
+        """Forward + backward on this rank's part of the global batch; returns the global mean loss."""
+        meta = self._traced_meta
+        if not meta["has_loss"]:
+            raise ValueError("step() needs a loss: pass loss_fn= and example_target= to parallelize, "
+                             "or use a model whose forward returns a scalar loss")
+        if meta["target_shape"] is not None and target is None:
+            raise ValueError("step() needs target= (the model was planned with a loss_fn and example_target)")
+        xs, tgt = self._local_inputs(inputs, target, local_batch)
+        runner = self._ddp if self._ddp is not None else self.program
+        outs = runner(*xs, target=tgt)
+        loss = outs[meta["loss_index"]]
+        loss.backward()
+        return self._global_loss(loss.detach())
+
+    def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        spec = parse_spec(self.plan.outputs.get("loss", "[" + ",".join("R" for _ in self.plan.mesh.shape) + "]"))
+        with bound_axes(self._axes):
+            for a, p in enumerate(spec):
+                if isinstance(p, Partial):
+                    loss = comm.all_reduce_value(loss, self.plan.mesh.axis_names[a])
+        return loss
+
+    def forward(self, *inputs, local_batch: bool = False):
+        """Forward only: the model's full output (gathered where the plan splits it)."""
+        xs, _ = self._local_inputs(inputs, None, local_batch)
+        out = self.program(*xs, target=None, forward_only=True)
+        spec_text = self.plan.outputs.get("output")
+        if spec_text is None or not isinstance(out, torch.Tensor):
+            return out
+        spec = parse_spec(spec_text)
+        with bound_axes(self._axes):
+            return _to_replicate(out, spec, self.plan.mesh.axis_names)
+
+    # ---- gradients -------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global gradient norm over all shards (2-norm or inf-norm)."""
+        world = self.plan.mesh.size
+        local = torch.zeros((), dtype=torch.float64)
+        grads = []
+        for name, p in self.program.named_parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            spec = parse_spec(self.plan.params[name].spec) if name in self.plan.params else ()
+            replicas = world / shard_factor(spec, self.plan.mesh.shape) if spec else world
+            g = p.grad.detach().double()
+            if norm_type == math.inf:
+                local = torch.maximum(local, g.abs().max())
+            else:
+                local += (g.abs() ** norm_type).sum() / replicas
+        if dist.is_initialized() and world > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+        total = local if norm_type == math.inf else local ** (1.0 / norm_type)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total.float()
+
+    # ---- state -------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer gathered in full; same keys and shapes as model.state_dict()."""
+        mesh = self.plan.mesh
+        out = {}
+        for name, d in self.plan.params.items():
+            if d.kind == "constant":
+                continue
+            local = self.program.local_tensor(name).detach()
+            spec = parse_spec(d.spec)
+            if shard_factor(spec, mesh.shape) == 1 or not dist.is_initialized():
+                full = local.clone()
+            else:
+                parts = [torch.empty_like(local) for _ in range(mesh.size)]
+                dist.all_gather(parts, local.contiguous())
+                full = assemble({mesh.coords(r): parts[r] for r in range(mesh.size)}, spec, mesh.shape)
+            for alias in d.aliases:
+                out[alias] = full
+        for k, v in self._extra_state.items():
+            out.setdefault(k, v.clone())
+        if self._state_keys:
+            out = {k: out[k] for k in self._state_keys if k in out}
+        return out
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient gathered in full (canonical names; tests and debugging)."""
+        mesh = self.plan.mesh
+        out = {}
+        for name, p in self.program.named_parameters():
+            if p.grad is None:
+                continue
+            spec = parse_spec(self.plan.params[name].spec)
+            g = p.grad.detach()
+            if shard_factor(spec, mesh.shape) == 1 or not dist.is_initialized():
+                out[name] = g.clone()
+                continue
+            parts = [torch.empty_like(g) for _ in range(mesh.size)]
+            dist.all_gather(parts, g.contiguous())
+            out[name] = assemble({mesh.coords(r): parts[r] for r in range(mesh.size)}, spec, mesh.shape)
+        return out
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full (unsharded) state dict: each rank keeps its pieces."""
+        mesh = self.plan.mesh
+        for name, d in self.plan.params.items():
+            if d.kind == "constant":
+                continue
+            key = next((a for a in d.aliases if a in state), None)
+            if key is None:
+                raise KeyError(f"state dict has no entry for {name!r} (or its aliases {d.aliases})")
+            piece = local_piece(state[key], parse_spec(d.spec), self._coords, mesh.shape)
+            with torch.no_grad():
+                self.program.local_tensor(name).copy_(piece)
+
+    def save(self, path, optimizer=None) -> None:
+        """Save a reshardable checkpoint: the full state (rank 0 writes) plus each rank's optimizer state."""
+        from autopar.runtime.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, optimizer)
+
+    def load(self, path, optimizer=None) -> None:
+        from autopar.runtime.checkpoint import load_checkpoint
+
+        load_checkpoint(self, path, optimizer)
+
+
+def _to_replicate(x: torch.Tensor, spec, axis_names) -> torch.Tensor:
+    target = tuple(Replicate() for _ in spec)
+    fns = {"all_reduce": lambda t, s: comm.all_reduce(t, axis_names[s.axis]),
+           "all_gather": lambda t, s: comm.all_gather(t, s.dim, axis_names[s.axis], s.chunks),
+           "all_to_all": lambda t, s: comm.all_to_all(t, s.dim, s.dst_dim, axis_names[s.axis])}
+    for st in redistribute_steps(spec, target):
+        x = fns[st.kind](x, st)
+    return x

@@ -1,0 +1,129 @@
+"""Insert the collectives that move each value from its producer's placement to the one its
+consumer's strategy needs, plus Megatron's ``f`` (identity forward, gradient all-reduce)
+where a Replicate input feeds a split computation, and swap in local implementations.
+
+Parameters that need a gradient all-reduce over an axis are not given ``f`` ops: their
+axes are returned so the runtime syncs them in buckets after backward (DDP's reducer).
+"""
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autopar.passes.specs import PlanSpecs
+from autopar.runtime import comm, local_ops
+from autopar.sharding.candidates import is_dropped
+from autopar.sharding.placements import Replicate
+from autopar.sharding.redistribute import redistribute_steps
+from autopar.sharding.strategy import tensor_inputs
+
+_STEP_FN = {"all_gather": comm.all_gather, "all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter,
+            "all_to_all": comm.all_to_all, "local_slice": comm.local_slice, "to_partial": comm.to_partial}
+
+
+def _split_axes(out_specs) -> set[int]:
+    return {a for o in out_specs for a, p in enumerate(o) if not isinstance(p, Replicate)}
+
+
+def _emit_steps(graph: fx.Graph, value: fx.Node, steps, axis_names, fuse_axes: set[int]) -> tuple[fx.Node, set[int]]:
+    """Emit redistribution steps; an all-gather on an axis in ``fuse_axes`` whose result is
+    used split gets reduce-scatter backward. Returns the node and the axes fused."""
+    fused = set()
+    last_gather = {st.axis: i for i, st in enumerate(steps) if st.kind == "all_gather"}
+    for i, st in enumerate(steps):
+        name = axis_names[st.axis]
+        if st.kind == "all_gather":
+            rs = st.axis in fuse_axes and last_gather[st.axis] == i and not any(
+                s.axis == st.axis for s in steps[i + 1:])
+            fn = comm.all_gather_rs if rs else comm.all_gather
+            if rs:
+                fused.add(st.axis)
+            value = graph.call_function(fn, (value, st.dim, name, st.chunks))
+        elif st.kind in ("reduce_scatter", "local_slice"):
+            value = graph.call_function(_STEP_FN[st.kind], (value, st.dim, name, st.chunks))
+        elif st.kind == "all_to_all":
+            value = graph.call_function(comm.all_to_all, (value, st.dim, st.dst_dim, name))
+        else:
+            value = graph.call_function(_STEP_FN[st.kind], (value, name))
+    return value, fused
+
+
+def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: tuple, param_placeholders: set[str],
+                       ) -> tuple[fx.GraphModule, dict[str, set[str]]]:
+    """Rewrite ``gm`` in place for this plan; returns (gm, parameter placeholder -> grad-sync axes)."""
+    specs = PlanSpecs(plan, len(axis_names))
+    graph = gm.graph
+    param_sync: dict[str, set[str]] = defaultdict(set)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        if is_dropped(node):
+            graph.erase_node(node)
+            continue
+        decision = plan.nodes.get(node.name)
+        if decision is None:
+            continue
+        ins = tensor_inputs(node)
+        need = specs.input_specs(node)
+        outs = specs.output_specs(node)
+        split = _split_axes(outs)
+        cache: dict = {}
+        new_inputs = []
+        with graph.inserting_before(node):
+            for i, src in enumerate(ins):
+                have, want = specs.spec(src), need[i]
+                f_axes = {a for a in split if isinstance(want[a], Replicate)}
+                if src.op == "placeholder" and src.name in param_placeholders:
+                    for a in list(f_axes):
+                        if isinstance(have[a], Replicate):
+                            param_sync[src.name].add(axis_names[a])
+                            f_axes.discard(a)
+                key = (src, want, frozenset(f_axes))
+                if key not in cache:
+                    value, fused = _emit_steps(graph, src, redistribute_steps(have, want), axis_names, f_axes)
+                    for a in sorted(f_axes - fused):
+                        value = graph.call_function(comm.grad_all_reduce, (value, axis_names[a]))
+                    cache[key] = value
+                new_inputs.append(cache[key])
+        _replace_tensor_inputs(node, new_inputs)
+        _apply_local(gm, node, decision, axis_names, mesh_shape)
+    graph.lint()
+    gm.recompile()
+    return gm, dict(param_sync)
+
+
+def _replace_tensor_inputs(node: fx.Node, new_inputs: list[fx.Node]) -> None:
+    flat, spec = tree_flatten((node.args, node.kwargs))
+    it = iter(new_inputs)
+    tensor_ids = {id(a) for a in tensor_inputs(node)}
+    out = []
+    for a in flat:
+        if isinstance(a, fx.Node) and id(a) in tensor_ids:
+            out.append(next(it))
+        else:
+            out.append(a)
+    args, kwargs = tree_unflatten(out, spec)
+    node.args, node.kwargs = tuple(args), dict(kwargs)
+
+
+def _apply_local(gm: fx.GraphModule, node: fx.Node, decision, axis_names, mesh_shape) -> None:
+    roles = [(axis_names[a], name.split(":")[1]) for a, name in enumerate(decision.local) if name]
+    if not roles:
+        return
+    family = decision.local[[i for i, n in enumerate(decision.local) if n][0]].split(":")[0]
+    if family == "mean":
+        factor = 1
+        for a, name in enumerate(decision.local):
+            if name:
+                factor *= mesh_shape[a]
+        with gm.graph.inserting_after(node):
+            scaled = gm.graph.call_function(local_ops.scale, (node, 1.0 / factor))
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+        return
+    impl = local_ops.IMPLS[family]
+    axes = {role: [a for a, r in roles if r == role] for role in {r for _, r in roles}}
+    node.kwargs = dict(node.kwargs, _op=node.target.__name__.split(".")[0], _axes=axes)
+    node.target = impl

@@ -1,0 +1,163 @@
+"""The Plan: plain data, the only contract between deciding (solver) and doing (passes).
+
+Everything here is JSON-serialisable; ``Plan.from_json(plan.to_json()) == plan``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from autopar.context import ParallelMode
+from autopar.mesh import Mesh
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class NodeDecision:
+    """The strategy chosen for one op."""
+
+    op: str
+    strategy: str
+    inputs: list[str]            # spec per tensor input, e.g. "[S(0),R]"
+    output: object               # spec string, or list of them for multi-output ops
+    local: list                  # per axis: local implementation name or None
+    module: str = ""
+    time: float = 0.0            # predicted seconds (compute + own collectives), fwd+bwd
+    options: list = field(default_factory=list)   # [[strategy name, predicted seconds], ...] for explain()
+
+
+@dataclass
+class ParamDecision:
+    spec: str
+    shape: list[int]
+    dtype: str
+    placeholder: str
+    aliases: list[str] = field(default_factory=list)
+    grad_sync: list[str] = field(default_factory=list)   # axes whose gradient all-reduce runs after backward
+    kind: str = "parameter"                              # or "buffer"
+
+
+@dataclass
+class Collective:
+    kind: str
+    bytes: int
+    axes: list[str]
+    phase: str                   # "fwd", "bwd" or "step"
+    node: str = ""
+    time: float = 0.0
+
+
+@dataclass
+class Alternative:
+    degrees: dict
+    step_time: float
+    memory: float                # peak bytes on the fullest device
+    fits: bool
+    note: str = ""
+    microbatches: int = 1
+    schedule: str = "none"
+
+
+@dataclass
+class Stage:
+    index: int
+    nodes: list[str]
+    layers: list[str]
+    ranks: list[int]
+    time: float = 0.0
+    memory: float = 0.0
+
+
+@dataclass
+class Plan:
+    mode: ParallelMode
+    mesh: Mesh
+    degrees: dict
+    nodes: dict[str, NodeDecision] = field(default_factory=dict)
+    params: dict[str, ParamDecision] = field(default_factory=dict)
+    inputs: dict[str, str] = field(default_factory=dict)       # input placeholder -> spec
+    outputs: dict[str, object] = field(default_factory=dict)   # "loss"/"output" -> spec
+    microbatches: int = 1
+    schedule: str = "none"
+    stages: list[Stage] = field(default_factory=list)
+    step_time: float = 0.0
+    flops: float = 0.0
+    memory_per_device: list[float] = field(default_factory=list)
+    memory_breakdown: dict = field(default_factory=dict)
+    solve_time: float = 0.0
+    solver_status: str = ""
+    alternatives: list[Alternative] = field(default_factory=list)
+    unknown_ops: dict[str, str] = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
+    fingerprint: str = ""
+    collective_list: list[Collective] = field(default_factory=list)
+
+    # ---- queries ---------------------------------------------------------------------
+    def collectives(self, rank: int = 0) -> list[Collective]:
+        """What one training step runs on ``rank``: kind, bytes, mesh axes, phase."""
+        if not self.stages:
+            return list(self.collective_list)
+        coords_stage = {r: s.index for s in self.stages for r in s.ranks}
+        stage = coords_stage.get(rank, 0)
+        names = set(self.stages[stage].nodes) if self.stages else set()
+        return [c for c in self.collective_list if not c.node or c.node in names or c.phase == "step"]
+
+    def explain(self, name: str) -> str:
+        from autopar.report import explain
+
+        return explain(self, name)
+
+    def report(self) -> str:
+        from autopar.report import render
+
+        return render(self)
+
+    # ---- JSON ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mode"] = self.mode.value
+        d["mesh"] = self.mesh.to_dict()
+        d["format_version"] = FORMAT_VERSION
+        return d
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        d = dict(d)
+        version = d.pop("format_version", None)
+        if version != FORMAT_VERSION:
+            raise ValueError(f"plan format version {version} is not supported (expected {FORMAT_VERSION}); "
+                             "make the plan again with this autopar version")
+        d["mode"] = ParallelMode.parse(d["mode"])
+        d["mesh"] = Mesh.from_dict(d["mesh"])
+        d["nodes"] = {k: NodeDecision(**v) for k, v in d["nodes"].items()}
+        d["params"] = {k: ParamDecision(**v) for k, v in d["params"].items()}
+        d["alternatives"] = [Alternative(**a) for a in d["alternatives"]]
+        d["stages"] = [Stage(**s) for s in d["stages"]]
+        d["collective_list"] = [Collective(**c) for c in d["collective_list"]]
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"plan JSON is not valid JSON: {err}") from None
+        return cls.from_dict(data)
+
+    def save(self, path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"no plan file at {p}")
+        return cls.from_json(p.read_text())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Plan) and self.to_dict() == other.to_dict()

@@ -1,0 +1,94 @@
+"""Human-readable plan report and ``plan.explain``."""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+
+def _gb(b: float) -> str:
+    return f"{b / 2**30:.3f} GiB" if b >= 2**24 else f"{b / 2**20:.2f} MiB"
+
+
+def _ms(t: float) -> str:
+    return f"{t * 1e3:.3f} ms"
+
+
+def render(plan) -> str:
+    m = plan.mesh
+    lines = [f"autopar plan — mode {plan.mode.name}",
+             f"mesh: {' × '.join(f'{n}={s}' for n, s in zip(m.axis_names, m.shape))} ({m.size} devices, {m.device})",
+             f"degrees: dp={plan.degrees.get('dp', 1)} tp={plan.degrees.get('tp', 1)} pp={plan.degrees.get('pp', 1)}"
+             f"   microbatches={plan.microbatches} schedule={plan.schedule}",
+             f"predicted step time: {_ms(plan.step_time)}   FLOPs/step: {plan.flops:.3e}   "
+             f"peak memory/device: {_gb(max(plan.memory_per_device or [0]))}",
+             f"solver: {plan.solver_status} in {plan.solve_time:.2f}s", ""]
+    lines.append("parameters (placement per mesh axis; gradient sync axes):")
+    for name, d in plan.params.items():
+        if d.kind != "parameter":
+            continue
+        tied = f"  tied: {', '.join(d.aliases)}" if len(d.aliases) > 1 else ""
+        sync = f"  grad all-reduce over {'+'.join(d.grad_sync)}" if d.grad_sync else ""
+        lines.append(f"  {name:<40} {str(d.shape):<16} {d.spec}{sync}{tied}")
+    lines.append("")
+    lines.append("ops by module (strategy, output placement, predicted time):")
+    by_mod = defaultdict(list)
+    for name, d in plan.nodes.items():
+        by_mod[d.module or "<root>"].append((name, d))
+    for mod, items in list(by_mod.items())[:60]:
+        lines.append(f"  {mod}")
+        for name, d in items:
+            op = d.op.replace("aten.", "").replace(".default", "")
+            out = d.output if isinstance(d.output, str) else ",".join(d.output)
+            lines.append(f"    {name:<28} {op:<30} {d.strategy:<14} {out:<14} {_ms(d.time)}")
+    if len(by_mod) > 60:
+        lines.append(f"  ... {len(by_mod) - 60} more modules")
+    lines.append("")
+    colls = plan.collectives(0)
+    lines.append(f"collectives per step on rank 0: {len(colls)}")
+    agg = Counter()
+    size = Counter()
+    t = Counter()
+    for c in colls:
+        key = (c.kind, "+".join(c.axes), c.phase)
+        agg[key] += 1
+        size[key] += c.bytes
+        t[key] += c.time
+    for key, n in sorted(agg.items()):
+        lines.append(f"  {key[0]:<15} axis {key[1]:<6} {key[2]:<4} ×{n:<4} {_gb(size[key]):>12}  {_ms(t[key])}")
+    if plan.unknown_ops:
+        lines.append("")
+        lines.append("ops without a sharding rule (run replicated): " +
+                     ", ".join(sorted(set(plan.unknown_ops.values()))))
+    if plan.memory_breakdown:
+        lines.append("")
+        lines.append("memory per device: " + ", ".join(f"{k} {_gb(v)}" for k, v in plan.memory_breakdown.items()))
+    if plan.alternatives:
+        lines.append("")
+        lines.append("why this plan — alternatives considered:")
+        lines.append(f"  {'degrees':<28} {'step time':>12} {'memory':>12}  fits  note")
+        lines.append(f"  {_deg(plan.degrees):<28} {_ms(plan.step_time):>12} "
+                     f"{_gb(max(plan.memory_per_device or [0])):>12}  yes   chosen")
+        for a in plan.alternatives[:10]:
+            lines.append(f"  {_deg(a.degrees):<28} {_ms(a.step_time) if a.fits else '-':>12} "
+                         f"{_gb(a.memory) if a.fits else '-':>12}  {'yes' if a.fits else 'no ':<4}  {a.note}")
+    return "\n".join(lines)
+
+
+def _deg(d: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in d.items()) or "-"
+
+
+def explain(plan, name: str) -> str:
+    if name in plan.params:
+        d = plan.params[name]
+        users = [n for n, nd in plan.nodes.items() if d.placeholder in n]
+        return (f"{name}: placement {d.spec} over axes {plan.mesh.axis_names}; shape {d.shape}; "
+                f"gradient all-reduce over {d.grad_sync or 'none'}" + (f"; users {users}" if users else ""))
+    if name not in plan.nodes:
+        raise KeyError(f"no node or parameter named {name!r} in the plan; nodes look like {list(plan.nodes)[:5]}")
+    d = plan.nodes[name]
+    lines = [f"{name} ({d.op}, module {d.module or '<root>'}): chose {d.strategy}",
+             f"  inputs {d.inputs} -> output {d.output}",
+             "  options (strategy: own time + resharding with the chosen neighbours):"]
+    for desc, cost in d.options:
+        lines.append(f"    {cost * 1e3:10.4f} ms  {desc}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""What per-rank programs call: autograd collectives, launch, grad sync, pipeline execution."""

@@ -1,0 +1,229 @@
+"""Collectives as autograd Functions with explicit conjugate backward (DESIGN invariant 5).
+
+Gradient convention (see ``autopar.sharding.placements``): the gradient of a Shard tensor is
+sharded like it; that of a Replicate or Partial tensor is held in full on every rank. Under
+it the conjugate pairs are:
+
+=====================  =========================  ===============================
+forward                placements                 backward
+=====================  =========================  ===============================
+all_reduce             P -> R                     identity
+grad_all_reduce        R -> R (used split)        all_reduce   (Megatron's ``f``)
+all_gather             S -> R                     local slice
+all_gather_rs          S -> R (used split)        reduce_scatter (Megatron-SP)
+reduce_scatter         P -> S                     all_gather
+all_to_all             S(i) -> S(j)               all_to_all S(j) -> S(i)
+local_slice            R -> S                     all_gather
+to_partial             R -> P (rank 0 keeps)      identity
+=====================  =========================  ===============================
+
+Every call is counted in ``COUNTER`` (kind, bytes, axis) so tests can check what ran.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.groups import axis as _axis
+
+
+@dataclass
+class CommCounter:
+    calls: list = field(default_factory=list)
+    enabled: bool = False
+
+    def record(self, kind: str, t: torch.Tensor, axis: str, phase: str) -> None:
+        if self.enabled:
+            self.calls.append((kind, t.numel() * t.element_size(), axis, phase))
+
+    def summary(self) -> Counter:
+        return Counter((k, a, ph) for k, _, a, ph in self.calls)
+
+
+COUNTER = CommCounter()
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Record every collective run in the block: ``with count_collectives() as c: ...; c.calls``."""
+    COUNTER.calls, COUNTER.enabled = [], True
+    try:
+        yield COUNTER
+    finally:
+        COUNTER.enabled = False
+
+
+# ---- raw collectives over one axis (chunk-aware) ----------------------------------------
+
+def _ar(t: torch.Tensor, ax, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    t = t.contiguous().clone()
+    COUNTER.record("all_reduce", t, ax.name, phase)
+    dist.all_reduce(t, op=op, group=ax.group)
+    return t
+
+
+def _blocks(t: torch.Tensor, dim: int, chunks: int) -> list[torch.Tensor]:
+    return list(t.chunk(chunks, dim)) if chunks > 1 else [t]
+
+
+def _ag(t: torch.Tensor, dim: int, chunks: int, ax, phase: str) -> torch.Tensor:
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(ax.size)]
+    COUNTER.record("all_gather", t, ax.name, phase)
+    dist.all_gather(parts, t, group=ax.group)
+    if chunks == 1:
+        return torch.cat(parts, dim)
+    per_rank = [_blocks(p, dim, chunks) for p in parts]
+    return torch.cat([torch.cat([pr[b] for pr in per_rank], dim) for b in range(chunks)], dim)
+
+
+def _slice(t: torch.Tensor, dim: int, chunks: int, ax) -> torch.Tensor:
+    return torch.cat([b.chunk(ax.size, dim)[ax.rank] for b in _blocks(t, dim, chunks)], dim).contiguous()
+
+
+def _rs(t: torch.Tensor, dim: int, chunks: int, ax, phase: str) -> torch.Tensor:
+    pieces = [torch.cat([b.chunk(ax.size, dim)[r] for b in _blocks(t, dim, chunks)], dim).contiguous()
+              for r in range(ax.size)]
+    out = torch.empty_like(pieces[0])
+    COUNTER.record("reduce_scatter", t, ax.name, phase)
+    dist.reduce_scatter(out, pieces, group=ax.group)
+    return out
+
+
+def _a2a(t: torch.Tensor, src: int, dst: int, ax, phase: str) -> torch.Tensor:
+    ins = [c.contiguous() for c in t.chunk(ax.size, dst)]
+    outs = [torch.empty_like(ins[0]) for _ in range(ax.size)]
+    COUNTER.record("all_to_all", t, ax.name, phase)
+    dist.all_to_all(outs, ins, group=ax.group)
+    return torch.cat(outs, src)
+
+
+# ---- autograd Functions --------------------------------------------------------------
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name):
+        return _ar(x, _axis(name), "fwd")
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name):
+        ctx.ax = _axis(name)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _ar(g, ctx.ax, "bwd"), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, name, scatter_grad):
+        ctx.ax, ctx.dim, ctx.chunks, ctx.scatter = _axis(name), dim, chunks, scatter_grad
+        return _ag(x, dim, chunks, ctx.ax, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.scatter:
+            return _rs(g, ctx.dim, ctx.chunks, ctx.ax, "bwd"), None, None, None, None
+        return _slice(g, ctx.dim, ctx.chunks, ctx.ax), None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, name):
+        ctx.ax, ctx.dim, ctx.chunks = _axis(name), dim, chunks
+        return _rs(x, dim, chunks, ctx.ax, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):
+        return _ag(g, ctx.dim, ctx.chunks, ctx.ax, "bwd"), None, None, None
+
+
+class _LocalSlice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, name):
+        ctx.ax, ctx.dim, ctx.chunks = _axis(name), dim, chunks
+        return _slice(x, dim, chunks, ctx.ax)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _ag(g, ctx.dim, ctx.chunks, ctx.ax, "bwd"), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src, dst, name):
+        ctx.ax, ctx.src, ctx.dst = _axis(name), src, dst
+        return _a2a(x, src, dst, ctx.ax, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):
+        return _a2a(g, ctx.dst, ctx.src, ctx.ax, "bwd"), None, None, None
+
+
+class _ToPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name):
+        return x.clone() if _axis(name).rank == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+# ---- the names per-rank code calls ------------------------------------------------------
+
+def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """P -> R: sum over the axis."""
+    return _AllReduce.apply(x, axis)
+
+
+def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient (a replicated input used split)."""
+    return _GradAllReduce.apply(x, axis)
+
+
+def all_gather(x: torch.Tensor, dim: int, axis: str, chunks: int = 1) -> torch.Tensor:
+    """S(dim) -> R."""
+    return _AllGather.apply(x, dim, chunks, axis, False)
+
+
+def all_gather_rs(x: torch.Tensor, dim: int, axis: str, chunks: int = 1) -> torch.Tensor:
+    """S(dim) -> R whose consumers use it split: backward is a reduce-scatter."""
+    return _AllGather.apply(x, dim, chunks, axis, True)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, axis: str, chunks: int = 1) -> torch.Tensor:
+    """P -> S(dim)."""
+    return _ReduceScatter.apply(x, dim, chunks, axis)
+
+
+def local_slice(x: torch.Tensor, dim: int, axis: str, chunks: int = 1) -> torch.Tensor:
+    """R -> S(dim): keep this rank's piece."""
+    return _LocalSlice.apply(x, dim, chunks, axis)
+
+
+def all_to_all(x: torch.Tensor, src: int, dst: int, axis: str) -> torch.Tensor:
+    """S(src) -> S(dst)."""
+    return _AllToAll.apply(x, src, dst, axis)
+
+
+def to_partial(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """R -> P: rank 0 of the axis keeps the value, the others hold zeros."""
+    return _ToPartial.apply(x, axis)
+
+
+def all_reduce_value(x: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:
+    """Non-differentiable all-reduce (sum or max) of a detached tensor."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    return _ar(x.detach(), _axis(axis), "fwd", ops[op])

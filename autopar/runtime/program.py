@@ -1,0 +1,59 @@
+"""RankProgram: one rank's executable graph plus the local pieces of parameters and buffers."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.runtime.groups import AxisGroup, bound_axes
+
+
+def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, leaf = dotted.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    return mod, leaf
+
+
+class RankProgram(nn.Module):
+    """Calls the per-rank graph with this rank's parameters (named like the original model)."""
+
+    def __init__(self, gm: fx.GraphModule, forward_gm: fx.GraphModule, slots: list[tuple[str, object]], params: dict[str, torch.Tensor],
+                 buffers: dict[str, torch.Tensor], axes: dict[str, AxisGroup]):
+        super().__init__()
+        self._autopar_graph = gm
+        self._autopar_forward = forward_gm
+        self._slots = slots          # per placeholder: ("param", name) | ("buffer", name) | ("const", t) | ("input", i) | ("target", None)
+        self._axes = axes
+        for name, t in params.items():
+            mod, leaf = _owner(self, name)
+            mod.register_parameter(leaf, nn.Parameter(t, requires_grad=t.is_floating_point()))
+        for name, t in buffers.items():
+            mod, leaf = _owner(self, name)
+            mod.register_buffer(leaf, t)
+
+    def local_tensor(self, name: str) -> torch.Tensor:
+        mod, leaf = _owner(self, name)
+        return getattr(mod, leaf)
+
+    def forward(self, *inputs, target=None, forward_only: bool = False):
+        args = []
+        for kind, ref in self._slots:
+            if kind in ("param", "buffer"):
+                args.append(self.local_tensor(ref))
+            elif kind == "const":
+                args.append(ref)
+            elif kind == "input":
+                args.append(inputs[ref])
+            else:
+                args.append(target)
+        with bound_axes(self._axes):
+            gm = self._autopar_forward if forward_only else self._autopar_graph
+            return gm(*args)
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self._autopar_graph

@@ -1,0 +1,1 @@
+"""Sharding vocabulary (placements), op rules and redistribution."""

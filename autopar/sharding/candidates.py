@@ -1,0 +1,94 @@
+"""Candidate strategies for every node of a traced graph on a mesh.
+
+Placeholders (parameters, buffers, inputs) choose a spec (R or Shard(d) per axis); call
+nodes choose among ``mesh_strategies`` of their rule; ``getitem`` takes its producer's
+placement; ops without a rule get the replicate-only strategy and are listed as unknown.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.ops import aten
+
+from autopar.sharding.placements import R, Shard
+from autopar.sharding.registry import axis_options, has_rule
+from autopar.sharding.strategy import Strategy, mesh_strategies, replicate_all, shape_of
+
+DROPPED = {aten._assert_tensor_metadata.default}
+
+
+@dataclass
+class Candidates:
+    strategies: dict[str, list[Strategy]] = field(default_factory=dict)   # node name -> options
+    unknown_ops: dict[str, str] = field(default_factory=dict)             # node name -> op
+
+
+def placeholder_strategies(node: fx.Node, mesh_shape, allow_shard: bool = True) -> list[Strategy]:
+    """R everywhere first, then every even Shard(dim[, chunks]) per axis."""
+    v = node.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return [Strategy((), tuple(R for _ in mesh_shape), tuple(None for _ in mesh_shape), "R")]
+    shape = tuple(v.shape)
+    per_axis = [R]
+    if allow_shard:
+        hint = node.meta.get("chunk_hint", 1)
+        for d, size in enumerate(shape):
+            if size > 1:
+                per_axis.append(Shard(d))
+                if hint > 1 and size % hint == 0:
+                    per_axis.append(Shard(d, hint))
+    out = []
+    for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
+        if _even(shape, combo, mesh_shape):
+            out.append(Strategy((), tuple(combo), tuple(None for _ in mesh_shape), "".join(str(p) for p in combo)))
+    return out
+
+
+def _even(shape, spec, mesh_shape) -> bool:
+    from autopar.sharding.strategy import _spec_ok
+
+    return _spec_ok(shape, spec, mesh_shape)
+
+
+def is_dropped(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in DROPPED
+
+
+def build_candidates(gm: fx.GraphModule, mesh_shape, mutated_buffers: set[str] = frozenset()) -> Candidates:
+    c = Candidates()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            c.strategies[node.name] = placeholder_strategies(node, mesh_shape)
+        elif node.op == "call_function":
+            if node.target is operator.getitem or is_dropped(node):
+                continue
+            if not has_rule(node.target):
+                c.unknown_ops[node.name] = str(node.target)
+                c.strategies[node.name] = mesh_strategies(node, [], mesh_shape)
+                continue
+            opts = axis_options(node)
+            strategies = mesh_strategies(node, opts, mesh_shape)
+            c.strategies[node.name] = strategies or mesh_strategies(node, [replicate_all(node)], mesh_shape)
+    return c
+
+
+def producer(node: fx.Node) -> tuple[fx.Node, int | None]:
+    """(node that decides the placement, output index) — follows getitem to its source."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        src, idx = node.args
+        return src, idx
+    return node, None
+
+
+def output_spec(strategy: Strategy, index: int | None):
+    if index is None:
+        return strategy.output
+    return strategy.output[index]
+
+
+def tensor_shape(node: fx.Node) -> tuple:
+    return shape_of(node)

@@ -1,0 +1,115 @@
+"""Placements per mesh axis: Shard(dim), Replicate(), Partial() — DTensor's vocabulary.
+
+A tensor's *spec* is a tuple with one placement per mesh axis (axis 0 first).
+``Shard(dim, chunks=k)`` views the dim as k equal blocks and shards each block over the
+axis (rank r holds its piece of every block, in block order): this is how a fused QKV
+projection is split so that ``split(..., 3)`` stays local (Megatron's fused layout).
+
+Gradient convention used by every pass and runtime collective: the gradient of a
+``Shard`` tensor is sharded like it; the gradient of a ``Replicate`` or ``Partial``
+tensor is held in full on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    chunks: int = 1
+
+    def __str__(self) -> str:
+        return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim},{self.chunks})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Pending sum over the axis: the full value is the sum of the ranks' values."""
+
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Union[Shard, Replicate, Partial]
+Spec = tuple  # tuple[Placement, ...], one per mesh axis
+
+R = Replicate()
+P = Partial()
+
+
+def parse_placement(text: str) -> Placement:
+    """Inverse of ``str(placement)``: "R", "P", "S(1)", "S(0,3)"."""
+    t = text.strip()
+    if t == "R":
+        return R
+    if t == "P":
+        return P
+    if t.startswith("S(") and t.endswith(")"):
+        parts = [int(v) for v in t[2:-1].split(",")]
+        return Shard(*parts)
+    raise ValueError(f"cannot parse placement {text!r}; expected R, P, S(dim) or S(dim,chunks)")
+
+
+def spec_str(spec: Spec) -> str:
+    return "[" + ",".join(str(p) for p in spec) + "]"
+
+
+def parse_spec(text: str) -> Spec:
+    inner = text.strip()[1:-1]
+    out, depth, cur = [], 0, ""
+    for ch in inner:
+        if ch == "," and depth == 0:
+            out.append(parse_placement(cur))
+            cur = ""
+            continue
+        depth += ch == "("
+        depth -= ch == ")"
+        cur += ch
+    if cur:
+        out.append(parse_placement(cur))
+    return tuple(out)
+
+
+def normalize_dim(spec: Spec, ndim: int) -> Spec:
+    """Make every Shard dim non-negative for a tensor of rank ``ndim``."""
+    return tuple(Shard(p.dim % ndim, p.chunks) if isinstance(p, Shard) and ndim else p for p in spec)
+
+
+def from_torch(placement) -> Placement:
+    """Accept torch.distributed.tensor placements as well as ours."""
+    if isinstance(placement, (Shard, Replicate, Partial)):
+        return placement
+    name = type(placement).__name__
+    if name in ("Shard", "_StridedShard"):
+        return Shard(placement.dim)
+    if name == "Replicate":
+        return R
+    if name == "Partial":
+        return P
+    raise TypeError(f"unknown placement {placement!r}; use autopar.Shard(dim), Replicate() or Partial()")
+
+
+def local_shape(shape, spec: Spec, mesh_shape) -> tuple:
+    """Shape of one rank's piece of a tensor of global ``shape`` under ``spec``."""
+    out = list(shape)
+    for axis, p in enumerate(spec):
+        if isinstance(p, Shard):
+            out[p.dim] //= mesh_shape[axis]
+    return tuple(out)
+
+
+def shard_factor(spec: Spec, mesh_shape) -> int:
+    """How many pieces the tensor is cut into (Partial/Replicate axes count 1)."""
+    f = 1
+    for axis, p in enumerate(spec):
+        if isinstance(p, Shard):
+            f *= mesh_shape[axis]
+    return f

@@ -1,0 +1,153 @@
+"""Strategies: what placements an op accepts and produces, per mesh axis and over the mesh.
+
+A rule (``autopar.sharding.rules``) answers for ONE mesh axis with ``AxisStrategy`` values;
+``mesh_strategies`` forms their product over the axes and keeps the combinations whose
+shards divide evenly. Tensor inputs are the fx nodes found in ``node.args``/``kwargs``
+(flattened, in order): ``AxisStrategy.inputs`` lines up with ``tensor_inputs(node)``.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from autopar.sharding.placements import P, R, Partial, Replicate, Shard, Spec, spec_str
+
+
+@dataclass(frozen=True)
+class AxisStrategy:
+    """One way to run an op along one mesh axis."""
+
+    inputs: tuple            # Placement per tensor input
+    output: object           # Placement, or tuple of Placements for multi-output ops
+    local: str | None = None  # name of the local implementation this needs (None: the op itself)
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op on the whole mesh: an AxisStrategy per axis."""
+
+    inputs: tuple            # Spec per tensor input
+    output: object           # Spec, or tuple of Specs
+    local: tuple             # per axis: local implementation name or None
+    name: str
+
+    def describe(self) -> str:
+        outs = self.output if isinstance(self.output, tuple) and self.output and isinstance(self.output[0], tuple) \
+            else (self.output,)
+        ins = ", ".join(spec_str(s) for s in self.inputs)
+        return f"{self.name}: ({ins}) -> {', '.join(spec_str(o) for o in outs)}"
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    flat, _ = tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, fx.Node) and _is_tensor_val(a.meta.get("val"))]
+
+
+def _is_tensor_val(v) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    return isinstance(v, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in v)
+
+
+def shape_of(node: fx.Node) -> tuple:
+    v = node.meta.get("val")
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def out_shapes(node: fx.Node) -> list[tuple] | tuple:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return tuple(v.shape)
+    if isinstance(v, (tuple, list)):
+        return [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in v]
+    return ()
+
+
+def replicate_all(node: fx.Node) -> AxisStrategy:
+    n_in = len(tensor_inputs(node))
+    v = node.meta.get("val")
+    out = tuple(R for _ in v) if isinstance(v, (tuple, list)) else R
+    return AxisStrategy(tuple(R for _ in range(n_in)), out, None, "replicate")
+
+
+def _spec_ok(shape, spec: Spec, mesh_shape) -> bool:
+    """Every sharded dim divides evenly by the axes that shard it (block-wise for chunks)."""
+    if shape is None:
+        return True
+    per_dim: dict[int, list] = {}
+    for axis, p in enumerate(spec):
+        if isinstance(p, Shard):
+            if not shape or p.dim >= len(shape) or p.dim < -len(shape):
+                return False
+            per_dim.setdefault(p.dim % len(shape), []).append((mesh_shape[axis], p.chunks))
+    for dim, pieces in per_dim.items():
+        chunks = {c for _, c in pieces}
+        if len(chunks) > 1:
+            return False
+        n = 1
+        for s, _ in pieces:
+            n *= s
+        size = shape[dim]
+        c = chunks.pop()
+        if size % c or (size // c) % n:
+            return False
+    return True
+
+
+def _combine(node, axis_choices, mesh_shape, in_shapes, outs) -> Strategy | None:
+    n_in = len(in_shapes)
+    inputs = tuple(tuple(ch.inputs[i] for ch in axis_choices) for i in range(n_in))
+    multi = isinstance(outs, list)
+    if multi:
+        output = tuple(tuple(ch.output[k] for ch in axis_choices) for k in range(len(outs)))
+    else:
+        output = tuple(ch.output for ch in axis_choices)
+    for shape, spec in zip(in_shapes, inputs):
+        if not _spec_ok(shape, spec, mesh_shape):
+            return None
+    for shape, spec in (zip(outs, output) if multi else [(outs, output)]):
+        if not _spec_ok(shape, spec, mesh_shape):
+            return None
+    locals_ = tuple(ch.local for ch in axis_choices)
+    if len({l.split(":")[0] for l in locals_ if l}) > 1:
+        return None
+    name = "×".join(ch.name or "?" for ch in axis_choices)
+    return Strategy(inputs, output, locals_, name)
+
+
+def mesh_strategies(node: fx.Node, axis_options: list[AxisStrategy], mesh_shape, limit: int = 64) -> list[Strategy]:
+    """All valid combinations of per-axis strategies (replicate-everything always first)."""
+    in_shapes = [shape_of(a) for a in tensor_inputs(node)]
+    outs = out_shapes(node)
+    base = replicate_all(node)
+    options = [base] + [o for o in axis_options if o != base]
+    seen, result = set(), []
+    for combo in itertools.product(options, repeat=len(mesh_shape)):
+        st = _combine(node, combo, mesh_shape, in_shapes, outs)
+        if st is None:
+            continue
+        key = (st.inputs, st.output, st.local)
+        if key in seen:
+            continue
+        seen.add(key)
+        result.append(st)
+        if len(result) >= limit:
+            break
+    return result
+
+
+def is_partial(p) -> bool:
+    return isinstance(p, Partial)
+
+
+def is_replicate(p) -> bool:
+    return isinstance(p, Replicate)
+
+
+__all__ = ["AxisStrategy", "Strategy", "tensor_inputs", "shape_of", "out_shapes", "mesh_strategies",
+           "replicate_all", "P", "R", "Shard", "field"]

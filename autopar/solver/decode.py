@@ -1,0 +1,144 @@
+"""Turn a solved strategy choice into Plan decisions: placements, gradient-sync axes, the
+collectives one step runs, and per-node option costs for ``plan.explain``."""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autopar.plan import Collective, NodeDecision, ParamDecision
+from autopar.sharding.candidates import Candidates, producer
+from autopar.sharding.placements import Replicate, shard_factor, spec_str
+from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
+from autopar.sharding.strategy import tensor_inputs
+from autopar.solver.problem import BuiltProblem, Costing, grad_sync_inputs, tensor_bytes
+
+
+def _spec_out(st, idx):
+    return st.output if idx is None else st.output[idx]
+
+
+def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
+           axis_names: tuple, traced) -> tuple[dict, dict, dict, list[Collective]]:
+    """Returns (node decisions, param/buffer decisions, input specs, collectives)."""
+    chosen = {n: cands.strategies[n][choice[i]] for i, n in enumerate(built.names)}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    nodes, collectives = {}, []
+    param_sync: dict[str, set[str]] = {}
+    p = built.problem
+    in_edges: dict[int, list] = {}
+    out_edges: dict[int, list] = {}
+    for e in p.edges:
+        in_edges.setdefault(e.dst, []).append(e)
+        out_edges.setdefault(e.src, []).append(e)
+    for name, st in chosen.items():
+        node = by_name[name]
+        if node.op != "call_function":
+            continue
+        v = built.index[name]
+        totals = np.array(p.nodes[v].compute, dtype=float)
+        for e in in_edges.get(v, []):
+            totals = totals + e.cost[choice[e.src], :]
+        for e in out_edges.get(v, []):
+            totals = totals + e.cost[:, choice[e.dst]]
+        order = np.argsort(totals)[:6]
+        options = [[cands.strategies[name][int(i)].describe(), float(totals[i])] for i in order]
+        out = [spec_str(o) for o in st.output] if st.output and isinstance(st.output[0], tuple) else spec_str(st.output)
+        nodes[name] = NodeDecision(op=str(node.target), strategy=st.name, inputs=[spec_str(s) for s in st.inputs],
+                                   output=out, local=list(st.local), module=node.meta.get("module_path", ""),
+                                   time=float(p.nodes[v].compute[choice[v]]), options=options)
+        ins = tensor_inputs(node)
+        for i, a in enumerate(ins):
+            src, idx = producer(a)
+            if src.name not in chosen:
+                continue
+            have = _spec_out(chosen[src.name], idx)
+            local = tensor_bytes(src, idx) / shard_factor(have, c.mesh_shape)
+            for step in redistribute_steps(have, st.inputs[i]):
+                moved, after = step_bytes(step, local, c.mesh_shape)
+                if step.communicates:
+                    collectives.append(Collective(step.kind, int(moved), [axis_names[step.axis]], "fwd", name,
+                                                  c.comm(step.kind, moved, step.axis)))
+                bwd = backward_kind(step.kind)
+                if bwd and bwd != "local_slice":
+                    collectives.append(Collective(bwd, int(moved), [axis_names[step.axis]], "bwd", name,
+                                                  c.comm(bwd, moved, step.axis)))
+                local = after
+        for i, ax in grad_sync_inputs(st):
+            src, idx = producer(ins[i])
+            nbytes = tensor_bytes(ins[i]) / shard_factor(st.inputs[i], c.mesh_shape)
+            have = _spec_out(chosen[src.name], idx) if src.name in chosen else None
+            if src.op == "placeholder" and src.name in traced.params and have is not None \
+                    and isinstance(have[ax], Replicate):
+                param_sync.setdefault(src.name, set()).add(axis_names[ax])
+                continue
+            collectives.append(Collective("all_reduce", int(nbytes), [axis_names[ax]], "bwd", name,
+                                          c.comm("all_reduce", nbytes, ax)))
+        for ax, loc in enumerate(st.local):
+            if loc and loc.startswith(("loss", "batch_norm")):
+                kinds = 3 if loc == "loss:vocab" else 2 if loc.startswith("batch_norm") else 1
+                for _ in range(kinds):
+                    collectives.append(Collective("all_reduce", 0, [axis_names[ax]], "fwd", name, 0.0))
+    params = {}
+    for ph, pname in traced.params.items():
+        if ph not in chosen:
+            continue
+        val = by_name[ph].meta["val"]
+        sync = sorted(param_sync.get(ph, set()), key=axis_names.index)
+        params[pname] = ParamDecision(spec_str(chosen[ph].output), list(val.shape), str(val.dtype).replace("torch.", ""),
+                                      ph, list(traced.aliases.get(pname, [pname])), sync, "parameter")
+        if sync:
+            nbytes = tensor_bytes(by_name[ph]) / shard_factor(chosen[ph].output, c.mesh_shape)
+            collectives.append(Collective("all_reduce", int(nbytes), sync, "bwd", ph,
+                                          sum(c.comm("all_reduce", nbytes, axis_names.index(a)) for a in sync)))
+    for ph, bname in list(traced.buffers.items()) + [(k, k) for k in traced.constants]:
+        if ph in chosen:
+            val = by_name[ph].meta["val"]
+            kind = "buffer" if ph in traced.buffers else "constant"
+            params[bname] = ParamDecision(spec_str(chosen[ph].output), list(val.shape),
+                                          str(val.dtype).replace("torch.", ""), ph, [bname], [], kind)
+    inputs = {ph: spec_str(chosen[ph].output) for ph in traced.inputs + ([traced.target] if traced.target else [])
+              if ph in chosen}
+    return nodes, params, inputs, collectives
+
+
+def output_specs(gm: fx.GraphModule, nodes: dict, params: dict, inputs: dict, traced) -> dict:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = out.args[0]
+    result = {}
+    for key, index in (("loss", traced.loss_index), ("output", traced.output_index)):
+        if index is None:
+            continue
+        node = vals[index]
+        if not isinstance(node, fx.Node):
+            continue
+        result[key] = _spec_of(node, nodes, params, inputs)
+    return result
+
+
+def _spec_of(node: fx.Node, nodes, params, inputs):
+    if node.op == "call_function" and node.target is operator.getitem:
+        src, idx = node.args
+        d = nodes.get(src.name)
+        return d.output[idx] if d else None
+    if node.name in nodes:
+        return nodes[node.name].output
+    if node.name in inputs:
+        return inputs[node.name]
+    for p in params.values():
+        if p.placeholder == node.name:
+            return p.spec
+    return None
+
+
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    import hashlib
+
+    h = hashlib.sha1()
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+        h.update(f"{n.op}|{n.name}|{n.target}|{shape}".encode())
+    return h.hexdigest()[:16]

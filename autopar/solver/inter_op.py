@@ -1,0 +1,305 @@
+"""Inter-op parallelism: cut a sequence of layers into pipeline stages (Alpa's inter-op DP).
+
+Input: ``L`` layers in order (``LayerProfile``: forward/backward seconds for one microbatch on
+one stage's sub-mesh, parameter+grad+optimizer bytes, saved-activation bytes per microbatch,
+bytes sent to the next layer), ``p`` pipeline ranks, ``m`` microbatches, a schedule. With the
+interleaved schedule the model is cut into ``S = p * v`` stages (stage ``s`` on rank ``s % p``),
+otherwise ``S = p``.
+
+Variables
+    cut points ``0 = c_0 < c_1 < ... < c_S = L``; stage ``s`` holds layers ``[c_s, c_{s+1})``.
+
+Stage time (``_StageTables``)
+    t_s = sum over its layers of (fwd + bwd) + 2 * hop(c_{s+1})   for s < S - 1
+    hop(c) = latency + out_bytes[c - 1] / bandwidth                (activation forward, gradient back)
+    The last stage sends nothing.
+
+Objective (``_solve_dp``)
+    minimise  T = sum_s t_s + (m - 1) * max_s t_s
+    This is Alpa's estimate of a synchronous pipeline's step time: the first microbatch crosses
+    every stage once (sum_s t_s) and the other ``m - 1`` are paced by the slowest stage. The
+    max makes the objective non-additive, so the DP enumerates the bound ``t_max`` over every
+    distinct stage time (ascending) and, for each, minimises the additive ``sum_s t_s`` over
+    partitions with ``t_s <= t_max``:
+        f[0][0] = 0,  f[s+1][l] = min_{k < l, stage [k,l) allowed at s} f[s][k] + t[k, l]
+        T(t_max) = f[S][L] + (m - 1) * t_max
+    The optimal partition's own max is one of the enumerated values, so min_{t_max} T(t_max)
+    is the optimum. Enumeration stops once ``sum_l (fwd+bwd) + (m - 1) * t_max`` (a lower bound
+    for every larger ``t_max``) reaches the best T found. The reported ``step_time`` is not T
+    but the critical path of the actual schedule (``schedule.simulate``), with per-boundary
+    p2p delays ``hop``.
+
+Constraints
+    memory (``_StageTables``): stage s's memory = params + in_flight[s] * activations, where
+    ``in_flight[s]`` is read from the schedule's action order (GPipe: m; 1F1B: min(p - s, m);
+    interleaved: Megatron's warm-up depth) and must be <= budget. With ``v`` stages per rank
+    each stage must fit ``budget / v`` so that a rank's stages fit together.
+    fixed boundaries (``_StageTables``): a user-fixed cut ``b`` may not fall strictly inside a
+    stage, so every fixed cut is one of the ``c_s``.
+    every stage holds >= 1 layer (``_validate``).
+
+Microbatches (``choose_microbatches``) runs the partition for each candidate count dividing
+the batch and keeps the smallest simulated step time.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from autopar.solver.schedule import build_schedule, simulate
+
+GIB = float(1 << 30)
+
+
+@dataclass
+class LayerProfile:
+    name: str
+    fwd: float
+    bwd: float
+    param_bytes: float
+    activation_bytes: float
+    out_bytes: float
+
+
+@dataclass
+class StagePlan:
+    layers: tuple[int, int]  # [start, end)
+    fwd: float
+    bwd: float
+    memory: float
+    rank: int
+    send_time: float  # p2p seconds to the next stage (0 for the last)
+
+
+@dataclass
+class PipelinePartition:
+    stages: list[StagePlan]
+    microbatches: int
+    schedule: str
+    step_time: float  # simulated critical path
+    bubble_fraction: float
+    objective: float  # the DP's estimate sum_s t_s + (m - 1) max_s t_s
+    num_ranks: int
+    virtual_stages: int = 1
+    rank_memory: list[float] = field(default_factory=list)
+
+    @property
+    def boundaries(self) -> list[int]:
+        return [s.layers[0] for s in self.stages[1:]]
+
+
+@dataclass
+class _StageTables:
+    """Per candidate stage ``[k, l)``: time ``time[k, l]`` and per stage index ``s`` whether allowed."""
+    time: np.ndarray  # [L+1, L+1], inf where k >= l
+    memory: np.ndarray  # [S, L+1, L+1]
+    structural: np.ndarray  # [L+1, L+1] bool: k < l and no fixed cut strictly inside
+    allowed: np.ndarray  # [S, L+1, L+1] bool: structural and the memory fits
+    hop: np.ndarray  # [L+1] p2p seconds when a stage ends after layer l-1
+    compute_total: float
+
+
+def _validate(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, total_stages: int,
+              fixed_boundaries: Sequence[int]) -> None:
+    if not layers:
+        raise ValueError("partition_stages needs at least one layer")
+    if num_stages < 1 or microbatches < 1:
+        raise ValueError(f"num_stages and microbatches must be >= 1 (got {num_stages}, {microbatches})")
+    if total_stages > len(layers):
+        raise ValueError(
+            f"cannot split {len(layers)} layers into {total_stages} stages: every stage needs at least one "
+            f"layer; use at most {len(layers)} stages or expose more cut points (finer layers)")
+    bad = [b for b in fixed_boundaries if not 0 < b < len(layers)]
+    if bad:
+        raise ValueError(f"fixed boundaries {bad} are outside (0, {len(layers)}): a cut must fall between layers")
+    if len(set(fixed_boundaries)) > total_stages - 1:
+        raise ValueError(
+            f"{len(set(fixed_boundaries))} fixed boundaries need at least {len(set(fixed_boundaries)) + 1} stages, "
+            f"got {total_stages}")
+
+
+def _stage_tables(layers: Sequence[LayerProfile], in_flight: Sequence[int], budget: float | None,
+                  p2p_link: tuple[float, float] | None, fixed_boundaries: Sequence[int]) -> _StageTables:
+    n = len(layers)
+    prefix = lambda xs: np.concatenate([[0.0], np.cumsum(np.asarray(xs, dtype=float))])  # noqa: E731
+    compute = prefix([x.fwd + x.bwd for x in layers])
+    params = prefix([x.param_bytes for x in layers])
+    acts = prefix([x.activation_bytes for x in layers])
+    hop = np.zeros(n + 1)
+    if p2p_link is not None:
+        bandwidth, latency = p2p_link
+        hop[1:n] = [latency + layers[l - 1].out_bytes / bandwidth for l in range(1, n)]
+    k, l = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+    valid = k < l
+    time = np.where(valid, compute[l] - compute[k] + 2 * hop[l], np.inf)
+    in_flight_arr = np.asarray(in_flight, dtype=float)[:, None, None]
+    memory = (params[l] - params[k])[None] + in_flight_arr * (acts[l] - acts[k])[None]
+    for b in fixed_boundaries:
+        valid &= ~((k < b) & (b < l))
+    allowed = valid[None] & (memory <= (np.inf if budget is None else budget))
+    return _StageTables(time, memory, valid, allowed, hop, float(compute[-1]))
+
+
+def _best_sum(tables: _StageTables, mask: np.ndarray) -> tuple[float, list[int]]:
+    """min_{partition} sum_s t_s over stages allowed by ``mask`` [S, L+1, L+1]; returns (sum, cuts)."""
+    num_stages, size = mask.shape[0], mask.shape[1]
+    f = np.full(size, np.inf)
+    f[0] = 0.0
+    choices = []
+    for s in range(num_stages):
+        cand = f[:, None] + np.where(mask[s], tables.time, np.inf)
+        choices.append(np.argmin(cand, axis=0))
+        f = cand[choices[-1], np.arange(size)]
+    if not np.isfinite(f[-1]):
+        return np.inf, []
+    cuts = [size - 1]
+    for s in reversed(range(num_stages)):
+        cuts.append(int(choices[s][cuts[-1]]))
+    return float(f[-1]), cuts[::-1]
+
+
+def _solve_dp(tables: _StageTables, microbatches: int) -> tuple[float, list[int]]:
+    """Alpa's enumeration of t_max around the additive DP (module docstring)."""
+    feasible_any = tables.allowed.any(axis=0)
+    candidates = np.unique(tables.time[feasible_any])
+    if microbatches == 1:
+        candidates = candidates[-1:]
+    best, best_cuts = np.inf, []
+    for t_max in candidates:
+        if tables.compute_total + (microbatches - 1) * t_max >= best:
+            break
+        total, cuts = _best_sum(tables, tables.allowed & (tables.time <= t_max)[None])
+        if cuts:
+            objective = _objective(tables, cuts, microbatches)
+            if objective < best:
+                best, best_cuts = objective, cuts
+    return best, best_cuts
+
+
+def _objective(tables: _StageTables, cuts: Sequence[int], microbatches: int) -> float:
+    times = [tables.time[a, b] for a, b in zip(cuts, cuts[1:])]
+    return float(sum(times) + (microbatches - 1) * max(times))
+
+
+def _min_peak_memory(tables: _StageTables) -> float:
+    """Smallest achievable max stage memory ignoring the budget (a minimax DP), for error messages."""
+    num_stages, size = tables.memory.shape[0], tables.memory.shape[1]
+    g = np.full(size, np.inf)
+    g[0] = 0.0
+    for s in range(num_stages):
+        g = np.where(tables.structural, np.maximum(g[:, None], tables.memory[s]), np.inf).min(axis=0)
+    return float(g[-1])
+
+
+def _infeasible_message(tables: _StageTables, budget: float, share: int, schedule: str, num_stages: int) -> str:
+    peak = _min_peak_memory(tables)
+    per = f"budget / {share} virtual stages = {budget / share / GIB:.2f} GiB" if share > 1 else f"budget {budget / GIB:.2f} GiB"
+    hint = "the '1f1b' schedule (fewer microbatches in flight than 'gpipe'), " if schedule == "gpipe" else ""
+    return (
+        f"no partition into {num_stages} stages fits memory: the smallest achievable peak stage memory is "
+        f"{peak / GIB:.2f} GiB but each stage may use {per} (schedule {schedule!r}). Use more pipeline stages "
+        f"or devices, {hint}activation checkpointing, sharding within stages (tensor/ZeRO), or a larger budget")
+
+
+def _build_partition(layers: Sequence[LayerProfile], tables: _StageTables, cuts: Sequence[int], objective: float,
+                     num_ranks: int, microbatches: int, schedule: str, virtual_stages: int) -> PipelinePartition:
+    sched = build_schedule(schedule, num_ranks, microbatches, virtual_stages)
+    stages = []
+    for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        fwd = sum(x.fwd for x in layers[a:b])
+        bwd = sum(x.bwd for x in layers[a:b])
+        stages.append(StagePlan((a, b), fwd, bwd, float(tables.memory[s, a, b]), sched.rank_of(s), float(tables.hop[b])))
+    sim = simulate(sched, [s.fwd for s in stages], [s.bwd for s in stages], [s.send_time for s in stages[:-1]])
+    rank_memory = [sum(s.memory for s in stages if s.rank == r) for r in range(num_ranks)]
+    return PipelinePartition(stages, microbatches, schedule, sim.step_time, sim.bubble_fraction, objective,
+                             num_ranks, virtual_stages, rank_memory)
+
+
+def _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, fixed_boundaries, virtual_stages):
+    virtual_stages = virtual_stages or (2 if schedule == "interleaved_1f1b" else 1)
+    fixed = sorted(set(fixed_boundaries or ()))
+    total = num_stages * virtual_stages
+    _validate(layers, num_stages, microbatches, total, fixed)
+    in_flight = build_schedule(schedule, num_stages, microbatches, virtual_stages).in_flight()
+    budget = None if memory_budget is None else memory_budget / virtual_stages
+    return _stage_tables(layers, in_flight, budget, p2p_link, fixed), virtual_stages
+
+
+def partition_stages(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, schedule: str = "1f1b",
+                     memory_budget: float | None = None, p2p_link: tuple[float, float] | None = None,
+                     fixed_boundaries: Sequence[int] | None = None,
+                     virtual_stages: int | None = None) -> PipelinePartition:
+    """Optimal contiguous stage partition (module docstring). ``p2p_link`` = (bytes/s, seconds).
+
+    ``num_stages`` is the number of pipeline ranks; ``virtual_stages`` (default 2 for
+    "interleaved_1f1b", else 1) stages per rank. Raises ValueError when no partition fits.
+    """
+    tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, fixed_boundaries,
+                         virtual_stages)
+    objective, cuts = _solve_dp(tables, microbatches)
+    if not cuts:
+        raise ValueError(_infeasible_message(tables, memory_budget, v, schedule, num_stages * v))
+    return _build_partition(layers, tables, cuts, objective, num_stages, microbatches, schedule, v)
+
+
+def brute_force_partition(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, schedule: str = "1f1b",
+                          memory_budget: float | None = None, p2p_link: tuple[float, float] | None = None,
+                          fixed_boundaries: Sequence[int] | None = None,
+                          virtual_stages: int | None = None) -> PipelinePartition:
+    """Same contract as ``partition_stages`` by enumerating every cut set (tests, small inputs only)."""
+    tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, fixed_boundaries,
+                         virtual_stages)
+    n, total = len(layers), num_stages * v
+    best, best_cuts = np.inf, []
+    for inner in itertools.combinations(range(1, n), total - 1):
+        cuts = [0, *inner, n]
+        if all(tables.allowed[s, a, b] for s, (a, b) in enumerate(zip(cuts, cuts[1:]))):
+            objective = _objective(tables, cuts, microbatches)
+            if objective < best:
+                best, best_cuts = objective, cuts
+    if not best_cuts:
+        raise ValueError(_infeasible_message(tables, memory_budget, v, schedule, total))
+    return _build_partition(layers, tables, best_cuts, best, num_stages, microbatches, schedule, v)
+
+
+def scale_profile(layers: Sequence[LayerProfile], factor: float) -> list[LayerProfile]:
+    """Per-microbatch profile for a microbatch ``factor`` times the profiled one (linear in batch)."""
+    return [replace(x, fwd=x.fwd * factor, bwd=x.bwd * factor, activation_bytes=x.activation_bytes * factor,
+                    out_bytes=x.out_bytes * factor) for x in layers]
+
+
+def choose_microbatches(batch_size: int, layers: Sequence[LayerProfile] | Callable[[int], Sequence[LayerProfile]],
+                        num_stages: int, candidates: Sequence[int] | None = None, schedule: str = "1f1b",
+                        **partition_kwargs) -> PipelinePartition:
+    """Best partition over microbatch counts ``m`` dividing ``batch_size`` (smallest simulated step time).
+
+    ``layers`` is either a callable ``microbatch_size -> profiles`` or profiles measured on the
+    whole batch, scaled linearly to ``batch_size / m`` (p2p latency does not shrink, which is
+    what makes very many tiny microbatches lose). ``candidates`` defaults to all divisors.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    divisors = [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+    if candidates is None:
+        candidates = divisors
+    bad = [m for m in candidates if m < 1 or batch_size % m]
+    if bad:
+        raise ValueError(
+            f"microbatch counts {bad} do not divide the batch size {batch_size}; every microbatch must hold the "
+            f"same number of samples. Valid counts: {divisors}")
+    profile = layers if callable(layers) else (lambda size: scale_profile(layers, size / batch_size))
+    best, reasons = None, []
+    for m in candidates:
+        try:
+            plan = partition_stages(profile(batch_size // m), num_stages, m, schedule, **partition_kwargs)
+        except ValueError as err:
+            reasons.append(f"m={m}: {err}")
+            continue
+        if best is None or plan.step_time < best.step_time:
+            best = plan
+    if best is None:
+        raise ValueError("no microbatch count gives a feasible pipeline:\n" + "\n".join(reasons))
+    return best

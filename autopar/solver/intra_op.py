@@ -1,0 +1,588 @@
+"""Intra-op parallelism: choose one sharding strategy per op group (Alpa's intra-op ILP, CP-SAT).
+
+Problem (``IntraOpProblem``)
+    nodes v with candidate strategies s = 0..k_v-1, each with compute time c[v,s] (seconds,
+    including the strategy's own collectives) and memory m[v,s] (bytes live at the peak);
+    edges (u, v) with resharding time R[u,v][i,j] when u picks i and v picks j; an optional
+    memory budget M; optional ties (groups of nodes that must pick the same index).
+
+Variables (``_build_model``)
+    x[v,s] in {0,1}             node v picks strategy s
+    e[u,v,i,j] in {0,1}         edge (u,v) carries pair (i,j); only for allowed (finite) pairs
+
+Objective (``_build_model``)
+    minimise  sum_{v,s} c[v,s] x[v,s] + sum_{(u,v),i,j} R[u,v][i,j] e[u,v,i,j]
+    Costs are shifted to be >= 0 and scaled to integers so that the largest coefficient is
+    about 1e9 (``_scale``): relative rounding error <= 1e-9 per term, sums fit in int64.
+
+Constraints
+    one strategy:   sum_s x[v,s] = 1                                    (``_build_model``)
+    edge coupling:  sum_j e[u,v,i,j] = x[u,i]  and  sum_i e[u,v,i,j] = x[v,j]
+                    This is the exact (transportation) linearisation of e = x[u,i] x[v,j]; its
+                    LP relaxation is tighter than e >= x[u,i] + x[v,j] - 1.  (``_add_edge_vars``)
+    memory:         sum_{v,s} m[v,s] x[v,s] <= M, memories rounded up and the budget down,
+                    so a reported solution always fits.                  (``_add_memory``)
+    forbidden:      strategies with non-finite or >= HUGE_COST compute and pairs with such
+                    resharding get no variable, so they cannot be chosen.  (``_restrict_problem``)
+    allowed:        annotations restrict x[v,s] to ``allowed``             (``_collapse_ties``)
+    ties:           x[a,s] = x[b,s] for tied a, b. Applied by substitution: each tie group is
+                    one *class* sharing one set of variables, with the members' compute and
+                    memory summed, edges mapped onto classes and parallel class edges summed. 48
+                    structurally identical layers therefore give the model of one layer with
+                    costs multiplied by 48 (an edge inside a class adds its diagonal R[i,i] to
+                    the class's compute). Exact for any ties, identical layers or not.
+                    (``_collapse_ties``, ``_map_edges``)
+
+Pre-solve reductions (``_reduce``), each exact:
+    * drop strategies that no allowed pair of some edge can accompany      (``_prune_forbidden``)
+    * drop strategy s of v when some t is no worse in compute, memory (if budgeted) and in
+      every incident edge's row: any solution using s stays as good with t (``_drop_dominated``)
+    * a class with one strategy left adds its edge rows to its neighbours  (``_fold_fixed``)
+    * an edge with R[i,j] = a_i + b_j moves a to u and b to v               (``_fold_separable``)
+    * a class of degree <= 2 whose memory does not depend on its choice (or no budget) is
+      eliminated by min-plus products, like Alpa's graph simplification: a leaf adds
+      min_j (R[i,j] + c[j]) to its neighbour; a node between u and w becomes an edge
+      min_j (R1[i,j] + c[j] + R2[j,k]); its choice is recovered afterwards   (``_eliminate``)
+
+Budget shortcut (``solve_intra_op``): with a budget, the problem is first solved without it
+(memory then never blocks elimination, so trees and chains vanish entirely). If that optimum
+fits the budget it is optimal for the budgeted problem; otherwise it is CP-SAT's hint.
+
+Status: "OPTIMAL" only when CP-SAT proved it (or the reductions solved everything), else
+"FEASIBLE" (time limit hit). CP-SAT 9.15's inclusion presolve is switched off (``_run``): it
+certifies wrong optima on one-hot + linear models like this one (google/or-tools#5293).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+HUGE_COST = 1e6  # seconds; a compute or resharding cost at or above this forbids that choice
+GIB = float(1 << 30)
+_COEF_TARGET = 1e9
+
+
+class InfeasibleError(ValueError):
+    """No strategy assignment satisfies the memory budget or avoids forbidden choices."""
+
+
+class SolverTimeoutError(RuntimeError):
+    """CP-SAT found no assignment within the time limit."""
+
+
+@dataclass
+class NodeChoices:
+    name: str
+    compute: np.ndarray  # [k] seconds
+    memory: np.ndarray  # [k] bytes
+    allowed: list[int] | None = None
+
+
+@dataclass
+class EdgeCost:
+    src: int
+    dst: int
+    cost: np.ndarray  # [k_src, k_dst] seconds
+
+
+@dataclass
+class IntraOpProblem:
+    nodes: list[NodeChoices]
+    edges: list[EdgeCost]
+    memory_budget: float | None = None
+    ties: list[list[int]] = ()
+    time_limit_s: float = 10.0
+    workers: int = 2
+
+
+@dataclass
+class IntraOpSolution:
+    choice: list[int]
+    objective: float
+    status: str  # "OPTIMAL" or "FEASIBLE"
+    solve_time: float
+    memory: float
+    num_vars: int
+
+
+@dataclass
+class _Leaf:
+    node: int
+    parent: int
+    parent_cands: np.ndarray
+    choice: np.ndarray  # original strategy of node per position in parent_cands
+
+
+@dataclass
+class _Series:
+    node: int
+    left: int
+    right: int
+    left_cands: np.ndarray
+    right_cands: np.ndarray
+    choice: np.ndarray  # [len left_cands, len right_cands] original strategy of node
+
+
+@dataclass
+class _Graph:
+    """The reduced problem on tie classes. Matrices are indexed by positions in ``cands``; inf = forbidden."""
+    members: list[list[int]]
+    cands: list[np.ndarray]
+    compute: list[np.ndarray]
+    memory: list[np.ndarray]
+    edges: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # key (a, b) with a < b
+    nbrs: list[set[int]] = field(default_factory=list)
+    alive: set[int] = field(default_factory=set)
+    eliminated: list[_Leaf | _Series] = field(default_factory=list)
+    fixed_memory: float = 0.0  # memory of eliminated classes
+    budgeted: bool = False
+
+    def edge(self, a: int, b: int) -> np.ndarray:
+        return self.edges[(a, b)] if a < b else self.edges[(b, a)].T
+
+    def add_edge(self, a: int, b: int, matrix: np.ndarray) -> None:
+        key, m = ((a, b), matrix) if a < b else ((b, a), matrix.T)
+        self.edges[key] = self.edges[key] + m if key in self.edges else np.array(m, dtype=float)
+        self.nbrs[a].add(b)
+        self.nbrs[b].add(a)
+
+    def remove_edge(self, a: int, b: int) -> None:
+        del self.edges[(min(a, b), max(a, b))]
+        self.nbrs[a].discard(b)
+        self.nbrs[b].discard(a)
+
+    def restrict(self, a: int, keep: np.ndarray) -> None:
+        self.cands[a], self.compute[a], self.memory[a] = self.cands[a][keep], self.compute[a][keep], self.memory[a][keep]
+        for b in self.nbrs[a]:
+            key = (min(a, b), max(a, b))
+            self.edges[key] = self.edges[key][keep] if a < b else self.edges[key][:, keep]
+        if not len(self.cands[a]):
+            names = ", ".join(str(v) for v in self.members[a][:4])
+            raise InfeasibleError(
+                f"no strategy is possible for node(s) {names}: every candidate has an infinite (>= {HUGE_COST:g} s) "
+                f"compute or resharding cost with all choices of a neighbour, or is excluded by annotations/ties. "
+                f"Relax the annotations or add a rule for the op")
+
+    def memory_is_free(self, a: int) -> bool:
+        mem = self.memory[a]
+        return not self.budgeted or float(mem.max() - mem.min()) <= 1e-12 * max(1.0, abs(float(mem.max())))
+
+
+# ---------------------------------------------------------------- problem -> class graph
+
+def _forbidden(x: np.ndarray) -> np.ndarray:
+    return ~np.isfinite(x) | (x >= HUGE_COST)
+
+
+def _validate(p: IntraOpProblem) -> None:
+    for v, node in enumerate(p.nodes):
+        if np.shape(node.compute) != np.shape(node.memory) or np.ndim(node.compute) != 1 or not len(node.compute):
+            raise ValueError(f"node {v} ({node.name}): compute and memory must be equal-length non-empty 1-D arrays")
+        if node.allowed is not None and any(not 0 <= s < len(node.compute) for s in node.allowed):
+            raise ValueError(f"node {v} ({node.name}): allowed {node.allowed} outside 0..{len(node.compute) - 1}")
+    for e in p.edges:
+        if not (0 <= e.src < len(p.nodes) and 0 <= e.dst < len(p.nodes)):
+            raise ValueError(f"edge ({e.src}, {e.dst}) refers to a node outside 0..{len(p.nodes) - 1}")
+        want = (len(p.nodes[e.src].compute), len(p.nodes[e.dst].compute))
+        if np.shape(e.cost) != want:
+            raise ValueError(f"edge ({e.src}, {e.dst}): cost shape {np.shape(e.cost)} != {want}")
+    for group in p.ties:
+        ks = {len(p.nodes[v].compute) for v in group}
+        if len(ks) > 1:
+            raise ValueError(f"tied nodes {list(group)} have different strategy counts {sorted(ks)}")
+
+
+def _tie_classes(p: IntraOpProblem) -> list[int]:
+    parent = list(range(len(p.nodes)))
+
+    def find(v: int) -> int:
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    for group in p.ties:
+        for v in group[1:]:
+            parent[find(v)] = find(group[0])
+    return [find(v) for v in range(len(p.nodes))]
+
+
+def _collapse_ties(p: IntraOpProblem) -> tuple[_Graph, list[int]]:
+    """One class per tie group: summed compute/memory, candidates = intersection of ``allowed``."""
+    roots = _tie_classes(p)
+    index = {r: i for i, r in enumerate(dict.fromkeys(roots))}
+    class_of = [index[r] for r in roots]
+    members: list[list[int]] = [[] for _ in index]
+    for v, a in enumerate(class_of):
+        members[a].append(v)
+    g = _Graph(members, [], [], [], nbrs=[set() for _ in members], alive=set(range(len(members))),
+               budgeted=p.memory_budget is not None)
+    for group in members:
+        k = len(p.nodes[group[0]].compute)
+        keep = np.ones(k, dtype=bool)
+        for v in group:
+            if p.nodes[v].allowed is not None:
+                keep &= np.isin(np.arange(k), p.nodes[v].allowed)
+        compute = sum(np.asarray(p.nodes[v].compute, dtype=float) for v in group)
+        memory = sum(np.asarray(p.nodes[v].memory, dtype=float) for v in group)
+        g.cands.append(np.arange(k))
+        g.compute.append(np.where(_forbidden(compute), np.inf, compute))
+        g.memory.append(np.where(np.isfinite(memory), memory, np.inf))
+        g.restrict(len(g.cands) - 1, keep)
+    return g, class_of
+
+
+def _map_edges(p: IntraOpProblem, g: _Graph, class_of: list[int]) -> None:
+    """Edges onto classes; parallel edges summed; an edge inside a class adds its diagonal."""
+    for e in p.edges:
+        a, b = class_of[e.src], class_of[e.dst]
+        cost = np.asarray(e.cost, dtype=float)
+        cost = np.where(_forbidden(cost), np.inf, cost)
+        if a == b:
+            c = g.cands[a]
+            g.compute[a] = g.compute[a] + cost[c, c]
+        else:
+            g.add_edge(a, b, cost[np.ix_(g.cands[a], g.cands[b])])
+
+
+# ---------------------------------------------------------------- reductions
+
+def _prune_forbidden(g: _Graph) -> bool:
+    changed = False
+    for a in list(g.alive):
+        keep = np.isfinite(g.compute[a]) & np.isfinite(g.memory[a])
+        for b in g.nbrs[a]:
+            keep &= np.isfinite(g.edge(a, b)).any(axis=1)
+        if not keep.all():
+            g.restrict(a, keep)
+            changed = True
+    return changed
+
+
+def _drop_dominated(g: _Graph) -> bool:
+    changed = False
+    for a in list(g.alive):
+        k = len(g.cands[a])
+        if k < 2:
+            continue
+        columns = [g.compute[a][:, None]] + ([g.memory[a][:, None]] if g.budgeted else [])
+        sig = np.hstack(columns + [g.edge(a, b) for b in g.nbrs[a]])
+        le = (sig[:, None, :] <= sig[None, :, :]).all(axis=2)  # le[t, s]: t no worse than s
+        order = np.arange(k)
+        dominates = le & (~le.T | (order[:, None] < order[None, :]))
+        np.fill_diagonal(dominates, False)
+        keep = ~dominates.any(axis=0)
+        if not keep.all():
+            g.restrict(a, keep)
+            changed = True
+    return changed
+
+
+def _fold_fixed(g: _Graph) -> bool:
+    changed = False
+    for a in list(g.alive):
+        if len(g.cands[a]) == 1 and g.nbrs[a]:
+            for b in list(g.nbrs[a]):
+                g.compute[b] = g.compute[b] + g.edge(a, b)[0]
+                g.remove_edge(a, b)
+            changed = True
+    return changed
+
+
+def _fold_separable(g: _Graph) -> bool:
+    changed = False
+    for (a, b), m in list(g.edges.items()):
+        if not np.isfinite(m).all():
+            continue
+        row, col = m[:, 0], m[0, :] - m[0, 0]
+        if np.allclose(m, row[:, None] + col[None, :], rtol=1e-12, atol=1e-15):
+            g.compute[a] = g.compute[a] + row
+            g.compute[b] = g.compute[b] + col
+            g.remove_edge(a, b)
+            changed = True
+    return changed
+
+
+def _eliminate(g: _Graph) -> bool:
+    changed = False
+    for a in sorted(g.alive):
+        if len(g.nbrs[a]) > 2 or not g.memory_is_free(a):
+            continue
+        nbrs = sorted(g.nbrs[a])
+        if not nbrs:
+            if len(g.cands[a]) > 1:
+                g.restrict(a, np.arange(len(g.cands[a])) == np.argmin(g.compute[a]))
+                changed = True
+            continue
+        if len(nbrs) == 1:
+            b = nbrs[0]
+            total = g.edge(b, a) + g.compute[a][None, :]
+            best = np.argmin(total, axis=1)
+            g.eliminated.append(_Leaf(a, b, g.cands[b].copy(), g.cands[a][best]))
+            g.compute[b] = g.compute[b] + total[np.arange(len(best)), best]
+        else:
+            b, c = nbrs
+            total = g.edge(b, a)[:, :, None] + g.compute[a][None, :, None] + g.edge(a, c)[None, :, :]
+            best = np.argmin(total, axis=1)
+            g.eliminated.append(_Series(a, b, c, g.cands[b].copy(), g.cands[c].copy(), g.cands[a][best]))
+            g.add_edge(b, c, np.take_along_axis(total, best[:, None, :], axis=1)[:, 0, :])
+        for b in nbrs:
+            g.remove_edge(a, b)
+        g.fixed_memory += float(g.memory[a][0])
+        g.alive.discard(a)
+        changed = True
+    return changed
+
+
+def _reduce(g: _Graph) -> None:
+    passes = (_prune_forbidden, _fold_fixed, _fold_separable, _drop_dominated, _eliminate)
+    while any([step(g) for step in passes]):
+        pass
+
+
+def _recover(g: _Graph, picked: dict[int, int]) -> dict[int, int]:
+    """Choices of eliminated classes, latest elimination first (its neighbours are decided)."""
+    for rec in reversed(g.eliminated):
+        if isinstance(rec, _Leaf):
+            i = int(np.searchsorted(rec.parent_cands, picked[rec.parent]))
+            picked[rec.node] = int(rec.choice[i])
+        else:
+            i = int(np.searchsorted(rec.left_cands, picked[rec.left]))
+            j = int(np.searchsorted(rec.right_cands, picked[rec.right]))
+            picked[rec.node] = int(rec.choice[i, j])
+    return picked
+
+
+# ---------------------------------------------------------------- CP-SAT model
+
+@dataclass
+class _Model:
+    model: cp_model.CpModel
+    x: dict[int, list[cp_model.IntVar]]
+    num_vars: int
+
+
+def _scale(g: _Graph, active: list[int]) -> float:
+    spans = [float(np.ptp(g.compute[a][np.isfinite(g.compute[a])])) for a in active]
+    spans += [float(np.ptp(m[np.isfinite(m)])) for m in g.edges.values()]
+    largest = max(spans, default=0.0)
+    return _COEF_TARGET / largest if largest > 0 else 1.0
+
+
+def _add_edge_vars(mdl: _Model, a: int, b: int, matrix: np.ndarray, scale: float) -> list[tuple]:
+    """e[a,b,i,j] with row sums x[a,i] and column sums x[b,j]; returns (var, cost) terms."""
+    finite = np.isfinite(matrix)
+    low = matrix[finite].min()
+    rows: list[list] = [[] for _ in range(matrix.shape[0])]
+    cols: list[list] = [[] for _ in range(matrix.shape[1])]
+    terms = []
+    for i, j in zip(*np.nonzero(finite)):
+        var = mdl.model.NewBoolVar(f"e{a}_{b}_{i}_{j}")
+        rows[i].append(var)
+        cols[j].append(var)
+        terms.append((var, int(round((matrix[i, j] - low) * scale))))
+    for i, vars_ in enumerate(rows):
+        mdl.model.Add(sum(vars_) == mdl.x[a][i])
+    for j, vars_ in enumerate(cols):
+        mdl.model.Add(sum(vars_) == mdl.x[b][j])
+    mdl.num_vars += len(terms)
+    return terms
+
+
+def _add_memory(mdl: _Model, g: _Graph, active: list[int], budget: float) -> None:
+    """sum m x <= budget, in units of 1e-9 of the largest spread, memories ceiled, budget floored."""
+    base = g.fixed_memory + sum(float(g.memory[a].min()) for a in g.alive)
+    spread = max((float(np.ptp(g.memory[a])) for a in active), default=0.0)
+    if base > budget:
+        raise _OverBudget(base)
+    if spread == 0:
+        return
+    unit = spread / _COEF_TARGET
+    terms = [(x, math.ceil((m - g.memory[a].min()) / unit)) for a in active for x, m in zip(mdl.x[a], g.memory[a])]
+    mdl.model.Add(sum(c * x for x, c in terms if c) <= math.floor((budget - base) / unit))
+
+
+class _OverBudget(Exception):
+    def __init__(self, lower_bound: float):
+        super().__init__(lower_bound)
+        self.lower_bound = lower_bound
+
+
+def _build_model(g: _Graph, budget: float | None, minimise_memory: bool = False,
+                 hint: dict[int, int] | None = None) -> tuple[_Model, list[int]]:
+    """CP-SAT model of the reduced graph; ``hint`` maps classes to original strategy indices."""
+    active = sorted(a for a in g.alive if len(g.cands[a]) > 1 or g.nbrs[a])
+    mdl = _Model(cp_model.CpModel(), {}, 0)
+    for a in active:
+        mdl.x[a] = [mdl.model.NewBoolVar(f"x{a}_{s}") for s in g.cands[a]]
+        mdl.model.AddExactlyOne(mdl.x[a])
+        hinted = np.flatnonzero(g.cands[a] == hint[a]) if hint is not None else []
+        mdl.model.AddHint(mdl.x[a][int(hinted[0]) if len(hinted) else int(np.argmin(g.compute[a]))], 1)
+        mdl.num_vars += len(mdl.x[a])
+    if minimise_memory:
+        unit = max((float(np.ptp(g.memory[a])) for a in active), default=0.0) / _COEF_TARGET or 1.0
+        terms = [(x, int(round((m - g.memory[a].min()) / unit))) for a in active for x, m in zip(mdl.x[a], g.memory[a])]
+        for (a, b), m in g.edges.items():
+            _add_edge_vars(mdl, a, b, m, 0.0)
+    else:
+        scale = _scale(g, active)
+        terms = [(x, int(round((c - g.compute[a].min()) * scale))) for a in active for x, c in zip(mdl.x[a], g.compute[a])]
+        for (a, b), m in g.edges.items():
+            terms += _add_edge_vars(mdl, a, b, m, scale)
+        if budget is not None:
+            _add_memory(mdl, g, active, budget)
+    mdl.model.Minimize(sum(c * x for x, c in terms if c))
+    return mdl, active
+
+
+def _run(mdl: _Model, time_limit_s: float, workers: int) -> tuple[cp_model.CpSolver, int]:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = 0
+    # CP-SAT 9.15's at-most-one x linear inclusion presolve certifies wrong optima on exactly
+    # this model shape (one-hot rows + memory row): google/or-tools#5293. 0 switches it off.
+    solver.parameters.presolve_inclusion_work_limit = 0
+    return solver, solver.Solve(mdl.model)
+
+
+def _picked(g: _Graph, mdl: _Model, active: list[int], solver: cp_model.CpSolver) -> dict[int, int]:
+    picked = {a: int(g.cands[a][0]) for a in g.alive}
+    for a in active:
+        picked[a] = int(g.cands[a][next(s for s, x in enumerate(mdl.x[a]) if solver.Value(x))])
+    return picked
+
+
+def _memory_error(p: IntraOpProblem, g: _Graph, class_of: list[int]) -> InfeasibleError:
+    """Solve for the smallest achievable memory and explain the gap to the budget."""
+    mdl, active = _build_model(g, None, minimise_memory=True)
+    solver, status = _run(mdl, p.time_limit_s, p.workers)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return InfeasibleError(
+            "no strategy assignment avoids forbidden (infinite or >= HUGE_COST) compute/resharding choices, "
+            "even ignoring memory; check the op rules and annotations")
+    choice = _expand(class_of, _recover(g, _picked(g, mdl, active, solver)))
+    smallest = evaluate(p, choice)[1]
+    word = "smallest achievable" if status == cp_model.OPTIMAL else "smallest found"
+    return InfeasibleError(
+        f"no strategy assignment fits the memory budget: the {word} memory is {smallest / GIB:.3f} GiB "
+        f"({smallest:.4g} B) but the budget is {p.memory_budget / GIB:.3f} GiB ({p.memory_budget:.4g} B). "
+        f"Use more devices (a larger tensor/data-parallel mesh), pipeline parallelism (fewer layers per stage), "
+        f"activation checkpointing or optimizer-state sharding, or raise the budget")
+
+
+def _expand(class_of: list[int], picked: dict[int, int]) -> list[int]:
+    return [picked[a] for a in class_of]
+
+
+# ---------------------------------------------------------------- public API
+
+def evaluate(p: IntraOpProblem, choice: list[int]) -> tuple[float, float]:
+    """(objective seconds, memory bytes) of an assignment; objective inf if a forbidden choice is used."""
+    total = sum(float(n.compute[s]) for n, s in zip(p.nodes, choice))
+    total += sum(float(e.cost[choice[e.src], choice[e.dst]]) for e in p.edges)
+    forbidden = any(_forbidden(np.asarray(n.compute[s])) for n, s in zip(p.nodes, choice)) or any(
+        _forbidden(np.asarray(e.cost[choice[e.src], choice[e.dst]])) for e in p.edges)
+    memory = sum(float(n.memory[s]) for n, s in zip(p.nodes, choice))
+    return (math.inf if forbidden else total), memory
+
+
+def solve_intra_op(p: IntraOpProblem) -> IntraOpSolution:
+    """Optimal (or best within the time limit) strategy per node; see the module docstring.
+
+    With a budget, the problem is first solved without it (often fully by the reductions, as
+    memory no longer blocks elimination) in at most half the time: if that optimum fits the
+    budget it is optimal for the budgeted problem too; otherwise it seeds CP-SAT's hint.
+    """
+    start = time.perf_counter()
+    _validate(p)
+    if p.memory_budget is None:
+        return _solve(p, start + p.time_limit_s, None, start)
+    try:
+        free = _solve(replace(p, memory_budget=None), start + p.time_limit_s / 2, None, start)
+    except SolverTimeoutError:
+        return _solve(p, start + p.time_limit_s, None, start)
+    fits = free.memory <= p.memory_budget
+    if fits and free.status == "OPTIMAL":
+        return free
+    try:
+        budgeted = _solve(p, start + p.time_limit_s, free.choice, start)
+    except SolverTimeoutError:
+        if fits:
+            return replace(free, solve_time=time.perf_counter() - start)
+        raise
+    return free if fits and free.objective < budgeted.objective else budgeted
+
+
+def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: float) -> IntraOpSolution:
+    """Reduce, build and run CP-SAT until ``deadline`` (perf_counter seconds)."""
+    g, class_of = _collapse_ties(p)
+    _map_edges(p, g, class_of)
+    _reduce(g)
+    try:
+        mdl, active = _build_model(g, p.memory_budget, hint=_class_hint(class_of, hint))
+    except _OverBudget:
+        raise _memory_error(p, g, class_of) from None
+    if not active:
+        status, picked = cp_model.OPTIMAL, {a: int(g.cands[a][0]) for a in g.alive}
+    else:
+        solver, status = _run(mdl, max(deadline - time.perf_counter(), 0.1), p.workers)
+        if status == cp_model.INFEASIBLE:
+            if p.memory_budget is None:
+                raise InfeasibleError("no strategy assignment avoids forbidden (infinite or >= HUGE_COST) "
+                                      "compute/resharding choices; check the op rules and annotations")
+            raise _memory_error(p, g, class_of)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise SolverTimeoutError(
+                f"CP-SAT found no assignment within {p.time_limit_s:g} s ({mdl.num_vars} variables, "
+                f"status {solver.StatusName(status)}); raise time_limit_s or coarsen the op groups")
+        picked = _picked(g, mdl, active, solver)
+    choice = _expand(class_of, _recover(g, picked))
+    objective, memory = evaluate(p, choice)
+    return IntraOpSolution(choice, objective, "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
+                           time.perf_counter() - start, memory, mdl.num_vars)
+
+
+def _class_hint(class_of: list[int], choice: list[int] | None) -> dict[int, int] | None:
+    return None if choice is None else {a: s for a, s in zip(class_of, choice)}
+
+
+def brute_force(p: IntraOpProblem, max_assignments: int = 2_000_000) -> IntraOpSolution:
+    """Exhaustive search over tie classes and allowed strategies (tests and small problems only)."""
+    start = time.perf_counter()
+    _validate(p)
+    class_of = _tie_classes(p)
+    roots = list(dict.fromkeys(class_of))
+    options = []
+    for r in roots:
+        group = [v for v in range(len(p.nodes)) if class_of[v] == r]
+        opts = set(range(len(p.nodes[r].compute)))
+        for v in group:
+            opts &= set(p.nodes[v].allowed) if p.nodes[v].allowed is not None else opts
+        options.append(sorted(opts))
+    if math.prod(len(o) for o in options) > max_assignments:
+        raise ValueError(f"brute_force: more than {max_assignments} assignments; use solve_intra_op")
+    combos = np.array(list(itertools.product(*options)), dtype=int).reshape(-1, len(roots))
+    col = {r: i for i, r in enumerate(roots)}
+    choice = combos[:, [col[class_of[v]] for v in range(len(p.nodes))]]
+    objective = np.zeros(len(choice))
+    memory = np.zeros(len(choice))
+    for v, n in enumerate(p.nodes):
+        c = np.asarray(n.compute, dtype=float)
+        objective += np.where(_forbidden(c), np.inf, c)[choice[:, v]]
+        memory += np.asarray(n.memory, dtype=float)[choice[:, v]]
+    for e in p.edges:
+        c = np.asarray(e.cost, dtype=float)
+        objective += np.where(_forbidden(c), np.inf, c)[choice[:, e.src], choice[:, e.dst]]
+    if p.memory_budget is not None:
+        objective = np.where(memory <= p.memory_budget, objective, np.inf)
+    best = int(np.argmin(objective)) if len(objective) else 0
+    if not len(objective) or not np.isfinite(objective[best]):
+        raise InfeasibleError("brute_force: no assignment fits the memory budget and avoids forbidden choices")
+    return IntraOpSolution([int(s) for s in choice[best]], float(objective[best]), "OPTIMAL",
+                           time.perf_counter() - start, float(memory[best]), 0)

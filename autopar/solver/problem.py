@@ -1,0 +1,195 @@
+"""Build the intra-op problem from a traced graph: costs of every candidate strategy.
+
+node cost c[v,s]   = compute(v) / work_split(s)                       (``_node_costs``)
+                     + backward all-reduce of each Replicate input that s uses split
+                       (Megatron's ``f``; for parameters this is the gradient sync)
+                     + the small collectives of s's local implementation (vocab-parallel
+                       loss, synced batch-norm statistics)
+node memory m[v,s] = parameters: numel · training-state bytes/param / shard factor
+                     activations saved for backward / shard factor of the output
+edge cost R[u,v]   = redistribution of u's output spec into v's required input spec,
+                     forward collectives plus their conjugates in backward  (``_edge_cost``)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.compute import node_cost
+from autopar.cost_models.memory import saved_activations, training_state_bytes_per_param
+from autopar.sharding.candidates import Candidates, producer
+from autopar.sharding.placements import Partial, Replicate, Shard, shard_factor
+from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
+from autopar.sharding.strategy import Strategy, tensor_inputs
+from autopar.solver.intra_op import HUGE_COST, EdgeCost, IntraOpProblem, NodeChoices
+
+
+@dataclass
+class Costing:
+    """What the cost functions need to know about the mesh and the training setup."""
+
+    mesh_shape: tuple
+    device: object                  # DeviceSpec
+    optimizer: str = "adamw"
+    precision: str = "fp32"
+    frozen_buffers: set = field(default_factory=set)   # placeholders that must never be redistributed
+
+    def inner(self, axis: int) -> int:
+        return math.prod(self.mesh_shape[axis + 1:])
+
+    def comm(self, kind: str, nbytes: float, axis: int) -> float:
+        if kind in ("local_slice", "to_partial") or nbytes <= 0:
+            return 0.0
+        return axis_collective_time(kind, nbytes, self.device, self.mesh_shape[axis], self.inner(axis))
+
+
+def tensor_bytes(node: fx.Node, index: int | None = None) -> float:
+    v = node.meta.get("val")
+    if index is not None and isinstance(v, (tuple, list)):
+        v = v[index]
+    return float(v.numel() * v.element_size()) if isinstance(v, torch.Tensor) else 0.0
+
+
+def redistribution_time(src, dst, nbytes: float, c: Costing) -> float:
+    """Forward steps plus the conjugate collectives autograd runs in backward."""
+    total, local = 0.0, nbytes / shard_factor(src, c.mesh_shape)
+    for st in redistribute_steps(src, dst):
+        moved, local_after = step_bytes(st, local, c.mesh_shape)
+        total += c.comm(st.kind, moved, st.axis)
+        bwd = backward_kind(st.kind)
+        if bwd:
+            total += c.comm(bwd, moved if bwd != "all_to_all" else moved, st.axis)
+        local = local_after
+    return total
+
+
+def _outs(st: Strategy) -> list:
+    o = st.output
+    return list(o) if o and isinstance(o[0], tuple) else [o]
+
+
+def work_split(st: Strategy, mesh_shape) -> int:
+    specs = list(st.inputs) + _outs(st)
+    return max([shard_factor(s, mesh_shape) for s in specs] + [1])
+
+
+def split_axes(st: Strategy) -> set[int]:
+    """Axes on which some output is not Replicate: R inputs there get partial gradients."""
+    axes = set()
+    for o in _outs(st):
+        for a, p in enumerate(o):
+            if not isinstance(p, Replicate):
+                axes.add(a)
+    return axes
+
+
+def grad_sync_inputs(st: Strategy) -> list[tuple[int, int]]:
+    """(input index, axis) pairs whose gradient needs an all-reduce over the axis."""
+    axes = split_axes(st)
+    return [(i, a) for i, spec in enumerate(st.inputs) for a in axes if isinstance(spec[a], Replicate)]
+
+
+def _local_impl_time(node: fx.Node, st: Strategy, c: Costing) -> float:
+    t = 0.0
+    for a, name in enumerate(st.local):
+        if not name:
+            continue
+        if name.startswith("loss:vocab"):
+            rows = tensor_bytes(tensor_inputs(node)[1])
+            t += 3 * c.comm("all_reduce", rows * 2, a)
+        elif name.startswith("batch_norm"):
+            ch = tensor_bytes(tensor_inputs(node)[0]) / max(1, node.meta["val"].shape[0])
+            t += 2 * c.comm("all_reduce", ch, a)
+        elif name.startswith("loss:batch"):
+            t += c.comm("all_reduce", 8, a)
+    return t
+
+
+def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dict[str, int],
+               traced_params: set[str]) -> tuple[np.ndarray, np.ndarray]:
+    k = len(strategies)
+    compute, memory = np.zeros(k), np.zeros(k)
+    if node.op == "placeholder":
+        if node.name in traced_params:
+            v = node.meta["val"]
+            state = v.numel() * training_state_bytes_per_param(c.optimizer, c.precision)
+            for s, st in enumerate(strategies):
+                memory[s] = state / shard_factor(st.output, c.mesh_shape)
+        return compute, memory
+    base = node_cost(node, c.device)
+    t_all = base.time_fwd + base.time_bwd
+    ins = tensor_inputs(node)
+    act = saved.get(node.name, 0)
+    for s, st in enumerate(strategies):
+        compute[s] = t_all / work_split(st, c.mesh_shape)
+        for i, a in grad_sync_inputs(st):
+            nbytes = tensor_bytes(ins[i]) / shard_factor(st.inputs[i], c.mesh_shape)
+            compute[s] += c.comm("all_reduce", nbytes, a)
+        compute[s] += _local_impl_time(node, st, c)
+        outs = _outs(st)
+        memory[s] = act / max(1, shard_factor(outs[0], c.mesh_shape))
+    return compute, memory
+
+
+@dataclass
+class BuiltProblem:
+    problem: IntraOpProblem
+    names: list[str]
+    index: dict[str, int]
+
+
+def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set[str],
+                  allowed: dict[str, list[int]] | None = None, ties: list[list[str]] = (),
+                  memory_budget: float | None = None, time_limit_s: float = 10.0) -> BuiltProblem:
+    """``params``: placeholder names of parameters (their memory counts training state)."""
+    allowed = allowed or {}
+    saved = saved_activations(gm, dropout_mask_bytes=1 if getattr(c.device, "name", "") != "cpu" else None)
+    names = list(cands.strategies)
+    index = {n: i for i, n in enumerate(names)}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    nodes = []
+    for n in names:
+        comp, mem = node_costs(by_name[n], cands.strategies[n], c, saved, params)
+        nodes.append(NodeChoices(n, comp, mem, allowed.get(n)))
+    edges = []
+    for n in names:
+        node = by_name[n]
+        if node.op != "call_function":
+            continue
+        for i, a in enumerate(tensor_inputs(node)):
+            src, idx = producer(a)
+            if src.name not in index:
+                continue
+            edges.append(_edge(src, idx, node, i, cands, index, c))
+    ties_idx = [[index[t] for t in g if t in index] for g in ties]
+    ties_idx = [g for g in ties_idx if len(g) > 1 and len({len(cands.strategies[names[i]]) for i in g}) == 1]
+    prob = IntraOpProblem(nodes, edges, memory_budget, ties_idx, time_limit_s)
+    return BuiltProblem(prob, names, index)
+
+
+def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: Costing) -> EdgeCost:
+    s_strats, d_strats = cands.strategies[src.name], cands.strategies[dst.name]
+    nbytes = tensor_bytes(src, idx)
+    s_specs = [st.output if idx is None else st.output[idx] for st in s_strats]
+    d_specs = [st.inputs[i] for st in d_strats]
+    us, ud = sorted(set(s_specs), key=str), sorted(set(d_specs), key=str)
+    table = np.zeros((len(us), len(ud)))
+    frozen = src.name in c.frozen_buffers
+    for a, ss in enumerate(us):
+        for b, ds in enumerate(ud):
+            if frozen and ss != ds:
+                table[a, b] = HUGE_COST
+            else:
+                table[a, b] = redistribution_time(ss, ds, nbytes, c)
+    ri = np.array([us.index(s) for s in s_specs])
+    ci = np.array([ud.index(s) for s in d_specs])
+    return EdgeCost(index[src.name], index[dst.name], table[np.ix_(ri, ci)])
+
+
+__all__ = ["Costing", "build_problem", "BuiltProblem", "redistribution_time", "grad_sync_inputs", "work_split",
+           "Shard", "Partial"]

@@ -1,0 +1,183 @@
+"""From a traced model, a mesh and a mode to a Plan.
+
+DATA fixes inputs to Shard(0) on every axis and parameters to Replicate; SEMI_AUTO fixes
+what the annotations name; AUTO leaves everything free and, for an unnamed mesh, tries every
+factorisation of the devices into (dp, tp) meshes, keeping the best predicted step time that
+fits memory (the others go to ``plan.alternatives``). The same intra-op solver completes
+every mode.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from autopar.context import ParallelMode
+from autopar.cost_models.compute import total_flops
+from autopar.graph.chunk_hints import mark_chunk_hints
+from autopar.graph.layers import find_layers, tie_groups
+from autopar.mesh import Mesh
+from autopar.plan import Alternative, Plan
+from autopar.sharding.candidates import build_candidates
+from autopar.sharding.placements import R, Replicate, Shard
+from autopar.solver.decode import decode, graph_fingerprint, output_specs
+from autopar.solver.intra_op import InfeasibleError, solve_intra_op
+from autopar.solver.problem import Costing, build_problem
+
+
+@dataclass
+class PlanOptions:
+    optimizer: str = "adamw"
+    precision: str = "fp32"
+    grad_compression: str | None = None
+    memory_budget_gb: float | None = None
+    time_limit_s: float = 10.0
+    microbatches: int | None = None
+    schedule: str | None = None
+
+
+class PlanError(ValueError):
+    """The request cannot be planned as asked; the message says what to change."""
+
+
+def candidate_meshes(mesh: Mesh) -> list[Mesh]:
+    """An unnamed mesh may be re-factored into 1-D and 2-D (dp, tp) meshes."""
+    if mesh.named or mesh.size == 1:
+        return [mesh]
+    n = mesh.size
+    out = [mesh.reshape((n,), ("dp",))]
+    for dp in range(2, n):
+        if n % dp == 0:
+            out.append(mesh.reshape((dp, n // dp), ("dp", "tp")))
+    return out
+
+
+def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, input_ann: dict) -> dict:
+    k = mesh.ndim
+    allowed: dict[str, list[int]] = {}
+
+    def only(name, pred):
+        idx = [i for i, st in enumerate(cands.strategies[name]) if pred(st.output)]
+        allowed[name] = idx
+        return idx
+
+    if mode == ParallelMode.STAND_ALONE:
+        for name, strategies in cands.strategies.items():
+            allowed[name] = [i for i, st in enumerate(strategies)
+                             if all(all(isinstance(p, Replicate) for p in s) for s in list(st.inputs) + _outs(st))]
+        return allowed
+    if mode == ParallelMode.DATA:
+        for ph in traced.inputs + ([traced.target] if traced.target else []):
+            shape = tuple(traced.node(ph).meta["val"].shape)
+            if not shape:
+                continue
+            if shape[0] % mesh.size:
+                raise PlanError(f"the global batch ({shape[0]}, dim 0 of input {ph!r}) is not divisible by the "
+                                f"data-parallel size {mesh.size}; use a batch that is a multiple of {mesh.size}")
+            only(ph, lambda spec: all(p == Shard(0) for p in spec))
+        for ph in list(traced.params) + list(traced.buffers) + list(traced.constants):
+            only(ph, lambda spec: all(isinstance(p, Replicate) for p in spec))
+    by_canon = {}
+    for ph, pname in traced.params.items():
+        for alias in traced.aliases.get(pname, [pname]):
+            by_canon[alias] = ph
+    by_canon.update({b: ph for ph, b in traced.buffers.items()})
+    for pname, placements in param_ann.items():
+        ph = by_canon.get(pname)
+        if ph is None:
+            raise PlanError(f"annotated parameter {pname!r} is not used by the traced model")
+        _check_axes(pname, placements, mesh, tuple(traced.node(ph).meta["val"].shape))
+        idx = only(ph, lambda spec, pl=placements: all(spec[mesh.axis_index(a)] == p for a, p in pl.items()))
+        if not idx:
+            raise PlanError(f"no valid placement of {pname!r} satisfies {_fmt(placements)}")
+    for i, placements in input_ann.items():
+        if i >= len(traced.inputs):
+            raise PlanError(f"shard_input({i}) but the model has {len(traced.inputs)} input(s)")
+        ph = traced.inputs[i]
+        _check_axes(f"input {i}", placements, mesh, tuple(traced.node(ph).meta["val"].shape))
+        only(ph, lambda spec, pl=placements: all(spec[mesh.axis_index(a)] == p for a, p in pl.items()))
+    return allowed
+
+
+def _fmt(placements: dict) -> str:
+    return "{" + ", ".join(f"{a}: {p}" for a, p in placements.items()) + "}"
+
+
+def _check_axes(what: str, placements: dict, mesh: Mesh, shape: tuple) -> None:
+    for ax, p in placements.items():
+        if ax not in mesh.axis_names:
+            raise PlanError(f"{what}: unknown mesh axis {ax!r}; the mesh has axes {mesh.axis_names}")
+        if isinstance(p, Shard):
+            if not -len(shape) <= p.dim < len(shape):
+                raise PlanError(f"{what}: Shard({p.dim}) is out of range for a tensor of shape {list(shape)}")
+            size, n = shape[p.dim], mesh.axis_size(ax)
+            if size % (n * p.chunks):
+                raise PlanError(f"{what}: dimension {p.dim} of size {size} is not divisible by the size {n} of "
+                                f"mesh axis {ax!r}; choose another dim or a mesh axis that divides it")
+
+
+def _outs(st):
+    o = st.output
+    return list(o) if o and isinstance(o[0], tuple) else [o]
+
+
+def _degrees(inputs: dict, mesh: Mesh, traced) -> dict:
+    from autopar.sharding.placements import parse_spec
+
+    dp = 1
+    if traced.inputs and traced.inputs[0] in inputs:
+        spec = parse_spec(inputs[traced.inputs[0]])
+        for a, p in enumerate(spec):
+            if p == Shard(0):
+                dp *= mesh.shape[a]
+    return {"dp": dp, "tp": mesh.size // dp, "pp": 1}
+
+
+def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict) -> Plan:
+    t0 = time.perf_counter()
+    device = mesh.spec()
+    cands = build_candidates(traced.gm, mesh.shape)
+    allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
+    costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers))
+    names = dict(traced.params)
+    names.update(traced.buffers)
+    ties = tie_groups(find_layers(traced.gm, names))
+    budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
+    built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
+    sol = solve_intra_op(built.problem)
+    nodes, params, inputs, colls = decode(traced.gm, cands, built, sol.choice, costing, mesh.axis_names, traced)
+    outputs = output_specs(traced.gm, nodes, params, inputs, traced)
+    return Plan(mode=mode, mesh=mesh, degrees=_degrees(inputs, mesh, traced), nodes=nodes, params=params,
+                inputs=inputs, outputs=outputs, step_time=sol.objective, flops=total_flops(traced.gm),
+                memory_per_device=[float(sol.memory)] * mesh.size, solve_time=time.perf_counter() - t0,
+                solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
+                options={"grad_compression": opts.grad_compression, "optimizer": opts.optimizer,
+                         "precision": opts.precision, "memory_budget": budget,
+                         "solver_vars": sol.num_vars},
+                fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
+
+
+def make_plan(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
+              input_ann: dict) -> Plan:
+    t0 = time.perf_counter()
+    mark_chunk_hints(traced.gm)
+    meshes = candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
+    plans, failures = [], []
+    for m in meshes:
+        try:
+            plans.append(solve_on_mesh(traced, m, mode, opts, param_ann, input_ann))
+        except InfeasibleError as err:
+            failures.append((m, err))
+    if not plans:
+        m, err = failures[0]
+        raise PlanError(f"no plan fits memory on {m}: {err}") from None
+    best = min(plans, key=lambda p: p.step_time)
+    alts = [Alternative(p.degrees, p.step_time, max(p.memory_per_device), True, f"mesh {p.mesh.shape}")
+            for p in plans if p is not best]
+    alts += [Alternative({}, math.inf, math.inf, False, f"mesh {m.shape}: {e}") for m, e in failures]
+    best.alternatives = sorted(alts, key=lambda a: a.step_time)
+    best.solve_time = time.perf_counter() - t0
+    return best
+
+
+__all__ = ["make_plan", "PlanOptions", "PlanError", "candidate_meshes", "R"]

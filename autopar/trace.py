@@ -1,0 +1,219 @@
+"""torch.export frontend: one training step's forward (model + loss) as an aten-level fx graph.
+
+The graph is traced on fake tensors (or meta tensors when the model lives on the meta
+device), so planning never allocates real weights. Every node keeps ``meta["val"]``
+(shape/dtype) and gains ``meta["module_path"]``; parameters/buffers are graph inputs
+whose names map back to ``model.state_dict()`` keys (tied parameters recognised).
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export.graph_signature import InputKind, OutputKind
+
+_WRAP = "model."
+
+
+class TraceError(RuntimeError):
+    """The model could not be traced; the message names the module and source line."""
+
+
+@dataclass
+class Traced:
+    """A traced training step: ``gm(*params, *buffers, *inputs[, target]) -> outputs``."""
+
+    gm: fx.GraphModule
+    params: dict[str, str]            # placeholder -> canonical parameter name
+    buffers: dict[str, str]           # placeholder -> buffer name
+    constants: dict[str, torch.Tensor]  # placeholder -> lifted constant tensor
+    inputs: list[str]                 # placeholders of the user's inputs
+    target: str | None                # placeholder of the loss target
+    aliases: dict[str, list[str]]     # canonical parameter name -> every name it has (tied)
+    buffer_mutations: dict[int, str]  # output index -> buffer name it updates
+    loss_index: int | None            # output index of the scalar loss
+    output_index: int | None          # output index of the model's output
+    input_shapes: list[tuple]
+    target_shape: tuple | None
+    has_loss: bool = False
+    meta: dict = field(default_factory=dict)
+
+    def node(self, name: str) -> fx.Node:
+        for n in self.gm.graph.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node named {name!r} in the traced graph")
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_shapes[0][0] if self.input_shapes and self.input_shapes[0] else 1
+
+
+class _Step(nn.Module):
+    """model + loss as one module, so the loss is planned with the model."""
+
+    def __init__(self, model: nn.Module, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args):
+        if self.loss_fn is None:
+            return self.model(*args)
+        *inputs, target = args
+        out = self.model(*inputs)
+        return self.loss_fn(out, target), out
+
+
+def _check_inputs(example_inputs, loss_fn, example_target):
+    if example_inputs is None:
+        raise ValueError("example_inputs is required: pass a tuple of tensors with the GLOBAL batch shape, "
+                         "e.g. example_inputs=(x,)")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)) or not example_inputs:
+        raise ValueError(f"example_inputs must be a non-empty tuple of tensors, got {type(example_inputs).__name__}")
+    for i, t in enumerate(example_inputs):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"example_inputs[{i}] is a {type(t).__name__}; every example input must be a tensor")
+    if loss_fn is not None and example_target is None:
+        raise ValueError("loss_fn was given without example_target: pass example_target=<a target tensor "
+                         "with the global batch shape> so the loss can be traced and planned")
+    if example_target is not None and not isinstance(example_target, torch.Tensor):
+        raise TypeError(f"example_target must be a tensor, got {type(example_target).__name__}")
+    return tuple(example_inputs)
+
+
+def _user_frame(tb, model: nn.Module):
+    """Innermost frame of the user's code (not torch's), and the module running there."""
+    names = {id(m): n for n, m in model.named_modules()}
+    frame_info, module_name = None, None
+    for frame, lineno in traceback.walk_tb(tb):
+        fname = frame.f_code.co_filename
+        if f"{'/'}torch{'/'}" in fname or fname.startswith("<"):
+            continue
+        frame_info = (fname, lineno, frame.f_code.co_name)
+        code = frame.f_code
+        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            module_name = names[id(owner)] or "<root>"
+    return frame_info, module_name
+
+
+def _explain_failure(err: Exception, model: nn.Module) -> TraceError:
+    frame, module = _user_frame(err.__traceback__, model)
+    where = f"in module {module!r}" if module else "in the model"
+    line = f" at {frame[0]}:{frame[1]} ({frame[2]})" if frame else ""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return TraceError(
+        f"autopar could not trace the model {where}{line}: {type(err).__name__}: {first}\n"
+        "What to try: make control flow independent of tensor values (torch.cond or plain Python on shapes), "
+        "avoid .item()/.tolist()/numpy inside forward, pass every input as a tensor in example_inputs, "
+        "and for Hugging Face models set use_cache=False.")
+
+
+def _canonical_params(model: nn.Module) -> tuple[dict[int, str], dict[str, list[str]]]:
+    canon: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first = canon.setdefault(id(p), name)
+        aliases.setdefault(first, []).append(name)
+    return canon, aliases
+
+
+def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None) -> Traced:
+    """Trace ``model`` (and ``loss_fn(model(*inputs), target)``) to an aten-level graph."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inputs = _check_inputs(example_inputs, loss_fn, example_target)
+    args = inputs + ((example_target,) if loss_fn is not None else ())
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta:
+        args = tuple(a.to("meta") for a in args)
+    step = _Step(model, loss_fn)
+    try:
+        ep = torch.export.export(step, args, strict=False)
+    except Exception as err:  # noqa: BLE001 - every failure is reported with its location
+        raise _explain_failure(err, model) from err
+    return _from_exported(ep, model, inputs, example_target, loss_fn is not None)
+
+
+def _from_exported(ep, model, inputs, example_target, has_loss) -> Traced:
+    canon_by_id, aliases = _canonical_params(model)
+    by_name = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    sig = ep.graph_signature
+    params, buffers, constants, user = {}, {}, {}, []
+    for spec in sig.input_specs:
+        ph = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            name = spec.target[len(_WRAP):]
+            params[ph] = canon_by_id[id(by_name[name])]
+        elif spec.kind == InputKind.BUFFER:
+            buffers[ph] = spec.target[len(_WRAP):]
+        elif spec.kind in (InputKind.CONSTANT_TENSOR,):
+            constants[ph] = ep.constants[spec.target]
+        elif spec.kind == InputKind.USER_INPUT:
+            user.append(ph)
+        else:
+            raise TraceError(f"unsupported graph input kind {spec.kind} for {spec.target!r}")
+    target = user.pop() if has_loss else None
+    mutations, user_out = {}, []
+    for i, spec in enumerate(sig.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            mutations[i] = spec.target[len(_WRAP):]
+        elif spec.kind == OutputKind.USER_OUTPUT:
+            user_out.append(i)
+        else:
+            raise TraceError(f"unsupported graph output kind {spec.kind}")
+    gm = ep.graph_module
+    _merge_tied(gm, params)
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        path = list(stack.values())[-1][0] if stack else ""
+        node.meta["module_path"] = path[len(_WRAP):] if path.startswith(_WRAP) else ("" if path == "model" else path)
+    loss_index = output_index = None
+    if has_loss:
+        loss_index, output_index = user_out[0], user_out[1]
+    else:
+        output_index = user_out[0] if len(user_out) == 1 else None
+        out_val = _output_vals(gm)[output_index] if output_index is not None else None
+        if isinstance(out_val, torch.Tensor) and out_val.dim() == 0:
+            loss_index = output_index
+    return Traced(gm=gm, params=params, buffers=buffers, constants=constants, inputs=user, target=target,
+                  aliases=aliases, buffer_mutations=mutations, loss_index=loss_index, output_index=output_index,
+                  input_shapes=[tuple(t.shape) for t in inputs],
+                  target_shape=tuple(example_target.shape) if example_target is not None else None,
+                  has_loss=loss_index is not None)
+
+
+def _merge_tied(gm: fx.GraphModule, params: dict[str, str]) -> None:
+    """One placeholder per Parameter: later placeholders of a tied parameter are merged into the first."""
+    first: dict[str, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "placeholder" or node.name not in params:
+            continue
+        canon = params[node.name]
+        if canon in first:
+            node.replace_all_uses_with(first[canon])
+            gm.graph.erase_node(node)
+            del params[node.name]
+        else:
+            first[canon] = node
+    gm.recompile()
+
+
+def _output_vals(gm: fx.GraphModule) -> list:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return [a.meta.get("val") if isinstance(a, fx.Node) else a for a in out.args[0]]
+
+
+def module_path(node: fx.Node) -> str:
+    return node.meta.get("module_path", "")
+
+
+if sys.version_info < (3, 10):  # pragma: no cover
+    raise ImportError("autopar needs Python 3.10 or newer")

@@ -1,0 +1,45 @@
+"""Shared multi-rank harness: one spawned process group per world size, reused by every test.
+
+``run_ranks(n, fn, *args)`` runs ``fn(rank, *args)`` on n ranks (gloo, 1 thread each, a
+timeout on every process group) and returns the per-rank results. A pool that saw a
+failure is replaced before the next test uses it.
+"""
+from __future__ import annotations
+
+import pytest
+
+from autopar.runtime.launch import RankPool
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def _pool(n: int) -> RankPool:
+    pool = _POOLS.get(n)
+    if pool is None or pool.broken:
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[n] = RankPool(n, timeout_s=90)
+    return pool
+
+
+def run_ranks(n: int, fn, *args, **kwargs) -> list:
+    return _pool(n).run(fn, *args, **kwargs)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_pools():
+    yield
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_context():
+    import autopar
+
+    autopar.reset_auto_parallel_context()
+    autopar.clear_annotations()
+    yield
+    autopar.reset_auto_parallel_context()
+    autopar.clear_annotations()

@@ -1,0 +1,169 @@
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.cost_models.compute import OpCost, graph_cost, node_cost, node_work, total_flops
+from autopar.cost_models.devices import DeviceSpec, Link, get_device
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block; hand-written attention unless ``sdpa``."""
+
+    def __init__(self, h, heads, sdpa, p=0.1):
+        super().__init__()
+        self.heads, self.sdpa, self.p = heads, sdpa, p
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(h, -1))
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            att = F.dropout(att.masked_fill(~causal, float("-inf")).softmax(-1), self.p, self.training)
+            y = att @ v
+        x = x + F.dropout(self.proj(y.transpose(1, 2).reshape(b, s, h)), self.p, self.training)
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.p, self.training)
+
+
+class GPT(nn.Module):
+    """Tied embeddings, learned positions, pre-LN blocks, 4h MLP, cross-entropy loss."""
+
+    def __init__(self, vocab, seq, h, heads, layers, sdpa=False, p=0.1):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
+        self.blocks = nn.ModuleList(Block(h, heads, sdpa, p) for _ in range(layers))
+        self.lnf = nn.LayerNorm(h)
+
+    def forward(self, idx, target):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.lnf(x), self.wte.weight)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1))
+
+
+def export_gpt(vocab, seq, h, heads, layers, batch, sdpa=False, dtype=torch.float32):
+    with torch.device("meta"):
+        model = GPT(vocab, seq, h, heads, layers, sdpa).to(dtype)
+    idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return torch.export.export(model, (idx, idx), strict=False).graph_module
+
+
+def export(model, *args):
+    return torch.export.export(model, args, strict=False).graph_module
+
+
+def nodes(gm, target):
+    return [n for n in gm.graph.nodes if n.target is target]
+
+
+aten = torch.ops.aten
+TOY = DeviceSpec(
+    name="toy",
+    peak_flops={"fp32": 1e12, "tf32": 1e12, "bf16": 4e12, "fp16": 4e12},
+    memory_bytes=2**30,
+    memory_bandwidth=1e11,
+    intra_node_link=Link(1e10, 1e-6),
+    inter_node_link=Link(1e9, 1e-5),
+    devices_per_node=8,
+    compute_efficiency=0.5,
+    memory_efficiency=0.5,
+    kernel_overhead=1e-6,
+)
+
+
+@pytest.mark.parametrize(
+    "vocab,seq,h,heads,layers,batch,sdpa",
+    [(1000, 128, 256, 4, 2, 2, False), (5000, 256, 512, 8, 2, 2, False), (3000, 512, 256, 4, 1, 1, True)],
+)
+def test_gpt_training_flops_match_narayanan(vocab, seq, h, heads, layers, batch, sdpa):
+    """72 B s l h^2 (1 + s/(6h) + V/(12 l h)) for fwd + bwd without recomputation."""
+    gm = export_gpt(vocab, seq, h, heads, layers, batch, sdpa)
+    expected = 72 * batch * seq * layers * h * h * (1 + seq / (6 * h) + vocab / (12 * layers * h))
+    assert total_flops(gm) == pytest.approx(expected, rel=0.02)
+
+
+def test_linear_cost_and_roofline():
+    gm = export(nn.Linear(512, 1024), torch.randn(64, 512))
+    (node,) = nodes(gm, aten.linear.default)
+    cost = node_cost(node, TOY)
+    assert cost.flops_fwd == 2 * 64 * 512 * 1024
+    # the input needs no gradient: weight-grad mm (2mnk) and bias sum (uncounted) only
+    assert cost.flops_bwd == cost.flops_fwd
+    assert cost.bytes_fwd == 4 * (64 * 512 + 1024 * 512 + 1024 + 64 * 1024)
+    compute = cost.flops_fwd / (1e12 * 0.5)
+    memory = cost.bytes_fwd / (1e11 * 0.5)
+    assert cost.time_fwd == pytest.approx(max(compute, memory) + 1e-6)
+    assert cost.total == pytest.approx(cost.time_fwd + cost.time_bwd) == cost.time_total
+
+
+def test_backward_follows_parameters():
+    """An input-only linear does weight-grad work only; inside a model it also back-propagates."""
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    gm = export(model, torch.randn(32, 256))
+    first, second = nodes(gm, aten.linear.default)
+    assert node_cost(first, TOY).flops_bwd == 2 * 32 * 256 * 256  # dW
+    assert node_cost(second, TOY).flops_bwd == 4 * 32 * 256 * 256  # dW + dX
+    gm2 = export(torch.nn.Flatten(), torch.randn(4, 3, 5))  # no parameters at all
+    assert sum(c.flops_bwd + c.time_bwd for c in graph_cost(gm2, TOY).values()) == 0
+
+
+def test_views_inputs_outputs_are_free():
+    gm = export_gpt(500, 64, 64, 4, 1, 2)
+    costs = graph_cost(gm, TOY)
+    for node in gm.graph.nodes:
+        free = node.op in ("placeholder", "output") or node.target in (
+            aten.view.default,
+            aten.transpose.int,
+            aten.split.Tensor,
+        ) or node.name.startswith("getitem")
+        if free:
+            assert costs[node.name] == OpCost(0, 0, 0, 0, 0, 0), node.name
+    assert set(costs) == {n.name for n in gm.graph.nodes}
+
+
+def test_fallback_formulas():
+    gm = export_gpt(500, 64, 64, 4, 1, 2, sdpa=True)
+    (sdpa,) = nodes(gm, aten.scaled_dot_product_attention.default)
+    work = node_work(sdpa)
+    assert work.flops_fwd == 4 * 2 * 4 * 64 * 64 * 16  # 2 matmuls of 2*b*heads*s*s*d
+    assert work.flops_bwd == 2 * work.flops_fwd
+    gelu_gm = export(nn.Sequential(nn.Linear(8, 8), nn.GELU()), torch.randn(4, 8))
+    (gelu,) = nodes(gelu_gm, aten.gelu.default)
+    assert node_work(gelu).flops_fwd == 32 and node_work(gelu).flops_bwd == 64
+    emb_gm = export(nn.Embedding(1000, 16), torch.zeros(4, 8, dtype=torch.long))
+    (emb,) = nodes(emb_gm, aten.embedding.default)
+    w = node_work(emb)
+    assert w.flops_fwd == 0 and w.bytes_fwd == 4 * 8 * 8 + 2 * 4 * 8 * 16 * 4  # indices + rows + out
+
+
+def test_conv_uses_flop_counter():
+    gm = export(nn.Conv2d(3, 8, 3, padding=1), torch.randn(2, 3, 16, 16))
+    (conv,) = nodes(gm, aten.conv2d.default)
+    assert node_work(conv).flops_fwd == 2 * 2 * 8 * 16 * 16 * 3 * 9
+
+
+def test_scaled_divides_work_not_launches():
+    cost = OpCost(8.0, 16.0, 80.0, 160.0, 1.0 + 1e-3, 2.0 + 2e-3, 1e-3, 2e-3)
+    half = cost.scaled(2)
+    assert (half.flops_fwd, half.flops_bwd, half.bytes_fwd, half.bytes_bwd) == (4.0, 8.0, 40.0, 80.0)
+    assert half.time_fwd == pytest.approx(0.5 + 1e-3) and half.time_bwd == pytest.approx(1.0 + 2e-3)
+    with pytest.raises(ValueError):
+        cost.scaled(0)
+
+
+def test_bf16_is_faster_on_tensor_cores():
+    fp32 = export(nn.Linear(4096, 4096), torch.randn(4096, 4096))
+    bf16 = export(nn.Linear(4096, 4096).to(torch.bfloat16), torch.randn(4096, 4096, dtype=torch.bfloat16))
+    a100 = get_device("a100-80gb")
+    t32 = node_cost(nodes(fp32, aten.linear.default)[0], a100).time_fwd
+    t16 = node_cost(nodes(bf16, aten.linear.default)[0], a100).time_fwd
+    assert t32 / t16 == pytest.approx(16, rel=0.05)

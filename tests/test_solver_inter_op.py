@@ -1,0 +1,132 @@
+"""Inter-op stage partition: DP equals brute force, balance, memory budgets, errors."""
+import numpy as np
+import pytest
+
+from autopar.solver.inter_op import (
+    LayerProfile, brute_force_partition, choose_microbatches, partition_stages, scale_profile)
+
+GIB = 2.0**30
+
+
+def random_layers(rng: np.random.Generator, n: int) -> list[LayerProfile]:
+    return [LayerProfile(f"l{i}", rng.uniform(0.2, 2.0), rng.uniform(0.4, 4.0), rng.uniform(0.5, 3.0) * GIB,
+                         rng.uniform(0.1, 1.0) * GIB, rng.uniform(0.01, 0.5) * GIB) for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    schedule = ["gpipe", "1f1b", "interleaved_1f1b"][seed % 3]
+    p = int(rng.integers(2, 5)) if schedule != "interleaved_1f1b" else 2
+    n = int(rng.integers(p * (2 if schedule == "interleaved_1f1b" else 1), 9))
+    layers = random_layers(rng, n)
+    m = p * int(rng.integers(1, 4))
+    kwargs = dict(schedule=schedule, p2p_link=(float(rng.uniform(1, 50)) * GIB, 1e-4))
+    if seed % 2:
+        kwargs["memory_budget"] = float(rng.uniform(4, 20)) * GIB
+    if seed % 5 == 0 and n > 3:
+        kwargs["fixed_boundaries"] = [int(rng.integers(1, n))]
+    try:
+        expected = brute_force_partition(layers, p, m, **kwargs)
+    except ValueError:
+        with pytest.raises(ValueError):
+            partition_stages(layers, p, m, **kwargs)
+        return
+    got = partition_stages(layers, p, m, **kwargs)
+    assert got.objective == pytest.approx(expected.objective, rel=1e-12)
+    stages = got.stages
+    assert stages[0].layers[0] == 0 and stages[-1].layers[1] == n
+    assert all(a.layers[1] == b.layers[0] for a, b in zip(stages, stages[1:]))
+    assert all(s.layers[0] < s.layers[1] for s in stages)
+    if "memory_budget" in kwargs:
+        assert max(got.rank_memory) <= kwargs["memory_budget"]
+    for b in kwargs.get("fixed_boundaries", []):
+        assert b in got.boundaries
+    assert got.step_time > 0 and 0 <= got.bubble_fraction < 1
+
+
+def uniform(n: int, param_bytes: float = GIB, act: float = 0.1 * GIB) -> list[LayerProfile]:
+    return [LayerProfile(f"l{i}", 1.0, 2.0, param_bytes, act, 0.01 * GIB) for i in range(n)]
+
+
+def test_uneven_layer_count_is_balanced():
+    part = partition_stages(uniform(5), 2, 4)
+    sizes = sorted(b - a for a, b in (s.layers for s in part.stages))
+    assert sizes == [2, 3]
+    assert part.step_time == pytest.approx(simulated_equal_or_better(part))
+
+
+def simulated_equal_or_better(part):
+    """The simulated step is never below the pipeline lower bound (m - 1) * max + sum."""
+    times = [s.fwd + s.bwd for s in part.stages]
+    assert part.step_time >= sum(times) + (part.microbatches - 1) * max(times) - 1e-9
+    return part.step_time
+
+
+def test_even_split_and_one_f_one_b_memory():
+    part = partition_stages(uniform(8), 4, 8)
+    assert [s.layers for s in part.stages] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # 1F1B keeps min(p - s, m) microbatches of activations on stage s
+    assert [s.memory for s in part.stages] == pytest.approx([(2 + 0.2 * k) * GIB for k in (4, 3, 2, 1)])
+    assert part.step_time == pytest.approx((8 + 4 - 1) * 6.0)
+
+
+def test_embedding_dominated_model_fits_and_balances():
+    layers = [LayerProfile("embed", 0.5, 1.0, 12 * GIB, 0.05 * GIB, 0.05 * GIB)] + uniform(11, 1 * GIB, 0.2 * GIB)
+    budget = 14 * GIB
+    part = partition_stages(layers, 4, 8, memory_budget=budget)
+    assert max(part.rank_memory) <= budget
+    assert part.stages[0].layers == (0, 1)  # the embedding stage can hold nothing else
+    rest = [s.fwd + s.bwd for s in part.stages[1:]]
+    assert max(rest) - min(rest) <= 3.0 + 1e-9  # the 11 other layers spread 4/4/3 (one layer = 3 s)
+    unconstrained = partition_stages(layers, 4, 8)
+    assert unconstrained.stages[0].layers[1] > 1  # without the budget the first stage takes more
+
+
+def test_more_stages_than_layers():
+    with pytest.raises(ValueError, match="cannot split 3 layers into 4 stages"):
+        partition_stages(uniform(3), 4, 4)
+    with pytest.raises(ValueError, match="cannot split 3 layers into 4 stages"):
+        partition_stages(uniform(3), 2, 4, schedule="interleaved_1f1b", virtual_stages=2)
+
+
+def test_budget_too_small_reports_smallest_peak():
+    layers = uniform(4, param_bytes=2 * GIB, act=0.5 * GIB)
+    with pytest.raises(ValueError) as err:
+        partition_stages(layers, 2, 4, memory_budget=4 * GIB)
+    # best: 2 layers per stage; stage 0 holds min(2 - 0, 4) = 2 microbatches: 4 + 2 * 1 = 6 GiB
+    assert "smallest achievable peak stage memory is 6.00 GiB" in str(err.value)
+    assert "budget 4.00 GiB" in str(err.value)
+
+
+def test_fixed_boundaries():
+    part = partition_stages(uniform(8), 2, 4, fixed_boundaries=[3])
+    assert part.boundaries == [3]
+    with pytest.raises(ValueError, match="outside"):
+        partition_stages(uniform(8), 2, 4, fixed_boundaries=[8])
+    with pytest.raises(ValueError, match="fixed boundaries need at least 3 stages"):
+        partition_stages(uniform(8), 2, 4, fixed_boundaries=[2, 5])
+
+
+def test_interleaved_partition_runs_on_ranks():
+    part = partition_stages(uniform(8), 2, 4, schedule="interleaved_1f1b")
+    assert len(part.stages) == 4 and [s.rank for s in part.stages] == [0, 1, 0, 1]
+    plain = partition_stages(uniform(8), 2, 4, schedule="1f1b")
+    assert part.bubble_fraction < plain.bubble_fraction
+
+
+def test_choose_microbatches():
+    layers = uniform(8)
+    best = choose_microbatches(32, layers, 4, p2p_link=(10 * GIB, 1e-3))
+    assert 32 % best.microbatches == 0
+    assert best.step_time <= partition_stages(layers, 4, 1, p2p_link=(10 * GIB, 1e-3)).step_time
+    only = choose_microbatches(32, layers, 4, candidates=[4])
+    assert only.microbatches == 4 and only.stages[0].fwd == pytest.approx(2 * 1.0 / 4)
+    with pytest.raises(ValueError, match=r"microbatch counts \[3, 5\] do not divide the batch size 32"):
+        choose_microbatches(32, layers, 4, candidates=[3, 4, 5])
+    sizes = []
+    profile = lambda size: sizes.append(size) or scale_profile(uniform(8), size / 8)  # noqa: E731
+    assert choose_microbatches(8, profile, 2, candidates=[2, 4]).microbatches == 4
+    assert sizes == [4, 2]
+    fixed_cost = choose_microbatches(8, lambda size: uniform(8), 2, candidates=[2, 4])
+    assert fixed_cost.microbatches == 2  # per-microbatch time not shrinking: fewer microbatches win

@@ -1,0 +1,175 @@
+"""Intra-op CP-SAT solver: agrees with brute force, honours budgets/annotations/ties, scales."""
+import time
+
+import numpy as np
+import pytest
+
+from autopar.solver.intra_op import (
+    EdgeCost, InfeasibleError, IntraOpProblem, NodeChoices, brute_force, evaluate, solve_intra_op)
+
+
+def random_problem(rng: np.random.Generator) -> IntraOpProblem:
+    n = int(rng.integers(3, 9))
+    ks = rng.integers(2, 5, n)
+    ties = []
+    if n >= 4 and rng.random() < 0.5:
+        ks[1] = ks[3] = ks[0]
+        ties = [[0, 1, 3]] if rng.random() < 0.5 else [[0, 1], [3, 1]]
+    nodes = [NodeChoices(f"n{v}", rng.uniform(0, 1, ks[v]), rng.uniform(0, 1, ks[v])) for v in range(n)]
+    if rng.random() < 0.4:
+        v = int(rng.integers(n))
+        nodes[v].allowed = sorted(rng.choice(ks[v], int(rng.integers(1, ks[v] + 1)), replace=False).tolist())
+    edges = []
+    for u in range(n):
+        for v in range(u + 1, n):
+            if rng.random() < 0.45:
+                cost = rng.uniform(0, 1, (ks[u], ks[v]))
+                if rng.random() < 0.2:
+                    cost[rng.integers(ks[u]), rng.integers(ks[v])] = np.inf
+                edges.append(EdgeCost(u, v, cost) if rng.random() < 0.8 else EdgeCost(v, u, cost.T.copy()))
+    if edges and rng.random() < 0.3:
+        e = edges[0]
+        edges.append(EdgeCost(e.src, e.dst, rng.uniform(0, 1, e.cost.shape)))  # a parallel edge
+    budget = float(sum(nd.memory.mean() for nd in nodes)) if rng.random() < 0.5 else None
+    return IntraOpProblem(nodes, edges, budget, ties)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_matches_brute_force(seed):
+    p = random_problem(np.random.default_rng(seed))
+    try:
+        expected = brute_force(p)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve_intra_op(p)
+        return
+    got = solve_intra_op(p)
+    assert got.status == "OPTIMAL"
+    assert got.objective == pytest.approx(expected.objective, abs=1e-6)
+    assert evaluate(p, got.choice) == pytest.approx((got.objective, got.memory))
+    if p.memory_budget is not None:
+        assert got.memory <= p.memory_budget
+    for group in p.ties:
+        assert len({got.choice[v] for v in group}) == 1
+    for v, node in enumerate(p.nodes):
+        assert node.allowed is None or got.choice[v] in node.allowed
+
+
+def test_allowed_overrides_cheaper_choice():
+    nodes = [NodeChoices("a", np.array([1.0, 0.0, 5.0]), np.zeros(3), allowed=[0, 2]),
+             NodeChoices("b", np.array([0.0, 3.0]), np.zeros(2))]
+    edges = [EdgeCost(0, 1, np.array([[4.0, 0.0], [0.0, 0.0], [0.0, 0.0]]))]
+    sol = solve_intra_op(IntraOpProblem(nodes, edges))
+    assert sol.choice == [0, 1] and sol.objective == pytest.approx(4.0)  # unrestricted optimum: [1, 0] at 0
+
+
+def test_infeasible_budget_explains_smallest_memory():
+    nodes = [NodeChoices(f"n{i}", np.array([1.0, 2.0]), np.array([4.0, 2.0]) * 2**30) for i in range(3)]
+    p = IntraOpProblem(nodes, [EdgeCost(0, 1, np.ones((2, 2))), EdgeCost(1, 2, np.ones((2, 2)))],
+                       memory_budget=5.0 * 2**30)
+    with pytest.raises(InfeasibleError) as err:
+        solve_intra_op(p)
+    msg = str(err.value)
+    assert "smallest achievable memory is 6.000 GiB" in msg and "budget is 5.000 GiB" in msg
+    assert "more devices" in msg and "pipeline" in msg
+
+
+def test_budget_binding_against_forbidden_pairs():
+    # the cheap, small pair is forbidden: the memory budget then forces the infeasibility
+    nodes = [NodeChoices("a", np.array([0.0, 1.0]), np.array([1.0, 3.0])),
+             NodeChoices("b", np.array([0.0, 1.0]), np.array([1.0, 3.0]))]
+    cost = np.array([[np.inf, 0.0], [0.0, 0.0]])
+    assert solve_intra_op(IntraOpProblem(nodes, [EdgeCost(0, 1, cost)], memory_budget=4.0)).objective == 1.0
+    with pytest.raises(InfeasibleError, match="smallest achievable memory"):
+        solve_intra_op(IntraOpProblem(nodes, [EdgeCost(0, 1, cost)], memory_budget=3.0))
+
+
+def test_all_pairs_forbidden_is_infeasible():
+    nodes = [NodeChoices("a", np.zeros(2), np.zeros(2)), NodeChoices("b", np.zeros(2), np.zeros(2))]
+    with pytest.raises(InfeasibleError, match="infinite"):
+        solve_intra_op(IntraOpProblem(nodes, [EdgeCost(0, 1, np.full((2, 2), 1e9))]))
+
+
+def test_bad_shapes_rejected():
+    nodes = [NodeChoices("a", np.zeros(2), np.zeros(2)), NodeChoices("b", np.zeros(3), np.zeros(3))]
+    with pytest.raises(ValueError, match="cost shape"):
+        solve_intra_op(IntraOpProblem(nodes, [EdgeCost(0, 1, np.zeros((3, 2)))]))
+    with pytest.raises(ValueError, match="different strategy counts"):
+        solve_intra_op(IntraOpProblem(nodes, [], ties=[[0, 1]]))
+
+
+def layered_problem(layers: int, tie: bool, per_layer: int = 6, k: int = 4, seed: int = 0) -> IntraOpProblem:
+    """Identical layers joined by a residual node: layer i's node 0 feeds layer i+1's node 0.
+
+    Resharding the residual costs 0 on the diagonal and > 0 elsewhere, and the rest of a layer
+    is a tree hanging off its node 0, so the uniform assignment is optimal: tied and untied
+    optima agree (and the untied problem is a tree, which the eliminations solve exactly).
+    """
+    rng = np.random.default_rng(seed)
+    compute = [rng.uniform(0, 1, k) for _ in range(per_layer)]
+    memory = [rng.uniform(0, 1, k) for _ in range(per_layer)]
+    internal = [(int(rng.integers(j)), j, rng.uniform(0, 1, (k, k))) for j in range(1, per_layer)]
+    cross = rng.uniform(0.1, 1, (k, k))
+    np.fill_diagonal(cross, 0.0)
+    nodes, edges = [], []
+    for layer in range(layers):
+        off = layer * per_layer
+        nodes += [NodeChoices(f"L{layer}.{i}", compute[i].copy(), memory[i].copy()) for i in range(per_layer)]
+        edges += [EdgeCost(off + i, off + j, c.copy()) for i, j, c in internal]
+        if layer:
+            edges.append(EdgeCost(off - per_layer, off, cross.copy()))
+    ties = [[layer * per_layer + i for layer in range(layers)] for i in range(per_layer)] if tie else []
+    return IntraOpProblem(nodes, edges, ties=ties)
+
+
+def test_48_tied_layers_fast_and_equal_to_untied():
+    start = time.perf_counter()
+    tied = solve_intra_op(layered_problem(48, tie=True))
+    assert time.perf_counter() - start < 10
+    untied = solve_intra_op(layered_problem(48, tie=False))
+    assert tied.status == untied.status == "OPTIMAL"
+    assert tied.objective == pytest.approx(untied.objective, rel=1e-9)
+    one = solve_intra_op(layered_problem(1, tie=True))
+    assert tied.choice[:6] == one.choice
+
+
+def test_tied_layers_with_budget_use_one_layers_model():
+    base = layered_problem(48, tie=True)
+    budget = 48 * sum(float(n.memory.mean()) for n in base.nodes[:6])
+    tied = solve_intra_op(IntraOpProblem(base.nodes, base.edges, budget, base.ties))
+    one = solve_intra_op(IntraOpProblem(base.nodes[:6], [e for e in base.edges if e.dst < 6], budget / 48,
+                                        [[i] for i in range(6)]))
+    assert tied.status == "OPTIMAL" and tied.memory <= budget
+    assert tied.num_vars <= one.num_vars + 24  # same model size as one layer (+ the residual edge)
+    assert tied.solve_time < 5
+
+
+def structured_problem(n: int, seed: int = 0) -> IntraOpProblem:
+    """Op chain with skip edges; strategies have input/output placements, resharding 0 when they match."""
+    rng = np.random.default_rng(seed)
+    placements = 4
+    reshard = rng.uniform(0.5, 2.0, (placements, placements))
+    np.fill_diagonal(reshard, 0.0)
+    ks = rng.choice([4, 8, 16], n)
+    out = [rng.integers(0, placements, k) for k in ks]
+    inp = [rng.integers(0, placements, k) for k in ks]
+    shard = [rng.choice([1, 2, 4, 8], k) for k in ks]
+    size = np.exp(rng.uniform(np.log(1e-5), np.log(1e-3), n))
+    nodes = [NodeChoices(f"op{v}", size[v] * (1 / shard[v] + rng.uniform(0, 0.5, ks[v])), 1e9 * size[v] / shard[v])
+             for v in range(n)]
+    edges = []
+    for v in range(n - 1):
+        for w in [v + 1] + ([v + int(rng.integers(2, 7))] if rng.random() < 0.2 else []):
+            if w < n:
+                edges.append(EdgeCost(v, w, size[v] * reshard[out[v]][:, inp[w]]))
+    return IntraOpProblem(nodes, edges)
+
+
+def test_2000_nodes_untied_within_seconds():
+    # about 2 s on an idle 2-core machine; the bound leaves room for a loaded CI box
+    p = structured_problem(2000)
+    p.time_limit_s = 30
+    sol = solve_intra_op(p)
+    assert sol.status == "OPTIMAL" and sol.solve_time < 30
+    loose = IntraOpProblem(p.nodes, p.edges, memory_budget=sol.memory * 1.5, time_limit_s=30)
+    assert solve_intra_op(loose).objective == pytest.approx(sol.objective)
