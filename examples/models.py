@@ -152,7 +152,8 @@ class BertLayer(nn.Module):
     def __init__(self, h, heads, dropout=0.0):
         super().__init__()
         self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+        self.q, self.v, self.o = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+        self.k = nn.Linear(h, h, bias=False)  # a key bias has an exactly zero gradient (softmax shift)
         self.ln1 = nn.LayerNorm(h)
         self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
         self.ln2 = nn.LayerNorm(h)

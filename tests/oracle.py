@@ -11,6 +11,7 @@ import torch
 import autopar
 
 STEPS = 3
+LR = 1e-3
 
 
 def make_batch(kind: str, batch: int, seed: int = 1, **kw):
@@ -45,7 +46,7 @@ def _train(step_fn, params_fn, grads_fn, opt, steps):
     return {"losses": losses, "grads": grads, "params": params}
 
 
-def reference_run(model_fn, loss_fn, x, y, steps: int = STEPS, lr: float = 1e-2, eps: float = 1e-8):
+def reference_run(model_fn, loss_fn, x, y, steps: int = STEPS, lr: float = LR, eps: float = 1e-8):
     torch.manual_seed(0)
     model = model_fn()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
@@ -60,7 +61,7 @@ def reference_run(model_fn, loss_fn, x, y, steps: int = STEPS, lr: float = 1e-2,
                   lambda: {names[id(p)]: p.grad for p in model.parameters() if p.grad is not None}, opt, steps)
 
 
-def parallel_run(rank, model_fn, loss_fn, x, y, mesh, mode, steps: int = STEPS, lr: float = 1e-2, eps: float = 1e-8, setup=None,
+def parallel_run(rank, model_fn, loss_fn, x, y, mesh, mode, steps: int = STEPS, lr: float = LR, eps: float = 1e-8, setup=None,
                  **kw):
     torch.manual_seed(0)
     model = model_fn()

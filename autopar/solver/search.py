@@ -77,6 +77,8 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
             only(ph, lambda spec: all(p == Shard(0) for p in spec))
         for ph in list(traced.params) + list(traced.buffers) + list(traced.constants):
             only(ph, lambda spec: all(isinstance(p, Replicate) for p in spec))
+    if mesh.named and mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO):
+        _axis_roles(traced, cands, mesh, input_ann, only)
     by_canon = {}
     for ph, pname in traced.params.items():
         for alias in traced.aliases.get(pname, [pname]):
@@ -97,6 +99,29 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
         _check_axes(f"input {i}", placements, mesh, tuple(traced.node(ph).meta["val"].shape))
         only(ph, lambda spec, pl=placements: all(spec[mesh.axis_index(a)] == p for a, p in pl.items()))
     return allowed
+
+
+ROLE_DATA, ROLE_TENSOR = ("dp", "data", "batch"), ("tp", "tensor", "model", "mp")
+
+
+def _axis_roles(traced, cands, mesh: Mesh, input_ann: dict, only) -> None:
+    """Named axes carry their role: "dp" shards the batch of every input, "tp" keeps inputs whole."""
+    data = [i for i, n in enumerate(mesh.axis_names) if n in ROLE_DATA]
+    tensor = [i for i, n in enumerate(mesh.axis_names) if n in ROLE_TENSOR]
+    if not data and not tensor:
+        return
+    phs = list(enumerate(traced.inputs)) + ([(None, traced.target)] if traced.target else [])
+    for i, ph in phs:
+        if i in input_ann:
+            continue
+        shape = tuple(traced.node(ph).meta["val"].shape)
+        dp = math.prod(mesh.shape[a] for a in data)
+        if data and shape and shape[0] % dp:
+            raise PlanError(f"the global batch ({shape[0]}, dim 0 of {ph!r}) is not divisible by the data-parallel "
+                            f"size {dp} (mesh axes {[mesh.axis_names[a] for a in data]}); use a batch that is a "
+                            f"multiple of {dp}")
+        only(ph, lambda spec, s=shape: all(spec[a] == (Shard(0) if s else R) for a in data)
+             and all(isinstance(spec[a], Replicate) for a in tensor))
 
 
 def _fmt(placements: dict) -> str:
