@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from autopar.passes.shard_params import local_piece
 from autopar.plan import Plan
 from autopar.runtime.grad_sync import add_axis_sync_hooks, wrap_ddp
 from autopar.runtime.groups import AxisGroup, axis_groups
+from autopar.runtime.launch import init_from_env
 from autopar.runtime.program import RankProgram
 from autopar.sharding.placements import parse_spec
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
@@ -61,6 +63,7 @@ def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_targ
     mesh = _check_mesh(mesh)
     mode = _mode(mode)
     traced = trace(model, example_inputs, loss_fn, example_target)
+    _attach_retrace(traced, model, example_inputs, loss_fn, example_target)
     return _plan_traced(model, traced, mesh, mode)
 
 
@@ -92,6 +95,7 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("the model's parameters are on the meta device: parallelize() needs real weights "
                          "(use autopar.plan() to plan a meta model, then build it for real)")
+    init_from_env()
     if dist.is_initialized():
         world = dist.get_world_size()
         if world != mesh.size:
@@ -101,6 +105,7 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
         raise RuntimeError(f"mesh {mesh!r} has {mesh.size} devices but torch.distributed is not initialized: run "
                            "under torchrun or autopar.launch (or use a Mesh(1))")
     traced = trace(model, example_inputs, loss_fn, example_target)
+    _attach_retrace(traced, model, example_inputs, loss_fn, example_target)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if plan is not None:
         the_plan = _load_plan(plan, traced)
@@ -138,7 +143,18 @@ def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
     return fwd
 
 
+def _attach_retrace(traced: Traced, model, example_inputs, loss_fn, example_target) -> None:
+    """Let pipeline planning re-trace the step at a microbatch shape."""
+    from autopar.solver.pipeline_search import retrace_batch
+
+    traced.meta["retrace"] = functools.partial(retrace_batch, model, example_inputs, loss_fn, example_target)
+
+
 def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan) -> ParallelModule:
+    if the_plan.degrees.get("pp", 1) > 1:
+        from autopar.pipeline_module import build_pipeline_module
+
+        return build_pipeline_module(model, traced, the_plan)
     mesh = the_plan.mesh
     if dist.is_initialized():
         axes = axis_groups(mesh)

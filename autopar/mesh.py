@@ -31,7 +31,7 @@ class Mesh:
             raise ValueError(f"Mesh shape must be positive integers, got {shape}")
         self.named = axis_names is not None
         if axis_names is None:
-            axis_names = ("dp",) if len(shape) == 1 else tuple(f"d{i}" for i in range(len(shape)))
+            axis_names = tuple(f"d{i}" for i in range(len(shape)))
         axis_names = tuple(axis_names)
         if len(axis_names) != len(shape):
             raise ValueError(f"Mesh has {len(shape)} axes {shape} but {len(axis_names)} axis names {axis_names}")
@@ -78,7 +78,9 @@ class Mesh:
     def reshape(self, shape, axis_names) -> "Mesh":
         if math.prod(shape) != self.size:
             raise ValueError(f"cannot reshape a mesh of {self.size} devices to {shape}")
-        return Mesh(shape, axis_names, self.device, self.gpus_per_node, self.memory_gb)
+        m = Mesh(shape, axis_names, self.device, self.gpus_per_node, self.memory_gb)
+        m.named = any(n in ("dp", "tp", "pp") for n in m.axis_names)
+        return m
 
     # ---- JSON --------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -66,8 +66,11 @@ class Stage:
     nodes: list[str]
     layers: list[str]
     ranks: list[int]
-    time: float = 0.0
-    memory: float = 0.0
+    time: float = 0.0            # predicted seconds of one microbatch's forward + backward
+    memory: float = 0.0          # predicted bytes: parameters + in-flight activations
+    fwd: float = 0.0             # seconds of one microbatch's forward
+    bwd: float = 0.0
+    send_time: float = 0.0       # p2p seconds to the next stage
 
 
 @dataclass

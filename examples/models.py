@@ -77,6 +77,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.lm_head.weight = self.wte.weight
+        self.apply(_gpt2_init)
 
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -84,6 +85,13 @@ class GPT(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.lm_head(self.ln_f(x))
+
+
+def _gpt2_init(m: nn.Module) -> None:
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+    if isinstance(m, nn.Linear) and m.bias is not None:
+        nn.init.zeros_(m.bias)
 
 
 def lm_loss(logits, target):

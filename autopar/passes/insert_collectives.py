@@ -28,9 +28,11 @@ def _split_axes(out_specs) -> set[int]:
     return {a for o in out_specs for a, p in enumerate(o) if not isinstance(p, Replicate)}
 
 
-def _emit_steps(graph: fx.Graph, value: fx.Node, steps, axis_names, fuse_axes: set[int]) -> tuple[fx.Node, set[int]]:
+def _emit_steps(graph: fx.Graph, value: fx.Node, steps, axis_names, fuse_axes: set[int],
+                pgrad_axes: set[int] = frozenset()) -> tuple[fx.Node, set[int]]:
     """Emit redistribution steps; an all-gather on an axis in ``fuse_axes`` whose result is
-    used split gets reduce-scatter backward. Returns the node and the axes fused."""
+    used split gets reduce-scatter backward; on ``pgrad_axes`` local steps keep partial
+    gradients. Returns the node and the axes fused."""
     fused = set()
     last_gather = {st.axis: i for i, st in enumerate(steps) if st.kind == "all_gather"}
     for i, st in enumerate(steps):
@@ -42,6 +44,10 @@ def _emit_steps(graph: fx.Graph, value: fx.Node, steps, axis_names, fuse_axes: s
             if rs:
                 fused.add(st.axis)
             value = graph.call_function(fn, (value, st.dim, name, st.chunks))
+        elif st.kind == "local_slice" and st.axis in pgrad_axes:
+            value = graph.call_function(comm.local_slice_pgrad, (value, st.dim, name, st.chunks))
+        elif st.kind == "to_partial" and st.axis in pgrad_axes:
+            value = graph.call_function(comm.to_partial_pgrad, (value, name))
         elif st.kind in ("reduce_scatter", "local_slice"):
             value = graph.call_function(_STEP_FN[st.kind], (value, st.dim, name, st.chunks))
         elif st.kind == "all_to_all":
@@ -56,6 +62,7 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
     """Rewrite ``gm`` in place for this plan; returns (gm, parameter placeholder -> grad-sync axes)."""
     specs = PlanSpecs(plan, len(axis_names))
     graph = gm.graph
+    synced = _param_sync_axes(graph, plan, specs, param_placeholders)
     param_sync: dict[str, set[str]] = defaultdict(set)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is operator.getitem:
@@ -76,16 +83,18 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
             for i, src in enumerate(ins):
                 have, want = specs.spec(src), need[i]
                 f_axes = {a for a in split if isinstance(want[a], Replicate)}
-                if src.op == "placeholder" and src.name in param_placeholders:
-                    for a in list(f_axes):
-                        if isinstance(have[a], Replicate):
-                            param_sync[src.name].add(axis_names[a])
-                            f_axes.discard(a)
-                key = (src, want, frozenset(f_axes))
+                pgrad = synced.get(src.name, set())
+                f_axes -= pgrad
+                for a in pgrad:
+                    param_sync[src.name].add(axis_names[a])
+                once = {a for a in pgrad if isinstance(want[a], Replicate) and a not in split}
+                key = (src, want, frozenset(f_axes), frozenset(once))
                 if key not in cache:
-                    value, fused = _emit_steps(graph, src, redistribute_steps(have, want), axis_names, f_axes)
+                    value, fused = _emit_steps(graph, src, redistribute_steps(have, want), axis_names, f_axes, pgrad)
                     for a in sorted(f_axes - fused):
                         value = graph.call_function(comm.grad_all_reduce, (value, axis_names[a]))
+                    for a in sorted(once):
+                        value = graph.call_function(comm.partial_grad, (value, axis_names[a]))
                     cache[key] = value
                 new_inputs.append(cache[key])
         _replace_tensor_inputs(node, new_inputs)
@@ -93,6 +102,23 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
     graph.lint()
     gm.recompile()
     return gm, dict(param_sync)
+
+
+def _param_sync_axes(graph: fx.Graph, plan, specs: PlanSpecs, params: set[str]) -> dict[str, set[int]]:
+    """Axes over which each replicated parameter's gradient is summed after backward: those
+    where some use runs split (its local gradient is then a partial sum)."""
+    out: dict[str, set[int]] = defaultdict(set)
+    for node in graph.nodes:
+        if node.op != "call_function" or node.name not in plan.nodes:
+            continue
+        split = _split_axes(specs.output_specs(node))
+        for src, want in zip(tensor_inputs(node), specs.input_specs(node)):
+            if src.op == "placeholder" and src.name in params:
+                have = specs.spec(src)
+                for a in split:
+                    if isinstance(want[a], Replicate) and isinstance(have[a], Replicate):
+                        out[src.name].add(a)
+    return dict(out)
 
 
 def _replace_tensor_inputs(node: fx.Node, new_inputs: list[fx.Node]) -> None:

@@ -160,6 +160,19 @@ class _LocalSlice(torch.autograd.Function):
         return _ag(g, ctx.dim, ctx.chunks, ctx.ax, "bwd"), None, None, None
 
 
+class _PartialGrad(torch.autograd.Function):
+    """Identity forward; backward keeps the gradient on rank 0 of the axis only."""
+
+    @staticmethod
+    def forward(ctx, x, name):
+        ctx.ax = _axis(name)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g if ctx.ax.rank == 0 else torch.zeros_like(g)), None
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, src, dst, name):
@@ -221,6 +234,27 @@ def all_to_all(x: torch.Tensor, src: int, dst: int, axis: str) -> torch.Tensor:
 def to_partial(x: torch.Tensor, axis: str) -> torch.Tensor:
     """R -> P: rank 0 of the axis keeps the value, the others hold zeros."""
     return _ToPartial.apply(x, axis)
+
+
+# Variants for parameters whose gradient is summed over the axis after backward (data
+# parallel): every use must then leave a PARTIAL gradient, so these take autograd's own
+# derivative (zero-padded slice, masked copy) or keep the gradient on rank 0 only.
+
+def local_slice_pgrad(x: torch.Tensor, dim: int, axis: str, chunks: int = 1) -> torch.Tensor:
+    """R -> S(dim) whose gradient stays partial (zero outside this rank's piece)."""
+    ax = _axis(axis)
+    blocks = x.chunk(chunks, dim) if chunks > 1 else (x,)
+    return torch.cat([b.chunk(ax.size, dim)[ax.rank] for b in blocks], dim)
+
+
+def to_partial_pgrad(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """R -> P whose gradient stays partial (only rank 0's copy counts)."""
+    return x if _axis(axis).rank == 0 else x * 0.0
+
+
+def partial_grad(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity; the gradient of a replicated use counts once (on rank 0) in a later sum."""
+    return _PartialGrad.apply(x, axis)
 
 
 def all_reduce_value(x: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:

@@ -40,7 +40,7 @@ def wrap_ddp(module: torch.nn.Module, group, ignore: list[str], compression: str
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     DDP._set_params_and_buffers_to_ignore_for_model(module, ignore)
-    ddp = DDP(module, process_group=group, broadcast_buffers=False, bucket_cap_mb=bucket_mb,
+    ddp = DDP(module, process_group=group, forward_sync_buffers=False, bucket_cap_mb=bucket_mb,
               gradient_as_bucket_view=True)
     if compression is None:
         ddp.register_comm_hook(group, _sum_hook)

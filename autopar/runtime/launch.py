@@ -44,6 +44,21 @@ def init_rank(rank: int, world: int, port: int, timeout_s: float = DEFAULT_TIMEO
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set): initialize the default group (env://).
+
+    Returns True when it initialized a group; False when one exists or the env has none.
+    """
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    torch.set_num_threads(int(os.environ.get("AUTOPAR_THREADS", "1")))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
 def _launch_entry(rank, fn, world, port, timeout_s, args):
     init_rank(rank, world, port, timeout_s)
     try:

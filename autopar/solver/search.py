@@ -45,7 +45,7 @@ def candidate_meshes(mesh: Mesh) -> list[Mesh]:
     if mesh.named or mesh.size == 1:
         return [mesh]
     n = mesh.size
-    out = [mesh.reshape((n,), ("dp",))]
+    out = [mesh.reshape((n,), ("d0",))]
     for dp in range(2, n):
         if n % dp == 0:
             out.append(mesh.reshape((dp, n // dp), ("dp", "tp")))
@@ -186,8 +186,11 @@ def make_plan(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
               input_ann: dict) -> Plan:
     t0 = time.perf_counter()
     mark_chunk_hints(traced.gm)
-    meshes = candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
-    plans, failures = [], []
+    from autopar.solver.pipeline_search import pipeline_plans
+
+    pipe_plans, pipe_failures, pipeline_only = pipeline_plans(traced, model, mesh, mode, opts, param_ann, input_ann)
+    meshes = [] if pipeline_only else candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
+    plans, failures = list(pipe_plans), []
     for m in meshes:
         try:
             plans.append(solve_on_mesh(traced, m, mode, opts, param_ann, input_ann))
@@ -197,9 +200,10 @@ def make_plan(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
         m, err = failures[0]
         raise PlanError(f"no plan fits memory on {m}: {err}") from None
     best = min(plans, key=lambda p: p.step_time)
-    alts = [Alternative(p.degrees, p.step_time, max(p.memory_per_device), True, f"mesh {p.mesh.shape}")
-            for p in plans if p is not best]
+    alts = [Alternative(p.degrees, p.step_time, max(p.memory_per_device), True, f"mesh {p.mesh.shape}",
+                        p.microbatches, p.schedule) for p in plans if p is not best]
     alts += [Alternative({}, math.inf, math.inf, False, f"mesh {m.shape}: {e}") for m, e in failures]
+    alts += [Alternative({}, math.inf, math.inf, False, f"{note}: {e}") for note, e in pipe_failures]
     best.alternatives = sorted(alts, key=lambda a: a.step_time)
     best.solve_time = time.perf_counter() - t0
     return best

@@ -1,0 +1,360 @@
+"""PipelineModule: this rank's pipeline stage(s) of a plan with ``degrees["pp"] > 1``.
+
+Built from the Plan alone (``build_pipeline_module``): the model is re-traced at the plan's
+microbatch shape, the intra-op passes run on the whole graph, ``split_stages`` cuts it into the
+plan's stages, and this rank keeps the stages whose ``ranks`` hold it.
+
+One training step (``step``):
+    the global batch is cut into ``m`` microbatches along dim 0, each is localized like a
+    non-pipelined input (its own dp piece), the executor runs the schedule with the loss of
+    each microbatch scaled by ``1/m`` (the in-graph loss is the microbatch mean), then
+        grad sync:  each parameter's gradient is summed over its ``grad_sync`` axes (dp / tp),
+                    one flat buffer per axis set, after the last backward;
+        tied sync:  a parameter used on several stages (tied input/output embeddings) has its
+                    gradient summed over the group of peer ranks that own it (Megatron's
+                    embedding group), so every copy takes the same optimizer step;
+        loss:       sum_i loss_i / m on the last stage, all-reduced over its Partial axes and
+                    broadcast over ``pp`` so every rank returns the global mean.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from autopar.parallel_module import ParallelModule, _to_replicate
+from autopar.passes.shard_params import assemble, local_piece
+from autopar.passes.split_stages import forward_only, split_stages
+from autopar.runtime import comm
+from autopar.runtime.comm import COUNTER
+from autopar.runtime.groups import AxisGroup, axis_groups, bound_axes
+from autopar.runtime.pipeline import PipelineExecutor, StageCall
+from autopar.runtime.program import _owner
+from autopar.sharding.placements import Partial, local_shape, parse_spec, shard_factor
+from autopar.solver.schedule import build_schedule
+
+
+class PipelineProgram(nn.Module):
+    """The parameters and buffers of this rank's stages, named like the original model."""
+
+    def __init__(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
+        super().__init__()
+        for name, t in params.items():
+            mod, leaf = _owner(self, name)
+            mod.register_parameter(leaf, nn.Parameter(t, requires_grad=t.is_floating_point()))
+        for name, t in buffers.items():
+            mod, leaf = _owner(self, name)
+            mod.register_buffer(leaf, t)
+
+    def local_tensor(self, name: str) -> torch.Tensor:
+        mod, leaf = _owner(self, name)
+        return getattr(mod, leaf)
+
+    def has(self, name: str) -> bool:
+        try:
+            self.local_tensor(name)
+            return True
+        except AttributeError:
+            return False
+
+
+def _rank_info(mesh):
+    if dist.is_initialized():
+        return dist.get_rank(), axis_groups(mesh), mesh.coords(dist.get_rank())
+    return 0, {n: AxisGroup(n, None, 1, 0) for n in mesh.axis_names}, tuple(0 for _ in mesh.shape)
+
+
+def _tie_groups(owners: dict[str, list[int]], per_pp: int, my_rank: int) -> dict[tuple, object]:
+    """pp coordinates owning a shared parameter -> this rank's process group over them (or None)."""
+    groups = {}
+    for key in sorted({tuple(v) for v in owners.values() if len(v) > 1}):
+        for sub in range(per_pp):
+            ranks = [c * per_pp + sub for c in key]
+            g = dist.new_group(ranks=ranks) if dist.is_initialized() else None
+            if my_rank in ranks:
+                groups[key] = g
+    return groups
+
+
+def build_pipeline_module(model: nn.Module, traced, plan) -> "PipelineModule":
+    from autopar.passes.insert_collectives import insert_collectives
+    from autopar.passes.localize_shapes import localize_shapes
+    from autopar.solver.decode import graph_fingerprint
+    from autopar.solver.pipeline_search import microbatch_trace
+
+    info = plan.options["pipeline"]
+    mb = microbatch_trace(traced, info["microbatch_size"])
+    if graph_fingerprint(mb.gm) != info["microbatch_fingerprint"]:
+        raise ValueError("the plan's microbatch graph does not match this model traced at microbatch size "
+                         f"{info['microbatch_size']}; make a new plan for this model")
+    traced.meta.get("microbatch_traces", {}).pop(info["microbatch_size"], None)
+    out_node = next(n for n in mb.gm.graph.nodes if n.op == "output")
+    out_val = out_node.args[0][mb.output_index].meta.get("val") if mb.output_index is not None else None
+    out_meta = (tuple(out_val.shape), out_val.dtype) if isinstance(out_val, torch.Tensor) else ((), torch.float32)
+    mesh = plan.mesh
+    pp, per_pp = mesh.shape[0], mesh.size // mesh.shape[0]
+    my_rank, axes, coords = _rank_info(mesh)
+    gm, param_sync = insert_collectives(mb.gm, plan, mesh.axis_names, mesh.shape, set(mb.params))
+    gm = localize_shapes(gm, plan, mesh.shape)
+    stage_of = {n: st.index for st in plan.stages for n in st.nodes}
+    graphs, transfers = split_stages(gm, stage_of, len(plan.stages), plan, mesh.shape)
+    mine = [st.index for st in plan.stages if my_rank in st.ranks]
+    by_ph = {d.placeholder: (name, d) for name, d in plan.params.items()}
+    named_p = dict(model.named_parameters(remove_duplicate=False))
+    named_b = dict(model.named_buffers(remove_duplicate=False))
+    owners: dict[str, list[int]] = {}
+    for g in graphs:
+        for ph in g.placeholders:
+            if ph in mb.params:
+                owners.setdefault(mb.params[ph], [])
+                c = plan.stages[g.stage].ranks[0] // per_pp
+                if c not in owners[mb.params[ph]]:
+                    owners[mb.params[ph]].append(c)
+    params, buffers, calls = {}, {}, {}
+    for s in mine:
+        g = graphs[s]
+        slots = []
+        for ph in g.placeholders:
+            if ph in mb.params or ph in mb.buffers:
+                name, d = by_ph[ph]
+                full = named_p.get(name) if ph in mb.params else named_b.get(name)
+                piece = local_piece(full.detach(), parse_spec(d.spec), coords, mesh.shape).clone()
+                (params if ph in mb.params else buffers)[name] = piece
+                slots.append(("param" if ph in mb.params else "buffer", name))
+            elif ph in mb.constants:
+                slots.append(("const", mb.constants[ph]))
+            elif ph in mb.inputs:
+                slots.append(("input", mb.inputs.index(ph)))
+            else:
+                slots.append(("target", None))
+        keep = [mb.output_index] if mb.output_index is not None and g.results else []
+        calls[s] = StageCall(g, forward_only(g, keep), slots)
+    program = PipelineProgram(params, buffers)
+    schedule = build_schedule(plan.schedule, pp, plan.microbatches, info.get("virtual_stages", 1))
+    my_sub = my_rank % per_pp
+
+    def peer(stage: int) -> int:
+        return schedule.rank_of(stage) * per_pp + my_sub
+
+    executor = PipelineExecutor(calls, schedule, transfers, peer, my_rank, axes, mb.loss_index, mb.output_index)
+    sync = {mb.params[ph]: sorted(a, key=mesh.axis_names.index) for ph, a in param_sync.items()}
+    ties = _tie_groups(owners, per_pp, my_rank)
+    used = {a for d in plan.params.values() for a in d.aliases}
+    state = model.state_dict(keep_vars=True)
+    extra = {k: v.detach().clone() for k, v in state.items() if k not in used}
+    return PipelineModule(program, plan, traced, axes, coords, executor, sync, owners, ties, extra, list(state),
+                          mb, out_meta)
+
+
+class PipelineModule(ParallelModule):
+    """This rank's stages; ``step`` runs the schedule on the global batch (module docstring)."""
+
+    def __init__(self, program, plan, traced, axes, coords, executor, sync, owners, ties, extra_state, state_keys,
+                 mb_traced, out_meta):
+        super().__init__(program, plan, traced, axes, coords, None, extra_state, state_keys)
+        self._executor = executor
+        self._sync = sync
+        self._owners = owners
+        self._ties = ties
+        self._mb_shapes = list(mb_traced.input_shapes)
+        self._mb_target_shape = mb_traced.target_shape
+        self._out_meta = out_meta
+        self._per_pp = plan.mesh.size // plan.mesh.shape[0]
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+
+    # ---- introspection ---------------------------------------------------------------------
+    @property
+    def code(self) -> str:
+        parts = []
+        for s, call in sorted(self._executor.stages.items()):
+            g = call.graph
+            recv = ", ".join(f"{t.value} from stage {t.src}" for t in g.recvs) or "nothing"
+            send = ", ".join(f"{t.value} to stage {t.dst}" for t in g.sends) or "nothing"
+            parts.append(f"# pipeline stage {s} of {len(self.plan.stages)} (schedule {self.plan.schedule}, "
+                         f"{self.plan.microbatches} microbatches)\n# receives {recv}\n# sends {send}\n{g.gm.code}")
+        return "\n".join(parts)
+
+    @property
+    def stages(self) -> list[int]:
+        return sorted(self._executor.stages)
+
+    # ---- inputs --------------------------------------------------------------------------------
+    def _microbatches(self, inputs, target, local_batch: bool) -> list[tuple[list, object]]:
+        meta, m, mesh_shape = self._traced_meta, self.plan.microbatches, self.plan.mesh.shape
+        if len(inputs) != len(meta["inputs"]):
+            raise ValueError(f"the model was planned with {len(meta['inputs'])} input(s) but got {len(inputs)}")
+        tph = self._target_placeholder()
+        per_input = []
+        for i, (x, ph, shape, mb_shape) in enumerate(zip(inputs, meta["inputs"], meta["input_shapes"],
+                                                         self._mb_shapes)):
+            per_input.append(self._split(x, self.plan.inputs.get(ph), shape, mb_shape, f"input {i}", local_batch))
+        tgt = [None] * m
+        if target is not None:
+            tgt = self._split(target, self.plan.inputs.get(tph), meta["target_shape"], self._mb_target_shape,
+                              "target", local_batch)
+        return [([xs[i] for xs in per_input], tgt[i]) for i in range(m)]
+
+    def _split(self, x, spec_text, global_shape, mb_shape, what, local_batch):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{what} must be a tensor, got {type(x).__name__}")
+        m, mesh_shape = self.plan.microbatches, self.plan.mesh.shape
+        if not local_batch and tuple(x.shape) != tuple(global_shape):
+            raise ValueError(f"{what} has shape {list(x.shape)} but the model was planned for the global shape "
+                             f"{list(global_shape)}; pass the global batch (or local_batch=True with this rank's "
+                             "part), or re-plan with example inputs of the new shape")
+        chunks = x.chunk(m, 0) if m > 1 else (x,)
+        return [self._localize(c, spec_text, mb_shape, what, local_batch, mesh_shape) for c in chunks]
+
+    # ---- running -------------------------------------------------------------------------
+    def step(self, *inputs, target=None, local_batch: bool = False) -> torch.Tensor:
+        """Forward + backward of every microbatch on this rank's stages; returns the global mean loss."""
+        meta = self._traced_meta
+        if meta["target_shape"] is not None and target is None:
+            raise ValueError("step() needs target= (the model was planned with a loss_fn and example_target)")
+        mbs = self._microbatches(inputs, target, local_batch)
+        losses = self._executor.run(self.program.local_tensor, mbs, 1.0 / self.plan.microbatches)
+        self._sync_grads()
+        total = torch.stack(losses).sum() / self.plan.microbatches if losses else torch.zeros(())
+        return self._pipeline_loss(total)
+
+    def _pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        mesh = self.plan.mesh
+        last = self._is_last()
+        if last:
+            spec = parse_spec(self.plan.outputs.get("loss", "[" + ",".join("R" for _ in mesh.shape) + "]"))
+            with bound_axes(self._axes):
+                for a, p in enumerate(spec):
+                    if isinstance(p, Partial):
+                        loss = comm.all_reduce_value(loss, mesh.axis_names[a])
+        if dist.is_initialized():
+            loss = loss.detach().clone().reshape(())
+            src = self._executor.peer(len(self.plan.stages) - 1)
+            dist.broadcast(loss, src=src, group=self._axes["pp"].group)
+        return loss
+
+    def _is_last(self) -> bool:
+        return len(self.plan.stages) - 1 in self._executor.stages
+
+    def _sync_grads(self) -> None:
+        if not dist.is_initialized():
+            return
+        by_axes: dict[tuple, list[torch.Tensor]] = {}
+        for name, axes in self._sync.items():
+            if not self.program.has(name):
+                continue
+            p = self.program.local_tensor(name)
+            if p.grad is not None and axes:
+                by_axes.setdefault(tuple(axes), []).append(p.grad)
+        for axes, grads in by_axes.items():
+            flat = _flatten_dense_tensors(grads)
+            for a in axes:
+                COUNTER.record("all_reduce", flat, a, "bwd")
+                dist.all_reduce(flat, group=self._axes[a].group)
+            for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(new)
+        for name, coords in self._owners.items():
+            group = self._ties.get(tuple(coords))
+            if group is None or not self.program.has(name):
+                continue
+            p = self.program.local_tensor(name)
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            COUNTER.record("all_reduce", grad, "pp", "bwd")
+            dist.all_reduce(grad, group=group)
+            p.grad = grad
+
+    def forward(self, *inputs, local_batch: bool = False):
+        """Forward only: the model's full output on every rank (microbatched, gathered)."""
+        mbs = self._microbatches(inputs, None, local_batch)
+        outs = self._executor.run(self.program.local_tensor, mbs, 1.0, train=False)
+        mesh = self.plan.mesh
+        spec = parse_spec(self.plan.outputs.get("output", "[" + ",".join("R" for _ in mesh.shape) + "]"))
+        if self._is_last():
+            with bound_axes(self._axes), torch.no_grad():
+                full = torch.cat([_to_replicate(o, spec, mesh.axis_names) for o in outs], 0)
+        else:
+            shape, dtype = self._out_meta
+            full = torch.empty((self._traced_meta["input_shapes"][0][0],) + tuple(shape[1:]), dtype=dtype)
+        if dist.is_initialized():
+            dist.broadcast(full, src=self._executor.peer(len(self.plan.stages) - 1), group=self._axes["pp"].group)
+        return full
+
+    # ---- gradients and state -----------------------------------------------------------------
+    def _replicas(self, name: str) -> int:
+        spec = parse_spec(self.plan.params[name].spec)
+        return len(self._owners.get(name, [0])) * self._per_pp // shard_factor(spec, self.plan.mesh.shape)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        local = torch.zeros((), dtype=torch.float64)
+        grads = []
+        for name, p in self.program.named_parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            g = p.grad.detach().double()
+            if norm_type == math.inf:
+                local = torch.maximum(local, g.abs().max())
+            else:
+                local += (g.abs() ** norm_type).sum() / self._replicas(name)
+        if dist.is_initialized():
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+        total = local if norm_type == math.inf else local ** (1.0 / norm_type)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total.float()
+
+    def _gather(self, name: str, local: torch.Tensor | None, spec) -> torch.Tensor:
+        """The full tensor from the pieces held by the ranks of the first stage owning ``name``."""
+        mesh = self.plan.mesh
+        shape = local_shape(tuple(self.plan.params[name].shape), spec, mesh.shape)
+        dtype = local.dtype if local is not None else getattr(torch, self.plan.params[name].dtype)
+        mine = local.detach().contiguous() if local is not None else torch.zeros(shape, dtype=dtype)
+        if not dist.is_initialized():
+            return mine.clone()
+        parts = [torch.empty(shape, dtype=dtype) for _ in range(mesh.size)]
+        dist.all_gather(parts, mine)
+        owner = self._owners.get(name, [0])[0]
+        pieces = {mesh.coords(r): parts[r] for r in range(mesh.size) if r // self._per_pp == owner}
+        full_pieces = {(0,) + c[1:]: v for c, v in pieces.items()}
+        return assemble(full_pieces, tuple(spec), (1,) + tuple(mesh.shape[1:]))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, d in self.plan.params.items():
+            if d.kind == "constant":
+                continue
+            local = self.program.local_tensor(name) if self.program.has(name) else None
+            full = self._gather(name, local, parse_spec(d.spec))
+            for alias in d.aliases:
+                out[alias] = full
+        for k, v in self._extra_state.items():
+            out.setdefault(k, v.clone())
+        if self._state_keys:
+            out = {k: out[k] for k in self._state_keys if k in out}
+        return out
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, d in self.plan.params.items():
+            if d.kind != "parameter":
+                continue
+            p = self.program.local_tensor(name) if self.program.has(name) else None
+            g = p.grad if p is not None and p.grad is not None else (torch.zeros_like(p) if p is not None else None)
+            out[name] = self._gather(name, g, parse_spec(d.spec))
+        return out
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        mesh = self.plan.mesh
+        for name, d in self.plan.params.items():
+            if d.kind == "constant" or not self.program.has(name):
+                continue
+            key = next((a for a in d.aliases if a in state), None)
+            if key is None:
+                raise KeyError(f"state dict has no entry for {name!r} (or its aliases {d.aliases})")
+            piece = local_piece(state[key], parse_spec(d.spec), self._coords, mesh.shape)
+            with torch.no_grad():
+                self.program.local_tensor(name).copy_(piece)

@@ -1,0 +1,156 @@
+"""Run a pipeline schedule on this rank: stage forwards/backwards with p2p between stages.
+
+The executor follows ``autopar.solver.schedule.build_schedule(...)``'s action list for this
+rank (the same data the planner simulated):
+
+    F(s, i):  receive stage s's inputs of microbatch i (blocking ``recv`` from the producing
+              stage's peer rank), run the stage graph, ``isend`` every value a later stage needs.
+              Received floating tensors become leaves that require grad.
+    B(s, i):  receive the gradients of the values s sent (from the consuming stages), run
+              ``autograd.backward`` on (scaled loss if s is the last stage, sent values) with
+              (1/m, received gradients), ``isend`` each received leaf's gradient back
+              (zeros when autograd produced none, so both sides always exchange the message).
+
+Sends never block, receives do; an action only receives what an earlier action of another
+rank sends, and the schedule is deadlock-free (``simulate`` checks it), so the run completes.
+Values between stages on the same rank (interleaved schedules) go through a local mailbox.
+After the last action every pending send is waited on. Collectives inside a stage (tensor
+parallel) run in the same order on every rank of the stage's (dp, tp) group, so they match.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autopar.passes.split_stages import StageGraph, Transfer
+from autopar.runtime.comm import COUNTER
+from autopar.runtime.groups import bound_axes
+from autopar.solver.schedule import Action, Schedule
+
+
+@dataclass
+class StageCall:
+    """What one stage needs to run: its graph, forward-only graph and argument sources."""
+
+    graph: StageGraph
+    forward_gm: object
+    slots: list[tuple[str, object]]      # per original placeholder: (kind, ref) as in RankProgram
+
+
+@dataclass
+class _Pending:
+    leaves: list[torch.Tensor]
+    outs: tuple
+
+
+@dataclass
+class PipelineExecutor:
+    stages: dict[int, StageCall]          # this rank's stages
+    schedule: Schedule
+    transfers: list[Transfer]
+    peer: object                          # stage index -> global rank of that stage's peer of this rank
+    my_rank: int
+    axes: dict
+    loss_result: int | None               # original output index of the loss
+    output_result: int | None
+    _mailbox: dict = field(default_factory=dict)
+
+    def _arg_values(self, call: StageCall, tensor_of, inputs, target) -> list:
+        args = []
+        for kind, ref in call.slots:
+            if kind in ("param", "buffer"):
+                args.append(tensor_of(ref))
+            elif kind == "const":
+                args.append(ref)
+            elif kind == "input":
+                args.append(inputs[ref])
+            else:
+                args.append(target)
+        return args
+
+    def _recv(self, t: Transfer, mb: int, backward: bool) -> torch.Tensor:
+        key = (t.index, mb, backward)
+        if self.peer(t.dst if backward else t.src) == self.my_rank:
+            return self._mailbox.pop(key)
+        buf = torch.empty(t.shape, dtype=t.dtype)
+        src = self.peer(t.dst if backward else t.src)
+        dist.recv(buf, src=src, tag=t.tag(mb, backward, len(self.transfers)))
+        COUNTER.record("recv", buf, "pp", "bwd" if backward else "fwd")
+        return buf
+
+    def _send(self, t: Transfer, mb: int, backward: bool, value: torch.Tensor, works: list) -> None:
+        dst = self.peer(t.src if backward else t.dst)
+        value = value.detach().contiguous()
+        if dst == self.my_rank:
+            self._mailbox[(t.index, mb, backward)] = value
+            return
+        COUNTER.record("send", value, "pp", "bwd" if backward else "fwd")
+        works.append((dist.isend(value, dst=dst, tag=t.tag(mb, backward, len(self.transfers))), value))
+
+    def run(self, tensor_of, microbatches: list[tuple[list, object]], scale: float, train: bool = True) -> list:
+        """Run every action of this rank; returns the last stage's per-microbatch results."""
+        rank_actions = self.schedule.actions[self.schedule.rank_of(next(iter(self.stages)))]
+        pending: dict[tuple[int, int], _Pending] = {}
+        results: dict[int, object] = {}
+        works: list = []
+        last = self.schedule.num_stages - 1
+        for a in rank_actions:
+            if a.kind == "B" and not train:
+                continue
+            call = self.stages[a.stage]
+            if a.kind == "F":
+                self._forward(a, call, tensor_of, microbatches, pending, results, works, train, a.stage == last)
+            else:
+                self._backward(a, call, pending, scale, works, a.stage == last)
+        for w, _ in works:
+            w.wait()
+        self._mailbox.clear()
+        return [results[i] for i in sorted(results)]
+
+    def _forward(self, a: Action, call: StageCall, tensor_of, microbatches, pending, results, works, train, is_last):
+        inputs, target = microbatches[a.microbatch]
+        leaves = []
+        for t in call.graph.recvs:
+            x = self._recv(t, a.microbatch, False)
+            if train and t.floating:
+                x = x.detach().requires_grad_(True)
+            leaves.append(x)
+        args = self._arg_values(call, tensor_of, inputs, target) + leaves
+        gm = call.graph.gm if train else call.forward_gm
+        with bound_axes(self.axes), torch.set_grad_enabled(train):
+            outs = gm(*args)
+        for t in call.graph.sends:
+            self._send(t, a.microbatch, False, outs[call.graph.send_index[t.value]], works)
+        if is_last:
+            n = len(call.graph.send_index)
+            if train:
+                results[a.microbatch] = outs[call.graph.results[self.loss_result]].detach()
+            else:
+                results[a.microbatch] = outs[n]
+        if train:
+            pending[(a.stage, a.microbatch)] = _Pending(leaves, outs)
+
+    def _backward(self, a: Action, call: StageCall, pending, scale: float, works, is_last: bool):
+        p = pending.pop((a.stage, a.microbatch))
+        roots, grads = [], []
+        if is_last:
+            loss = p.outs[call.graph.results[self.loss_result]]
+            roots.append(loss)
+            grads.append(torch.full_like(loss, scale))
+        for t in call.graph.sends:
+            if not t.floating:
+                continue
+            g = self._recv(t, a.microbatch, True)
+            out = p.outs[call.graph.send_index[t.value]]
+            if out.requires_grad:
+                roots.append(out)
+                grads.append(g)
+        if roots:
+            with bound_axes(self.axes):
+                torch.autograd.backward(roots, grads)
+        for t, leaf in zip(call.graph.recvs, p.leaves):
+            if t.floating:
+                g = leaf.grad if leaf.grad is not None else torch.zeros(t.shape, dtype=t.dtype)
+                self._send(t, a.microbatch, True, g, works)

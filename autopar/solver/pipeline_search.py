@@ -1,0 +1,423 @@
+"""Pipeline (inter-layer) plans: pipeline degree, stage cuts, microbatches and schedule.
+
+Representation: the plan's mesh gets a leading ``pp`` axis, ``Mesh((pp, *sub.shape), ("pp", *sub.names))``;
+every spec is ``R`` on ``pp``; all stages share one intra-op plan solved on the ``(dp, tp)``
+sub-mesh for the graph traced at the MICRObatch shape (global batch / m; shapes are static).
+
+For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
+    1. trace at microbatch size ``b_ref`` and solve the intra-op problem on the sub-mesh without a
+       memory bound (the whole model need not fit one device; stage memory is bounded in 3).
+    2. per unit ``u`` (``autopar.graph.cut_points``) a ``LayerProfile`` (``unit_profiles``):
+           time_u   = sum_{v in u} node_time(v) - param_sync(v) + resharding collectives of v
+           fwd_u    = time_u * (sum base fwd / sum base fwd+bwd),   bwd_u = time_u - fwd_u
+           param_u  = sum_{params p used in u} numel(p) * state bytes / shard(p)
+           act_u    = sum_{v in u} saved-for-backward bytes(v) / shard(output of v)
+           out_u    = sum_{values crossing the cut after u} local bytes
+       and the per-step gradient sync time sync_u of the unit's parameters (paid once per step).
+    3. for each schedule and microbatch count ``m`` (``m | B``, ``(B / m) % dp == 0``), the profile
+       at size ``b = B / m`` is ``launch + (time - launch) * b / b_ref`` (kernel launches do not
+       shrink with the batch), and ``inter_op.partition_stages`` cuts the units into stages
+       (DP over cut points, memory incl. the schedule's in-flight activations).
+           step(m, schedule) = simulate(schedule).critical_path + max_s sum_{u in s} sync_u
+       The best (m, schedule) is re-solved at its own microbatch shape (exact decisions), then
+       re-partitioned with the exact profile.
+
+``pipeline_plans`` enumerates the candidates for a request: a named mesh with a ``pp`` axis
+fixes pp and the sub-mesh; ``pipeline_stage`` tags fix pp = max tag + 1 and the cuts they name;
+AUTO on an unnamed mesh tries every pp >= 2 dividing the devices (at most the number of layers)
+times every (dp, tp) factorisation of the rest, tp inside a node when ``gpus_per_node`` is set.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopar.context import ParallelMode
+from autopar.cost_models.compute import node_cost, total_flops
+from autopar.cost_models.devices import axis_link
+from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved, training_state_bytes_per_param
+from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
+from autopar.mesh import Mesh
+from autopar.passes.specs import PlanSpecs
+from autopar.plan import Plan, Stage
+from autopar.sharding.placements import Replicate, parse_spec, shard_factor
+from autopar.sharding.strategy import tensor_inputs
+from autopar.solver.decode import graph_fingerprint
+from autopar.solver.inter_op import LayerProfile, PipelinePartition, partition_stages
+from autopar.solver.problem import Costing, tensor_bytes
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass
+class UnitCosts:
+    """Per-unit inputs of the stage partition at one microbatch size."""
+
+    profiles: list[LayerProfile]
+    launch: list[float]       # kernel-launch seconds inside each unit's fwd+bwd (do not scale)
+    sync: list[float]         # per-step gradient sync seconds of each unit's parameters
+    batch: int                # the microbatch size profiled
+
+    def at(self, batch: int) -> list[LayerProfile]:
+        f = batch / self.batch
+        out = []
+        for p, launch in zip(self.profiles, self.launch):
+            total = p.fwd + p.bwd
+            share = p.fwd / total if total else 0.5
+            work = max(total - launch, 0.0) * f + min(launch, total)
+            out.append(replace(p, fwd=work * share, bwd=work * (1 - share), activation_bytes=p.activation_bytes * f,
+                               out_bytes=p.out_bytes * f))
+        return out
+
+
+class PipelineRequestError(ValueError):
+    """A pipeline request that cannot be planned (raised as PlanError by the search)."""
+
+
+# ---- microbatch traces ----------------------------------------------------------------
+
+def microbatch_trace(traced, batch: int):
+    """The training step traced with every input and the target cut to ``batch`` rows (cached)."""
+    cache = traced.meta.setdefault("microbatch_traces", {})
+    if batch == traced.batch_size:
+        return traced
+    if batch not in cache:
+        retrace = traced.meta.get("retrace")
+        if retrace is None:
+            raise PipelineRequestError("pipeline planning needs to re-trace the model at the microbatch shape; "
+                                       "call autopar.plan()/parallelize() (they attach the tracer)")
+        mb = retrace(batch)
+        from autopar.graph.chunk_hints import mark_chunk_hints
+
+        mark_chunk_hints(mb.gm)
+        cache[batch] = mb
+    return cache[batch]
+
+
+def retrace_batch(model, example_inputs, loss_fn, example_target, batch: int):
+    """Trace ``model`` (+ loss) on the first ``batch`` rows of the example inputs and target."""
+    from autopar.trace import trace
+
+    inputs = (example_inputs,) if not isinstance(example_inputs, (tuple, list)) else tuple(example_inputs)
+    target = example_target[:batch] if example_target is not None else None
+    return trace(model, tuple(x[:batch] for x in inputs), loss_fn, target)
+
+
+# ---- profiles ---------------------------------------------------------------------------
+
+def _moved_param_sync(node, d, traced, costing: Costing, mesh_shape) -> float:
+    """Gradient all-reduce of parameter inputs that the node's cost includes but runs once per step."""
+    outs = d.output if isinstance(d.output, list) else [d.output]
+    split = {a for o in outs for a, p in enumerate(parse_spec(o)) if not isinstance(p, Replicate)}
+    t = 0.0
+    for i, inp in enumerate(tensor_inputs(node)):
+        if inp.op != "placeholder" or inp.name not in traced.params or i >= len(d.inputs):
+            continue
+        spec = parse_spec(d.inputs[i])
+        for a in split:
+            if isinstance(spec[a], Replicate):
+                t += costing.comm("all_reduce", tensor_bytes(inp) / shard_factor(spec, mesh_shape), a)
+    return t
+
+
+def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts:
+    """Per-unit time, memory and crossing bytes under the intra-op ``plan`` (module docstring, step 2)."""
+    gm, shape = traced.gm, plan.mesh.shape
+    costing = Costing(shape, device, opts.optimizer, opts.precision)
+    specs = PlanSpecs(plan, len(shape))
+    by_name = {n.name: n for n in gm.graph.nodes}
+    saved: dict[str, list[tuple[str, int]]] = {}
+    for node_name, name, nbytes in iter_saved(gm, dropout_mask_bytes_for(device.name)):
+        saved.setdefault(node_name, []).append((name, nbytes))
+    coll_time: dict[str, float] = {}
+    sync_time: dict[str, float] = {}
+    for c in plan.collective_list:
+        if c.node in traced.params:
+            sync_time[c.node] = sync_time.get(c.node, 0.0) + c.time
+        elif not (c.kind == "all_reduce" and c.phase == "bwd") and c.phase in ("fwd", "bwd"):
+            coll_time[c.node] = coll_time.get(c.node, 0.0) + c.time
+    state = training_state_bytes_per_param(opts.optimizer, opts.precision)
+    param_spec = {d.placeholder: parse_spec(d.spec) for d in plan.params.values()}
+    cuts = crossing_values(gm, unit_of, len(units))
+    seen_saved: set[str] = set()
+    profiles, launches, syncs = [], [], []
+    for unit in units:
+        time = fwd_base = total_base = launch = act = 0.0
+        params: set[str] = set()
+        for name in unit.nodes:
+            node, d = by_name[name], plan.nodes.get(name)
+            if d is None:
+                continue
+            base = node_cost(node, device)
+            fwd_base += base.time_fwd
+            total_base += base.total
+            launch += base.launch_fwd + base.launch_bwd
+            time += d.time - _moved_param_sync(node, d, traced, costing, shape) + coll_time.get(name, 0.0)
+            out_spec = specs.spec(node, 0 if isinstance(d.output, list) else None)
+            for saved_name, nbytes in saved.get(name, []):
+                if saved_name not in seen_saved:
+                    seen_saved.add(saved_name)
+                    act += nbytes / max(1, shard_factor(out_spec, shape))
+            params |= {i.name for i in tensor_inputs(node) if i.op == "placeholder" and i.name in traced.params}
+        share = fwd_base / total_base if total_base else 1 / 3
+        pbytes = sum(by_name[p].meta["val"].numel() * state / shard_factor(param_spec[p], shape)
+                     for p in params if p in param_spec)
+        nxt = unit.index + 1
+        out = sum(tensor_bytes(v) / shard_factor(specs.spec(v), shape) for v in cuts[nxt]) if nxt < len(units) else 0.0
+        profiles.append(LayerProfile(unit.name, time * share, time * (1 - share), pbytes, act, out))
+        launches.append(min(launch, time))
+        syncs.append(sum(sync_time.get(p, 0.0) for p in params))
+    return UnitCosts(profiles, launches, syncs, traced.batch_size)
+
+
+# ---- candidates -------------------------------------------------------------------------
+
+@dataclass
+class PipelineCandidate:
+    pp: int
+    sub: Mesh                 # the (dp, tp) sub-mesh every stage is solved on
+    full: Mesh                # the plan's mesh, pp axis first
+    fixed: dict               # module name -> stage index (pipeline_stage tags)
+
+
+def _sub_meshes(mesh: Mesh, n: int) -> list[Mesh]:
+    make = lambda shape, names: Mesh(shape, names, mesh.device, mesh.gpus_per_node, mesh.memory_gb)  # noqa: E731
+    out = [make((n,), ("dp",))]
+    in_node = lambda tp: mesh.gpus_per_node is None or mesh.gpus_per_node % tp == 0  # noqa: E731
+    for dp in range(2, n):
+        if n % dp == 0 and in_node(n // dp):
+            out.append(make((dp, n // dp), ("dp", "tp")))
+    if n > 1 and in_node(n):
+        out.append(make((n,), ("tp",)))
+    return out
+
+
+def _full_mesh(mesh: Mesh, pp: int, sub: Mesh) -> Mesh:
+    return Mesh((pp,) + sub.shape, ("pp",) + sub.axis_names, mesh.device, mesh.gpus_per_node, mesh.memory_gb)
+
+
+def pipeline_candidates(traced, mesh: Mesh, mode: ParallelMode, tags: dict) -> tuple[list[PipelineCandidate], bool]:
+    """(candidates, forced): forced means the request names a pipeline (pp axis or stage tags)."""
+    if mode in (ParallelMode.DATA, ParallelMode.STAND_ALONE, ParallelMode.HYBRID):
+        return [], False
+    named_pp = mesh.named and "pp" in mesh.axis_names
+    if named_pp:
+        if mesh.axis_names[0] != "pp":
+            raise PipelineRequestError(f"the 'pp' axis must be the first mesh axis (got {mesh.axis_names}): stages "
+                                       "are the outermost split, e.g. Mesh((2, 2), axis_names=('pp', 'tp'))")
+        pp = mesh.shape[0]
+        need = max(tags.values(), default=0) + 1
+        if tags and need != pp:
+            raise PipelineRequestError(f"pipeline_stage tags name {need} stages but the mesh's pp axis has {pp}")
+        rest = mesh.shape[1:] or (1,)
+        names = mesh.axis_names[1:] or ("dp",)
+        sub = Mesh(rest, names, mesh.device, mesh.gpus_per_node, mesh.memory_gb)
+        full = mesh if mesh.shape[1:] else _full_mesh(mesh, pp, sub)
+        return ([PipelineCandidate(pp, sub, full, tags)] if pp > 1 else []), True
+    if tags:
+        pp = max(tags.values()) + 1
+        if pp == 1:
+            return [], False
+        if mesh.size % pp:
+            raise PipelineRequestError(f"pipeline_stage tags name {pp} stages but {mesh.size} devices do not split "
+                                       f"into {pp} equal stages")
+        subs = _sub_meshes(mesh, mesh.size // pp)
+        return [PipelineCandidate(pp, s, _full_mesh(mesh, pp, s), tags) for s in subs], True
+    if mode != ParallelMode.AUTO or mesh.named or mesh.size == 1:
+        return [], False
+    out = []
+    for pp in range(2, mesh.size + 1):
+        if mesh.size % pp == 0:
+            out += [PipelineCandidate(pp, s, _full_mesh(mesh, pp, s), {}) for s in _sub_meshes(mesh, mesh.size // pp)]
+    return out, False
+
+
+def pipeline_blocker(traced) -> str | None:
+    """Why this graph cannot be pipelined (None when it can)."""
+    if traced.buffer_mutations:
+        return ("the model updates buffers in forward (e.g. BatchNorm running statistics); microbatches would "
+                "change them, so pipelining would not train like the single-device model")
+    if not traced.has_loss:
+        return "pipeline training needs the loss in the traced step (pass loss_fn= and example_target=)"
+    return None
+
+
+# ---- one candidate ---------------------------------------------------------------------
+
+def _microbatch_counts(batch: int, dp: int, opts) -> list[int]:
+    if opts.microbatches is not None:
+        m = int(opts.microbatches)
+        if m < 1 or batch % m:
+            raise PipelineRequestError(f"microbatches={m} does not divide the global batch {batch}: every "
+                                       f"microbatch must hold the same number of samples; use a divisor of {batch}")
+        if (batch // m) % dp:
+            raise PipelineRequestError(f"microbatches={m} leaves {batch // m} samples per microbatch, not divisible "
+                                       f"by the data-parallel size {dp}")
+        return [m]
+    return [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % dp == 0]
+
+
+def _schedules(opts, pp: int, num_units: int) -> list[str]:
+    if opts.schedule is not None:
+        if opts.schedule not in SCHEDULES:
+            raise PipelineRequestError(f"unknown schedule {opts.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        return [opts.schedule]
+    out = ["gpipe", "1f1b"]
+    if num_units >= 2 * pp:
+        out.append("interleaved_1f1b")
+    return out
+
+
+def _fixed_boundaries(cand: PipelineCandidate, units, gm) -> list[int]:
+    cuts = []
+    for module, k in cand.fixed.items():
+        u = unit_of_module(units, gm, module)
+        if u is None:
+            raise PipelineRequestError(
+                f"pipeline_stage({module!r}, {k}): module {module!r} runs no op in the traced model (it is not "
+                f"called in forward, or the name is wrong); tag one of the layers {[x.name for x in units][:6]}")
+        if k > 0:
+            cuts.append(u)
+    return sorted(set(cuts))
+
+
+def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, fixed):
+    profiles = costs.at(batch)
+    part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, fixed_boundaries=fixed)
+    sync = max(sum(costs.sync[a:b]) for a, b in (s.layers for s in part.stages))
+    return part, part.step_time + sync
+
+
+def _check_tags(part: PipelinePartition, cand: PipelineCandidate, units, gm) -> None:
+    for module, k in cand.fixed.items():
+        u = unit_of_module(units, gm, module)
+        stage = next(i for i, s in enumerate(part.stages) if s.layers[0] <= u < s.layers[1])
+        if stage != k:
+            raise PipelineRequestError(f"pipeline_stage({module!r}, {k}): the other tags leave {module!r} on stage "
+                                       f"{stage}; tag the first layer of every stage")
+
+
+def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, param_ann: dict, input_ann: dict) -> Plan:
+    """The best pipeline plan for one (pp, sub-mesh) candidate (module docstring)."""
+    from autopar.solver.search import PlanOptions, solve_on_mesh
+
+    batch = traced.batch_size
+    dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
+    counts = _microbatch_counts(batch, dp, opts)
+    units, _ = assign_units(traced.gm)
+    if cand.pp > len(units):
+        raise PipelineRequestError(
+            f"cannot split the model into {cand.pp} pipeline stages: the traced model has {len(units)} layer(s) "
+            f"({', '.join(u.name for u in units[:8])}) and every stage needs at least one; use at most {len(units)} "
+            "stages")
+    schedules = _schedules(opts, cand.pp, len(units))
+    device = cand.sub.spec()
+    budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
+    free = PlanOptions(**{**opts.__dict__, "memory_budget_gb": 1e12})
+    link_spec = axis_link(device, cand.pp, cand.sub.size)
+    link = (link_spec.bandwidth, link_spec.latency)
+
+    def solve(m):
+        mb = microbatch_trace(traced, batch // m)
+        sub_plan = solve_on_mesh(mb, cand.sub, mode, free, param_ann, input_ann)
+        units_m, unit_of = assign_units(mb.gm)
+        return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, device, opts)
+
+    ref = max([m for m in counts if m <= 2 * cand.pp] or [min(counts)])
+    solved = {ref: solve(ref)}
+    mb, _, units_ref, _, costs = solved[ref]
+    fixed = _fixed_boundaries(cand, units_ref, mb.gm)
+    best, reasons = None, []
+    for schedule in schedules:
+        for m in counts:
+            if schedule == "interleaved_1f1b" and m % cand.pp:
+                continue
+            try:
+                _, t = _partition(costs, batch // m, cand.pp, m, schedule, budget, link, fixed)
+            except ValueError as err:
+                reasons.append(f"{schedule} m={m}: {err}")
+                continue
+            if best is None or t < best[0]:
+                best = (t, m, schedule)
+    if best is None:
+        raise PipelineRequestError("no pipeline partition fits: " + "; ".join(reasons[:3]))
+    _, m, schedule = best
+    if m not in solved:
+        solved[m] = solve(m)
+    mb, sub_plan, units_m, unit_of, costs_m = solved[m]
+    part, step = _partition(costs_m, batch // m, cand.pp, m, schedule, budget, link, fixed)
+    _check_tags(part, cand, units_m, mb.gm)
+    return _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
+
+
+def _with_pp(spec):
+    if isinstance(spec, list):
+        return [_with_pp(s) for s in spec]
+    return "[R," + spec[1:] if spec and spec != "[]" else spec
+
+
+def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: PipelinePartition, step: float, units,
+              mode, budget) -> Plan:
+    full, pp = cand.full, cand.pp
+    per_pp = full.size // pp
+    for d in sub_plan.nodes.values():
+        d.inputs, d.output = [_with_pp(s) for s in d.inputs], _with_pp(d.output)
+    for d in sub_plan.params.values():
+        d.spec = _with_pp(d.spec)
+    stages = []
+    for s, sp in enumerate(part.stages):
+        nodes = [n for u in units[sp.layers[0]:sp.layers[1]] for n in u.nodes]
+        ranks = list(range(sp.rank * per_pp, (sp.rank + 1) * per_pp))
+        stages.append(Stage(s, nodes, [u.name for u in units[sp.layers[0]:sp.layers[1]]], ranks,
+                            sp.fwd + sp.bwd, sp.memory, sp.fwd, sp.bwd, sp.send_time))
+    memory = [part.rank_memory[r // per_pp] for r in range(full.size)]
+    options = dict(sub_plan.options)
+    options["memory_budget"] = budget
+    options["pipeline"] = {"virtual_stages": part.virtual_stages, "bubble_fraction": part.bubble_fraction,
+                           "microbatch_size": mb.batch_size, "microbatch_fingerprint": graph_fingerprint(mb.gm),
+                           "pipeline_time": part.step_time, "sub_mesh": list(cand.sub.shape)}
+    return Plan(mode=mode, mesh=full, degrees={**sub_plan.degrees, "pp": pp}, nodes=sub_plan.nodes,
+                params=sub_plan.params, inputs={k: _with_pp(v) for k, v in sub_plan.inputs.items()},
+                outputs={k: _with_pp(v) for k, v in sub_plan.outputs.items()}, microbatches=part.microbatches,
+                schedule=part.schedule, stages=stages, step_time=step, flops=total_flops(traced.gm),
+                memory_per_device=memory, solver_status=sub_plan.solver_status, unknown_ops=sub_plan.unknown_ops,
+                options=options, fingerprint=graph_fingerprint(traced.gm), collective_list=sub_plan.collective_list)
+
+
+# ---- the search entry -------------------------------------------------------------------
+
+def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict):
+    """(plans, failures [(note, error)], forced) for every pipeline candidate of the request."""
+    from autopar.solver.annotations import ANNOTATIONS, resolve_stages
+    from autopar.solver.search import PlanError
+
+    tags = resolve_stages(model, ANNOTATIONS) if mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO) else {}
+    try:
+        cands, forced = pipeline_candidates(traced, mesh, mode, tags)
+    except PipelineRequestError as err:
+        raise PlanError(str(err)) from None
+    if not cands:
+        return [], [], forced
+    blocker = pipeline_blocker(traced)
+    if blocker:
+        if forced:
+            raise PlanError(f"cannot pipeline this model: {blocker}")
+        return [], [("pp", blocker)], False
+    num_units = len(assign_units(traced.gm)[0])
+    plans, failures = [], []
+    for cand in cands:
+        note = f"pp={cand.pp} sub-mesh {dict(zip(cand.sub.axis_names, cand.sub.shape))}"
+        if cand.pp > num_units and not forced:
+            failures.append((note, f"{num_units} layers < {cand.pp} stages"))
+            continue
+        try:
+            plans.append(plan_pipeline(traced, cand, mode, opts, param_ann, input_ann))
+        except (PipelineRequestError, ValueError) as err:
+            if forced and len(cands) == 1:
+                raise PlanError(str(err)) from None
+            failures.append((note, str(err)))
+    if forced and not plans:
+        raise PlanError("no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in failures[:4]))
+    return plans, failures, forced
+
+
+__all__ = ["pipeline_plans", "plan_pipeline", "unit_profiles", "retrace_batch", "microbatch_trace"]

@@ -1,0 +1,138 @@
+"""Shared helpers for the benchmarks: interleaved timing across ranks, ratio summaries,
+and peak-RSS measurement in a fresh subprocess.
+
+Timing rule of this project (4 ranks on 2 cores are noisy, +-30 %): never compare single
+absolute times. Run the contenders INTERLEAVED (A, B, A, B, ...) in the same process group,
+report each one's median, the ratio of medians, and the spread (quartiles and min/max of the
+per-round paired ratios A_i / B_i).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds per call of every function, run round-robin ``reps`` times after ``warmup``
+    rounds. Under torch.distributed (call on every rank, same order) each call starts after a
+    barrier and its time is the slowest rank's (all-reduce MAX over ranks at the end)."""
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            if _dist_on():
+                dist.barrier()
+            fns[n]()
+    times = {n: [] for n in names}
+    for _ in range(reps):
+        for n in names:
+            if _dist_on():
+                dist.barrier()
+            t0 = time.perf_counter()
+            fns[n]()
+            times[n].append(time.perf_counter() - t0)
+    if _dist_on():
+        t = torch.tensor([times[n] for n in names], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times = {n: t[i].tolist() for i, n in enumerate(names)}
+    return times
+
+
+def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
+    xs = sorted(xs)
+    if len(xs) < 4:
+        m = statistics.median(xs)
+        return xs[0], m, xs[-1]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[1], q[2]
+
+
+@dataclass
+class Ratio:
+    """A vs B over interleaved rounds."""
+
+    name_a: str
+    name_b: str
+    a: list[float]
+    b: list[float]
+
+    @property
+    def median_a(self) -> float:
+        return statistics.median(self.a)
+
+    @property
+    def median_b(self) -> float:
+        return statistics.median(self.b)
+
+    @property
+    def ratio(self) -> float:
+        """Ratio of medians, A / B."""
+        return self.median_a / self.median_b
+
+    @property
+    def paired(self) -> list[float]:
+        return [x / y for x, y in zip(self.a, self.b)]
+
+    def line(self) -> str:
+        q1, q2, q3 = quartiles(self.paired)
+        qa, qb = quartiles(self.a), quartiles(self.b)
+        return (f"{self.name_a}: median {self.median_a * 1e3:.1f} ms (IQR {qa[0] * 1e3:.1f}-{qa[2] * 1e3:.1f})   "
+                f"{self.name_b}: median {self.median_b * 1e3:.1f} ms (IQR {qb[0] * 1e3:.1f}-{qb[2] * 1e3:.1f})\n"
+                f"  ratio of medians {self.name_a}/{self.name_b} = {self.ratio:.3f}   "
+                f"paired ratios: median {q2:.3f}, IQR {q1:.3f}-{q3:.3f}, "
+                f"min {min(self.paired):.3f}, max {max(self.paired):.3f}  (n={len(self.a)})")
+
+    def to_dict(self) -> dict:
+        q1, q2, q3 = quartiles(self.paired)
+        return {"a": self.name_a, "b": self.name_b, "median_a_ms": self.median_a * 1e3,
+                "median_b_ms": self.median_b * 1e3, "ratio_of_medians": self.ratio,
+                "paired_median": q2, "paired_q1": q1, "paired_q3": q3, "n": len(self.a)}
+
+
+def check(label: str, value: float, target: float, le: bool = True) -> str:
+    ok = value <= target if le else value >= target
+    return f"{label}: {value:.3f} (target {'<=' if le else '>='} {target}) -> {'MET' if ok else 'MISSED'}"
+
+
+def run_fresh(module: str, func: str, kwargs: dict, timeout_s: float = 600) -> dict:
+    """Run ``module.func(**kwargs)`` (returns a JSON-able dict) in a fresh Python process and
+    add its wall time and peak RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, MiB)."""
+    code = (
+        "import json, resource, sys, time\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        f"sys.path.insert(0, {os.path.join(ROOT, 'bench')!r})\n"
+        f"import importlib; mod = importlib.import_module({module!r})\n"
+        "t0 = time.perf_counter()\n"
+        f"out = getattr(mod, {func!r})(**json.loads({json.dumps(json.dumps(kwargs))}))\n"
+        "out['wall_s'] = time.perf_counter() - t0\n"
+        "out['peak_rss_mib'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
+        "print('@@RESULT@@' + json.dumps(out))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    for line in proc.stdout.splitlines():
+        if line.startswith("@@RESULT@@"):
+            return json.loads(line[len("@@RESULT@@"):])
+    raise RuntimeError(f"{module}.{func} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+
+
+def header(title: str) -> str:
+    import datetime
+
+    return (f"# {title}\n# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
+            f"{os.cpu_count()} cores")
