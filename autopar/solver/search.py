@@ -77,6 +77,7 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
             only(ph, lambda spec: all(p == Shard(0) for p in spec))
         for ph in list(traced.params) + list(traced.buffers) + list(traced.constants):
             only(ph, lambda spec: all(isinstance(p, Replicate) for p in spec))
+        _keep_batch_split(traced, cands, allowed)
     if mesh.named and mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO):
         _axis_roles(traced, cands, mesh, input_ann, only)
     by_canon = {}
@@ -122,6 +123,24 @@ def _axis_roles(traced, cands, mesh: Mesh, input_ann: dict, only) -> None:
                             f"multiple of {dp}")
         only(ph, lambda spec, s=shape: all(spec[a] == (Shard(0) if s else R) for a in data)
              and all(isinstance(spec[a], Replicate) for a in tensor))
+
+
+def _keep_batch_split(traced, cands, allowed: dict) -> None:
+    """DATA: every op downstream of the inputs runs on its rank's part of the batch (no output
+    Replicate on any axis); ops without such a strategy (no rule) keep their options."""
+    sources = set(traced.inputs) | ({traced.target} if traced.target else set())
+    batch_nodes = set()
+    for node in traced.gm.graph.nodes:
+        if node.name in sources or any(a.name in batch_nodes for a in node.all_input_nodes):
+            batch_nodes.add(node.name)
+    for name in batch_nodes - sources:
+        strategies = cands.strategies.get(name)
+        if not strategies:
+            continue
+        keep = [i for i, st in enumerate(strategies)
+                if all(not isinstance(p, Replicate) for spec in _outs(st) for p in spec)]
+        if keep:
+            allowed[name] = keep
 
 
 def _fmt(placements: dict) -> str:
