@@ -58,6 +58,7 @@ class Alternative:
     note: str = ""
     microbatches: int = 1
     schedule: str = "none"
+    optimizer_time: float = 0.0  # predicted optimizer-step seconds (AUTO ranks by step_time + this)
 
 
 @dataclass
@@ -111,6 +112,12 @@ class Plan:
         from autopar.report import explain
 
         return explain(self, name)
+
+    def save_timeline(self, path) -> None:
+        """Draw the pipeline schedule with predicted stage times as a PNG (needs matplotlib)."""
+        from autopar.pipeline_report import save_timeline
+
+        save_timeline(self, path)
 
     def report(self) -> str:
         from autopar.report import render

@@ -61,16 +61,28 @@ def render(plan) -> str:
     if plan.memory_breakdown:
         lines.append("")
         lines.append("memory per device: " + ", ".join(f"{k} {_gb(v)}" for k, v in plan.memory_breakdown.items()))
+    if plan.stages:
+        from autopar.pipeline_report import render_pipeline
+
+        lines.append("")
+        lines += render_pipeline(plan)
     if plan.alternatives:
         lines.append("")
-        lines.append("why this plan — alternatives considered:")
-        lines.append(f"  {'degrees':<28} {'step time':>12} {'memory':>12}  fits  note")
-        lines.append(f"  {_deg(plan.degrees):<28} {_ms(plan.step_time):>12} "
-                     f"{_gb(max(plan.memory_per_device or [0])):>12}  yes   chosen")
+        lines.append("why this plan — alternatives considered (least step time + optimizer step that fits memory wins):")
+        lines.append(f"  {'degrees':<28} {'microbatches':<20} {'step time':>12} {'+ optimizer':>12} {'memory':>12}  "
+                     "fits  note")
+        opt = plan.options.get("optimizer_time", 0.0)
+        lines.append(f"  {_deg(plan.degrees):<28} {_mb(plan.microbatches, plan.schedule):<20} {_ms(plan.step_time):>12} "
+                     f"{_ms(opt):>12} {_gb(max(plan.memory_per_device or [0])):>12}  yes   chosen")
         for a in plan.alternatives[:10]:
-            lines.append(f"  {_deg(a.degrees):<28} {_ms(a.step_time) if a.fits else '-':>12} "
+            lines.append(f"  {_deg(a.degrees):<28} {_mb(a.microbatches, a.schedule) if a.fits else '-':<20} "
+                         f"{_ms(a.step_time) if a.fits else '-':>12} {_ms(a.optimizer_time) if a.fits else '-':>12} "
                          f"{_gb(a.memory) if a.fits else '-':>12}  {'yes' if a.fits else 'no ':<4}  {a.note}")
     return "\n".join(lines)
+
+
+def _mb(microbatches: int, schedule: str) -> str:
+    return "-" if schedule in ("none", "", None) else f"{microbatches} × {schedule}"
 
 
 def _deg(d: dict) -> str:

@@ -22,8 +22,17 @@ def _pool(n: int) -> RankPool:
     return pool
 
 
+def _fresh_call(rank, fn, *args, **kwargs):
+    """Ranks outlive tests: start every test function from a clean autopar context."""
+    import autopar
+
+    autopar.reset_auto_parallel_context()
+    autopar.clear_annotations()
+    return fn(rank, *args, **kwargs)
+
+
 def run_ranks(n: int, fn, *args, **kwargs) -> list:
-    return _pool(n).run(fn, *args, **kwargs)
+    return _pool(n).run(_fresh_call, fn, *args, **kwargs)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,6 +7,8 @@ One rank = one process with one thread, as multi-rank CPU runs use it. Measured:
   layer's three training matmuls (transposed operands) / peak;
 - memory bandwidth, ``2 * nbytes / t`` of a large out-of-place op (read + write);
 - kernel overhead, per kernel of a chain of tiny ops, forward + backward;
+- optimizer step, seconds of ``torch.optim.AdamW.step`` per parameter, stored as the bytes
+  per parameter that the measured memory bandwidth moves in that time;
 - gloo collective alpha/beta on loopback for 2 and 4 processes: all_reduce times fitted by
   least squares to ``t = 2(p-1) * alpha + 2(p-1)/p * n * beta``; bandwidth = 1/beta.
 
@@ -121,6 +123,8 @@ def device_from_profile(profile: dict) -> DeviceSpec:
         compute_efficiency=float(profile.get("compute_efficiency", 1.0)),
         memory_efficiency=1.0,
         kernel_overhead=float(profile["kernel_overhead"]),
+        optimizer_bytes_per_param=float(profile.get("optimizer_bytes_per_param", 60.0)),
+        cores=nproc,
         notes=f"calibrated {profile.get('date', '?')}",
     )
 
@@ -188,6 +192,16 @@ def measure_kernel_overhead(chain: int = 64, reps: int = 20) -> float:
 
     t1, t2 = median_time(step(chain), reps, 3), median_time(step(2 * chain), reps, 3)
     return max((t2 - t1) / (2 * chain), 1e-7)
+
+
+def measure_optimizer_seconds_per_param(numel: int = 1 << 22, tensors: int = 4, reps: int = 5) -> float:
+    """Seconds per parameter of one AdamW step (torch's default implementation) over
+    ``numel`` fp32 parameters in ``tensors`` tensors."""
+    params = [torch.nn.Parameter(torch.randn(numel // tensors)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    return median_time(opt.step, reps, 2) / (numel // tensors * tensors)
 
 
 # ---- collectives over gloo ---------------------------------------------------------
@@ -294,6 +308,7 @@ def calibrate(
         efficiency = measure_matmul_efficiency(max(matmul_sizes), max(fp32.values()), reps)
         bandwidth = measure_memory_bandwidth(copy_bytes, reps)
         overhead = measure_kernel_overhead()
+        optimizer_s = measure_optimizer_seconds_per_param(reps=reps)
     finally:
         torch.set_num_threads(threads)
     rows: list[list[float]] = []
@@ -310,6 +325,8 @@ def calibrate(
         "compute_efficiency": efficiency,
         "memory_bandwidth": bandwidth,
         "kernel_overhead": overhead,
+        "optimizer_s_per_param": optimizer_s,
+        "optimizer_bytes_per_param": optimizer_s * bandwidth,
         "collectives": {"all_reduce": rows},
         "link": {"bandwidth": 1.0 / beta, "latency": alpha},
         "seconds": round(time.perf_counter() - started, 2),
@@ -329,6 +346,8 @@ def summary(profile: dict) -> str:
             f" (bf16 {profile['peak_flops']['bf16'] / 1e9:.1f})",
             f"memory bandwidth: {profile['memory_bandwidth'] / 1e9:.2f} GB/s per thread",
             f"kernel overhead: {profile['kernel_overhead'] * 1e6:.1f} us",
+            f"AdamW step: {profile.get('optimizer_s_per_param', float('nan')) * 1e9:.1f} ns/param "
+            f"({profile.get('optimizer_bytes_per_param', float('nan')):.0f} bytes/param at the measured bandwidth)",
             f"gloo loopback: alpha {link['latency'] * 1e6:.1f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s",
             f"saved to {profile.get('path', '-')} in {profile['seconds']} s",
         ]

@@ -30,11 +30,13 @@ def layer_of(path: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
+def _shape(v):
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+
+
 def _node_sig(node: fx.Node) -> str:
-    v = node.meta.get("val")
-    shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-    args = tuple(a if not isinstance(a, fx.Node) else "%" for a in node.args)
-    return f"{node.target}|{shape}|{args}"
+    args = tuple(a if not isinstance(a, fx.Node) else ("%", _shape(a.meta.get("val"))) for a in node.args)
+    return f"{node.target}|{_shape(node.meta.get('val'))}|{args}"
 
 
 def find_layers(gm: fx.GraphModule, param_names: dict[str, str]) -> list[Layer]:
@@ -53,7 +55,7 @@ def find_layers(gm: fx.GraphModule, param_names: dict[str, str]) -> list[Layer]:
     by_name = {n.name: n for n in gm.graph.nodes}
     for layer in layers.values():
         prefix = f"{layer.container}.{layer.index}."
-        rel = sorted(param_names[p][len(prefix):] for p in layer.params)
+        rel = sorted((param_names[p][len(prefix):], _shape(by_name[p].meta.get("val"))) for p in layer.params)
         h = hashlib.sha1()
         for n in layer.nodes:
             h.update(_node_sig(by_name[n]).encode())

@@ -64,6 +64,7 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
     graph = gm.graph
     synced = _param_sync_axes(graph, plan, specs, param_placeholders)
     param_sync: dict[str, set[str]] = defaultdict(set)
+    cache: dict = {}  # (value, spec, f axes, once axes) -> node: consumers needing the same share it
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is operator.getitem:
             continue
@@ -77,7 +78,6 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
         need = specs.input_specs(node)
         outs = specs.output_specs(node)
         split = _split_axes(outs)
-        cache: dict = {}
         new_inputs = []
         with graph.inserting_before(node):
             for i, src in enumerate(ins):

@@ -28,27 +28,41 @@ def _other_axes_shard(spec, axis, dim) -> bool:
     return any(isinstance(p, Shard) and p.dim == dim for a, p in enumerate(spec) if a != axis)
 
 
+def _inner_sharding(cur, axis, dim) -> list[int]:
+    """Axes after ``axis`` that currently shard ``dim`` (they are the finer split)."""
+    return [b for b in range(axis + 1, len(cur)) if isinstance(cur[b], Shard) and cur[b].dim == dim]
+
+
 def redistribute_steps(src: Spec, dst: Spec) -> list[Step]:
+    """Steps from ``src`` to ``dst``. A dim split over several axes is split by axis 0 first,
+    so changing an outer axis's split first gathers the inner axes on that dim (re-sliced
+    at the end)."""
     if src == dst:
         return []
     cur = list(src)
     steps: list[Step] = []
     k = len(src)
+
+    def gather(a):
+        steps.append(Step("all_gather", a, cur[a].dim, cur[a].chunks))
+        cur[a] = Replicate()
+
     for a in reversed(range(k)):
         s, d = cur[a], dst[a]
         if isinstance(s, Shard) and s != d:
+            for b in reversed(_inner_sharding(cur, a, s.dim)):
+                gather(b)
             diff = [b for b in range(k) if cur[b] != dst[b]]
             if (isinstance(d, Shard) and s.chunks == 1 and d.chunks == 1 and diff == [a]
                     and not _other_axes_shard(cur, a, s.dim) and not _other_axes_shard(cur, a, d.dim)):
                 steps.append(Step("all_to_all", a, s.dim, 1, d.dim))
                 cur[a] = d
                 continue
-            steps.append(Step("all_gather", a, s.dim, s.chunks))
-            cur[a] = Replicate()
+            gather(a)
     for a in range(k):
         s, d = cur[a], dst[a]
         if isinstance(s, Partial) and not isinstance(d, Partial):
-            if isinstance(d, Shard) and not _other_axes_shard(dst, a, d.dim):
+            if isinstance(d, Shard) and not _other_axes_shard(dst, a, d.dim) and not _other_axes_shard(cur, a, d.dim):
                 steps.append(Step("reduce_scatter", a, d.dim, d.chunks))
                 cur[a] = d
             else:
@@ -57,6 +71,8 @@ def redistribute_steps(src: Spec, dst: Spec) -> list[Step]:
     for a in range(k):
         s, d = cur[a], dst[a]
         if isinstance(s, Replicate) and isinstance(d, Shard):
+            for b in reversed(_inner_sharding(cur, a, d.dim)):
+                gather(b)
             steps.append(Step("local_slice", a, d.dim, d.chunks))
         elif isinstance(s, Replicate) and isinstance(d, Partial):
             steps.append(Step("to_partial", a))

@@ -27,6 +27,7 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
     by_name = {n.name: n for n in gm.graph.nodes}
     nodes, collectives = {}, []
     param_sync: dict[str, set[str]] = {}
+    shared_f: set = set()
     p = built.problem
     in_edges: dict[int, list] = {}
     out_edges: dict[int, list] = {}
@@ -74,6 +75,10 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
                     and isinstance(have[ax], Replicate):
                 param_sync.setdefault(src.name, set()).add(axis_names[ax])
                 continue
+            key = (src.name, idx, st.inputs[i], ax)
+            if key in shared_f:
+                continue
+            shared_f.add(key)
             collectives.append(Collective("all_reduce", int(nbytes), [axis_names[ax]], "bwd", name,
                                           c.comm("all_reduce", nbytes, ax)))
         for ax, loc in enumerate(st.local):

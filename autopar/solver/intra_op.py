@@ -98,6 +98,8 @@ class IntraOpProblem:
     ties: list[list[int]] = ()
     time_limit_s: float = 10.0
     workers: int = 2
+    hint: list[int] | None = None  # a feasible assignment (e.g. greedy): CP-SAT starts from it, and it is
+                                   # returned (status "FEASIBLE(hint)") if CP-SAT finds nothing in time
 
 
 @dataclass
@@ -501,17 +503,37 @@ def solve_intra_op(p: IntraOpProblem) -> IntraOpSolution:
     """
     start = time.perf_counter()
     _validate(p)
-    if p.memory_budget is None:
-        return _solve(p, start + p.time_limit_s, None, start)
     try:
-        free = _solve(replace(p, memory_budget=None), start + p.time_limit_s / 2, None, start)
+        return _solve_budgeted(p, start)
     except SolverTimeoutError:
-        return _solve(p, start + p.time_limit_s, None, start)
+        fallback = _hint_solution(p, start)
+        if fallback is None:
+            raise
+        return fallback
+
+
+def _hint_solution(p: IntraOpProblem, start: float) -> IntraOpSolution | None:
+    """The given hint as a solution, when it is feasible and fits the budget."""
+    if p.hint is None:
+        return None
+    objective, memory = evaluate(p, list(p.hint))
+    if math.isinf(objective) or (p.memory_budget is not None and memory > p.memory_budget):
+        return None
+    return IntraOpSolution(list(p.hint), objective, "FEASIBLE(hint)", time.perf_counter() - start, memory, 0)
+
+
+def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
+    if p.memory_budget is None:
+        return _solve(p, start + p.time_limit_s, p.hint, start)
+    try:
+        free = _solve(replace(p, memory_budget=None), start + p.time_limit_s / 2, p.hint, start)
+    except SolverTimeoutError:
+        return _solve(p, start + p.time_limit_s, p.hint, start)
     fits = free.memory <= p.memory_budget
     if fits and free.status == "OPTIMAL":
         return free
     try:
-        budgeted = _solve(p, start + p.time_limit_s, free.choice, start)
+        budgeted = _solve(p, start + p.time_limit_s, free.choice if p.hint is None or not fits else p.hint, start)
     except SolverTimeoutError:
         if fits:
             return replace(free, solve_time=time.perf_counter() - start)

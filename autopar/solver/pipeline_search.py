@@ -5,21 +5,25 @@ every spec is ``R`` on ``pp``; all stages share one intra-op plan solved on the 
 sub-mesh for the graph traced at the MICRObatch shape (global batch / m; shapes are static).
 
 For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
-    1. trace at microbatch size ``b_ref`` and solve the intra-op problem on the sub-mesh without a
-       memory bound (the whole model need not fit one device; stage memory is bounded in 3).
+    1. trace at microbatch size ``b_ref`` and solve the intra-op problem on the sub-mesh with the
+       memory bound ``pp * budget`` (the whole model is spread over pp stages; the exact per-stage
+       bound, with in-flight activations, is enforced in 3).
     2. per unit ``u`` (``autopar.graph.cut_points``) a ``LayerProfile`` (``unit_profiles``):
            time_u   = sum_{v in u} node_time(v) - param_sync(v) + resharding collectives of v
            fwd_u    = time_u * (sum base fwd / sum base fwd+bwd),   bwd_u = time_u - fwd_u
            param_u  = sum_{params p used in u} numel(p) * state bytes / shard(p)
            act_u    = sum_{v in u} saved-for-backward bytes(v) / shard(output of v)
            out_u    = sum_{values crossing the cut after u} local bytes
-       and the per-step gradient sync time sync_u of the unit's parameters (paid once per step).
+       and the per-step gradient sync time sync_u and optimizer-step time opt_u of the unit's
+       parameters (paid once per step).
     3. for each schedule and microbatch count ``m`` (``m | B``, ``(B / m) % dp == 0``), the profile
        at size ``b = B / m`` is ``launch + (time - launch) * b / b_ref`` (kernel launches do not
        shrink with the batch), and ``inter_op.partition_stages`` cuts the units into stages
        (DP over cut points, memory incl. the schedule's in-flight activations).
            step(m, schedule) = simulate(schedule).critical_path + max_s sum_{u in s} sync_u
-       The best (m, schedule) is re-solved at its own microbatch shape (exact decisions), then
+           rank key           = step + max_s sum_{u in s} opt_u   (``plan.options["optimizer_time"]``;
+                                plan.step_time leaves the optimizer out, like non-pipelined plans)
+       The best (m, schedule) (ties: less memory) is re-solved at its own microbatch shape (exact decisions), then
        re-partitioned with the exact profile.
 
 ``pipeline_plans`` enumerates the candidates for a request: a named mesh with a ``pp`` axis
@@ -29,10 +33,11 @@ times every (dp, tp) factorisation of the rest, tp inside a node when ``gpus_per
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, replace
 
 from autopar.context import ParallelMode
-from autopar.cost_models.compute import node_cost, total_flops
+from autopar.cost_models.compute import node_cost, optimizer_step_time, total_flops
 from autopar.cost_models.devices import axis_link
 from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved, training_state_bytes_per_param
 from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
@@ -56,6 +61,7 @@ class UnitCosts:
     launch: list[float]       # kernel-launch seconds inside each unit's fwd+bwd (do not scale)
     sync: list[float]         # per-step gradient sync seconds of each unit's parameters
     batch: int                # the microbatch size profiled
+    optimizer: list[float] = field(default_factory=list)   # optimizer-step seconds of each unit's parameters
 
     def at(self, batch: int) -> list[LayerProfile]:
         f = batch / self.batch
@@ -139,7 +145,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
     param_spec = {d.placeholder: parse_spec(d.spec) for d in plan.params.values()}
     cuts = crossing_values(gm, unit_of, len(units))
     seen_saved: set[str] = set()
-    profiles, launches, syncs = [], [], []
+    profiles, launches, syncs, steps = [], [], [], []
     for unit in units:
         time = fwd_base = total_base = launch = act = 0.0
         params: set[str] = set()
@@ -166,7 +172,9 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
         profiles.append(LayerProfile(unit.name, time * share, time * (1 - share), pbytes, act, out))
         launches.append(min(launch, time))
         syncs.append(sum(sync_time.get(p, 0.0) for p in params))
-    return UnitCosts(profiles, launches, syncs, traced.batch_size)
+        numel = sum(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape) for p in params if p in param_spec)
+        steps.append(optimizer_step_time(numel, device, len(params), opts.optimizer))
+    return UnitCosts(profiles, launches, syncs, traced.batch_size, steps)
 
 
 # ---- candidates -------------------------------------------------------------------------
@@ -181,7 +189,7 @@ class PipelineCandidate:
 
 def _sub_meshes(mesh: Mesh, n: int) -> list[Mesh]:
     make = lambda shape, names: Mesh(shape, names, mesh.device, mesh.gpus_per_node, mesh.memory_gb)  # noqa: E731
-    out = [make((n,), ("dp",))]
+    out = [make((n,), ("dp",) if n > 1 else ("tp",))]
     in_node = lambda tp: mesh.gpus_per_node is None or mesh.gpus_per_node % tp == 0  # noqa: E731
     for dp in range(2, n):
         if n % dp == 0 and in_node(n // dp):
@@ -209,7 +217,7 @@ def pipeline_candidates(traced, mesh: Mesh, mode: ParallelMode, tags: dict) -> t
         if tags and need != pp:
             raise PipelineRequestError(f"pipeline_stage tags name {need} stages but the mesh's pp axis has {pp}")
         rest = mesh.shape[1:] or (1,)
-        names = mesh.axis_names[1:] or ("dp",)
+        names = mesh.axis_names[1:] or ("tp",)
         sub = Mesh(rest, names, mesh.device, mesh.gpus_per_node, mesh.memory_gb)
         full = mesh if mesh.shape[1:] else _full_mesh(mesh, pp, sub)
         return ([PipelineCandidate(pp, sub, full, tags)] if pp > 1 else []), True
@@ -283,8 +291,10 @@ def _fixed_boundaries(cand: PipelineCandidate, units, gm) -> list[int]:
 def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, fixed):
     profiles = costs.at(batch)
     part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, fixed_boundaries=fixed)
-    sync = max(sum(costs.sync[a:b]) for a, b in (s.layers for s in part.stages))
-    return part, part.step_time + sync
+    spans = [s.layers for s in part.stages]
+    sync = max(sum(costs.sync[a:b]) for a, b in spans)
+    opt = max(sum(costs.optimizer[a:b]) for a, b in spans)
+    return part, part.step_time + sync, opt
 
 
 def _check_tags(part: PipelinePartition, cand: PipelineCandidate, units, gm) -> None:
@@ -312,7 +322,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     schedules = _schedules(opts, cand.pp, len(units))
     device = cand.sub.spec()
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
-    free = PlanOptions(**{**opts.__dict__, "memory_budget_gb": 1e12})
+    free = PlanOptions(**{**opts.__dict__, "memory_budget_gb": budget * cand.pp / 2**30})
     link_spec = axis_link(device, cand.pp, cand.sub.size)
     link = (link_spec.bandwidth, link_spec.latency)
 
@@ -332,21 +342,24 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
             if schedule == "interleaved_1f1b" and m % cand.pp:
                 continue
             try:
-                _, t = _partition(costs, batch // m, cand.pp, m, schedule, budget, link, fixed)
+                part, t, opt = _partition(costs, batch // m, cand.pp, m, schedule, budget, link, fixed)
             except ValueError as err:
                 reasons.append(f"{schedule} m={m}: {err}")
                 continue
-            if best is None or t < best[0]:
-                best = (t, m, schedule)
+            key = (round(t + opt, 12), max(part.rank_memory))
+            if best is None or key < best[0]:
+                best = (key, m, schedule)
     if best is None:
         raise PipelineRequestError("no pipeline partition fits: " + "; ".join(reasons[:3]))
     _, m, schedule = best
     if m not in solved:
         solved[m] = solve(m)
     mb, sub_plan, units_m, unit_of, costs_m = solved[m]
-    part, step = _partition(costs_m, batch // m, cand.pp, m, schedule, budget, link, fixed)
+    part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule, budget, link, fixed)
     _check_tags(part, cand, units_m, mb.gm)
-    return _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
+    plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
+    plan.options["optimizer_time"] = opt
+    return plan
 
 
 def _with_pp(spec):
@@ -385,6 +398,21 @@ def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: Pipelin
 
 # ---- the search entry -------------------------------------------------------------------
 
+def optimizer_time(plan: Plan, optimizer: str = "adamw") -> float:
+    """Seconds of one optimizer step over the parameters one rank holds (the fullest stage)."""
+    if "optimizer_time" in plan.options:
+        return plan.options["optimizer_time"]
+    mesh = plan.mesh
+    params = [d for d in plan.params.values() if d.kind == "parameter"]
+    numel = sum(math.prod(d.shape) / shard_factor(parse_spec(d.spec), mesh.shape) for d in params)
+    return optimizer_step_time(numel, mesh.spec(), len(params), optimizer)
+
+
+def rank_key(plan: Plan) -> float:
+    """What AUTO minimises: predicted step time plus the optimizer step."""
+    return plan.step_time + optimizer_time(plan, plan.options.get("optimizer", "adamw"))
+
+
 def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict):
     """(plans, failures [(note, error)], forced) for every pipeline candidate of the request."""
     from autopar.solver.annotations import ANNOTATIONS, resolve_stages
@@ -420,4 +448,5 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
     return plans, failures, forced
 
 
-__all__ = ["pipeline_plans", "plan_pipeline", "unit_profiles", "retrace_batch", "microbatch_trace"]
+__all__ = ["pipeline_plans", "plan_pipeline", "unit_profiles", "retrace_batch", "microbatch_trace", "rank_key",
+           "optimizer_time"]

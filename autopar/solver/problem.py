@@ -128,8 +128,10 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
     for s, st in enumerate(strategies):
         compute[s] = t_all / work_split(st, c.mesh_shape)
         for i, a in grad_sync_inputs(st):
+            # consumers needing the same gradient all-reduce share one (the pass emits one per
+            # producer, spec and axis), so each pays its share
             nbytes = tensor_bytes(ins[i]) / shard_factor(st.inputs[i], c.mesh_shape)
-            compute[s] += c.comm("all_reduce", nbytes, a)
+            compute[s] += c.comm("all_reduce", nbytes, a) / max(1, len(ins[i].users))
         compute[s] += _local_impl_time(node, st, c)
         outs = _outs(st)
         memory[s] = act / max(1, shard_factor(outs[0], c.mesh_shape))
@@ -169,7 +171,42 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     ties_idx = [[index[t] for t in g if t in index] for g in ties]
     ties_idx = [g for g in ties_idx if len(g) > 1 and len({len(cands.strategies[names[i]]) for i in g}) == 1]
     prob = IntraOpProblem(nodes, edges, memory_budget, ties_idx, time_limit_s)
+    prob.hint = feasible_hint(prob)
     return BuiltProblem(prob, names, index)
+
+
+def feasible_hint(p: IntraOpProblem) -> list[int]:
+    """Greedy assignment that fits the budget: memory priced at λ s/byte (a Lagrangian
+    relaxation of the memory constraint), λ raised tenfold until the greedy choice fits."""
+    choice = greedy_choice(p, 0.0)
+    if p.memory_budget is None:
+        return choice
+    price = 1e-15
+    while sum(float(n.memory[s]) for n, s in zip(p.nodes, choice)) > p.memory_budget and price < 1e3:
+        choice = greedy_choice(p, price)
+        price *= 10
+    return choice
+
+
+def greedy_choice(p: IntraOpProblem, memory_price: float = 0.0) -> list[int]:
+    """Graph order, each node its cheapest allowed strategy given its producers' choices
+    (cost = time + memory_price · bytes); tied nodes follow the first of their group."""
+    incoming: dict[int, list[EdgeCost]] = {}
+    for e in p.edges:
+        incoming.setdefault(e.dst, []).append(e)
+    leader = {m: g[0] for g in p.ties for m in g}
+    choice: list[int] = []
+    for v, node in enumerate(p.nodes):
+        if v in leader and leader[v] != v:
+            choice.append(choice[leader[v]])
+            continue
+        cost = np.array(node.compute, dtype=float) + memory_price * np.asarray(node.memory, dtype=float)
+        for e in incoming.get(v, []):
+            if e.src < v:
+                cost = cost + e.cost[choice[e.src], :]
+        allowed = node.allowed if node.allowed is not None else range(len(cost))
+        choice.append(min(allowed, key=lambda s: cost[s]))
+    return choice
 
 
 def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: Costing) -> EdgeCost:

@@ -205,7 +205,7 @@ def make_plan(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
               input_ann: dict) -> Plan:
     t0 = time.perf_counter()
     mark_chunk_hints(traced.gm)
-    from autopar.solver.pipeline_search import pipeline_plans
+    from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, rank_key
 
     pipe_plans, pipe_failures, pipeline_only = pipeline_plans(traced, model, mesh, mode, opts, param_ann, input_ann)
     meshes = [] if pipeline_only else candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
@@ -218,12 +218,16 @@ def make_plan(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     if not plans:
         m, err = failures[0]
         raise PlanError(f"no plan fits memory on {m}: {err}") from None
-    best = min(plans, key=lambda p: p.step_time)
-    alts = [Alternative(p.degrees, p.step_time, max(p.memory_per_device), True, f"mesh {p.mesh.shape}",
-                        p.microbatches, p.schedule) for p in plans if p is not best]
+    for p in plans:
+        p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
+    best = min(plans, key=rank_key)
+    alts = [Alternative(p.degrees, p.step_time, max(p.memory_per_device), True,
+                        "mesh " + " × ".join(f"{n}={s}" for n, s in zip(p.mesh.axis_names, p.mesh.shape)),
+                        p.microbatches, p.schedule, p.options["optimizer_time"])
+            for p in sorted(plans, key=rank_key) if p is not best]
     alts += [Alternative({}, math.inf, math.inf, False, f"mesh {m.shape}: {e}") for m, e in failures]
     alts += [Alternative({}, math.inf, math.inf, False, f"{note}: {e}") for note, e in pipe_failures]
-    best.alternatives = sorted(alts, key=lambda a: a.step_time)
+    best.alternatives = [a for a in alts if a.fits] + sorted((a for a in alts if not a.fits), key=lambda a: a.note)
     best.solve_time = time.perf_counter() - t0
     return best
 

@@ -1,0 +1,76 @@
+"""The pipeline part of a plan's report: stages, bubble, the schedule grid and its timeline PNG."""
+from __future__ import annotations
+
+from autopar.solver.schedule import Schedule, build_schedule, simulate
+
+
+def plan_schedule(plan) -> Schedule:
+    v = plan.options.get("pipeline", {}).get("virtual_stages", 1)
+    return build_schedule(plan.schedule, plan.degrees.get("pp", 1), plan.microbatches, v)
+
+
+def _ms(t: float) -> str:
+    return f"{t * 1e3:.3f} ms"
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def _layers(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
+
+
+def render_pipeline(plan) -> list[str]:
+    """Report lines: per-stage table, bubble fraction and the step × rank schedule grid."""
+    if not plan.stages:
+        return []
+    info = plan.options.get("pipeline", {})
+    sched = plan_schedule(plan)
+    lines = [f"pipeline: {len(plan.stages)} stages on pp={plan.degrees.get('pp')} ranks, {plan.microbatches} "
+             f"microbatches of {info.get('microbatch_size', '?')} samples, schedule {plan.schedule}, "
+             f"bubble {100 * info.get('bubble_fraction', 0.0):.1f}%, schedule critical path "
+             f"{_ms(info.get('pipeline_time', 0.0))} (+ gradient sync + optimizer = step {_ms(plan.step_time)})",
+             f"  {'stage':<6} {'ranks':<14} {'layers':<28} {'fwd/mb':>11} {'bwd/mb':>11} {'p2p':>11} {'memory':>12}"]
+    for s in plan.stages:
+        ranks = ",".join(str(r) for r in s.ranks)
+        lines.append(f"  {s.index:<6} {ranks:<14} {_layers(s.layers):<28} {_ms(s.fwd):>11} {_ms(s.bwd):>11} "
+                     f"{_ms(s.send_time):>11} {_mib(s.memory):>12}")
+    lines.append("schedule (step × pipeline rank; 1F0 = stage 1 forward of microbatch 0, "
+                 "backward takes 2 steps, '.' = idle):")
+    lines += ["  " + row for row in str(sched).splitlines()]
+    return lines
+
+
+def save_timeline(plan, path) -> None:
+    """Draw the schedule with the plan's predicted stage times as a Gantt chart (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError("save_timeline needs matplotlib: pip install 'autopar[plot]' (or matplotlib)") from err
+    if not plan.stages:
+        raise ValueError("this plan has no pipeline stages (degrees['pp'] == 1): nothing to draw")
+    sched = plan_schedule(plan)
+    fwd = [s.fwd for s in plan.stages]
+    bwd = [s.bwd for s in plan.stages]
+    hops = [s.send_time for s in plan.stages[:-1]]
+    sim = simulate(sched, fwd, bwd, hops)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(sim.start_times) / max(1, sched.num_ranks)), 1 + 0.6 * sched.num_ranks))
+    colors = plt.get_cmap("tab10")
+    for a, start in sim.start_times.items():
+        r = sched.rank_of(a.stage)
+        dur = sim.end_times[a] - start
+        ax.barh(r, dur * 1e3, left=start * 1e3, color=colors(a.microbatch % 10), alpha=1.0 if a.kind == "F" else 0.55,
+                edgecolor="black", linewidth=0.5)
+        ax.text((start + dur / 2) * 1e3, r, str(a), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(sched.num_ranks))
+    ax.set_yticklabels([f"pp rank {r}" for r in range(sched.num_ranks)])
+    ax.invert_yaxis()
+    ax.set_xlabel("predicted time (ms)")
+    ax.set_title(f"{plan.schedule}, {plan.microbatches} microbatches, bubble {100 * sim.bubble_fraction:.1f}%")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,150 @@
+"""Pipeline planning without processes: balanced valid partitions, the 3-D AUTO search and its
+report, and clear errors on bad requests."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch.nn as nn
+
+import autopar
+from autopar.context import ParallelMode
+from autopar.graph.cut_points import assign_units
+from autopar.solver.inter_op import brute_force_partition, partition_stages
+from autopar.solver.pipeline_search import pipeline_candidates, unit_profiles
+from autopar.solver.search import PlanError, PlanOptions, solve_on_mesh
+from autopar.trace import trace
+from examples.models import GPT, Llama, lm_loss
+from oracle import make_batch
+
+X, Y = make_batch("tokens", 8)
+
+
+def _plan(model, mesh, **ctx):
+    autopar.set_auto_parallel_context(**ctx)
+    return autopar.plan(model, mesh, example_inputs=(X,), loss_fn=lm_loss, example_target=Y, mode="auto")
+
+
+def _all_layers_once(plan, num_layers):
+    layers = [name for s in plan.stages for name in s.layers]
+    assert len(layers) == num_layers and len(set(layers)) == num_layers
+    assert all(s.layers for s in plan.stages)
+
+
+def test_five_layers_on_two_stages_is_balanced_and_optimal():
+    plan = _plan(GPT(qkv_bias=False, layers=5, hidden=32), autopar.Mesh((2,), axis_names=("pp",)),
+                 schedule="1f1b", microbatches=4)
+    _all_layers_once(plan, 5)
+    assert sorted(len(s.layers) for s in plan.stages) == [2, 3]
+    times = [s.time for s in plan.stages]
+    assert max(times) <= 0.5 * sum(times) + max(times) / 2 + 1e-12
+    assert plan.stages[0].ranks == [0] and plan.stages[1].ranks == [1]
+
+
+def _profiles(model, batch, sub):
+    traced = trace(model, (X[:batch],), lm_loss, Y[:batch])
+    sub_plan = solve_on_mesh(traced, sub, ParallelMode.AUTO, PlanOptions(), {}, {})
+    units, unit_of = assign_units(traced.gm)
+    return unit_profiles(traced, sub_plan, units, unit_of, sub.spec(), PlanOptions()).profiles
+
+
+def test_embedding_dominated_model_partition_matches_brute_force_and_fits():
+    model = Llama(vocab=4096, hidden=32, layers=5, ffn=64)
+    profiles = _profiles(model, 2, autopar.Mesh((1,), axis_names=("tp",)))
+    assert profiles[0].param_bytes > 5 * profiles[2].param_bytes      # the embedding dominates memory
+    for schedule in ("gpipe", "1f1b"):
+        free = partition_stages(profiles, 2, 4, schedule)
+        budget = 0.97 * max(s.memory for s in free.stages)             # the memory bound binds
+        try:
+            dp = partition_stages(profiles, 2, 4, schedule, memory_budget=budget)
+        except ValueError:
+            with pytest.raises(ValueError):
+                brute_force_partition(profiles, 2, 4, schedule, memory_budget=budget)
+            continue
+        bf = brute_force_partition(profiles, 2, 4, schedule, memory_budget=budget)
+        assert dp.boundaries == bf.boundaries and dp.objective == pytest.approx(bf.objective)
+        assert dp.boundaries != free.boundaries and all(s.memory <= budget for s in dp.stages)
+    budget = 0.97 * max(s.memory for s in partition_stages(profiles, 2, 4, "1f1b").stages)
+    plan = _plan(model, autopar.Mesh((2,), axis_names=("pp",)), memory_budget_gb=budget / 2**30,
+                 schedule="1f1b", microbatches=4)
+    _all_layers_once(plan, 5)
+    assert all(s.memory <= budget for s in plan.stages)
+
+
+def test_auto_searches_pp_dp_tp_and_reports_why():
+    plan = _plan(GPT(qkv_bias=False, layers=4, hidden=32), autopar.Mesh(4))
+    seen = {(a.degrees.get("pp"), a.degrees.get("dp"), a.degrees.get("tp")) for a in plan.alternatives if a.fits}
+    seen.add((plan.degrees["pp"], plan.degrees["dp"], plan.degrees["tp"]))
+    assert {p for p, _, _ in seen} >= {1, 2, 4}
+    chosen = plan.step_time + plan.options["optimizer_time"]
+    assert all(a.step_time + a.optimizer_time >= chosen for a in plan.alternatives if a.fits)
+    text = plan.report()
+    assert "why this plan" in text and "pp=2" in text and "pp=4" in text
+    assert autopar.Plan.from_json(plan.to_json()) == plan
+
+
+def test_report_shows_schedule_grid_bubble_and_stage_table(tmp_path):
+    plan = _plan(GPT(qkv_bias=False, layers=4, hidden=32), autopar.Mesh((2,), axis_names=("pp",)),
+                 schedule="1f1b", microbatches=4)
+    text = plan.report()
+    assert "bubble" in text and "1F0" in text and "0B3" in text and "stage  ranks" in text
+    assert plan.options["pipeline"]["bubble_fraction"] > 0
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "timeline.png"
+    plan.save_timeline(path)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tensor_parallel_kept_inside_a_node():
+    traced = trace(GPT(qkv_bias=False, layers=4, hidden=32), (X,), lm_loss, Y)
+    mesh = autopar.Mesh(16, device="a100-80gb", gpus_per_node=2)
+    cands, forced = pipeline_candidates(traced, mesh, ParallelMode.AUTO, {})
+    assert not forced and {c.pp for c in cands} == {2, 4, 8, 16}
+    for c in cands:
+        tp = c.sub.shape[c.sub.axis_names.index("tp")] if "tp" in c.sub.axis_names else 1
+        assert 2 % tp == 0
+        assert c.full.axis_names[0] == "pp" and c.full.size == 16
+
+
+# ---- bad requests -----------------------------------------------------------------------------
+
+def test_more_stages_than_layers_is_a_clear_error():
+    with pytest.raises(PlanError, match="cannot split the model into 4 pipeline stages: the traced model has 2 layer"):
+        _plan(GPT(qkv_bias=False, layers=2, hidden=32), autopar.Mesh((4,), axis_names=("pp",)))
+
+
+def test_microbatches_must_divide_the_batch():
+    with pytest.raises(PlanError, match="microbatches=3 does not divide the global batch 8"):
+        _plan(GPT(qkv_bias=False, layers=2, hidden=32), autopar.Mesh((2,), axis_names=("pp",)), microbatches=3)
+
+
+def test_stage_tag_on_a_module_missing_from_the_trace():
+    model = GPT(qkv_bias=False, layers=2, hidden=32)
+    model.unused = nn.Linear(4, 4)
+    autopar.pipeline_stage(model.unused, 1)
+    with pytest.raises(PlanError, match="module 'unused' runs no op in the traced model"):
+        autopar.plan(model, autopar.Mesh(2), example_inputs=(X,), loss_fn=lm_loss, example_target=Y,
+                     mode="semi_auto")
+
+
+def test_stage_tag_by_unknown_name_and_pp_axis_position():
+    autopar.pipeline_stage("blocks.7", 1)
+    with pytest.raises(PlanError, match="'blocks.7' runs no op"):
+        autopar.plan(GPT(qkv_bias=False, layers=2, hidden=32), autopar.Mesh(2), example_inputs=(X,),
+                     loss_fn=lm_loss, example_target=Y, mode="semi_auto")
+    autopar.clear_annotations()
+    with pytest.raises(PlanError, match="the 'pp' axis must be the first mesh axis"):
+        _plan(GPT(qkv_bias=False, layers=2, hidden=32), autopar.Mesh((2, 2), axis_names=("tp", "pp")))
+
+
+def test_tagged_stages_fix_the_pipeline_degree_and_cuts():
+    model = GPT(qkv_bias=False, layers=4, hidden=32)
+    autopar.pipeline_stage(model.blocks[1], 1)
+    autopar.pipeline_stage("blocks.3", 2)
+    plan = autopar.plan(model, autopar.Mesh(3), example_inputs=(X,), loss_fn=lm_loss, example_target=Y,
+                        mode="semi_auto")
+    assert plan.degrees["pp"] == 3
+    assert [s.layers for s in plan.stages] == [["blocks.0"], ["blocks.1", "blocks.2"], ["blocks.3"]]
+
+
+__all__ = ["functools"]

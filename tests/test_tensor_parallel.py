@@ -1,0 +1,197 @@
+"""Tensor (intra-layer) parallelism: the oracle on tp=2, tp=4 and (dp=2, tp=2) for MLP, CNN,
+GPT (tied embeddings), Llama and BERT; Megatron's layout found by AUTO with exactly the
+collectives it needs; vocab-parallel embedding and loss; an op without a rule."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import autopar
+from autopar import Shard
+from conftest import run_ranks
+from examples.models import CNN, GPT, MLP, Block, Bert, Llama, lm_loss
+from oracle import assert_same_training, make_batch, parallel_run, reference_run
+
+DEVICE = "a100-80gb"  # plan with GPU costs (deterministic, machine-independent); run on CPU
+
+
+def _mlp_tp(model):
+    autopar.shard({"layers.0": ColwiseParallel(), "layers.1": RowwiseParallel()}, axis="tp")
+
+
+def _cnn_tp(model):
+    autopar.shard(model.conv1, weight={"tp": Shard(0)})
+    autopar.shard("conv2", weight={"tp": Shard(1)})
+
+
+MODELS = {
+    "mlp": (MLP, F.cross_entropy, "vector", {}, _mlp_tp),
+    "cnn": (CNN, F.cross_entropy, "image", {}, _cnn_tp),
+    "gpt": (functools.partial(GPT, qkv_bias=False), lm_loss, "tokens", {}, None),
+    "llama": (Llama, lm_loss, "tokens", {}, None),
+    "bert": (Bert, F.cross_entropy, "classify_tokens", {}, None),
+}
+MESHES = {"tp2": (2, (2,), ("tp",)), "tp4": (4, (4,), ("tp",)), "dp2tp2": (4, (2, 2), ("dp", "tp"))}
+
+
+def _tp_job(rank, name, mesh_key, memory_gb):
+    model_fn, loss_fn, kind, kw, setup = MODELS[name]
+    _, shape, axes = MESHES[mesh_key]
+    x, y = make_batch(kind, 8, **kw)
+    mode = "semi_auto" if setup else "auto"
+    mesh = autopar.Mesh(shape, axis_names=axes, device=DEVICE, memory_gb=memory_gb)
+    return parallel_run(rank, model_fn, loss_fn, x, y, mesh, mode, setup=setup)
+
+
+def _memory_cap(name, mesh_key) -> float | None:
+    """70% of what the model needs per device when replicated: AUTO must split it (a model too
+    big for one device is why users come); annotated models get no cap."""
+    model_fn, loss_fn, kind, kw, setup = MODELS[name]
+    if setup:
+        return None
+    _, shape, axes = MESHES[mesh_key]
+    x, y = make_batch(kind, 8, **kw)
+    torch.manual_seed(0)
+    replicated = autopar.plan(model_fn(), autopar.Mesh(shape, axis_names=axes, device=DEVICE), example_inputs=(x,),
+                              loss_fn=loss_fn, example_target=y, mode="stand_alone")
+    return 0.7 * max(replicated.memory_per_device) / 2**30
+
+
+@pytest.mark.parametrize("mesh_key", list(MESHES))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tensor_parallel_matches_single_device(name, mesh_key):
+    model_fn, loss_fn, kind, kw, _ = MODELS[name]
+    n, shape, axes = MESHES[mesh_key]
+    x, y = make_batch(kind, 8, **kw)
+    ref = reference_run(model_fn, loss_fn, x, y)
+    results = run_ranks(n, _tp_job, name, mesh_key, _memory_cap(name, mesh_key))
+    for r in results:
+        assert_same_training(ref, r, what=f"{name} {mesh_key}")
+    plan = autopar.Plan.from_json(results[0]["plan"])
+    tp = plan.mesh.axis_index("tp")
+    sharded = [k for k, d in plan.params.items() if "S(" in d.spec.strip("[]").split(",")[tp] if d.kind == "parameter"]
+    assert sharded, f"{name} on {mesh_key}: no parameter is split over tp, the test would not exercise TP"
+    assert plan.degrees["tp"] == shape[-1]
+
+
+class BlockStack(nn.Module):
+    def __init__(self, layers=2, hidden=128, heads=8, fused=False):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(hidden, heads, fused_qkv=fused, qkv_bias=False) for _ in range(layers))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _block_data():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(4, 32, 128, generator=g), torch.randn(4, 32, 128, generator=g)
+
+
+def _megatron_job(rank, fused, memory_gb):
+    torch.manual_seed(0)
+    model = BlockStack(fused=fused)
+    x, y = _block_data()
+    mesh = autopar.Mesh(4, axis_names=("tp",), device=DEVICE, memory_gb=memory_gb)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=(x,), loss_fn=F.mse_loss, example_target=y, mode="auto")
+    pmodel.step(x, target=y)
+    for p in pmodel.parameters():
+        p.grad = None
+    with autopar.count_collectives() as counter:
+        loss = pmodel.step(x, target=y)
+    ref = F.mse_loss(model(x), y).item()
+    return {"calls": list(counter.calls), "params": {k: v.spec for k, v in pmodel.plan.params.items()},
+            "loss": float(loss), "ref": ref, "code": pmodel.code,
+            "planned": [(c.kind, c.phase) for c in pmodel.plan.collectives(rank)]}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_auto_finds_megatron_layout_with_two_all_reduces_each_way(fused):
+    """A block stack that does not fit one device (35% of the replicated plan's memory):
+    AUTO splits it Megatron's way and each block runs 2 all-reduces forward, 2 backward."""
+    torch.manual_seed(0)
+    x, y = _block_data()
+    replicated = autopar.plan(BlockStack(fused=fused), autopar.Mesh(4, axis_names=("tp",), device=DEVICE),
+                              example_inputs=(x,), loss_fn=F.mse_loss, example_target=y, mode="stand_alone")
+    cap = 0.35 * max(replicated.memory_per_device) / 2**30
+    r = run_ranks(4, _megatron_job, fused, cap)[0]
+    p = r["params"]
+    for i in range(2):
+        qkv = [f"blocks.{i}.qkv.weight"] if fused else [f"blocks.{i}.{n}.weight" for n in "qkv"]
+        for name in qkv:
+            assert p[name] in ("[S(0)]", "[S(0,3)]"), (name, p[name])
+        assert p[f"blocks.{i}.fc1.weight"] == "[S(0)]" and p[f"blocks.{i}.fc1.bias"] == "[S(0)]"
+        assert p[f"blocks.{i}.proj.weight"] == "[S(1)]" and p[f"blocks.{i}.fc2.weight"] == "[S(1)]"
+        assert p[f"blocks.{i}.ln1.weight"] == "[R]"
+    kinds = [(k, ph) for k, _, _, ph in r["calls"]]
+    assert kinds.count(("all_reduce", "fwd")) == 4, kinds
+    assert kinds.count(("all_reduce", "bwd")) == 4, kinds
+    assert len(kinds) == 8, f"unexpected collectives: {kinds}"
+    assert abs(r["loss"] - r["ref"]) <= 1e-5 * r["ref"]
+    assert sorted(r["planned"]) == sorted(kinds), "the plan's collective list must match what ran"
+    assert "all_reduce" in r["code"] and "grad_all_reduce" in r["code"]
+
+
+VOCAB_GPT = functools.partial(GPT, vocab=1024, qkv_bias=False)  # vocab ≫ hidden, as in real LMs
+
+
+def _vocab_job(rank, plan_json):
+    x, y = make_batch("tokens", 8, vocab=1024)
+    return parallel_run(rank, VOCAB_GPT, lm_loss, x, y, autopar.Mesh(2, axis_names=("tp",), device=DEVICE),
+                        None, plan=autopar.Plan.from_json(plan_json))
+
+
+def test_vocab_parallel_embedding_and_cross_entropy():
+    """Megatron's vocab-parallel embedding (masked local lookup → Partial) and cross entropy
+    (max/sum-exp/target-logit all-reduces) on the tied embedding, forced through a HYBRID plan."""
+    x, y = make_batch("tokens", 8, vocab=1024)
+    torch.manual_seed(0)
+    autopar.shard("wte", weight={"tp": Shard(0)})
+    plan = autopar.plan(VOCAB_GPT(), autopar.Mesh(2, axis_names=("tp",), device=DEVICE), example_inputs=(x,),
+                        loss_fn=lm_loss, example_target=y, mode="semi_auto")
+    assert plan.params["wte.weight"].spec == "[S(0)]"
+    assert plan.params["wte.weight"].aliases == ["wte.weight", "lm_head.weight"]
+    emb = next(n for n, d in plan.nodes.items() if d.module == "wte")
+    loss = next(n for n, d in plan.nodes.items() if "cross_entropy" in d.op)
+    assert any("vocab" in opt for opt, _ in plan.nodes[emb].options), "explain() must list the vocab option"
+    plan.nodes[emb].inputs, plan.nodes[emb].output, plan.nodes[emb].local = ["[S(0)]", "[R]"], "[P]", ["embedding:vocab"]
+    plan.nodes[loss].inputs, plan.nodes[loss].output, plan.nodes[loss].local = ["[S(1)]", "[R]"], "[R]", ["loss:vocab"]
+    plan.outputs["loss"] = "[R]"
+    ref = reference_run(VOCAB_GPT, lm_loss, x, y)
+    r = run_ranks(2, _vocab_job, plan.to_json())[0]
+    assert_same_training(ref, r, what="vocab parallel")
+
+
+class Flipper(nn.Module):
+    """Uses torch.flip, an op with no sharding rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.flip(F.relu(self.fc1(x)), dims=[-1]))
+
+
+def _flip_job(rank):
+    x, y = make_batch("vector", 8)
+    return parallel_run(rank, Flipper, F.cross_entropy, x, y, autopar.Mesh(2, axis_names=("tp",), device=DEVICE),
+                        "auto")
+
+
+def test_an_op_without_a_rule_runs_replicated_and_correct():
+    x, y = make_batch("vector", 8)
+    ref = reference_run(Flipper, F.cross_entropy, x, y)
+    r = run_ranks(2, _flip_job)[0]
+    assert_same_training(ref, r, what="flip")
+    plan = autopar.Plan.from_json(r["plan"])
+    flips = [n for n, op in plan.unknown_ops.items() if "flip" in op]
+    assert flips and plan.nodes[flips[0]].output == "[R]"
+    assert "aten.flip.default" in plan.report()
