@@ -2,7 +2,7 @@
 
 ``launch(fn, nprocs)`` runs ``fn(rank, *args)`` once per rank; ``RankPool`` keeps the ranks
 alive and runs many functions in them (tests and benchmarks share one pool).
-Rendezvous uses a free port found by binding port 0; each rank runs with one intra-op
+Rendezvous uses a fresh ``file://`` path (no port race); each rank runs with one intra-op
 thread and every process group has a timeout, so a dead rank fails the run instead of hanging.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import queue
 import socket
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -31,16 +32,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_rank(rank: int, world: int, port: int, timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 1) -> None:
-    """Initialize this process as ``rank`` of ``world`` (tcp rendezvous on localhost)."""
+def rendezvous_file() -> str:
+    """A fresh file:// rendezvous (no port to race for, unlike binding port 0 then releasing it)."""
+    fd, path = tempfile.mkstemp(prefix="autopar_rdzv_")
+    os.close(fd)
+    os.unlink(path)
+    return f"file://{path}"
+
+
+def init_rank(rank: int, world: int, init_method: str, timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 1) -> None:
+    """Initialize this process as ``rank`` of ``world`` (``file://`` or ``tcp://`` rendezvous)."""
     torch.set_num_threads(threads)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -59,10 +66,16 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     return True
 
 
-def _launch_entry(rank, fn, world, port, timeout_s, args):
-    init_rank(rank, world, port, timeout_s)
+def _launch_entry(rank, fn, world, init_method, timeout_s, args, err_dir):
+    init_rank(rank, world, init_method, timeout_s)
     try:
-        fn(rank, *args)
+        try:
+            fn(rank, *args)
+        except BaseException:
+            with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+            raise
+        dist.barrier()  # a rank that finishes early must not tear down while others still connect
     finally:
         dist.destroy_process_group()
 
@@ -71,20 +84,23 @@ def launch(fn, nprocs: int = 4, args: tuple = (), timeout_s: float = DEFAULT_TIM
     """Run ``fn(rank, *args)`` in ``nprocs`` processes; raise ``RankError`` if any rank fails."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    try:
-        mp.start_processes(_launch_entry, args=(fn, nprocs, free_port(), timeout_s, tuple(args)),
-                           nprocs=nprocs, join=True, start_method="spawn")
-    except mp.ProcessRaisedException as err:
-        raise RankError(f"a rank failed:\n{err}") from None
-    except mp.ProcessExitedException as err:
-        raise RankError(f"a rank exited abnormally: {err}") from None
+    with tempfile.TemporaryDirectory(prefix="autopar_launch_") as err_dir:
+        try:
+            mp.start_processes(_launch_entry, args=(fn, nprocs, rendezvous_file(), timeout_s, tuple(args), err_dir),
+                               nprocs=nprocs, join=True, start_method="spawn")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            own = sorted(f for f in os.listdir(err_dir) if f.endswith(".txt"))
+            if own:  # the ranks whose function raised: the cause, not the peers that lost them
+                detail = "".join(f"\n--- {f[:-4]} ---\n" + open(os.path.join(err_dir, f)).read() for f in own)
+                raise RankError(f"{len(own)} rank(s) failed in {getattr(fn, '__name__', fn)}:{detail}") from None
+            raise RankError(f"a rank failed:\n{err}") from None
 
 
 # ---- a persistent pool of ranks ---------------------------------------------------------
 
-def _pool_worker(rank, world, port, timeout_s, paths, inbox, outbox):
+def _pool_worker(rank, world, init_method, timeout_s, paths, inbox, outbox):
     sys.path[:0] = [p for p in paths if p not in sys.path]
-    init_rank(rank, world, port, timeout_s)
+    init_rank(rank, world, init_method, timeout_s)
     while True:
         job = inbox.get()
         if job is None:
@@ -105,9 +121,9 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self._inboxes = [ctx.Queue() for _ in range(nprocs)]
         self._outbox = ctx.Queue()
-        port = free_port()
+        rdzv = rendezvous_file()
         self._procs = [ctx.Process(target=_pool_worker, daemon=True,
-                                   args=(r, nprocs, port, timeout_s, list(sys.path), self._inboxes[r], self._outbox))
+                                   args=(r, nprocs, rdzv, timeout_s, list(sys.path), self._inboxes[r], self._outbox))
                        for r in range(nprocs)]
         for p in self._procs:
             p.start()

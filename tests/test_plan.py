@@ -1,0 +1,97 @@
+"""The Plan: JSON round trip, the report, explain, collectives; planning at scale needs no devices."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch
+import torch.nn.functional as F
+
+import autopar
+from examples.models import GPT, MLP, lm_loss
+from oracle import make_batch
+
+
+def _gpt_plan(mode="auto", mesh=None):
+    torch.manual_seed(0)
+    x, y = make_batch("tokens", 8)
+    return autopar.plan(GPT(qkv_bias=False), mesh or autopar.Mesh(4), example_inputs=(x,), loss_fn=lm_loss,
+                        example_target=y, mode=mode)
+
+
+def test_json_round_trip_is_identical(tmp_path):
+    plan = _gpt_plan()
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again == plan and again.to_json() == plan.to_json()
+    plan.save(tmp_path / "p.json")
+    loaded = autopar.Plan.load(tmp_path / "p.json")
+    assert loaded == plan
+    assert loaded.mode == autopar.ParallelMode.AUTO and loaded.mesh == plan.mesh
+    assert json.loads(plan.to_json())["format_version"] == 1
+
+
+def test_public_plan_fields():
+    plan = _gpt_plan(mode="data")
+    assert plan.mode == autopar.ParallelMode.DATA
+    assert plan.degrees == {"dp": 4, "tp": 1, "pp": 1}
+    assert plan.microbatches == 1 and plan.schedule == "none"
+    assert plan.step_time > 0 and plan.flops > 0 and plan.solve_time > 0
+    assert len(plan.memory_per_device) == 4 and all(m > 0 for m in plan.memory_per_device)
+    colls = plan.collectives(rank=0)
+    grads = [c for c in colls if c.kind == "all_reduce" and c.phase == "bwd"]
+    assert grads and all(c.axes == ["d0"] for c in grads)
+    n_params = sum(v.numel() for v in GPT(qkv_bias=False).parameters())
+    assert sum(c.bytes for c in grads) == n_params * 4, "DATA all-reduces every gradient once"
+
+
+def test_report_shows_mesh_params_collectives_memory_and_alternatives():
+    plan = _gpt_plan()
+    text = plan.report()
+    for needle in ("autopar plan — mode AUTO", "mesh:", "degrees:", "parameters", "wte.weight",
+                   "tied: wte.weight, lm_head.weight", "collectives per step on rank 0", "peak memory/device",
+                   "why this plan — alternatives considered"):
+        assert needle in text, needle
+    assert plan.alternatives, "AUTO on an unnamed mesh compares factorisations"
+
+
+def test_explain_lists_options_with_costs():
+    plan = _gpt_plan(mesh=autopar.Mesh(2, axis_names=("tp",), device="a100-80gb"))
+    node = next(n for n, d in plan.nodes.items() if "linear" in d.op)
+    text = plan.explain(node)
+    assert f"{node} (aten.linear.default" in text and "chose" in text and " ms  " in text
+    assert "placement" in plan.explain("wte.weight")
+
+
+def test_stand_alone_plan_runs_everything_replicated():
+    x, y = make_batch("vector", 8)
+    plan = autopar.plan(MLP(), autopar.Mesh(2), example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y,
+                        mode="stand_alone")
+    assert not plan.collectives(0)
+    assert all(d.spec == "[R]" for d in plan.params.values())
+
+
+def test_planning_needs_no_devices_and_little_memory():
+    """A 350M-parameter GPT on the meta device for 64 simulated A100s: fast, and far below
+    the memory its weights would need (1.5B is measured in bench/data_parallel.py)."""
+    code = textwrap.dedent("""
+        import resource, sys, time, torch, autopar
+        sys.path.insert(0, ".")
+        from examples.models import GPT, lm_loss
+        with torch.device("meta"):
+            model = GPT(vocab=50257, hidden=1024, heads=16, layers=24, seq=1024, qkv_bias=False)
+        x = torch.randint(0, 50257, (64, 1024))
+        t = time.perf_counter()
+        plan = autopar.plan(model, autopar.Mesh(64, device="a100-80gb"), example_inputs=(x,), loss_fn=lm_loss,
+                            example_target=x, mode="data")
+        took = time.perf_counter() - t
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        print(took, rss, sum(p.numel() for p in model.parameters()))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    took, rss_gb, n = (float(v) for v in out.stdout.split()[-3:])
+    assert n > 3e8
+    assert took < 30, f"planning took {took:.1f}s"
+    assert rss_gb < 2.0, f"planning used {rss_gb:.2f} GB"
