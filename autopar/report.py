@@ -29,18 +29,28 @@ def render(plan) -> str:
         sync = f"  grad all-reduce over {'+'.join(d.grad_sync)}" if d.grad_sync else ""
         lines.append(f"  {name:<40} {str(d.shape):<16} {d.spec}{sync}{tied}")
     lines.append("")
-    lines.append("ops by module (strategy, output placement, predicted time):")
+    lines.append("ops by module type (strategy, output placement, predicted time; repeated layers shown once):")
     by_mod = defaultdict(list)
     for name, d in plan.nodes.items():
         by_mod[d.module or "<root>"].append((name, d))
-    for mod, items in list(by_mod.items())[:60]:
-        lines.append(f"  {mod}")
+    shown: dict[str, int] = {}
+    for mod in by_mod:
+        shown[_pattern(mod)] = shown.get(_pattern(mod), 0) + 1
+    printed = set()
+    for mod, items in by_mod.items():
+        pat = _pattern(mod)
+        if pat in printed:
+            continue
+        printed.add(pat)
+        count = shown[pat]
+        lines.append(f"  {pat}" + (f"   (×{count}, like {mod})" if count > 1 else ""))
         for name, d in items:
             op = d.op.replace("aten.", "").replace(".default", "")
             out = d.output if isinstance(d.output, str) else ",".join(d.output)
             lines.append(f"    {name:<28} {op:<30} {d.strategy:<14} {out:<14} {_ms(d.time)}")
-    if len(by_mod) > 60:
-        lines.append(f"  ... {len(by_mod) - 60} more modules")
+        if len(printed) >= 80:
+            lines.append("  ... more modules (see plan.nodes)")
+            break
     lines.append("")
     colls = plan.collectives(0)
     lines.append(f"collectives per step on rank 0: {len(colls)}")
@@ -83,6 +93,11 @@ def render(plan) -> str:
 
 def _mb(microbatches: int, schedule: str) -> str:
     return "-" if schedule in ("none", "", None) else f"{microbatches} × {schedule}"
+
+
+def _pattern(module: str) -> str:
+    """``blocks.3.attn`` -> ``blocks.*.attn``: one entry per layer type."""
+    return ".".join("*" if part.isdigit() else part for part in module.split("."))
 
 
 def _deg(d: dict) -> str:

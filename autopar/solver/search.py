@@ -193,12 +193,25 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     outputs = output_specs(traced.gm, nodes, params, inputs, traced)
     return Plan(mode=mode, mesh=mesh, degrees=_degrees(inputs, mesh, traced), nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective, flops=total_flops(traced.gm),
-                memory_per_device=[float(sol.memory)] * mesh.size, solve_time=time.perf_counter() - t0,
+                memory_per_device=[float(sol.memory)] * mesh.size, memory_breakdown=_breakdown(built, sol, traced),
+                solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 options={"grad_compression": opts.grad_compression, "optimizer": opts.optimizer,
                          "precision": opts.precision, "memory_budget": budget,
                          "solver_vars": sol.num_vars},
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
+
+
+def _breakdown(built, sol, traced) -> dict:
+    """Peak bytes per device: parameter training state vs activations kept for backward."""
+    state = acts = 0.0
+    for i, name in enumerate(built.names):
+        mem = float(built.problem.nodes[i].memory[sol.choice[i]])
+        if name in traced.params:
+            state += mem
+        else:
+            acts += mem
+    return {"params+grads+optimizer": state, "activations": acts}
 
 
 def make_plan(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
