@@ -181,3 +181,37 @@ def test_mesh_size_must_equal_world_size():
         assert "has 4 devices but torch.distributed has 2 ranks" in msg
 
 
+
+
+class ResidualMLP(torch.nn.Module):
+    def __init__(self, d=64, ffn=128):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, ffn), torch.nn.Linear(ffn, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def _regression_data(binary=False):
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
+    return x, ((y > 0).float() if binary else y)
+
+
+def _loss_job(rank, binary):
+    x, y = _regression_data(binary)
+    loss = F.binary_cross_entropy_with_logits if binary else F.mse_loss
+    return parallel_run(rank, ResidualMLP, loss, x, y, autopar.Mesh(4), "data")
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["mse", "bce"])
+def test_data_mode_is_pure_data_parallelism(binary):
+    """Weights are used whole, the only collectives are the gradient all-reduces (one per
+    parameter), and elementwise losses average over the global batch."""
+    x, y = _regression_data(binary)
+    loss = F.binary_cross_entropy_with_logits if binary else F.mse_loss
+    ref = reference_run(ResidualMLP, loss, x, y)
+    r = run_ranks(4, _loss_job, binary)[0]
+    assert_same_training(ref, r, what="data")
+    plan = autopar.Plan.from_json(r["plan"])
+    assert sorted((c.kind, c.phase) for c in plan.collectives(0)) == [("all_reduce", "bwd")] * 4

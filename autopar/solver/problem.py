@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_models.comm import axis_collective_time
-from autopar.cost_models.compute import node_cost
+from autopar.cost_models.compute import node_cost, optimizer_step_time
 from autopar.cost_models.memory import saved_activations, training_state_bytes_per_param
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.placements import Partial, Replicate, Shard, shard_factor
@@ -38,6 +38,7 @@ class Costing:
     optimizer: str = "adamw"
     precision: str = "fp32"
     frozen_buffers: set = field(default_factory=set)   # placeholders that must never be redistributed
+    _redistribution: dict = field(default_factory=dict, repr=False)  # (src, dst, bytes) -> seconds
 
     def inner(self, axis: int) -> int:
         return math.prod(self.mesh_shape[axis + 1:])
@@ -56,7 +57,14 @@ def tensor_bytes(node: fx.Node, index: int | None = None) -> float:
 
 
 def redistribution_time(src, dst, nbytes: float, c: Costing) -> float:
-    """Forward steps plus the conjugate collectives autograd runs in backward."""
+    """Forward steps plus the conjugate collectives autograd runs in backward (memoised)."""
+    key = (src, dst, nbytes)
+    if key not in c._redistribution:
+        c._redistribution[key] = _redistribution_time(src, dst, nbytes, c)
+    return c._redistribution[key]
+
+
+def _redistribution_time(src, dst, nbytes: float, c: Costing) -> float:
     total, local = 0.0, nbytes / shard_factor(src, c.mesh_shape)
     for st in redistribute_steps(src, dst):
         moved, local_after = step_bytes(st, local, c.mesh_shape)
@@ -119,7 +127,9 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
             v = node.meta["val"]
             state = v.numel() * training_state_bytes_per_param(c.optimizer, c.precision)
             for s, st in enumerate(strategies):
-                memory[s] = state / shard_factor(st.output, c.mesh_shape)
+                shards = shard_factor(st.output, c.mesh_shape)
+                memory[s] = state / shards
+                compute[s] = optimizer_step_time(v.numel() / shards, c.device, 1, c.optimizer)
         return compute, memory
     base = node_cost(node, c.device)
     t_all = base.time_fwd + base.time_bwd

@@ -85,6 +85,7 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
         for alias in traced.aliases.get(pname, [pname]):
             by_canon[alias] = ph
     by_canon.update({b: ph for ph, b in traced.buffers.items()})
+    annotated_axes: dict[str, list[int]] = {}
     for pname, placements in param_ann.items():
         ph = by_canon.get(pname)
         if ph is None:
@@ -93,6 +94,9 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
         idx = only(ph, lambda spec, pl=placements: all(spec[mesh.axis_index(a)] == p for a, p in pl.items()))
         if not idx:
             raise PlanError(f"no valid placement of {pname!r} satisfies {_fmt(placements)}")
+        annotated_axes[ph] = [mesh.axis_index(a) for a in placements]
+    if annotated_axes:
+        _use_as_stored(traced, cands, allowed, set(annotated_axes), annotated_axes)
     for i, placements in input_ann.items():
         if i >= len(traced.inputs):
             raise PlanError(f"shard_input({i}) but the model has {len(traced.inputs)} input(s)")
@@ -141,6 +145,39 @@ def _keep_batch_split(traced, cands, allowed: dict) -> None:
                 if all(not isinstance(p, Replicate) for spec in _outs(st) for p in spec)]
         if keep:
             allowed[name] = keep
+    _use_as_stored(traced, cands, allowed, set(traced.params) | set(traced.buffers), None)
+
+
+def _use_as_stored(traced, cands, allowed: dict, placeholders: set, axes: dict | None) -> None:
+    """Consumers of these placeholders take them as stored (no resharding of the weight):
+    DATA keeps weights whole (axes None: every axis); an annotated weight is used in its
+    annotated placement, as torch's ColwiseParallel/RowwiseParallel mean."""
+    from autopar.sharding.strategy import tensor_inputs
+
+    for node in traced.gm.graph.nodes:
+        if node.op != "call_function" or node.name not in cands.strategies:
+            continue
+        slots = [(i, a.name) for i, a in enumerate(tensor_inputs(node)) if a.name in placeholders]
+        if not slots:
+            continue
+        stored = {ph: cands.strategies[ph][allowed[ph][0]].output for _, ph in slots
+                  if ph in allowed and len(allowed[ph]) == 1}
+        if not stored:
+            continue
+        current = allowed.get(node.name, range(len(cands.strategies[node.name])))
+        keep = []
+        for k in current:
+            st = cands.strategies[node.name][k]
+            ok = True
+            for i, ph in slots:
+                if ph not in stored:
+                    continue
+                check = range(len(stored[ph])) if axes is None else axes.get(ph, ())
+                ok &= all(st.inputs[i][a] == stored[ph][a] for a in check)
+            if ok:
+                keep.append(k)
+        if keep:
+            allowed[node.name] = keep
 
 
 def _fmt(placements: dict) -> str:
@@ -180,6 +217,8 @@ def _degrees(inputs: dict, mesh: Mesh, traced) -> dict:
 def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict) -> Plan:
     t0 = time.perf_counter()
     device = mesh.spec()
+    per_node = min(mesh.size, mesh.gpus_per_node or mesh.size)
+    device = device.shared_by(per_node)  # CPU ranks beyond the core count share the cores
     cands = build_candidates(traced.gm, mesh.shape)
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
     costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers))

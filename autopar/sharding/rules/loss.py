@@ -27,3 +27,26 @@ def cross_entropy(node):
             and reduction != _NONE):
         opts.append(AxisStrategy((Shard(1), R), R, "loss:vocab", "vocab"))
     return opts
+
+
+@register_rule(aten.mse_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
+               aten.binary_cross_entropy_with_logits.default, aten.binary_cross_entropy.default)
+def elementwise_loss(node):
+    """Elementwise losses: shard any dim of input and target alike. Mean → the local mean
+    rescaled by the shard count (Partial); sum → Partial; none → sharded like the input."""
+    ins = tensor_inputs(node)
+    if len(ins) != 2 or shape_of(ins[0]) != shape_of(ins[1]):
+        return []
+    if node.target in (aten.binary_cross_entropy_with_logits.default, aten.binary_cross_entropy.default):
+        reduction = arg(node, 4 if node.target == aten.binary_cross_entropy_with_logits.default else 3,
+                        "reduction", _MEAN)
+    else:
+        reduction = arg(node, 2, "reduction", _MEAN)
+    opts = []
+    for d in range(len(shape_of(ins[0]))):
+        if reduction == _NONE:
+            opts.append(AxisStrategy((Shard(d), Shard(d)), Shard(d), None, f"S{d}"))
+        else:
+            opts.append(AxisStrategy((Shard(d), Shard(d)), P, "mean:scale" if reduction == _MEAN else None,
+                                     f"S{d}→P"))
+    return opts

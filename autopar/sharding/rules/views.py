@@ -184,3 +184,23 @@ def unbind(node):
         if d != dim:
             opts.append(AxisStrategy((Shard(d),), tuple(Shard(d if d < dim else d - 1) for _ in outs), None, f"S{d}"))
     return opts
+
+
+@register_rule(aten.broadcast_tensors.default)
+def broadcast_tensors(node):
+    """Every output has the broadcast shape: shard any of its dims; broadcast inputs stay R."""
+    ins = tensor_inputs(node)
+    outs = node.meta["val"]
+    out = tuple(outs[0].shape)
+    n = len(out)
+    opts = [AxisStrategy(tuple(P for _ in ins), tuple(P for _ in outs), None, "P")]
+    for d in range(n):
+        if out[d] == 1:
+            continue
+        pl = []
+        for a in ins:
+            s = shape_of(a)
+            j = d - (n - len(s))
+            pl.append(Shard(j) if j >= 0 and s[j] == out[d] else R)
+        opts.append(AxisStrategy(tuple(pl), tuple(Shard(d) for _ in outs), None, f"S{d}"))
+    return opts
