@@ -39,6 +39,7 @@ class Costing:
     precision: str = "fp32"
     frozen_buffers: set = field(default_factory=set)   # placeholders that must never be redistributed
     _redistribution: dict = field(default_factory=dict, repr=False)  # (src, dst, bytes) -> seconds
+    _edges: dict = field(default_factory=dict, repr=False)           # edge tables of repeated layers
 
     def inner(self, axis: int) -> int:
         return math.prod(self.mesh_shape[axis + 1:])
@@ -222,20 +223,21 @@ def greedy_choice(p: IntraOpProblem, memory_price: float = 0.0) -> list[int]:
 def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: Costing) -> EdgeCost:
     s_strats, d_strats = cands.strategies[src.name], cands.strategies[dst.name]
     nbytes = tensor_bytes(src, idx)
-    s_specs = [st.output if idx is None else st.output[idx] for st in s_strats]
-    d_specs = [st.inputs[i] for st in d_strats]
-    us, ud = sorted(set(s_specs), key=str), sorted(set(d_specs), key=str)
-    table = np.zeros((len(us), len(ud)))
+    s_specs = tuple(st.output if idx is None else st.output[idx] for st in s_strats)
+    d_specs = tuple(st.inputs[i] for st in d_strats)
     frozen = src.name in c.frozen_buffers
-    for a, ss in enumerate(us):
-        for b, ds in enumerate(ud):
-            if frozen and ss != ds:
-                table[a, b] = HUGE_COST
-            else:
-                table[a, b] = redistribution_time(ss, ds, nbytes, c)
-    ri = np.array([us.index(s) for s in s_specs])
-    ci = np.array([ud.index(s) for s in d_specs])
-    return EdgeCost(index[src.name], index[dst.name], table[np.ix_(ri, ci)])
+    key = (s_specs, d_specs, nbytes, frozen)
+    if key not in c._edges:
+        us, ud = list(dict.fromkeys(s_specs)), list(dict.fromkeys(d_specs))
+        table = np.zeros((len(us), len(ud)))
+        for a, ss in enumerate(us):
+            for b, ds in enumerate(ud):
+                table[a, b] = HUGE_COST if frozen and ss != ds else redistribution_time(ss, ds, nbytes, c)
+        pos_s, pos_d = {s: k for k, s in enumerate(us)}, {s: k for k, s in enumerate(ud)}
+        ri = np.array([pos_s[s] for s in s_specs])
+        ci = np.array([pos_d[s] for s in d_specs])
+        c._edges[key] = table[np.ix_(ri, ci)]
+    return EdgeCost(index[src.name], index[dst.name], c._edges[key])
 
 
 __all__ = ["Costing", "build_problem", "BuiltProblem", "redistribution_time", "grad_sync_inputs", "work_split",
