@@ -112,7 +112,8 @@ def check(label: str, value: float, target: float, le: bool = True) -> str:
 
 def run_fresh(module: str, func: str, kwargs: dict, timeout_s: float = 600) -> dict:
     """Run ``module.func(**kwargs)`` (returns a JSON-able dict) in a fresh Python process and
-    add its wall time and peak RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, MiB)."""
+    add its wall time, CPU time (user + system: less sensitive than wall time to other load
+    on the machine) and peak RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, MiB)."""
     code = (
         "import json, resource, sys, time\n"
         f"sys.path.insert(0, {ROOT!r})\n"
@@ -121,7 +122,9 @@ def run_fresh(module: str, func: str, kwargs: dict, timeout_s: float = 600) -> d
         "t0 = time.perf_counter()\n"
         f"out = getattr(mod, {func!r})(**json.loads({json.dumps(json.dumps(kwargs))}))\n"
         "out['wall_s'] = time.perf_counter() - t0\n"
-        "out['peak_rss_mib'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
+        "ru = resource.getrusage(resource.RUSAGE_SELF)\n"
+        "out['peak_rss_mib'] = ru.ru_maxrss / 1024\n"
+        "out['cpu_s'] = ru.ru_utime + ru.ru_stime\n"
         "print('@@RESULT@@' + json.dumps(out))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)

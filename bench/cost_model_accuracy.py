@@ -5,10 +5,16 @@ thread (median of interleaved repetitions) against ``node_cost(node, get_device(
 after a quick calibration. Prints a table, the Spearman rank correlation and the median
 absolute percentage error.
 
-Section 2 (whole training steps of (model, plan) on 1, 2 and 4 ranks) is to be added as
-``predict_vs_measure_steps()`` next to :func:`predict_vs_measure_ops`.
+Section 2 (steps): whole training steps (forward, backward, AdamW) of (model, plan) pairs on
+1, 2 and 4 gloo ranks, one thread each: ``plan.step_time`` against the median measured step
+(the cases of one world size interleaved). Prints a table, the Spearman rank correlation and
+the median absolute percentage error.
 
-    .venv/bin/python bench/cost_model_accuracy.py [--reps 21] [--no-calibrate] [--profile PATH]
+The calibration profile goes to a temp file (``--profile`` to choose) which this process
+and its ranks use through ``AUTOPAR_PROFILE``; the machine's default profile is untouched.
+
+    .venv/bin/python bench/cost_model_accuracy.py [--quick] [--reps 21] [--step-reps 9]
+        [--no-calibrate] [--profile PATH] [--skip-ops] [--skip-steps]
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tp_models
 
 from autopar.cost_models.calibrate import calibrate, load_profile, profile_path, summary
 from autopar.cost_models.compute import node_cost
@@ -180,21 +188,202 @@ def format_ops(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+# ---- section 2: whole training steps ------------------------------------------------------
+
+STEP_MODELS = {
+    "mlp": {"kind": "mlp", "d": 1024, "ffn": 4096, "depth": 2, "batch": 64},
+    "mlp-small": {"kind": "mlp", "d": 512, "ffn": 2048, "depth": 2, "batch": 32},
+    "gpt": {"kind": "gpt", "vocab": 1024, "hidden": 256, "heads": 8, "layers": 4, "seq": 128, "batch": 16},
+    "blocks": {"kind": "blocks", "hidden": 256, "heads": 8, "layers": 4, "seq": 128, "batch": 8},
+}
+
+# (model, mode, world): STAND_ALONE on 1 rank; DATA and TP (a named "tp" mesh, mode auto) on 2 and 4
+STEP_CASES = [
+    ("mlp", "stand_alone", 1), ("mlp-small", "stand_alone", 1), ("gpt", "stand_alone", 1),
+    ("blocks", "stand_alone", 1),
+    ("mlp", "data", 2), ("gpt", "data", 2), ("mlp", "tp", 2), ("blocks", "tp", 2),
+    ("mlp", "data", 4), ("gpt", "data", 4), ("mlp", "tp", 4), ("blocks", "tp", 4), ("mlp-small", "tp", 4),
+]
+QUICK_STEP_CASES = [("mlp", "stand_alone", 1), ("gpt", "stand_alone", 1), ("mlp", "data", 2), ("mlp", "tp", 2),
+                    ("mlp", "data", 4), ("gpt", "data", 4), ("mlp", "tp", 4)]
+
+
+def _build_step_model(spec: dict):
+    from examples.models import GPT, lm_loss
+    from tp_models import BlockStack, WideMLP
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if spec["kind"] == "gpt":
+        model = GPT(vocab=spec["vocab"], hidden=spec["hidden"], heads=spec["heads"], layers=spec["layers"],
+                    seq=spec["seq"])
+        x = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=g)
+        return model, x, torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=g), lm_loss
+    if spec["kind"] == "mlp":
+        model = WideMLP(spec["d"], spec["ffn"], spec["depth"])
+        x = torch.randn(spec["batch"], spec["d"], generator=g)
+    else:
+        model = BlockStack(spec["hidden"], spec["heads"], spec["layers"])
+        x = torch.randn(spec["batch"], spec["seq"], spec["hidden"], generator=g)
+    return model, x, torch.randn(x.shape, generator=g), F.mse_loss
+
+
+def _rank_steps(rank: int, cases: list, reps: int, warmup: int) -> list[dict]:
+    """On every rank of one world size: build each case, then time training steps of all
+    cases interleaved. Per step: fwd+bwd (``pmodel.step``) and optimizer (AdamW step +
+    zero_grad) separately; the slowest rank's time counts."""
+    import autopar
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    runs = []
+    for name, mode, _ in cases:
+        model, x, y, loss_fn = _build_step_model(STEP_MODELS[name])
+        mesh = autopar.Mesh(world, axis_names=("tp",)) if mode == "tp" else autopar.Mesh(world)
+        pmodel = autopar.parallelize(model, mesh, example_inputs=(x,), loss_fn=loss_fn, example_target=y,
+                                     mode="auto" if mode == "tp" else mode)
+        opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+        runs.append((pmodel, opt, x, y))
+    fb = [[] for _ in runs]
+    op = [[] for _ in runs]
+    for r in range(warmup + reps):
+        for i, (pmodel, opt, x, y) in enumerate(runs):
+            if world > 1:
+                dist.barrier()
+            t0 = time.perf_counter()
+            pmodel.step(x, target=y)
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            t2 = time.perf_counter()
+            if r >= warmup:
+                fb[i].append(t1 - t0)
+                op[i].append(t2 - t1)
+    if world > 1:
+        t = torch.tensor([fb, op], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        fb, op = t[0].tolist(), t[1].tolist()
+    out = []
+    for (pmodel, _, _, _), f, o in zip(runs, fb, op):
+        plan = pmodel.plan
+        out.append({"predicted": plan.step_time, "fwd_bwd": statistics.median(f), "optimizer": statistics.median(o),
+                    "step": statistics.median(a + b for a, b in zip(f, o)), "degrees": dict(plan.degrees),
+                    "n_coll": len(plan.collectives(0)),
+                    "coll_pred": sum(c.time for c in plan.collectives(0)),
+                    "params_local": sum(p.numel() for p in pmodel.parameters()),
+                    "tensors_local": len(list(pmodel.parameters()))})
+    return out
+
+
+@dataclass(frozen=True)
+class StepRow:
+    model: str
+    mode: str
+    world: int
+    predicted: float
+    measured: float      # median seconds of a whole step (fwd + bwd + optimizer)
+    fwd_bwd: float
+    optimizer: float
+    degrees: str
+    adjusted: float = 0.0  # plan.step_time with the two corrections of ``adjusted_prediction``
+
+    @property
+    def error(self) -> float:
+        return (self.predicted - self.measured) / self.measured
+
+
+def adjusted_prediction(r: dict, world: int) -> float:
+    """What ``plan.step_time`` would be with the two terms the solver's objective lacks:
+
+    - ranks sharing cores: the compute part (step_time minus the plan's collectives) runs
+      ``ranks / cores`` times slower when more ranks than cores run on this machine
+      (``DeviceSpec.shared_by``);
+    - the optimizer step: ``compute.optimizer_step_time`` of this rank's parameters.
+    """
+    from autopar.cost_models.compute import optimizer_step_time
+
+    dev = get_device("cpu")
+    shared = dev.shared_by(world)
+    slow = dev.memory_bandwidth / shared.memory_bandwidth
+    comm = min(r["coll_pred"], r["predicted"])
+    return (r["predicted"] - comm) * slow + comm + optimizer_step_time(r["params_local"], shared, r["tensors_local"])
+
+
+def predict_vs_measure_steps(cases: Sequence[tuple] = STEP_CASES, reps: int = 9, warmup: int = 2) -> list[StepRow]:
+    """Predicted ``plan.step_time`` vs measured whole training steps, per world size one
+    spawned gloo group (1 thread per rank), the cases of a world size interleaved."""
+    from autopar.runtime.launch import RankPool
+
+    rows = []
+    for world in sorted({c[2] for c in cases}):
+        group = [c for c in cases if c[2] == world]
+        pool = RankPool(world, timeout_s=600)
+        try:
+            res = pool.run(_rank_steps, group, reps, warmup, timeout_s=1200)[0]
+        finally:
+            pool.close()
+        for (name, mode, _), r in zip(group, res):
+            deg = ",".join(f"{k}{v}" for k, v in r["degrees"].items() if v > 1) or "1"
+            rows.append(StepRow(name, mode, world, r["predicted"], r["step"], r["fwd_bwd"], r["optimizer"], deg,
+                                adjusted_prediction(r, world)))
+    return rows
+
+
+def format_steps(rows: Sequence[StepRow]) -> str:
+    lines = [f"{'model':<10}{'mode':<12}{'ranks':>6}{'plan':>10}{'predicted ms':>14}{'measured ms':>13}"
+             f"{'(fwd+bwd':>10}{'+ optim)':>10}{'error %':>9}{'adjusted ms':>13}{'error %':>9}"]
+    for r in rows:
+        lines.append(f"{r.model:<10}{r.mode:<12}{r.world:>6}{r.degrees:>10}{r.predicted * 1e3:>14.1f}"
+                     f"{r.measured * 1e3:>13.1f}{r.fwd_bwd * 1e3:>10.1f}{r.optimizer * 1e3:>10.1f}{100 * r.error:>9.1f}"
+                     f"{r.adjusted * 1e3:>13.1f}{100 * (r.adjusted - r.measured) / r.measured:>9.1f}")
+    pred, meas = [r.predicted for r in rows], [r.measured for r in rows]
+    lines.append(f"steps: {len(rows)}   Spearman rank correlation: {spearman(pred, meas):.3f} (target >= 0.9)   "
+                 f"median |error|: {100 * statistics.median(abs(r.error) for r in rows):.1f} % (target <= 25)   "
+                 f"median signed error: {100 * statistics.median(r.error for r in rows):+.1f} %")
+    adj = [r.adjusted for r in rows]
+    lines.append(f"  adjusted (cores shared by ranks + optimizer step, see adjusted_prediction): Spearman "
+                 f"{spearman(adj, meas):.3f}, median |error| "
+                 f"{100 * statistics.median(abs(a - m) / m for a, m in zip(adj, meas)):.1f} %")
+    fb = [r.fwd_bwd for r in rows]
+    lines.append(f"  against fwd+bwd only (no optimizer): median |error| "
+                 f"{100 * statistics.median(abs(p - m) / m for p, m in zip(pred, fb)):.1f} %, "
+                 f"Spearman {spearman(pred, fb):.3f}")
+    for w in sorted({r.world for r in rows}):
+        sub = [r for r in rows if r.world == w]
+        lines.append(f"  {w} rank(s): median signed error {100 * statistics.median(r.error for r in sub):+.1f} %, "
+                     f"median measured/predicted {statistics.median(r.measured / r.predicted for r in sub):.2f}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=21)
+    parser.add_argument("--step-reps", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="fewer op reps and step cases (~3 min)")
     parser.add_argument("--no-calibrate", action="store_true", help="use the existing profile")
-    parser.add_argument("--profile", default=None, help=f"profile path (default {profile_path()})")
+    parser.add_argument("--profile", default=None,
+                        help="profile path (default: a file in the temp dir, so that this benchmark never "
+                             f"replaces the machine's profile at {profile_path()})")
+    parser.add_argument("--skip-ops", action="store_true")
+    parser.add_argument("--skip-steps", action="store_true")
     args = parser.parse_args(argv)
-    if args.profile:
-        os.environ["AUTOPAR_PROFILE"] = args.profile
+    os.environ["AUTOPAR_PROFILE"] = args.profile or os.path.join(tempfile.gettempdir(), "autopar_bench_cpu_profile.json")
     print(f"# cost model accuracy, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}")
     if args.no_calibrate and load_profile() is not None:
-        print("using the existing calibration profile")
+        print(f"using the existing calibration profile {profile_path()}")
     else:
         print(summary(calibrate(quick=True)))
-    print("\n## ops: forward + backward, 1 thread")
-    print(format_ops(predict_vs_measure_ops(get_device("cpu"), reps=args.reps)))
+    if not args.skip_ops:
+        print("\n## ops: forward + backward, 1 thread")
+        print(format_ops(predict_vs_measure_ops(get_device("cpu"), reps=5 if args.quick else args.reps)))
+    if not args.skip_steps:
+        cases = QUICK_STEP_CASES if args.quick else STEP_CASES
+        reps = args.step_reps or (5 if args.quick else 9)
+        print(f"load average before: {os.getloadavg()[0]:.1f} (other processes on this machine slow every rank)")
+        print(f"\n## whole training steps (fwd + bwd + AdamW), gloo, 1 thread per rank on {os.cpu_count()} cores, "
+              f"{reps} interleaved rounds per world size")
+        print(format_steps(predict_vs_measure_steps(cases, reps=reps)))
+        print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0
 
 

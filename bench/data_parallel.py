@@ -25,7 +25,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, Ratio, check, header, interleaved, run_fresh  # noqa: E402
+from common import Ratio, check, header, interleaved, run_fresh  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -156,13 +156,14 @@ def plan_gpt(mode: str, devices: int = 8, axis_names=None, cfg: dict | None = No
     x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]))
     y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]))
     mesh = autopar.Mesh(devices, axis_names=tuple(axis_names) if axis_names else None, device="a100-80gb")
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     plan = autopar.plan(model, mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode=mode)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     nparams = sum(p.numel() for p in model.parameters())
     numel = {n: math.prod(d.shape) for n, d in plan.params.items() if d.kind == "parameter"}
     sharded = sum(v for n, v in numel.items() if "S(" in plan.params[n].spec)
-    return {"mode": mode, "params": nparams, "build_s": t1 - t0, "plan_s": t2 - t1, "solve_time": plan.solve_time,
+    return {"mode": mode, "params": nparams, "build_s": t1 - t0, "plan_s": t2 - t1, "plan_cpu_s": c2 - c1,
+            "solve_time": plan.solve_time,
             "degrees": plan.degrees, "step_time": plan.step_time, "mesh": list(plan.mesh.shape),
             "mem_gb": max(plan.memory_per_device) / 2**30, "status": plan.solver_status,
             "sharded_param_fraction": sharded / max(sum(numel.values()), 1),
@@ -180,8 +181,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--skip-plan", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--profile", default=None, help="calibration profile for the 'cpu' device (sets AUTOPAR_PROFILE "
+                    "for this process and its ranks; default: whatever AUTOPAR_PROFILE / the machine's profile says)")
     ap.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     args = ap.parse_args(argv)
+    if args.profile:
+        os.environ["AUTOPAR_PROFILE"] = os.path.abspath(args.profile)
     cfg = QUICK_CFG if args.quick else CFG
     reps = args.reps or (6 if args.quick else 20)
     print(header("data parallel: autopar DATA vs torch DDP"))
@@ -203,7 +208,7 @@ def main(argv=None) -> int:
         rows = plan_benchmark()
         for row in rows:
             print(f"mode {row['mode']:<5} params {row['params'] / 1e9:.3f} B  plan() wall {row['plan_s']:.1f} s "
-                  f"(solve_time {row['solve_time']:.1f} s, model build {row['build_s']:.1f} s)  "
+                  f"(CPU {row['plan_cpu_s']:.1f} s, solve_time {row['solve_time']:.1f} s, model build {row['build_s']:.1f} s)  "
                   f"peak RSS {row['peak_rss_mib']:.0f} MiB  -> degrees {row['degrees']} mesh {row['mesh']} "
                   f"predicted step {row['step_time']:.3f} s, {row['mem_gb']:.1f} GiB/device")
             print("  " + check(f"{row['mode']} plan wall s", row["plan_s"], 30.0) + "   "
