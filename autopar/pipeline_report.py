@@ -58,7 +58,8 @@ def save_timeline(plan, path) -> None:
     bwd = [s.bwd for s in plan.stages]
     hops = [s.send_time for s in plan.stages[:-1]]
     sim = simulate(sched, fwd, bwd, hops)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(sim.start_times) / max(1, sched.num_ranks)), 1 + 0.6 * sched.num_ranks))
+    width = max(6.0, 0.5 * len(sim.start_times) / max(1, sched.num_ranks))
+    fig, ax = plt.subplots(figsize=(width, 1 + 0.6 * sched.num_ranks))
     colors = plt.get_cmap("tab10")
     for a, start in sim.start_times.items():
         r = sched.rank_of(a.stage)

@@ -103,10 +103,10 @@ class Plan:
         """What one training step runs on ``rank``: kind, bytes, mesh axes, phase."""
         if not self.stages:
             return list(self.collective_list)
-        coords_stage = {r: s.index for s in self.stages for r in s.ranks}
-        stage = coords_stage.get(rank, 0)
-        names = set(self.stages[stage].nodes) if self.stages else set()
-        return [c for c in self.collective_list if not c.node or c.node in names or c.phase == "step"]
+        held = [s for s in self.stages if rank in s.ranks] or self.stages[:1]   # interleaved: several
+        names = {n for s in held for n in s.nodes}
+        return [c for c in self.collective_list
+                if not c.node or c.node in names or c.node not in self.nodes or c.phase == "step"]
 
     def explain(self, name: str) -> str:
         from autopar.report import explain

@@ -2,8 +2,6 @@
 report, and clear errors on bad requests."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch.nn as nn
 
@@ -64,11 +62,14 @@ def test_embedding_dominated_model_partition_matches_brute_force_and_fits():
         bf = brute_force_partition(profiles, 2, 4, schedule, memory_budget=budget)
         assert dp.boundaries == bf.boundaries and dp.objective == pytest.approx(bf.objective)
         assert dp.boundaries != free.boundaries and all(s.memory <= budget for s in dp.stages)
-    budget = 0.97 * max(s.memory for s in partition_stages(profiles, 2, 4, "1f1b").stages)
+    peaks = [max(s.memory for s in partition_stages(profiles, 2, 4, "1f1b", fixed_boundaries=[c]).stages)
+             for c in range(1, 5)]
+    budget = min(peaks) * 1.0001                                     # only the memory-optimal cut fits
     plan = _plan(model, autopar.Mesh((2,), axis_names=("pp",)), memory_budget_gb=budget / 2**30,
                  schedule="1f1b", microbatches=4)
     _all_layers_once(plan, 5)
     assert all(s.memory <= budget for s in plan.stages)
+    assert [len(s.layers) for s in plan.stages][0] == 1 + peaks.index(min(peaks))
 
 
 def test_auto_searches_pp_dp_tp_and_reports_why():
@@ -146,5 +147,3 @@ def test_tagged_stages_fix_the_pipeline_degree_and_cuts():
     assert plan.degrees["pp"] == 3
     assert [s.layers for s in plan.stages] == [["blocks.0"], ["blocks.1", "blocks.2"], ["blocks.3"]]
 
-
-__all__ = ["functools"]

@@ -60,6 +60,8 @@ def count_collectives():
 # ---- raw collectives over one axis (chunk-aware) ----------------------------------------
 
 def _ar(t: torch.Tensor, ax, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if ax.size == 1:
+        return t.clone()
     t = t.contiguous().clone()
     COUNTER.record("all_reduce", t, ax.name, phase)
     dist.all_reduce(t, op=op, group=ax.group)
@@ -71,6 +73,8 @@ def _blocks(t: torch.Tensor, dim: int, chunks: int) -> list[torch.Tensor]:
 
 
 def _ag(t: torch.Tensor, dim: int, chunks: int, ax, phase: str) -> torch.Tensor:
+    if ax.size == 1:
+        return t.clone()
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(ax.size)]
     COUNTER.record("all_gather", t, ax.name, phase)
@@ -86,6 +90,8 @@ def _slice(t: torch.Tensor, dim: int, chunks: int, ax) -> torch.Tensor:
 
 
 def _rs(t: torch.Tensor, dim: int, chunks: int, ax, phase: str) -> torch.Tensor:
+    if ax.size == 1:
+        return t.clone()
     pieces = [torch.cat([b.chunk(ax.size, dim)[r] for b in _blocks(t, dim, chunks)], dim).contiguous()
               for r in range(ax.size)]
     out = torch.empty_like(pieces[0])
@@ -95,6 +101,8 @@ def _rs(t: torch.Tensor, dim: int, chunks: int, ax, phase: str) -> torch.Tensor:
 
 
 def _a2a(t: torch.Tensor, src: int, dst: int, ax, phase: str) -> torch.Tensor:
+    if ax.size == 1:
+        return t.clone()
     ins = [c.contiguous() for c in t.chunk(ax.size, dst)]
     outs = [torch.empty_like(ins[0]) for _ in range(ax.size)]
     COUNTER.record("all_to_all", t, ax.name, phase)
@@ -241,10 +249,8 @@ def to_partial(x: torch.Tensor, axis: str) -> torch.Tensor:
 # derivative (zero-padded slice, masked copy) or keep the gradient on rank 0 only.
 
 def local_slice_pgrad(x: torch.Tensor, dim: int, axis: str, chunks: int = 1) -> torch.Tensor:
-    """R -> S(dim) whose gradient stays partial (zero outside this rank's piece)."""
-    ax = _axis(axis)
-    blocks = x.chunk(chunks, dim) if chunks > 1 else (x,)
-    return torch.cat([b.chunk(ax.size, dim)[ax.rank] for b in blocks], dim)
+    """R -> S(dim) whose gradient stays partial (zero outside this rank's piece): plain autograd."""
+    return _slice(x, dim, chunks, _axis(axis))
 
 
 def to_partial_pgrad(x: torch.Tensor, axis: str) -> torch.Tensor:

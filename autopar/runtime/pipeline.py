@@ -3,16 +3,21 @@
 The executor follows ``autopar.solver.schedule.build_schedule(...)``'s action list for this
 rank (the same data the planner simulated):
 
-    F(s, i):  receive stage s's inputs of microbatch i (blocking ``recv`` from the producing
-              stage's peer rank), run the stage graph, ``isend`` every value a later stage needs.
+    F(s, i):  receive stage s's inputs of microbatch i (from the producing stage's peer rank),
+              run the stage graph, ``isend`` every value a later stage needs.
               Received floating tensors become leaves that require grad.
     B(s, i):  receive the gradients of the values s sent (from the consuming stages), run
               ``autograd.backward`` on (scaled loss if s is the last stage, sent values) with
               (1/m, received gradients), ``isend`` each received leaf's gradient back
               (zeros when autograd produced none, so both sides always exchange the message).
 
-Sends never block, receives do; an action only receives what an earlier action of another
-rank sends, and the schedule is deadlock-free (``simulate`` checks it), so the run completes.
+Every receive of the step is posted (``irecv``, shapes and tags are static) before the first
+action, and an action waits only for its own messages. Gloo sends one pair's messages over one
+connection in order, so a large message whose receive is not yet posted would block the ones
+behind it: with interleaved schedules a rank sends activations and gradients to its neighbour
+in another order than the neighbour consumes them. Pre-posted receives remove that
+head-of-line blocking; sends never block; the schedule is deadlock-free (``simulate`` checks
+it), so the run completes.
 Values between stages on the same rank (interleaved schedules) go through a local mailbox.
 After the last action every pending send is waited on. Collectives inside a stage (tensor
 parallel) run in the same order on every rank of the stage's (dp, tp) group, so they match.
@@ -56,6 +61,7 @@ class PipelineExecutor:
     loss_result: int | None               # original output index of the loss
     output_result: int | None
     _mailbox: dict = field(default_factory=dict)
+    _posted: dict = field(default_factory=dict)
 
     def _arg_values(self, call: StageCall, tensor_of, inputs, target) -> list:
         args = []
@@ -70,13 +76,32 @@ class PipelineExecutor:
                 args.append(target)
         return args
 
+    def _expected(self, rank_actions: list[Action], train: bool):
+        """(transfer, microbatch, backward) of every message this rank receives, in action order."""
+        for a in rank_actions:
+            graph = self.stages[a.stage].graph
+            if a.kind == "F":
+                yield from ((t, a.microbatch, False) for t in graph.recvs)
+            elif train:
+                yield from ((t, a.microbatch, True) for t in graph.sends if t.floating)
+
+    def _post_receives(self, rank_actions: list[Action], train: bool) -> dict:
+        posted = {}
+        for t, mb, backward in self._expected(rank_actions, train):
+            src = self.peer(t.dst if backward else t.src)
+            if src == self.my_rank:
+                continue
+            buf = torch.empty(t.shape, dtype=t.dtype)
+            posted[(t.index, mb, backward)] = (dist.irecv(buf, src=src, tag=t.tag(mb, backward, len(self.transfers))),
+                                               buf)
+        return posted
+
     def _recv(self, t: Transfer, mb: int, backward: bool) -> torch.Tensor:
         key = (t.index, mb, backward)
-        if self.peer(t.dst if backward else t.src) == self.my_rank:
+        if key not in self._posted:
             return self._mailbox.pop(key)
-        buf = torch.empty(t.shape, dtype=t.dtype)
-        src = self.peer(t.dst if backward else t.src)
-        dist.recv(buf, src=src, tag=t.tag(mb, backward, len(self.transfers)))
+        work, buf = self._posted.pop(key)
+        work.wait()
         COUNTER.record("recv", buf, "pp", "bwd" if backward else "fwd")
         return buf
 
@@ -92,6 +117,7 @@ class PipelineExecutor:
     def run(self, tensor_of, microbatches: list[tuple[list, object]], scale: float, train: bool = True) -> list:
         """Run every action of this rank; returns the last stage's per-microbatch results."""
         rank_actions = self.schedule.actions[self.schedule.rank_of(next(iter(self.stages)))]
+        self._posted = self._post_receives(rank_actions, train)
         pending: dict[tuple[int, int], _Pending] = {}
         results: dict[int, object] = {}
         works: list = []

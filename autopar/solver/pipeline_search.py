@@ -20,8 +20,8 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
        at size ``b = B / m`` is ``launch + (time - launch) * b / b_ref`` (kernel launches do not
        shrink with the batch), and ``inter_op.partition_stages`` cuts the units into stages
        (DP over cut points, memory incl. the schedule's in-flight activations).
-           step(m, schedule) = simulate(schedule).critical_path + max_s sum_{u in s} sync_u
-           rank key           = step + max_s sum_{u in s} opt_u   (``plan.options["optimizer_time"]``;
+           step(m, schedule) = simulate(schedule).critical_path + max_r sum_{u on rank r} sync_u
+           rank key           = step + max_r sum_{u on rank r} opt_u   (``plan.options["optimizer_time"]``;
                                 plan.step_time leaves the optimizer out, like non-pipelined plans)
        The best (m, schedule) (ties: less memory) is re-solved at its own microbatch shape (exact decisions), then
        re-partitioned with the exact profile.
@@ -172,7 +172,8 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
         profiles.append(LayerProfile(unit.name, time * share, time * (1 - share), pbytes, act, out))
         launches.append(min(launch, time))
         syncs.append(sum(sync_time.get(p, 0.0) for p in params))
-        numel = sum(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape) for p in params if p in param_spec)
+        numel = sum(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape)
+                    for p in params if p in param_spec)
         steps.append(optimizer_step_time(numel, device, len(params), opts.optimizer))
     return UnitCosts(profiles, launches, syncs, traced.batch_size, steps)
 
@@ -291,10 +292,12 @@ def _fixed_boundaries(cand: PipelineCandidate, units, gm) -> list[int]:
 def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, fixed):
     profiles = costs.at(batch)
     part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, fixed_boundaries=fixed)
-    spans = [s.layers for s in part.stages]
-    sync = max(sum(costs.sync[a:b]) for a, b in spans)
-    opt = max(sum(costs.optimizer[a:b]) for a, b in spans)
-    return part, part.step_time + sync, opt
+    sync, opt = [0.0] * pp, [0.0] * pp
+    for s in part.stages:                       # a rank runs every stage it holds (interleaved: v of them)
+        a, b = s.layers
+        sync[s.rank] += sum(costs.sync[a:b])
+        opt[s.rank] += sum(costs.optimizer[a:b])
+    return part, part.step_time + max(sync), max(opt)
 
 
 def _check_tags(part: PipelinePartition, cand: PipelineCandidate, units, gm) -> None:
@@ -320,7 +323,8 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
             f"({', '.join(u.name for u in units[:8])}) and every stage needs at least one; use at most {len(units)} "
             "stages")
     schedules = _schedules(opts, cand.pp, len(units))
-    device = cand.sub.spec()
+    per_node = min(cand.full.size, cand.full.gpus_per_node or cand.full.size)
+    device = cand.sub.spec().shared_by(per_node)       # CPU ranks of every stage share the cores
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
     free = PlanOptions(**{**opts.__dict__, "memory_budget_gb": budget * cand.pp / 2**30})
     link_spec = axis_link(device, cand.pp, cand.sub.size)
@@ -328,7 +332,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
 
     def solve(m):
         mb = microbatch_trace(traced, batch // m)
-        sub_plan = solve_on_mesh(mb, cand.sub, mode, free, param_ann, input_ann)
+        sub_plan = solve_on_mesh(mb, cand.sub, mode, free, param_ann, input_ann, per_node)
         units_m, unit_of = assign_units(mb.gm)
         return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, device, opts)
 
@@ -405,7 +409,8 @@ def optimizer_time(plan: Plan, optimizer: str = "adamw") -> float:
     mesh = plan.mesh
     params = [d for d in plan.params.values() if d.kind == "parameter"]
     numel = sum(math.prod(d.shape) / shard_factor(parse_spec(d.spec), mesh.shape) for d in params)
-    return optimizer_step_time(numel, mesh.spec(), len(params), optimizer)
+    device = mesh.spec().shared_by(min(mesh.size, mesh.gpus_per_node or mesh.size))
+    return optimizer_step_time(numel, device, len(params), optimizer)
 
 
 def rank_key(plan: Plan) -> float:

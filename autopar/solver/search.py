@@ -214,10 +214,13 @@ def _degrees(inputs: dict, mesh: Mesh, traced) -> dict:
     return {"dp": dp, "tp": mesh.size // dp, "pp": 1}
 
 
-def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict) -> Plan:
+def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict,
+                  ranks_per_node: int | None = None) -> Plan:
+    """``ranks_per_node``: ranks sharing a node (default: this mesh's); a pipeline stage's
+    sub-mesh passes the whole mesh's, since every stage runs at the same time."""
     t0 = time.perf_counter()
     device = mesh.spec()
-    per_node = min(mesh.size, mesh.gpus_per_node or mesh.size)
+    per_node = ranks_per_node or min(mesh.size, mesh.gpus_per_node or mesh.size)
     device = device.shared_by(per_node)  # CPU ranks beyond the core count share the cores
     cands = build_candidates(traced.gm, mesh.shape)
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)

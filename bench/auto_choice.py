@@ -1,0 +1,171 @@
+"""Does AUTO pick the fastest plan? Measure every plan it considered on 4 ranks.
+
+    .venv/bin/python bench/auto_choice.py [--reps 6] [--calibrate]
+
+For three models (a wide MLP, a deep narrow transformer, an embedding-heavy transformer) the
+planner's candidates are built by the functions ``make_plan`` calls: the pp=1 meshes of
+``candidate_meshes`` (solved with ``solve_on_mesh``), every pipeline candidate of
+``pipeline_candidates`` (``plan_pipeline``: pp, sub-mesh, microbatches and schedule), plus
+forced DATA (``("dp",)`` mesh in DATA mode) and pure TP (``("tp",)`` mesh). Each plan is applied
+with HYBRID (``parallelize(plan=...)``) and timed, all of them interleaved. The figure: where
+AUTO's choice ranks among the measured step times, and its time over the fastest (target <= 1.10).
+``--calibrate PROFILE`` plans with a calibration profile of this machine (measured first when
+the file is missing; ``autopar.cost_models.calibrate``) instead of the "cpu" preset's defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+
+from common import ROOT, interleaved  # noqa: F401  (ROOT puts the repo on sys.path)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.context import ParallelMode  # noqa: E402
+from autopar.runtime.launch import RankPool  # noqa: E402
+from autopar.solver.pipeline_search import (optimizer_time, pipeline_candidates, plan_pipeline,  # noqa: E402
+                                            rank_key, retrace_batch)
+from autopar.solver.search import PlanOptions, candidate_meshes, solve_on_mesh  # noqa: E402
+from autopar.trace import trace  # noqa: E402
+from examples.models import GPT, MLP, lm_loss  # noqa: E402
+
+WORLD = 4
+MODELS = {
+    "wide-mlp": (functools.partial(MLP, d_in=256, hidden=1024, d_out=16, depth=4), F.cross_entropy, "vector", 64),
+    "deep-narrow": (functools.partial(GPT, vocab=256, hidden=64, heads=4, layers=8, seq=32, qkv_bias=False), lm_loss,
+                    "tokens", 16),
+    "embedding-heavy": (functools.partial(GPT, vocab=16384, hidden=64, heads=4, layers=4, seq=32, qkv_bias=False),
+                        lm_loss, "tokens", 16),
+}
+
+
+def _batch(kind: str, batch: int):
+    g = torch.Generator().manual_seed(1)
+    if kind == "vector":
+        return torch.randn(batch, 256, generator=g), torch.randint(0, 16, (batch,), generator=g)
+    return torch.randint(0, 256, (batch, 32), generator=g), torch.randint(0, 256, (batch, 32), generator=g)
+
+
+def _inputs(name: str):
+    factory, loss_fn, kind, batch = MODELS[name]
+    x, y = _batch(kind, batch)
+    return factory, loss_fn, x, y
+
+
+def _label(p) -> str:
+    d = p.degrees
+    mesh = " × ".join(f"{n}={s}" for n, s in zip(p.mesh.axis_names, p.mesh.shape))
+    sched = f" {p.microbatches}×{p.schedule}" if p.schedule != "none" else ""
+    return f"{p.mode.name:<9} pp={d.get('pp', 1)} dp={d.get('dp', 1)} tp={d.get('tp', 1)} [{mesh}]{sched}"
+
+
+def considered_plans(name: str, opts: PlanOptions) -> tuple[list, int]:
+    """Every candidate plan, built by the functions make_plan uses, and the index of AUTO's
+    choice (the least ``rank_key`` among make_plan's own candidates, as make_plan picks)."""
+    torch.manual_seed(0)
+    factory, loss_fn, x, y = _inputs(name)
+    model = factory()
+    traced = trace(model, (x,), loss_fn, y)
+    traced.meta["retrace"] = functools.partial(retrace_batch, model, (x,), loss_fn, y)
+    mesh = autopar.Mesh(WORLD)
+    plans = []
+    for cand in pipeline_candidates(traced, mesh, ParallelMode.AUTO, {})[0]:
+        try:
+            plans.append(plan_pipeline(traced, cand, ParallelMode.AUTO, opts, {}, {}))
+        except ValueError:
+            continue
+    for m in candidate_meshes(mesh):
+        plans.append(solve_on_mesh(traced, m, ParallelMode.AUTO, opts, {}, {}))
+    for p in plans:
+        p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
+    chosen = min(range(len(plans)), key=lambda i: rank_key(plans[i]))
+    plans.append(solve_on_mesh(traced, autopar.Mesh((WORLD,), axis_names=("dp",)), ParallelMode.DATA, opts, {}, {}))
+    plans.append(solve_on_mesh(traced, autopar.Mesh((WORLD,), axis_names=("tp",)), ParallelMode.AUTO, opts, {}, {}))
+    for p in plans[-2:]:
+        p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
+    return plans, chosen
+
+
+_STEPS: dict = {}
+
+
+def _build(rank: int, name: str, plan_jsons: list[str]) -> dict:
+    factory, loss_fn, x, y = _inputs(name)
+    _STEPS.clear()
+    failed = {}
+    for i, text in enumerate(plan_jsons):
+        plan = autopar.Plan.from_json(text)
+        torch.manual_seed(0)
+        try:
+            pm = autopar.parallelize(factory(), plan.mesh, example_inputs=(x,), loss_fn=loss_fn, example_target=y,
+                                     plan=plan)
+        except Exception as err:  # noqa: BLE001 - a plan that cannot be built is reported, not timed
+            failed[i] = f"{type(err).__name__}: {err}"
+            continue
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+
+        def step(pm=pm, opt=opt):
+            pm.step(x, target=y)
+            opt.step()
+            opt.zero_grad()
+
+        _STEPS[str(i)] = step
+    return failed
+
+
+def _measure(rank: int, reps: int) -> dict:
+    return interleaved(dict(_STEPS), reps, warmup=1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--calibrate", metavar="PROFILE", default=None,
+                    help="plan with the calibration profile at PROFILE (measured first, quick, if missing)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    opts = PlanOptions()
+    if args.calibrate:
+        from autopar.cost_models.calibrate import calibrate, load_profile
+
+        os.environ["AUTOPAR_PROFILE"] = args.calibrate
+        if load_profile() is None:
+            calibrate(args.calibrate, quick=True)
+        print(f"planning with the calibration profile {args.calibrate}")
+    pool = RankPool(WORLD, timeout_s=600)
+    summary = []
+    try:
+        for name in args.models.split(","):
+            plans, chosen = considered_plans(name, opts)
+            failed = pool.run(_build, name, [p.to_json(indent=None) for p in plans])[0]
+            times = pool.run(_measure, args.reps)[0]
+            med = [statistics.median(times[str(i)]) if str(i) in times else float("inf") for i in range(len(plans))]
+            order = sorted(range(len(plans)), key=med.__getitem__)
+            pred_order = sorted(range(len(plans)), key=lambda i: rank_key(plans[i]))
+            print(f"\n{name}: {len(plans)} plans, {args.reps} interleaved rounds on {WORLD} ranks")
+            print(f"  {'plan':<62} {'predicted ms':>12} {'pred rank':>9} {'measured ms':>11} {'rank':>5}"
+                  "   (predicted = step + optimizer)")
+            for i in order:
+                mark = "  <- AUTO" if i == chosen else ""
+                print(f"  {_label(plans[i]):<62} {rank_key(plans[i]) * 1e3:>12.3f} {pred_order.index(i) + 1:>9} "
+                      f"{med[i] * 1e3:>11.1f} {order.index(i) + 1:>5}{mark}", flush=True)
+                if i in failed:
+                    print(f"      could not be built: {failed[i][:160]}")
+            ratio = med[chosen] / med[order[0]]
+            summary.append((name, order.index(chosen) + 1, len(plans), ratio, _label(plans[chosen])))
+    finally:
+        pool.close()
+    print("\nAUTO's choice: measured rank and time over the fastest measured plan (target <= 1.10)")
+    for name, rank, n, ratio, label in summary:
+        print(f"  {name:<16} rank {rank}/{n}  {ratio:.3f}×  {label}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
