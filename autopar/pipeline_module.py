@@ -32,33 +32,13 @@ from autopar.runtime import comm
 from autopar.runtime.comm import COUNTER
 from autopar.runtime.groups import AxisGroup, axis_groups, bound_axes
 from autopar.runtime.pipeline import PipelineExecutor, StageCall
-from autopar.runtime.program import _owner
+from autopar.runtime.program import ParamTree
 from autopar.sharding.placements import Partial, local_shape, parse_spec, shard_factor
 from autopar.solver.schedule import build_schedule
 
 
-class PipelineProgram(nn.Module):
+class PipelineProgram(ParamTree):
     """The parameters and buffers of this rank's stages, named like the original model."""
-
-    def __init__(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
-        super().__init__()
-        for name, t in params.items():
-            mod, leaf = _owner(self, name)
-            mod.register_parameter(leaf, nn.Parameter(t, requires_grad=t.is_floating_point()))
-        for name, t in buffers.items():
-            mod, leaf = _owner(self, name)
-            mod.register_buffer(leaf, t)
-
-    def local_tensor(self, name: str) -> torch.Tensor:
-        mod, leaf = _owner(self, name)
-        return getattr(mod, leaf)
-
-    def has(self, name: str) -> bool:
-        try:
-            self.local_tensor(name)
-            return True
-        except AttributeError:
-            return False
 
 
 def _rank_info(mesh):

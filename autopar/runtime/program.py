@@ -18,16 +18,11 @@ def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     return mod, leaf
 
 
-class RankProgram(nn.Module):
-    """Calls the per-rank graph with this rank's parameters (named like the original model)."""
+class ParamTree(nn.Module):
+    """This rank's pieces of parameters and buffers, registered under the model's own names."""
 
-    def __init__(self, gm: fx.GraphModule, forward_gm: fx.GraphModule, slots: list[tuple[str, object]], params: dict[str, torch.Tensor],
-                 buffers: dict[str, torch.Tensor], axes: dict[str, AxisGroup]):
+    def __init__(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
         super().__init__()
-        self._autopar_graph = gm
-        self._autopar_forward = forward_gm
-        self._slots = slots          # per placeholder: ("param", name) | ("buffer", name) | ("const", t) | ("input", i) | ("target", None)
-        self._axes = axes
         for name, t in params.items():
             mod, leaf = _owner(self, name)
             mod.register_parameter(leaf, nn.Parameter(t, requires_grad=t.is_floating_point()))
@@ -38,6 +33,25 @@ class RankProgram(nn.Module):
     def local_tensor(self, name: str) -> torch.Tensor:
         mod, leaf = _owner(self, name)
         return getattr(mod, leaf)
+
+    def has(self, name: str) -> bool:
+        try:
+            self.local_tensor(name)
+            return True
+        except AttributeError:
+            return False
+
+
+class RankProgram(ParamTree):
+    """Calls the per-rank graph with this rank's parameters (named like the original model)."""
+
+    def __init__(self, gm: fx.GraphModule, forward_gm: fx.GraphModule, slots: list[tuple[str, object]],
+                 params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], axes: dict[str, AxisGroup]):
+        super().__init__(params, buffers)
+        self._autopar_graph = gm
+        self._autopar_forward = forward_gm
+        self._slots = slots          # per placeholder: ("param", name) | ("buffer", name) | ("const", t) | ("input", i) | ("target", None)
+        self._axes = axes
 
     def forward(self, *inputs, target=None, forward_only: bool = False):
         args = []
