@@ -24,6 +24,9 @@ parallel) run in the same order on every rank of the stage's (dp, tp) group, so 
 """
 from __future__ import annotations
 
+import datetime
+import os
+
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +36,9 @@ from autopar.passes.split_stages import StageGraph, Transfer
 from autopar.runtime.comm import COUNTER
 from autopar.runtime.groups import bound_axes
 from autopar.solver.schedule import Action, Schedule
+
+
+RECV_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("AUTOPAR_P2P_TIMEOUT", "300")))
 
 
 @dataclass
@@ -101,7 +107,13 @@ class PipelineExecutor:
         if key not in self._posted:
             return self._mailbox.pop(key)
         work, buf = self._posted.pop(key)
-        work.wait()
+        try:
+            work.wait(timeout=RECV_TIMEOUT)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"pipeline rank {self.my_rank} waited {RECV_TIMEOUT.total_seconds():.0f}s for the "
+                f"{'gradient' if backward else 'activation'} of transfer {t.index} ({t.value}), microbatch {mb}, "
+                f"from rank {self.peer(t.dst if backward else t.src)}: the stages disagree on the schedule") from err
         COUNTER.record("recv", buf, "pp", "bwd" if backward else "fwd")
         return buf
 
