@@ -35,6 +35,7 @@ import torch.distributed as dist
 from autopar.passes.split_stages import StageGraph, Transfer
 from autopar.runtime.comm import COUNTER
 from autopar.runtime.groups import bound_axes
+from autopar.runtime.program import fill_slots
 from autopar.solver.schedule import Action, Schedule
 
 
@@ -70,17 +71,7 @@ class PipelineExecutor:
     _posted: dict = field(default_factory=dict)
 
     def _arg_values(self, call: StageCall, tensor_of, inputs, target) -> list:
-        args = []
-        for kind, ref in call.slots:
-            if kind in ("param", "buffer"):
-                args.append(tensor_of(ref))
-            elif kind == "const":
-                args.append(ref)
-            elif kind == "input":
-                args.append(inputs[ref])
-            else:
-                args.append(target)
-        return args
+        return fill_slots(call.slots, tensor_of, inputs, target)
 
     def _expected(self, rank_actions: list[Action], train: bool):
         """(transfer, microbatch, backward) of every message this rank receives, in action order."""

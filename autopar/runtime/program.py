@@ -18,6 +18,22 @@ def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     return mod, leaf
 
 
+def fill_slots(slots, tensor_of, inputs, target) -> list:
+    """A graph's arguments, one per placeholder: ("param"|"buffer", name), ("const", tensor),
+    ("input", index) or ("target", None)."""
+    args = []
+    for kind, ref in slots:
+        if kind in ("param", "buffer"):
+            args.append(tensor_of(ref))
+        elif kind == "const":
+            args.append(ref)
+        elif kind == "input":
+            args.append(inputs[ref])
+        else:
+            args.append(target)
+    return args
+
+
 class ParamTree(nn.Module):
     """This rank's pieces of parameters and buffers, registered under the model's own names."""
 
@@ -54,16 +70,7 @@ class RankProgram(ParamTree):
         self._axes = axes
 
     def forward(self, *inputs, target=None, forward_only: bool = False):
-        args = []
-        for kind, ref in self._slots:
-            if kind in ("param", "buffer"):
-                args.append(self.local_tensor(ref))
-            elif kind == "const":
-                args.append(ref)
-            elif kind == "input":
-                args.append(inputs[ref])
-            else:
-                args.append(target)
+        args = fill_slots(self._slots, self.local_tensor, inputs, target)
         with bound_axes(self._axes):
             gm = self._autopar_forward if forward_only else self._autopar_graph
             return gm(*args)
