@@ -145,21 +145,27 @@ class ParallelModule(nn.Module):
         return total.float()
 
     # ---- state -------------------------------------------------------------------------------
+    def _local(self, name: str) -> torch.Tensor | None:
+        """This rank's piece of ``name`` (None where this rank holds none of it)."""
+        return self.program.local_tensor(name) if self.program.has(name) else None
+
+    def _gather(self, name: str, local: torch.Tensor, spec) -> torch.Tensor:
+        """The full tensor from every rank's piece (a collective over all ranks)."""
+        mesh = self.plan.mesh
+        local = local.detach()
+        if shard_factor(spec, mesh.shape) == 1 or not dist.is_initialized():
+            return local.clone()
+        parts = [torch.empty_like(local) for _ in range(mesh.size)]
+        dist.all_gather(parts, local.contiguous())
+        return assemble({mesh.coords(r): parts[r] for r in range(mesh.size)}, spec, mesh.shape)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered in full; same keys and shapes as model.state_dict()."""
-        mesh = self.plan.mesh
         out = {}
         for name, d in self.plan.params.items():
             if d.kind == "constant":
                 continue
-            local = self.program.local_tensor(name).detach()
-            spec = parse_spec(d.spec)
-            if shard_factor(spec, mesh.shape) == 1 or not dist.is_initialized():
-                full = local.clone()
-            else:
-                parts = [torch.empty_like(local) for _ in range(mesh.size)]
-                dist.all_gather(parts, local.contiguous())
-                full = assemble({mesh.coords(r): parts[r] for r in range(mesh.size)}, spec, mesh.shape)
+            full = self._gather(name, self._local(name), parse_spec(d.spec))
             for alias in d.aliases:
                 out[alias] = full
         for k, v in self._extra_state.items():
@@ -169,27 +175,21 @@ class ParallelModule(nn.Module):
         return out
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's gradient gathered in full (canonical names; tests and debugging)."""
-        mesh = self.plan.mesh
+        """Every parameter's gradient gathered in full (canonical names; zeros where none)."""
         out = {}
-        for name, p in self.program.named_parameters():
-            if p.grad is None:
+        for name, d in self.plan.params.items():
+            if d.kind != "parameter":
                 continue
-            spec = parse_spec(self.plan.params[name].spec)
-            g = p.grad.detach()
-            if shard_factor(spec, mesh.shape) == 1 or not dist.is_initialized():
-                out[name] = g.clone()
-                continue
-            parts = [torch.empty_like(g) for _ in range(mesh.size)]
-            dist.all_gather(parts, g.contiguous())
-            out[name] = assemble({mesh.coords(r): parts[r] for r in range(mesh.size)}, spec, mesh.shape)
+            p = self._local(name)
+            g = None if p is None else (p.grad if p.grad is not None else torch.zeros_like(p))
+            out[name] = self._gather(name, g, parse_spec(d.spec))
         return out
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full (unsharded) state dict: each rank keeps its pieces."""
         mesh = self.plan.mesh
         for name, d in self.plan.params.items():
-            if d.kind == "constant":
+            if d.kind == "constant" or self._local(name) is None:
                 continue
             key = next((a for a in d.aliases if a in state), None)
             if key is None:
