@@ -166,3 +166,22 @@ def test_tensor_parallel_inside_stages_trains_like_single_device():
     _check("gpt", results, {"dp": 1, "tp": 2, "pp": 2}, "1f1b", 2)
     plan = autopar.Plan.from_json(results[0]["plan"])
     assert plan.params["blocks.0.fc1.weight"].spec == "[R,S(0)]" and results[0]["tp_collectives"] > 0
+
+
+def _vocab_in_stage(rank):
+    """Vocab-parallel embedding and cross entropy inside stages: their local ops name the stage's tp axis."""
+    autopar.set_auto_parallel_context(schedule="1f1b", microbatches=2)
+    autopar.shard("wte", weight={"tp": autopar.Shard(0)})
+    x, y = make_batch("tokens", 8)
+    out = parallel_run(rank, MODELS["gpt"], lm_loss, x, y, autopar.Mesh((2, 2), axis_names=("pp", "tp")),
+                       "semi_auto")
+    plan = autopar.Plan.from_json(out["plan"])
+    out["vocab_axes"] = sorted({a for d in plan.nodes.values() if any(d.local)
+                                for a, name in zip(plan.mesh.axis_names, d.local) if name})
+    return out
+
+
+def test_vocab_parallel_embedding_and_loss_inside_stages():
+    results = run_ranks(4, _vocab_in_stage)
+    _check("gpt", results, {"dp": 1, "tp": 2, "pp": 2}, "1f1b", 2)
+    assert results[0]["vocab_axes"] == ["tp"]

@@ -136,6 +136,10 @@ def _replace_tensor_inputs(node: fx.Node, new_inputs: list[fx.Node]) -> None:
 
 
 def _apply_local(gm: fx.GraphModule, node: fx.Node, decision, axis_names, mesh_shape) -> None:
+    if len(decision.local) != len(axis_names):
+        raise ValueError(f"the plan's decision for {node.name} names local implementations for "
+                         f"{len(decision.local)} mesh axes, the mesh has {len(axis_names)} {tuple(axis_names)}; "
+                         "the plan is inconsistent, make a new one")
     roles = [(axis_names[a], name.split(":")[1]) for a, name in enumerate(decision.local) if name]
     if not roles:
         return

@@ -378,6 +378,7 @@ def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: Pipelin
     per_pp = full.size // pp
     for d in sub_plan.nodes.values():
         d.inputs, d.output = [_with_pp(s) for s in d.inputs], _with_pp(d.output)
+        d.local = [None] + list(d.local)        # per-axis lists gain the (replicated) pp axis too
     for d in sub_plan.params.values():
         d.spec = _with_pp(d.spec)
     stages = []
