@@ -58,7 +58,7 @@ class Alternative:
     note: str = ""
     microbatches: int = 1
     schedule: str = "none"
-    optimizer_time: float = 0.0  # predicted optimizer-step seconds (AUTO ranks by step_time + this)
+    optimizer_time: float = 0.0  # predicted optimizer-step seconds (part of step_time)
 
 
 @dataclass

@@ -78,8 +78,8 @@ def render(plan) -> str:
         lines += render_pipeline(plan)
     if plan.alternatives:
         lines.append("")
-        lines.append("why this plan — alternatives considered (least step time + optimizer step that fits memory wins):")
-        lines.append(f"  {'degrees':<28} {'microbatches':<20} {'step time':>12} {'+ optimizer':>12} {'memory':>12}  "
+        lines.append("why this plan — alternatives considered (least step time that fits memory wins):")
+        lines.append(f"  {'degrees':<28} {'microbatches':<20} {'step time':>12} {'of it optim':>12} {'memory':>12}  "
                      "fits  note")
         opt = plan.options.get("optimizer_time", 0.0)
         lines.append(f"  {_deg(plan.degrees):<28} {_mb(plan.microbatches, plan.schedule):<20} {_ms(plan.step_time):>12} "

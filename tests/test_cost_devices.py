@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -96,6 +97,16 @@ def test_link_for_and_axis_link():
     assert axis_link(dev, 4, 4) == dev.inter_node_link  # 16 devices span 2 nodes
     assert axis_nodes(dev, 64, 8) == 64 and axis_nodes(dev, 1, 1) == 1
     assert Link(1e9, 1e-5).time(1e9) == pytest.approx(1.00001)
+
+
+def test_ranks_sharing_cores_run_slower(no_profile):
+    dev = dataclasses.replace(get_device("cpu"), cores=2)
+    assert dev.shared_by(2) is dev
+    four = dev.shared_by(4)
+    assert four.peak_flops["fp32"] == dev.peak_flops["fp32"] / 2
+    assert four.memory_bandwidth == dev.memory_bandwidth / 2
+    assert four.kernel_overhead == dev.kernel_overhead * 2
+    assert get_device("a100-80gb").shared_by(64) == get_device("a100-80gb")
 
 
 def test_cpu_without_profile_uses_defaults(no_profile):

@@ -95,3 +95,21 @@ def test_planning_needs_no_devices_and_little_memory():
     assert n > 3e8
     assert took < 30, f"planning took {took:.1f}s"
     assert rss_gb < 2.0, f"planning used {rss_gb:.2f} GB"
+
+
+def test_gradient_sync_is_costed_as_bucketed_all_reduces():
+    """DATA syncs ~30 gradients through DDP's buckets: the plan charges their bytes once and one
+    all-reduce latency per bucket, not one latency per parameter."""
+    from autopar.cost_models.comm import axis_collective_time
+    from autopar.solver.problem import GRAD_BUCKET_BYTES
+
+    plan = _gpt_plan(mode="data")
+    params = {d.placeholder for d in plan.params.values()}
+    sync = [c for c in plan.collective_list if c.node in params]
+    assert len(sync) > 20 and all(c.axes == ["d0"] for c in sync)
+    total = sum(c.bytes for c in sync)
+    assert total < GRAD_BUCKET_BYTES
+    device = plan.mesh.spec().shared_by(4)
+    one_all_reduce = axis_collective_time("all_reduce", total, device, 4)
+    charged = sum(c.time for c in sync) + plan.options["grad_sync_overhead"]
+    assert abs(charged - one_all_reduce) <= 1e-4 * one_all_reduce

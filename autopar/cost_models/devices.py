@@ -86,12 +86,13 @@ class DeviceSpec:
     def shared_by(self, ranks_per_node: int) -> "DeviceSpec":
         """The share of one rank when ``ranks_per_node`` ranks run on a node of ``cores`` cores
         (CPU only; accelerators are never shared): compute and memory bandwidth scale by
-        ``min(1, cores / ranks_per_node)``. 4 ranks on 2 cores run each op about 2x slower."""
+        ``f = min(1, cores / ranks_per_node)`` and the per-kernel overhead (CPU time too) by
+        ``1 / f``. 4 ranks on 2 cores run each op about 2x slower."""
         if not self.cores or ranks_per_node <= self.cores:
             return self
         f = self.cores / ranks_per_node
         return dataclasses.replace(self, peak_flops={k: v * f for k, v in self.peak_flops.items()},
-                                   memory_bandwidth=self.memory_bandwidth * f)
+                                   memory_bandwidth=self.memory_bandwidth * f, kernel_overhead=self.kernel_overhead / f)
 
     def with_devices_per_node(self, n: int) -> "DeviceSpec":
         """A copy with ``devices_per_node = n``."""
@@ -178,7 +179,8 @@ def _cpu() -> DeviceSpec:
     From the calibration profile (``autopar calibrate``) when present; otherwise
     defaults measured on 2-core machines like this one (100 GFLOP/s fp32 per core for large
     matmuls, 5 GB/s memory, gloo loopback 0.5 GB/s with 250 us latency — quick calibrations
-    here gave 200-670 us and 0.3-1.2 GB/s — and 10 us per op). Memory: physical RAM / cores.
+    here gave 200-670 us and 0.3-1.2 GB/s — and 20 us per kernel of a training step, measured by
+    ``calibrate.measure_kernel_overhead`` at 18-19 us). Memory: physical RAM / cores.
     """
     from .calibrate import device_from_profile, load_profile
 
@@ -197,7 +199,7 @@ def _cpu() -> DeviceSpec:
         devices_per_node=nproc,
         compute_efficiency=0.6,
         memory_efficiency=1.0,
-        kernel_overhead=1e-5,
+        kernel_overhead=2e-5,
         optimizer_bytes_per_param=60.0,  # AdamW foreach on CPU, measured 14 ns/param at ~4.2 GB/s
         cores=nproc,
         notes="defaults: no calibration profile (run `autopar calibrate`)",

@@ -97,7 +97,7 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
         if sync:
             nbytes = tensor_bytes(by_name[ph]) / shard_factor(chosen[ph].output, c.mesh_shape)
             collectives.append(Collective("all_reduce", int(nbytes), sync, "bwd", ph,
-                                          sum(c.comm("all_reduce", nbytes, axis_names.index(a)) for a in sync)))
+                                          sum(c.grad_sync(nbytes, axis_names.index(a)) for a in sync)))
     for ph, bname in list(traced.buffers.items()) + [(k, k) for k in traced.constants]:
         if ph in chosen:
             val = by_name[ph].meta["val"]

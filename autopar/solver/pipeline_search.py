@@ -20,9 +20,9 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
        at size ``b = B / m`` is ``launch + (time - launch) * b / b_ref`` (kernel launches do not
        shrink with the batch), and ``inter_op.partition_stages`` cuts the units into stages
        (DP over cut points, memory incl. the schedule's in-flight activations).
-           step(m, schedule) = simulate(schedule).critical_path + max_r sum_{u on rank r} sync_u
-           rank key           = step + max_r sum_{u on rank r} opt_u   (``plan.options["optimizer_time"]``;
-                                plan.step_time leaves the optimizer out, like non-pipelined plans)
+           step(m, schedule) = simulate(schedule).critical_path + max_r sum_{u on rank r} (sync_u + opt_u)
+       (``plan.step_time``, like a non-pipelined plan's, includes the optimizer step; the fullest
+       rank's optimizer time is kept as ``plan.options["optimizer_time"]``).
        The best (m, schedule) (ties: less memory) is re-solved at its own microbatch shape (exact decisions), then
        re-partitioned with the exact profile.
 
@@ -121,7 +121,7 @@ def _moved_param_sync(node, d, traced, costing: Costing, mesh_shape) -> float:
         spec = parse_spec(d.inputs[i])
         for a in split:
             if isinstance(spec[a], Replicate):
-                t += costing.comm("all_reduce", tensor_bytes(inp) / shard_factor(spec, mesh_shape), a)
+                t += costing.grad_sync(tensor_bytes(inp) / shard_factor(spec, mesh_shape), a)
     return t
 
 
@@ -297,7 +297,7 @@ def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, bud
         a, b = s.layers
         sync[s.rank] += sum(costs.sync[a:b])
         opt[s.rank] += sum(costs.optimizer[a:b])
-    return part, part.step_time + max(sync), max(opt)
+    return part, part.step_time + max(a + b for a, b in zip(sync, opt)), max(opt)
 
 
 def _check_tags(part: PipelinePartition, cand: PipelineCandidate, units, gm) -> None:
@@ -350,7 +350,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
             except ValueError as err:
                 reasons.append(f"{schedule} m={m}: {err}")
                 continue
-            key = (round(t + opt, 12), max(part.rank_memory))
+            key = (round(t, 12), max(part.rank_memory))
             if best is None or key < best[0]:
                 best = (key, m, schedule)
     if best is None:
@@ -361,6 +361,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     mb, sub_plan, units_m, unit_of, costs_m = solved[m]
     part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule, budget, link, fixed)
     _check_tags(part, cand, units_m, mb.gm)
+    step += sub_plan.options.get("grad_sync_overhead", 0.0)
     plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
     plan.options["optimizer_time"] = opt
     return plan
@@ -415,8 +416,8 @@ def optimizer_time(plan: Plan, optimizer: str = "adamw") -> float:
 
 
 def rank_key(plan: Plan) -> float:
-    """What AUTO minimises: predicted step time plus the optimizer step."""
-    return plan.step_time + optimizer_time(plan, plan.options.get("optimizer", "adamw"))
+    """What AUTO minimises: the predicted step time (forward, backward, gradient sync and optimizer)."""
+    return plan.step_time
 
 
 def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict):

@@ -9,10 +9,16 @@ node memory m[v,s] = parameters: numel · training-state bytes/param / shard fac
                      activations saved for backward / shard factor of the output
 edge cost R[u,v]   = redistribution of u's output spec into v's required input spec,
                      forward collectives plus their conjugates in backward  (``_edge_cost``)
+
+Gradient sync of a parameter is bucketed at run time (DDP buckets of ``GRAD_BUCKET_BYTES``, the
+pipeline's one flat buffer), so one parameter of n bytes pays the bandwidth term in full and
+``n / GRAD_BUCKET_BYTES`` of one all-reduce's latency (``Costing.grad_sync``); the latency of
+the step's last, partly filled bucket is added once per step (``grad_sync_overhead``).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +33,8 @@ from autopar.sharding.placements import Partial, Replicate, Shard, shard_factor
 from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
 from autopar.sharding.strategy import Strategy, tensor_inputs
 from autopar.solver.intra_op import HUGE_COST, EdgeCost, IntraOpProblem, NodeChoices
+
+GRAD_BUCKET_BYTES = 25 * 2**20     # DDP's bucket_cap_mb default, used by runtime.grad_sync
 
 
 @dataclass
@@ -48,6 +56,27 @@ class Costing:
         if kind in ("local_slice", "to_partial") or nbytes <= 0:
             return 0.0
         return axis_collective_time(kind, nbytes, self.device, self.mesh_shape[axis], self.inner(axis))
+
+    def latency(self, axis: int) -> float:
+        """The size-independent part of an all-reduce over ``axis``."""
+        return self.comm("all_reduce", 1.0, axis)
+
+    def grad_sync(self, nbytes: float, axis: int) -> float:
+        """One parameter's share of the bucketed gradient all-reduce over ``axis`` (module docstring)."""
+        if nbytes <= 0:
+            return 0.0
+        lat = self.latency(axis)
+        return self.comm("all_reduce", nbytes, axis) - lat + lat * min(1.0, nbytes / GRAD_BUCKET_BYTES)
+
+
+def grad_sync_overhead(c: Costing, synced: Iterable[tuple[int, float]]) -> float:
+    """Latency of each axis's last gradient bucket, paid once per step: ``synced`` lists
+    (axis, bytes) of every parameter gradient all-reduced after backward."""
+    total: dict[int, float] = {}
+    for axis, nbytes in synced:
+        total[axis] = total.get(axis, 0.0) + nbytes
+    return sum(c.latency(a) * (math.ceil(b / GRAD_BUCKET_BYTES) - b / GRAD_BUCKET_BYTES)
+               for a, b in total.items() if b > 0)
 
 
 def tensor_bytes(node: fx.Node, index: int | None = None) -> float:
@@ -142,7 +171,8 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
             # consumers needing the same gradient all-reduce share one (the pass emits one per
             # producer, spec and axis), so each pays its share
             nbytes = tensor_bytes(ins[i]) / shard_factor(st.inputs[i], c.mesh_shape)
-            compute[s] += c.comm("all_reduce", nbytes, a) / max(1, len(ins[i].users))
+            sync = c.grad_sync(nbytes, a) if ins[i].name in traced_params else c.comm("all_reduce", nbytes, a)
+            compute[s] += sync / max(1, len(ins[i].users))
         compute[s] += _local_impl_time(node, st, c)
         outs = _outs(st)
         memory[s] = act / max(1, shard_factor(outs[0], c.mesh_shape))
@@ -240,5 +270,5 @@ def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: 
     return EdgeCost(index[src.name], index[dst.name], c._edges[key])
 
 
-__all__ = ["Costing", "build_problem", "BuiltProblem", "redistribution_time", "grad_sync_inputs", "work_split",
+__all__ = ["GRAD_BUCKET_BYTES", "grad_sync_overhead", "Costing", "build_problem", "BuiltProblem", "redistribution_time", "grad_sync_inputs", "work_split",
            "Shard", "Partial"]

@@ -22,7 +22,7 @@ from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard
 from autopar.solver.decode import decode, graph_fingerprint, output_specs
 from autopar.solver.intra_op import InfeasibleError, solve_intra_op
-from autopar.solver.problem import Costing, build_problem
+from autopar.solver.problem import Costing, build_problem, grad_sync_overhead
 
 
 @dataclass
@@ -233,14 +233,16 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     sol = solve_intra_op(built.problem)
     nodes, params, inputs, colls = decode(traced.gm, cands, built, sol.choice, costing, mesh.axis_names, traced)
     outputs = output_specs(traced.gm, nodes, params, inputs, traced)
+    last_bucket = grad_sync_overhead(costing, [(mesh.axis_names.index(a), c.bytes) for c in colls
+                                               if c.node in traced.params for a in c.axes])
     return Plan(mode=mode, mesh=mesh, degrees=_degrees(inputs, mesh, traced), nodes=nodes, params=params,
-                inputs=inputs, outputs=outputs, step_time=sol.objective, flops=total_flops(traced.gm),
+                inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
                 memory_per_device=[float(sol.memory)] * mesh.size, memory_breakdown=_breakdown(built, sol, traced),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 options={"grad_compression": opts.grad_compression, "optimizer": opts.optimizer,
                          "precision": opts.precision, "memory_budget": budget,
-                         "solver_vars": sol.num_vars},
+                         "solver_vars": sol.num_vars, "grad_sync_overhead": last_bucket},
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
 
 
