@@ -268,10 +268,7 @@ def _rank_steps(rank: int, cases: list, reps: int, warmup: int) -> list[dict]:
         plan = pmodel.plan
         out.append({"predicted": plan.step_time, "fwd_bwd": statistics.median(f), "optimizer": statistics.median(o),
                     "step": statistics.median(a + b for a, b in zip(f, o)), "degrees": dict(plan.degrees),
-                    "n_coll": len(plan.collectives(0)),
-                    "coll_pred": sum(c.time for c in plan.collectives(0)),
-                    "params_local": sum(p.numel() for p in pmodel.parameters()),
-                    "tensors_local": len(list(pmodel.parameters()))})
+                    "n_coll": len(plan.collectives(0))})
     return out
 
 
@@ -285,28 +282,10 @@ class StepRow:
     fwd_bwd: float
     optimizer: float
     degrees: str
-    adjusted: float = 0.0  # plan.step_time with the two corrections of ``adjusted_prediction``
 
     @property
     def error(self) -> float:
         return (self.predicted - self.measured) / self.measured
-
-
-def adjusted_prediction(r: dict, world: int) -> float:
-    """What ``plan.step_time`` would be with the two terms the solver's objective lacks:
-
-    - ranks sharing cores: the compute part (step_time minus the plan's collectives) runs
-      ``ranks / cores`` times slower when more ranks than cores run on this machine
-      (``DeviceSpec.shared_by``);
-    - the optimizer step: ``compute.optimizer_step_time`` of this rank's parameters.
-    """
-    from autopar.cost_models.compute import optimizer_step_time
-
-    dev = get_device("cpu")
-    shared = dev.shared_by(world)
-    slow = dev.memory_bandwidth / shared.memory_bandwidth
-    comm = min(r["coll_pred"], r["predicted"])
-    return (r["predicted"] - comm) * slow + comm + optimizer_step_time(r["params_local"], shared, r["tensors_local"])
 
 
 def predict_vs_measure_steps(cases: Sequence[tuple] = STEP_CASES, reps: int = 9, warmup: int = 2) -> list[StepRow]:
@@ -324,30 +303,20 @@ def predict_vs_measure_steps(cases: Sequence[tuple] = STEP_CASES, reps: int = 9,
             pool.close()
         for (name, mode, _), r in zip(group, res):
             deg = ",".join(f"{k}{v}" for k, v in r["degrees"].items() if v > 1) or "1"
-            rows.append(StepRow(name, mode, world, r["predicted"], r["step"], r["fwd_bwd"], r["optimizer"], deg,
-                                adjusted_prediction(r, world)))
+            rows.append(StepRow(name, mode, world, r["predicted"], r["step"], r["fwd_bwd"], r["optimizer"], deg))
     return rows
 
 
 def format_steps(rows: Sequence[StepRow]) -> str:
     lines = [f"{'model':<10}{'mode':<12}{'ranks':>6}{'plan':>10}{'predicted ms':>14}{'measured ms':>13}"
-             f"{'(fwd+bwd':>10}{'+ optim)':>10}{'error %':>9}{'adjusted ms':>13}{'error %':>9}"]
+             f"{'(fwd+bwd':>10}{'+ optim)':>10}{'error %':>9}"]
     for r in rows:
         lines.append(f"{r.model:<10}{r.mode:<12}{r.world:>6}{r.degrees:>10}{r.predicted * 1e3:>14.1f}"
-                     f"{r.measured * 1e3:>13.1f}{r.fwd_bwd * 1e3:>10.1f}{r.optimizer * 1e3:>10.1f}{100 * r.error:>9.1f}"
-                     f"{r.adjusted * 1e3:>13.1f}{100 * (r.adjusted - r.measured) / r.measured:>9.1f}")
+                     f"{r.measured * 1e3:>13.1f}{r.fwd_bwd * 1e3:>10.1f}{r.optimizer * 1e3:>10.1f}{100 * r.error:>9.1f}")
     pred, meas = [r.predicted for r in rows], [r.measured for r in rows]
     lines.append(f"steps: {len(rows)}   Spearman rank correlation: {spearman(pred, meas):.3f} (target >= 0.9)   "
                  f"median |error|: {100 * statistics.median(abs(r.error) for r in rows):.1f} % (target <= 25)   "
                  f"median signed error: {100 * statistics.median(r.error for r in rows):+.1f} %")
-    adj = [r.adjusted for r in rows]
-    lines.append(f"  adjusted (cores shared by ranks + optimizer step, see adjusted_prediction): Spearman "
-                 f"{spearman(adj, meas):.3f}, median |error| "
-                 f"{100 * statistics.median(abs(a - m) / m for a, m in zip(adj, meas)):.1f} %")
-    fb = [r.fwd_bwd for r in rows]
-    lines.append(f"  against fwd+bwd only (no optimizer): median |error| "
-                 f"{100 * statistics.median(abs(p - m) / m for p, m in zip(pred, fb)):.1f} %, "
-                 f"Spearman {spearman(pred, fb):.3f}")
     for w in sorted({r.world for r in rows}):
         sub = [r for r in rows if r.world == w]
         lines.append(f"  {w} rank(s): median signed error {100 * statistics.median(r.error for r in sub):+.1f} %, "

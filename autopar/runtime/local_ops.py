@@ -42,35 +42,40 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
 # ---- losses --------------------------------------------------------------------------------
 
 class _VocabParallelCE(torch.autograd.Function):
-    """Per-row cross entropy of logits split over the class dim (no backward collectives)."""
+    """Per-row cross entropy of logits split over the class dim (Megatron; no backward collectives).
+
+    Global log-sum-exp from the local ones: ``M = max_r lse_r``, ``lse = M + log sum_r exp(lse_r - M)``;
+    the target's logit comes from the rank holding it. Two all-reduces of per-row values (max,
+    then the sums stacked). The saved softmax becomes the gradient in place, as in Megatron.
+    """
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index, axes):
-        n_local = logits.shape[-1]
-        m = logits.detach().max(dim=-1).values
+        x = logits.detach()
+        n_local = x.shape[-1]
+        lse_local = torch.logsumexp(x, dim=-1)
+        m = lse_local
         for a in axes:
             m = comm.all_reduce_value(m, a, "max")
-        x = logits - m.unsqueeze(-1)
-        e = x.exp()
-        s = e.sum(-1)
         start = piece_index(axes) * n_local
         valid = target != ignore_index
         mine = (target >= start) & (target < start + n_local) & valid
         local_t = torch.where(mine, target - start, torch.zeros_like(target))
         picked = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * mine.to(x.dtype)
+        sums = torch.stack([(lse_local - m).exp(), picked])
         for a in axes:
-            s = comm.all_reduce_value(s, a)
-            picked = comm.all_reduce_value(picked, a)
-        loss = (s.log() - picked) * valid.to(x.dtype)
-        ctx.save_for_backward(e / s.unsqueeze(-1), local_t, mine, valid)
+            sums = comm.all_reduce_value(sums, a)
+        lse = m + sums[0].log()
+        loss = (lse - sums[1]) * valid.to(x.dtype)
+        softmax = torch.sub(x, lse.unsqueeze(-1)).exp_()
+        ctx.save_for_backward(softmax, local_t, mine, valid)
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        softmax, local_t, mine, valid = ctx.saved_tensors
-        grad = softmax.clone()
+        grad, local_t, mine, valid = ctx.saved_tensors
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
-        grad = grad * (g * valid.to(g.dtype)).unsqueeze(-1)
+        grad.mul_((g * valid.to(g.dtype)).unsqueeze(-1))
         return grad, None, None, None
 
 

@@ -83,7 +83,7 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
                                           c.comm("all_reduce", nbytes, ax)))
         for ax, loc in enumerate(st.local):
             if loc and loc.startswith(("loss", "batch_norm")):
-                kinds = 3 if loc == "loss:vocab" else 2 if loc.startswith("batch_norm") else 1
+                kinds = 2 if loc == "loss:vocab" or loc.startswith("batch_norm") else 1
                 for _ in range(kinds):
                     collectives.append(Collective("all_reduce", 0, [axis_names[ax]], "fwd", name, 0.0))
     params = {}

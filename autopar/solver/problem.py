@@ -137,9 +137,9 @@ def _local_impl_time(node: fx.Node, st: Strategy, c: Costing) -> float:
     for a, name in enumerate(st.local):
         if not name:
             continue
-        if name.startswith("loss:vocab"):
-            rows = tensor_bytes(tensor_inputs(node)[1])
-            t += 3 * c.comm("all_reduce", rows * 2, a)
+        if name.startswith("loss:vocab"):       # fp32 row maxima, then [sum, target logit] per row
+            rows = tensor_inputs(node)[1].meta["val"].numel()
+            t += c.comm("all_reduce", rows * 4, a) + c.comm("all_reduce", rows * 8, a)
         elif name.startswith("batch_norm"):
             ch = tensor_bytes(tensor_inputs(node)[0]) / max(1, node.meta["val"].shape[0])
             t += 2 * c.comm("all_reduce", ch, a)
