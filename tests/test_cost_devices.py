@@ -106,6 +106,7 @@ def test_ranks_sharing_cores_run_slower(no_profile):
     assert four.peak_flops["fp32"] == dev.peak_flops["fp32"] / 2
     assert four.memory_bandwidth == dev.memory_bandwidth / 2
     assert four.kernel_overhead == dev.kernel_overhead * 2
+    assert four.optimizer_tensor_overhead == dev.optimizer_tensor_overhead * 2
     assert get_device("a100-80gb").shared_by(64) == get_device("a100-80gb")
 
 
@@ -166,3 +167,16 @@ def test_calibrate_tiny_end_to_end(no_profile):
     assert dev.peak_flops["fp32"] == pytest.approx(profile["peak_flops"]["fp32"])
     assert "calibrated" in dev.notes
     assert "GFLOP/s" in cal.summary(profile)
+
+
+def test_optimizer_step_time_is_bytes_plus_a_cost_per_tensor(no_profile):
+    from autopar.cost_models.compute import optimizer_step_time
+
+    dev = get_device("cpu")
+    bytes_part = 1e6 * dev.optimizer_bytes_per_param / dev.memory_bandwidth
+    assert optimizer_step_time(1e6, dev, 10) == pytest.approx(bytes_part + 10 * dev.optimizer_tensor_overhead)
+    assert optimizer_step_time(1e6, dev, 10, "sgd") == pytest.approx(bytes_part / 3 + 10 * dev.optimizer_tensor_overhead)
+    gpu = get_device("a100-80gb")           # no per-tensor figure: 12 kernel launches
+    assert optimizer_step_time(0, gpu, 10) == 0.0
+    assert optimizer_step_time(1, gpu, 10) == pytest.approx(gpu.optimizer_bytes_per_param / (
+        gpu.memory_bandwidth * gpu.memory_efficiency) + 120 * gpu.kernel_overhead)

@@ -223,3 +223,21 @@ def test_an_op_without_a_rule_runs_replicated_and_correct():
     flips = [n for n, op in plan.unknown_ops.items() if "flip" in op]
     assert flips and plan.nodes[flips[0]].output == "[R]"
     assert "aten.flip.default" in plan.report()
+
+
+def _colwise_fused_job(rank):
+    autopar.shard({"blocks.*.qkv": ColwiseParallel(), "blocks.*.proj": RowwiseParallel()}, axis="tp")
+    x, y = _block_data()
+    return parallel_run(rank, functools.partial(BlockStack, fused=True), F.mse_loss, x, y,
+                        autopar.Mesh(2, axis_names=("tp",), device=DEVICE), "semi_auto")
+
+
+def test_colwise_annotation_on_a_fused_qkv_trains_like_single_device():
+    """torch's ColwiseParallel on a fused QKV weight splits its rows contiguously (rank 0 holds
+    q and half of k): the split into q, k, v then crosses shard boundaries, and the collectives
+    inserted before it must still give single-device training."""
+    x, y = _block_data()
+    ref = reference_run(functools.partial(BlockStack, fused=True), F.mse_loss, x, y)
+    for r in run_ranks(2, _colwise_fused_job):
+        assert_same_training(ref, r, what="colwise fused qkv")
+        assert autopar.Plan.from_json(r["plan"]).params["blocks.0.qkv.weight"].spec == "[S(0)]"

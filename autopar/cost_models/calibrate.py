@@ -8,7 +8,7 @@ One rank = one process with one thread, as multi-rank CPU runs use it. Measured:
 - memory bandwidth, ``2 * nbytes / t`` of a large out-of-place op (read + write);
 - kernel overhead, per kernel of a small transformer's training step at tiny sizes;
 - optimizer step, seconds of ``torch.optim.AdamW.step`` per parameter, stored as the bytes
-  per parameter that the measured memory bandwidth moves in that time;
+  per parameter that the measured memory bandwidth moves in that time, and per parameter tensor;
 - gloo collective alpha/beta on loopback for 2 and 4 processes: all_reduce times fitted by
   least squares to ``t = 2(p-1) * alpha + 2(p-1)/p * n * beta``; bandwidth = 1/beta.
 
@@ -123,7 +123,8 @@ def device_from_profile(profile: dict) -> DeviceSpec:
         compute_efficiency=float(profile.get("compute_efficiency", 1.0)),
         memory_efficiency=1.0,
         kernel_overhead=float(profile["kernel_overhead"]),
-        optimizer_bytes_per_param=float(profile.get("optimizer_bytes_per_param", 60.0)),
+        optimizer_bytes_per_param=float(profile.get("optimizer_bytes_per_param", 32.0)),
+        optimizer_tensor_overhead=float(profile.get("optimizer_tensor_overhead", 3.5e-5)),
         cores=nproc,
         notes=f"calibrated {profile.get('date', '?')}",
     )
@@ -225,6 +226,17 @@ def measure_optimizer_seconds_per_param(numel: int = 1 << 22, tensors: int = 4, 
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-3)
     return median_time(opt.step, reps, 2) / (numel // tensors * tensors)
+
+
+def measure_optimizer_tensor_overhead(tensors: int = 50, reps: int = 9) -> float:
+    """Seconds per parameter tensor of one AdamW step: ``tensors`` tiny tensors against one."""
+    def step_time(n: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(256)) for _ in range(n)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        return median_time(torch.optim.AdamW(params, lr=1e-3).step, reps, 2)
+
+    return max((step_time(tensors) - step_time(1)) / (tensors - 1), 1e-7)
 
 
 # ---- collectives over gloo ---------------------------------------------------------
@@ -332,6 +344,7 @@ def calibrate(
         bandwidth = measure_memory_bandwidth(copy_bytes, reps)
         overhead = measure_kernel_overhead()
         optimizer_s = measure_optimizer_seconds_per_param(reps=reps)
+        optimizer_tensor = measure_optimizer_tensor_overhead()
     finally:
         torch.set_num_threads(threads)
     rows: list[list[float]] = []
@@ -350,6 +363,7 @@ def calibrate(
         "kernel_overhead": overhead,
         "optimizer_s_per_param": optimizer_s,
         "optimizer_bytes_per_param": optimizer_s * bandwidth,
+        "optimizer_tensor_overhead": optimizer_tensor,
         "collectives": {"all_reduce": rows},
         "link": {"bandwidth": 1.0 / beta, "latency": alpha},
         "seconds": round(time.perf_counter() - started, 2),

@@ -416,16 +416,18 @@ def optimizer_step_time(numel: float, device: DeviceSpec, tensors: int = 0, opti
     """Seconds of one optimizer step over ``numel`` local parameters in ``tensors`` tensors.
 
     Memory-bound: ``numel * optimizer_bytes_per_param / (memory_bandwidth * memory_efficiency)``
-    plus ``tensors * 12 * kernel_overhead`` (AdamW runs about a dozen elementwise kernels per
-    tensor when not fused). SGD moves about a third of AdamW's bytes. Measured on this CPU
-    (``autopar calibrate``) AdamW costs about as much as forward + backward for an MLP with
-    large layers and a small batch.
+    plus ``tensors * optimizer_tensor_overhead`` (default: 12 kernel launches, AdamW's dozen
+    elementwise kernels per tensor when not fused; 35 us per tensor measured on this CPU).
+    SGD moves about a third of AdamW's bytes.
     """
     if numel <= 0:
         return 0.0
     scale = {"adamw": 1.0, "adam": 1.0, "sgd": 1.0 / 3.0}.get(optimizer.lower(), 1.0)
     bytes_moved = numel * device.optimizer_bytes_per_param * scale
-    return bytes_moved / (device.memory_bandwidth * device.memory_efficiency) + tensors * 12 * device.kernel_overhead
+    per_tensor = device.optimizer_tensor_overhead
+    if per_tensor is None:
+        per_tensor = 12 * device.kernel_overhead
+    return bytes_moved / (device.memory_bandwidth * device.memory_efficiency) + tensors * per_tensor
 
 
 def graph_cost(gm: fx.GraphModule | fx.Graph, device: DeviceSpec) -> dict[str, OpCost]:

@@ -36,7 +36,7 @@ def localize_shapes(gm: fx.GraphModule, plan, mesh_shape: tuple) -> fx.GraphModu
             node.args = (node.args[0], dim, list(out[d:d + len(sizes)]))
         elif node.target in _SPLITS:
             src = node.args[0]
-            ndim = src.meta["val"].dim()
+            ndim = _global_ndim(src)
             dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
             f = _dim_factor(specs.input_specs(node)[0], dim, ndim, mesh_shape)
             if f > 1:
@@ -45,3 +45,10 @@ def localize_shapes(gm: fx.GraphModule, plan, mesh_shape: tuple) -> fx.GraphModu
                 node.args = (src, size) + tuple(node.args[2:])
     gm.recompile()
     return gm
+
+
+def _global_ndim(node) -> int:
+    """Rank of a value; collectives the passes inserted carry no ``val``, their input does."""
+    while "val" not in node.meta and node.args:
+        node = node.args[0]
+    return node.meta["val"].dim()
