@@ -150,7 +150,7 @@ def main(argv=None) -> int:
             pred_order = sorted(range(len(plans)), key=lambda i: rank_key(plans[i]))
             print(f"\n{name}: {len(plans)} plans, {args.reps} interleaved rounds on {WORLD} ranks")
             print(f"  {'plan':<62} {'predicted ms':>12} {'pred rank':>9} {'measured ms':>11} {'rank':>5}"
-                  "   (predicted = step + optimizer)")
+                  "   (predicted = plan.step_time, optimizer included)")
             for i in order:
                 mark = "  <- AUTO" if i == chosen else ""
                 print(f"  {_label(plans[i]):<62} {rank_key(plans[i]) * 1e3:>12.3f} {pred_order.index(i) + 1:>9} "
