@@ -167,3 +167,21 @@ def test_lm_with_meta_model_plans_but_cannot_run():
     x, y = make_batch("tokens", 8)
     plan = autopar.plan(model, autopar.Mesh(4), example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="data")
     assert plan.degrees["dp"] == 4
+
+
+def test_plan_whose_local_implementations_miss_a_mesh_axis():
+    """A decision lists one local implementation per mesh axis; a shorter list (a plan edited by
+    hand, or lifted to a pipeline mesh without them) would bind its collectives to the wrong axis."""
+    from autopar.passes.insert_collectives import insert_collectives
+    from autopar.trace import trace
+
+    x, y = make_batch("tokens", 8)
+    torch.manual_seed(0)
+    model = GPT(qkv_bias=False)
+    autopar.shard("wte", weight={"tp": Shard(0)})
+    plan = autopar.plan(model, autopar.Mesh(2, axis_names=("tp",)), example_inputs=(x,), loss_fn=lm_loss,
+                        example_target=y, mode="semi_auto")
+    assert any(any(d.local) for d in plan.nodes.values())
+    traced = trace(model, (x,), lm_loss, y)
+    with pytest.raises(ValueError, match=r"names local implementations for 1 mesh axes, the mesh has 2 .*make a new"):
+        insert_collectives(traced.gm, plan, ("pp", "tp"), (1, 2), set(traced.params))

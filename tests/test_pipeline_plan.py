@@ -147,3 +147,10 @@ def test_tagged_stages_fix_the_pipeline_degree_and_cuts():
     assert plan.degrees["pp"] == 3
     assert [s.layers for s in plan.stages] == [["blocks.0"], ["blocks.1", "blocks.2"], ["blocks.3"]]
 
+
+
+def test_named_pp_axis_of_size_one_plans_without_a_pipeline():
+    x, y = make_batch("tokens", 8)
+    plan = autopar.plan(GPT(qkv_bias=False), autopar.Mesh((1, 2), axis_names=("pp", "tp")), example_inputs=(x,),
+                        loss_fn=lm_loss, example_target=y)
+    assert plan.degrees == {"dp": 1, "tp": 2, "pp": 1} and not plan.stages

@@ -221,7 +221,7 @@ def pipeline_candidates(traced, mesh: Mesh, mode: ParallelMode, tags: dict) -> t
         names = mesh.axis_names[1:] or ("tp",)
         sub = Mesh(rest, names, mesh.device, mesh.gpus_per_node, mesh.memory_gb)
         full = mesh if mesh.shape[1:] else _full_mesh(mesh, pp, sub)
-        return ([PipelineCandidate(pp, sub, full, tags)] if pp > 1 else []), True
+        return ([PipelineCandidate(pp, sub, full, tags)] if pp > 1 else []), pp > 1
     if tags:
         pp = max(tags.values()) + 1
         if pp == 1:
