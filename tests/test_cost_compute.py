@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -5,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.cost_models.compute import OpCost, graph_cost, node_cost, node_work, total_flops
+from autopar.cost_models.compute import OpCost, graph_cost, local_node_cost, node_cost, node_work, total_flops
 from autopar.cost_models.devices import DeviceSpec, Link, get_device
 
 
@@ -103,6 +104,33 @@ def test_linear_cost_and_roofline():
     memory = cost.bytes_fwd / (1e11 * 0.5)
     assert cost.time_fwd == pytest.approx(max(compute, memory) + 1e-6)
     assert cost.total == pytest.approx(cost.time_fwd + cost.time_bwd) == cost.time_total
+
+
+def test_skinny_matmuls_pay_their_efficiency():
+    """A matmul's FLOPs run at the device's efficiency for its smallest dimension: 8 tokens
+    through a linear cost more per FLOP than 512."""
+    dev = dataclasses.replace(TOY, memory_bandwidth=1e15, kernel_overhead=0.0,
+                              matmul_efficiency=((8, 0.1), (512, 0.8)))
+    per_flop = []
+    for tokens in (8, 512):
+        (node,) = nodes(export(nn.Linear(512, 512), torch.randn(tokens, 512)), aten.linear.default)
+        cost = node_cost(node, dev)
+        assert cost.time_fwd == pytest.approx(cost.flops_fwd / (1e12 * dev.matmul_eff(tokens)))
+        per_flop.append(cost.time_total / cost.flops_total)
+    assert per_flop[0] == pytest.approx(8 * per_flop[1])
+
+
+def test_local_cost_of_a_split_matmul_uses_its_local_shape():
+    """4 data-parallel ranks give each a quarter of the tokens: the local matmul is skinnier."""
+    dev = dataclasses.replace(TOY, memory_bandwidth=1e15, matmul_efficiency=((16, 0.1), (64, 0.8)))
+    gm = export(nn.Linear(256, 256), torch.randn(64, 256))
+    (node,) = nodes(gm, aten.linear.default)
+    x, w, b = node.all_input_nodes
+    base = node_cost(node, dev)
+    local = local_node_cost(node, {x: (16, 256), w: (256, 256), b: (256,)}, dev)
+    assert local.flops_fwd == base.flops_fwd / 4
+    assert local.time_fwd > base.scaled(4).time_fwd * 5
+    assert local_node_cost(nodes(export(nn.ReLU(), torch.randn(4)), aten.relu.default)[0], {}, dev) is None
 
 
 def test_backward_follows_parameters():

@@ -100,7 +100,8 @@ def test_link_for_and_axis_link():
 
 
 def test_ranks_sharing_cores_run_slower(no_profile):
-    dev = dataclasses.replace(get_device("cpu"), cores=2)
+    """Without measurements: k/cores once ranks outnumber cores."""
+    dev = dataclasses.replace(get_device("cpu"), cores=2, sharing=())
     assert dev.shared_by(2) is dev
     four = dev.shared_by(4)
     assert four.peak_flops["fp32"] == dev.peak_flops["fp32"] / 2
@@ -108,6 +109,24 @@ def test_ranks_sharing_cores_run_slower(no_profile):
     assert four.kernel_overhead == dev.kernel_overhead * 2
     assert four.optimizer_tensor_overhead == dev.optimizer_tensor_overhead * 2
     assert get_device("a100-80gb").shared_by(64) == get_device("a100-80gb")
+
+
+def test_measured_sharing_is_used_interpolated_and_extrapolated(no_profile):
+    dev = dataclasses.replace(get_device("cpu"), cores=2, sharing=((2, 1.1, 1.2, 1.5), (4, 2.5, 3.0, 3.5)))
+    two = dev.shared_by(2)
+    assert two.peak_flops["fp32"] == pytest.approx(dev.peak_flops["fp32"] / 1.1)
+    assert two.memory_bandwidth == pytest.approx(dev.memory_bandwidth / 1.2)
+    assert two.kernel_overhead == pytest.approx(dev.kernel_overhead * 1.5)
+    assert dev.slowdown(3) == pytest.approx((1.8, 2.1, 2.5))
+    assert dev.slowdown(8) == pytest.approx((5.0, 6.0, 7.0))
+    assert dev.slowdown(1) == (1.0, 1.0, 1.0) and dev.shared_by(1) is dev
+
+
+def test_matmul_efficiency_curve_is_log_interpolated():
+    dev = dataclasses.replace(get_device("a100-80gb"), matmul_efficiency=((16, 0.2), (256, 0.8)))
+    assert dev.matmul_eff(4) == 0.2 and dev.matmul_eff(4096) == 0.8
+    assert dev.matmul_eff(64) == pytest.approx(0.5)
+    assert get_device("a100-80gb").matmul_eff(8) == get_device("a100-80gb").compute_efficiency
 
 
 def test_cpu_without_profile_uses_defaults(no_profile):
@@ -155,6 +174,8 @@ def test_fit_alpha_beta_recovers_the_line():
 def test_calibrate_tiny_end_to_end(no_profile):
     profile = cal.calibrate(
         matmul_sizes=(32, 64),
+        matmul_dims=(8, 32, 64),
+        sharing_seconds=0.1,
         copy_bytes=1 << 16,
         collective_sizes=(1 << 10, 1 << 16),
         world_sizes=(2,),
@@ -167,6 +188,10 @@ def test_calibrate_tiny_end_to_end(no_profile):
     assert dev.peak_flops["fp32"] == pytest.approx(profile["peak_flops"]["fp32"])
     assert "calibrated" in dev.notes
     assert "GFLOP/s" in cal.summary(profile)
+    assert [d for d, _ in profile["matmul_efficiency"]] == [8, 32, 64] and dev.matmul_efficiency[0][0] == 8
+    assert 0 < profile["attention_efficiency"] <= 1 and dev.attention_efficiency == profile["attention_efficiency"]
+    (k, *slowdowns), = profile["sharing"]
+    assert k == 2 and all(f >= 1 for f in slowdowns) and dev.sharing[0][0] == 2
 
 
 def test_optimizer_step_time_is_bytes_plus_a_cost_per_tensor(no_profile):

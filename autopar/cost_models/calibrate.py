@@ -6,7 +6,10 @@ One rank = one process with one thread, as multi-rank CPU runs use it. Measured:
   the best becomes ``peak_flops``; ``compute_efficiency`` = median rate of a linear
   layer's three training matmuls (transposed operands) / peak;
 - memory bandwidth, ``2 * nbytes / t`` of a large out-of-place op (read + write);
+- matmul efficiency by smallest dimension (a linear layer's training matmuls on 8..1024 tokens)
+  and fused attention's efficiency;
 - kernel overhead, per kernel of a small transformer's training step at tiny sizes;
+- sharing: how much slower one of k processes running at once is (compute, memory, overhead);
 - optimizer step, seconds of ``torch.optim.AdamW.step`` per parameter, stored as the bytes
   per parameter that the measured memory bandwidth moves in that time, and per parameter tensor;
 - gloo collective alpha/beta on loopback for 2 and 4 processes: all_reduce times fitted by
@@ -126,6 +129,9 @@ def device_from_profile(profile: dict) -> DeviceSpec:
         optimizer_bytes_per_param=float(profile.get("optimizer_bytes_per_param", 32.0)),
         optimizer_tensor_overhead=float(profile.get("optimizer_tensor_overhead", 3.5e-5)),
         cores=nproc,
+        matmul_efficiency=tuple((int(d), float(e)) for d, e in profile.get("matmul_efficiency", ())),
+        attention_efficiency=profile.get("attention_efficiency"),
+        sharing=tuple((int(k), float(c), float(m), float(o)) for k, c, m, o in profile.get("sharing", ())),
         notes=f"calibrated {profile.get('date', '?')}",
     )
 
@@ -164,6 +170,34 @@ def measure_matmul_efficiency(n: int, peak: float, reps: int = 5) -> float:
         for fn in (lambda: torch.mm(x, w.t()), lambda: torch.mm(g, w), lambda: torch.mm(g.t(), x))
     ]
     return min(1.0, statistics.median(rates) / peak)
+
+
+def measure_matmul_curve(peak: float, dims: Sequence[int], width: int = 1024, reps: int = 5) -> list[list[float]]:
+    """``[[d, efficiency], ...]``: a linear layer's training matmuls (``x @ w.T``, ``g @ w``,
+    ``g.T @ x``) on ``d`` tokens of a ``width x 2 width`` weight, FLOPs / time / ``peak``, so
+    each matmul's smallest dimension is ``d`` (at most ``width``)."""
+    out = []
+    for d in dims:
+        x, w, g = torch.randn(d, width), torch.randn(2 * width, width), torch.randn(d, 2 * width)
+        t = sum(median_time(fn, reps) for fn in (lambda: torch.mm(x, w.t()), lambda: torch.mm(g, w),
+                                                 lambda: torch.mm(g.t(), x)))
+        out.append([int(min(d, width)), min(1.0, 3 * 2.0 * d * width * 2 * width / t / peak)])
+    return out
+
+
+def measure_attention_efficiency(peak: float, shape: Sequence[int] = (4, 8, 128, 32), reps: int = 5) -> float:
+    """Fraction of ``peak`` that causal ``scaled_dot_product_attention`` forward + backward reaches
+    on ``[batch, heads, seq, head_dim]``, counting the FLOPs the cost model counts for it
+    (``4 b h s^2 d`` forward, twice that backward)."""
+    b, h, s, d = shape
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    seed = torch.randn(b, h, s, d)
+
+    def step():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), seed)
+
+    return min(1.0, 3 * 4.0 * b * h * s * s * d / median_time(step, reps, 2) / peak)
 
 
 def measure_memory_bandwidth(nbytes: int, reps: int = 5) -> float:
@@ -237,6 +271,58 @@ def measure_optimizer_tensor_overhead(tensors: int = 50, reps: int = 9) -> float
         return median_time(torch.optim.AdamW(params, lr=1e-3).step, reps, 2)
 
     return max((step_time(tensors) - step_time(1)) / (tensors - 1), 1e-7)
+
+
+# ---- ranks sharing the cores ------------------------------------------------------------
+
+
+def _sharing_worker(rank: int, barrier, seconds: float, out: str) -> None:
+    torch.set_num_threads(1)
+    a = torch.randn(512, 512)
+    big = torch.ones(4 << 20)
+    model = torch.nn.Sequential(_TinyBlock(), _TinyBlock())
+    x = torch.randn(1, 4, 16)
+
+    def small():
+        model(x).sum().backward()
+
+    row = []
+    for fn in (lambda: torch.mm(a, a), lambda: torch.neg(big), small):
+        for _ in range(3):
+            fn()
+        barrier.wait()
+        count, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            fn()
+            count += 1
+        row.append((time.perf_counter() - t0) / count)
+    Path(f"{out}.{rank}").write_text(json.dumps(row), encoding="utf-8")
+
+
+def measure_sharing(ranks: Sequence[int], seconds: float = 1.0) -> list[list[float]]:
+    """``[[k, compute, memory, overhead], ...]``: how much slower one of ``k`` processes (one
+    thread each, all running at once) is than one process alone, on a 512 matmul (compute),
+    an out-of-place op on 16 MiB (memory bandwidth) and a tiny transformer's training step
+    (per-kernel overhead). Mean time per call over ``seconds``, so time slices lost to the
+    other processes count; the slowest process's mean is taken."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    means = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in sorted({1, *ranks}):
+            out = os.path.join(tmp, f"k{k}")
+            barrier = ctx.Barrier(k)
+            procs = [ctx.Process(target=_sharing_worker, args=(r, barrier, seconds, out)) for r in range(k)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout=60 + 10 * seconds)
+                if p.exitcode != 0:
+                    raise RuntimeError(f"sharing calibration: a worker of {k} processes failed (exit {p.exitcode})")
+            rows = [json.loads(Path(f"{out}.{r}").read_text(encoding="utf-8")) for r in range(k)]
+            means[k] = [max(col) for col in zip(*rows)]
+    return [[k, *(max(1.0, v / b) for v, b in zip(means[k], means[1]))] for k in sorted(means) if k > 1]
 
 
 # ---- collectives over gloo ---------------------------------------------------------
@@ -317,6 +403,8 @@ def calibrate(
     quick: bool = False,
     *,
     matmul_sizes: Sequence[int] | None = None,
+    matmul_dims: Sequence[int] | None = None,
+    sharing_seconds: float | None = None,
     copy_bytes: int | None = None,
     collective_sizes: Sequence[int] | None = None,
     world_sizes: Sequence[int] = (2, 4),
@@ -330,6 +418,8 @@ def calibrate(
     """
     reps = reps or (3 if quick else 7)
     matmul_sizes = matmul_sizes or ((128, 256, 512) if quick else (128, 256, 512, 1024, 2048))
+    matmul_dims = matmul_dims or ((8, 32, 128, 512) if quick else (8, 16, 32, 64, 128, 256, 512, 1024))
+    sharing_seconds = sharing_seconds or (0.5 if quick else 1.5)
     copy_bytes = copy_bytes or 16 * 2**20  # a typical activation: larger ones page-fault more
     collective_sizes = collective_sizes or (
         (2**12, 2**16, 2**20, 2**22) if quick else (2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24)
@@ -341,12 +431,15 @@ def calibrate(
         fp32 = measure_matmul(matmul_sizes, torch.float32, reps)
         bf16 = measure_matmul(matmul_sizes[: max(1, len(matmul_sizes) - 1)], torch.bfloat16, reps)
         efficiency = measure_matmul_efficiency(max(matmul_sizes), max(fp32.values()), reps)
+        curve = measure_matmul_curve(max(fp32.values()), matmul_dims, reps=reps)
+        attention = measure_attention_efficiency(max(fp32.values()), reps=reps)
         bandwidth = measure_memory_bandwidth(copy_bytes, reps)
         overhead = measure_kernel_overhead()
         optimizer_s = measure_optimizer_seconds_per_param(reps=reps)
         optimizer_tensor = measure_optimizer_tensor_overhead()
     finally:
         torch.set_num_threads(threads)
+    sharing = measure_sharing(world_sizes, sharing_seconds) if world_sizes else []
     rows: list[list[float]] = []
     for world in world_sizes:
         rows += measure_all_reduce(world, collective_sizes, reps)
@@ -359,6 +452,9 @@ def calibrate(
         "matmul_flops": {"fp32": {str(k): v for k, v in fp32.items()}, "bf16": {str(k): v for k, v in bf16.items()}},
         "peak_flops": {"fp32": max(fp32.values()), "bf16": max(bf16.values())},
         "compute_efficiency": efficiency,
+        "matmul_efficiency": curve,
+        "attention_efficiency": attention,
+        "sharing": sharing,
         "memory_bandwidth": bandwidth,
         "kernel_overhead": overhead,
         "optimizer_s_per_param": optimizer_s,
@@ -383,6 +479,11 @@ def summary(profile: dict) -> str:
             f" (bf16 {profile['peak_flops']['bf16'] / 1e9:.1f})",
             f"memory bandwidth: {profile['memory_bandwidth'] / 1e9:.2f} GB/s per thread",
             f"kernel overhead: {profile['kernel_overhead'] * 1e6:.1f} us",
+            "matmul efficiency by smallest dimension: "
+            + ", ".join(f"{d}: {e:.2f}" for d, e in profile.get("matmul_efficiency", [])),
+            f"attention efficiency: {profile.get('attention_efficiency') or float('nan'):.2f}",
+            "ranks sharing the cores (compute, memory, overhead slowdown): "
+            + "; ".join(f"{k}: {c:.2f} {m:.2f} {o:.2f}" for k, c, m, o in profile.get("sharing", [])),
             f"AdamW step: {profile.get('optimizer_s_per_param', float('nan')) * 1e9:.1f} ns/param "
             f"({profile.get('optimizer_bytes_per_param', float('nan')):.0f} bytes/param at the measured bandwidth)",
             f"gloo loopback: alpha {link['latency'] * 1e6:.1f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s",

@@ -10,11 +10,15 @@ fake tensors of the node's shapes, forward and then backward through autograd:
 - Bytes: every non-view kernel dispatched reads its tensor inputs and writes its outputs
   (``_KernelCounter``); gathers (embedding, index_select) read output-sized rows only.
 - Kernels: the number of non-view kernels dispatched (each pays ``kernel_overhead``).
+- Matmuls (mm, addmm, bmm, baddbmm): their FLOPs by smallest dimension ``min(m, n, k)``, since a
+  skinny matmul (few tokens, small head dim) runs far below peak.
 
 Time per phase (``devices.DeviceSpec``)::
 
-    t = max(flops / (peak[dtype] * compute_efficiency), bytes / (memory_bandwidth * memory_efficiency))
-        + kernels * kernel_overhead
+    compute = sum_i mm_flops_i / (peak[dtype] * matmul_eff(min_dim_i))
+              + other_flops / (peak[dtype] * e),   e = attention_efficiency for fused attention,
+                                                       compute_efficiency otherwise
+    t = max(compute, bytes / (memory_bandwidth * memory_efficiency)) + kernels * kernel_overhead
 
 Backward work counts only gradients that are needed: an input needs a gradient when it
 is a parameter (``requires_grad`` in its ``meta["val"]``) or depends on one.
@@ -48,6 +52,8 @@ class OpWork:
     bytes_bwd: float = 0.0
     kernels_fwd: int = 0
     kernels_bwd: int = 0
+    matmuls_fwd: tuple[tuple[int, float], ...] = ()  # (smallest dimension, FLOPs) per matmul size
+    matmuls_bwd: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,13 +167,28 @@ def _nbytes(t: torch.Tensor) -> int:
     return n * t.element_size()
 
 
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+def _matmul_shape(func, args) -> tuple[int, float] | None:
+    """(smallest of m, n, k; FLOPs ``2*b*m*n*k``) of an mm/addmm/bmm/baddbmm call."""
+    a, b = (args[1], args[2]) if func in (aten.addmm.default, aten.baddbmm.default) else (args[0], args[1])
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
+        return None
+    m, k, n = int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])
+    batch = int(a.shape[0]) if a.dim() == 3 else 1
+    return max(min(m, n, k), 1), 2.0 * batch * m * n * k
+
+
 class _KernelCounter(TorchDispatchMode):
-    """Counts non-view kernels and the bytes they read (inputs) and write (outputs)."""
+    """Counts non-view kernels and the bytes they read (inputs) and write (outputs), and
+    the FLOPs of matmuls by smallest dimension."""
 
     def __init__(self) -> None:
         super().__init__()
         self.kernels = 0
         self.bytes = 0
+        self.matmuls: dict[int, float] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -179,9 +200,16 @@ class _KernelCounter(TorchDispatchMode):
         if func in _GATHERS and ins:
             ins = ins[1:]  # the source table: only output-sized rows are read
             self.bytes += sum(_nbytes(t) for t in outs)
+        if func in _MATMULS:
+            shape = _matmul_shape(func, args)
+            if shape is not None:
+                self.matmuls[shape[0]] = self.matmuls.get(shape[0], 0.0) + shape[1]
         self.kernels += 1
         self.bytes += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
         return out
+
+    def matmul_table(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted(self.matmuls.items()))
 
 
 # ---- which nodes need gradients -------------------------------------------------------
@@ -252,11 +280,22 @@ def _freeze(x):
     return repr(x)
 
 
-def _signature(node: fx.Node, need: frozenset):
+def _contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def _signature(node: fx.Node, need: frozenset, shapes: dict | None = None):
     def sig(a):
         if isinstance(a, fx.Node):
             v = _val(a)
             if isinstance(v, torch.Tensor):
+                if shapes and a in shapes:
+                    shape = tuple(int(s) for s in shapes[a])
+                    return ("T", shape, _contiguous_strides(shape), v.dtype, a in need and _is_float(v))
                 return _tensor_sig(v, a in need)
             return ("V", _freeze(v))
         return a
@@ -312,6 +351,7 @@ def _work(target, sig) -> OpWork:
         with flops, counter:
             out = target(*args, **kwargs)
         fwd = (flops.get_total_flops(), counter.bytes, counter.kernels)
+        mm_fwd, mm_bwd = counter.matmul_table(), ()
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         bwd = (0, 0, 0)
@@ -321,6 +361,7 @@ def _work(target, sig) -> OpWork:
             with flops, counter:
                 torch.autograd.grad(outs, leaves, seeds, allow_unused=True)
             bwd = (flops.get_total_flops(), counter.bytes, counter.kernels)
+            mm_bwd = counter.matmul_table()
         f_fwd, f_bwd = float(fwd[0]), float(bwd[0])
         if f_fwd == 0 and fwd[2] > 0:
             if target in _SDPA:
@@ -332,7 +373,7 @@ def _work(target, sig) -> OpWork:
                 numel = _largest_numel(out_tensors if target in _GATHERS else tensors + out_tensors)
                 f_fwd = per_fwd * numel
                 f_bwd = per_bwd * numel if bwd[2] > 0 else 0.0
-        return OpWork(f_fwd, f_bwd, float(fwd[1]), float(bwd[1]), fwd[2], bwd[2])
+        return OpWork(f_fwd, f_bwd, float(fwd[1]), float(bwd[1]), fwd[2], bwd[2], mm_fwd, mm_bwd)
 
 
 _ZERO_TARGETS = {operator.getitem}
@@ -379,17 +420,32 @@ def _dtype(node: fx.Node) -> torch.dtype:
     return torch.float32
 
 
-def roofline_time(flops: float, nbytes: float, kernels: int, device: DeviceSpec, dtype: torch.dtype) -> float:
-    """``max(flops / (peak * eff), bytes / (bw * mem_eff)) + kernels * kernel_overhead``."""
+def roofline_time(
+    flops: float,
+    nbytes: float,
+    kernels: int,
+    device: DeviceSpec,
+    dtype: torch.dtype,
+    matmuls: tuple[tuple[int, float], ...] = (),
+    efficiency: float | None = None,
+) -> float:
+    """``max(compute, bytes / (bw * mem_eff)) + kernels * kernel_overhead`` with ``compute`` =
+    each matmul's FLOPs at ``matmul_eff(min_dim)`` plus the other FLOPs at ``efficiency``
+    (default ``compute_efficiency``)."""
     if kernels == 0 and flops == 0 and nbytes == 0:
         return 0.0
-    compute = flops / (device.flops_per_s(dtype) * device.compute_efficiency)
+    peak = device.flops_per_s(dtype)
+    compute = sum(f / (peak * device.matmul_eff(d)) for d, f in matmuls)
+    compute += max(flops - sum(f for _, f in matmuls), 0.0) / (peak * (efficiency or device.compute_efficiency))
     memory = nbytes / (device.memory_bandwidth * device.memory_efficiency)
     return max(compute, memory) + kernels * device.kernel_overhead
 
 
-def cost_from_work(work: OpWork, device: DeviceSpec, dtype: torch.dtype = torch.float32) -> OpCost:
-    """Roofline an :class:`OpWork` on ``device``."""
+def cost_from_work(work: OpWork, device: DeviceSpec, dtype: torch.dtype = torch.float32,
+                   attention: bool = False) -> OpCost:
+    """Roofline an :class:`OpWork` on ``device``; ``attention``: a fused attention kernel, whose
+    FLOPs run at ``device.attention_efficiency``."""
+    eff = device.attention_efficiency if attention else None
     lf = work.kernels_fwd * device.kernel_overhead
     lb = work.kernels_bwd * device.kernel_overhead
     return OpCost(
@@ -397,11 +453,28 @@ def cost_from_work(work: OpWork, device: DeviceSpec, dtype: torch.dtype = torch.
         work.flops_bwd,
         work.bytes_fwd,
         work.bytes_bwd,
-        roofline_time(work.flops_fwd, work.bytes_fwd, work.kernels_fwd, device, dtype),
-        roofline_time(work.flops_bwd, work.bytes_bwd, work.kernels_bwd, device, dtype),
+        roofline_time(work.flops_fwd, work.bytes_fwd, work.kernels_fwd, device, dtype, work.matmuls_fwd, eff),
+        roofline_time(work.flops_bwd, work.bytes_bwd, work.kernels_bwd, device, dtype, work.matmuls_bwd, eff),
         lf,
         lb,
     )
+
+
+_LOCAL_COSTED = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
+                 aten.baddbmm.default, aten.matmul.default}
+
+
+def local_node_cost(node: fx.Node, input_shapes: dict, device: DeviceSpec) -> OpCost | None:
+    """Cost of a matmul node run on local pieces (``input_shapes``: input node -> local shape),
+    so that a sharded matmul pays the efficiency of its own smallest dimension (4 data-parallel
+    ranks give each a quarter of the tokens). None for other nodes or when the op cannot run."""
+    if node.target not in _LOCAL_COSTED:
+        return None
+    try:
+        work = _work(node.target, _signature(node, grad_nodes(node.graph), input_shapes))
+    except Exception:
+        return None
+    return cost_from_work(work, device, _dtype(node))
 
 
 def node_cost(node: fx.Node, device: DeviceSpec) -> OpCost:
@@ -409,7 +482,7 @@ def node_cost(node: fx.Node, device: DeviceSpec) -> OpCost:
     work = node_work(node)
     if work == OpWork():
         return ZERO_COST
-    return cost_from_work(work, device, _dtype(node))
+    return cost_from_work(work, device, _dtype(node), attention=node.target in _SDPA)
 
 
 def optimizer_step_time(numel: float, device: DeviceSpec, tensors: int = 0, optimizer: str = "adamw") -> float:

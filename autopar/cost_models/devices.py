@@ -9,10 +9,14 @@ Roofline time of an op (see ``compute.py``)::
 
     t = max(flops / (peak[dtype] * compute_efficiency),
             bytes / (memory_bandwidth * memory_efficiency)) + kernels * kernel_overhead
+
+where a matmul's FLOPs use ``matmul_efficiency`` at its smallest dimension and fused
+attention's use ``attention_efficiency`` when the device has them (CPU calibration does).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -62,6 +66,11 @@ class DeviceSpec:
     # seconds per parameter tensor of one optimizer step, besides its bytes (None: 12 kernel launches)
     optimizer_tensor_overhead: float | None = None
     cores: int | None = None  # CPU only: ranks beyond this many per node share the cores
+    # (smallest matmul dimension, fraction of peak) points, ascending; () = compute_efficiency
+    matmul_efficiency: tuple[tuple[int, float], ...] = ()
+    attention_efficiency: float | None = None  # fraction of peak for fused attention FLOPs
+    # CPU only, measured: (ranks per node, compute, memory, per-kernel slowdown) vs one rank
+    sharing: tuple[tuple[int, float, float, float], ...] = ()
     notes: str = field(default="", compare=False)
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
@@ -77,6 +86,40 @@ class DeviceSpec:
             return self.peak_flops.get("fp64", fp32 / 2)
         return self.peak_flops.get(_DTYPE_KEYS.get(dtype, "fp32"), fp32)
 
+    def matmul_eff(self, min_dim: int) -> float:
+        """Fraction of peak a matmul whose smallest dimension is ``min_dim`` reaches:
+        ``matmul_efficiency`` interpolated linearly in ``log(min_dim)``, clamped at its ends;
+        ``compute_efficiency`` when there is no curve."""
+        pts = self.matmul_efficiency
+        if not pts:
+            return self.compute_efficiency
+        if min_dim <= pts[0][0]:
+            return pts[0][1]
+        for (d0, e0), (d1, e1) in zip(pts, pts[1:]):
+            if min_dim <= d1:
+                w = math.log(min_dim / d0) / math.log(d1 / d0)
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
+
+    def slowdown(self, ranks_per_node: int) -> tuple[float, float, float]:
+        """(compute, memory, per-kernel) slowdown of one rank when ``ranks_per_node`` ranks share
+        a CPU node: the measured ``sharing`` row for that count (interpolated linearly between
+        measured counts, scaled by ``k / k_max`` beyond the last); without measurements,
+        ``k / cores`` for each once ranks outnumber cores. ``(1, 1, 1)`` for accelerators."""
+        if not self.cores or ranks_per_node <= 1:
+            return 1.0, 1.0, 1.0
+        rows = [(1, 1.0, 1.0, 1.0), *sorted(self.sharing)]
+        if len(rows) == 1:
+            f = max(1.0, ranks_per_node / self.cores)
+            return f, f, f
+        k = ranks_per_node
+        for lo, hi in zip(rows, rows[1:]):
+            if k <= hi[0]:
+                w = (k - lo[0]) / (hi[0] - lo[0])
+                return tuple(a + w * (b - a) for a, b in zip(lo[1:], hi[1:]))
+        last = rows[-1]
+        return tuple(v * k / last[0] for v in last[1:])
+
     def link_for(self, group_span_nodes: bool) -> Link:
         """The link a group uses: inter-node if it spans nodes, else intra-node."""
         return self.inter_node_link if group_span_nodes else self.intra_node_link
@@ -86,17 +129,17 @@ class DeviceSpec:
         return dataclasses.replace(self, memory_bytes=int(nbytes))
 
     def shared_by(self, ranks_per_node: int) -> "DeviceSpec":
-        """The share of one rank when ``ranks_per_node`` ranks run on a node of ``cores`` cores
-        (CPU only; accelerators are never shared): compute and memory bandwidth scale by
-        ``f = min(1, cores / ranks_per_node)`` and the per-kernel overhead (CPU time too) by
-        ``1 / f``. 4 ranks on 2 cores run each op about 2x slower."""
-        if not self.cores or ranks_per_node <= self.cores:
+        """The share of one rank when ``ranks_per_node`` ranks run on one CPU node
+        (accelerators are never shared): peak FLOP/s, memory bandwidth and the per-kernel
+        and per-tensor overheads scaled by :meth:`slowdown`. On this 2-core VM 4 ranks run
+        small ops 3-4x and matmuls about 2x slower than one rank alone."""
+        fc, fm, fo = self.slowdown(ranks_per_node)
+        if fc == fm == fo == 1.0:
             return self
-        f = self.cores / ranks_per_node
-        return dataclasses.replace(self, peak_flops={k: v * f for k, v in self.peak_flops.items()},
-                                   memory_bandwidth=self.memory_bandwidth * f, kernel_overhead=self.kernel_overhead / f,
+        return dataclasses.replace(self, peak_flops={k: v / fc for k, v in self.peak_flops.items()},
+                                   memory_bandwidth=self.memory_bandwidth / fm, kernel_overhead=self.kernel_overhead * fo,
                                    optimizer_tensor_overhead=None if self.optimizer_tensor_overhead is None
-                                   else self.optimizer_tensor_overhead / f)
+                                   else self.optimizer_tensor_overhead * fo)
 
     def with_devices_per_node(self, n: int) -> "DeviceSpec":
         """A copy with ``devices_per_node = n``."""
@@ -181,10 +224,14 @@ def _cpu() -> DeviceSpec:
     """This machine, one rank = one process with one thread.
 
     From the calibration profile (``autopar calibrate``) when present; otherwise
-    defaults measured on 2-core machines like this one (100 GFLOP/s fp32 per core for large
-    matmuls, 5 GB/s memory, gloo loopback 0.5 GB/s with 250 us latency — quick calibrations
-    here gave 200-670 us and 0.3-1.2 GB/s — and 20 us per kernel of a training step, measured by
-    ``calibrate.measure_kernel_overhead`` at 18-19 us). Memory: physical RAM / cores.
+    defaults measured on 2-core machines like this one (120 GFLOP/s fp32 per core for matmuls
+    that fit the caches; a linear layer's training matmuls reach 0.22 of that on 8 tokens, 0.6 on
+    64 and 0.8 from 256; causal attention 0.34; 5 GB/s memory, gloo loopback 0.5 GB/s with 250 us
+    latency — quick calibrations here gave 200-670 us and 0.3-1.2 GB/s — and 20 us per kernel of a
+    training step, measured by ``calibrate.measure_kernel_overhead`` at 18-19 us). Two ranks on
+    the two cores run 1.05x (matmul), 1.15x (memory-bound) and 1.25x (small ops) slower than one,
+    four ranks 2.4x, 2.5x and 3x (``calibrate.measure_sharing`` gave 2.2-2.8, 2.3-2.8, 2.4-3.6).
+    Memory: physical RAM / cores.
     """
     from .calibrate import device_from_profile, load_profile
 
@@ -195,7 +242,7 @@ def _cpu() -> DeviceSpec:
     loopback = Link(bandwidth=0.5 * GIGA, latency=2.5e-4)
     return DeviceSpec(
         name="cpu",
-        peak_flops={"fp32": 100 * GIGA, "tf32": 100 * GIGA, "bf16": 20 * GIGA, "fp16": 5 * GIGA},
+        peak_flops={"fp32": 120 * GIGA, "tf32": 120 * GIGA, "bf16": 20 * GIGA, "fp16": 5 * GIGA},
         memory_bytes=physical_memory_bytes() // nproc,
         memory_bandwidth=5 * GIGA,
         intra_node_link=loopback,
@@ -207,6 +254,9 @@ def _cpu() -> DeviceSpec:
         optimizer_bytes_per_param=32.0,      # AdamW (torch default on CPU): 3-6 ns/param measured here
         optimizer_tensor_overhead=3.5e-5,    # and 35 us per parameter tensor
         cores=nproc,
+        matmul_efficiency=((8, 0.22), (16, 0.36), (32, 0.55), (64, 0.6), (128, 0.71), (256, 0.79), (1024, 0.8)),
+        attention_efficiency=0.34,
+        sharing=((2, 1.05, 1.15, 1.25), (4, 2.4, 2.5, 3.0)) if nproc == 2 else (),
         notes="defaults: no calibration profile (run `autopar calibrate`)",
     )
 

@@ -1,6 +1,7 @@
 """Build the intra-op problem from a traced graph: costs of every candidate strategy.
 
-node cost c[v,s]   = compute(v) / work_split(s)                       (``_node_costs``)
+node cost c[v,s]   = (compute(v) - launches) / work_split(s) + launches   (``split_cost``;
+                       matmuls costed on their local shapes)
                      + backward all-reduce of each Replicate input that s uses split
                        (Megatron's ``f``; for parameters this is the gradient sync)
                      + the small collectives of s's local implementation (vocab-parallel
@@ -26,10 +27,10 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_models.comm import axis_collective_time
-from autopar.cost_models.compute import node_cost, optimizer_step_time
+from autopar.cost_models.compute import OpCost, local_node_cost, node_cost, optimizer_step_time
 from autopar.cost_models.memory import saved_activations, training_state_bytes_per_param
 from autopar.sharding.candidates import Candidates, producer
-from autopar.sharding.placements import Partial, Replicate, Shard, shard_factor
+from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
 from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
 from autopar.sharding.strategy import Strategy, tensor_inputs
 from autopar.solver.intra_op import HUGE_COST, EdgeCost, IntraOpProblem, NodeChoices
@@ -116,6 +117,20 @@ def work_split(st: Strategy, mesh_shape) -> int:
     return max([shard_factor(s, mesh_shape) for s in specs] + [1])
 
 
+def split_cost(node: fx.Node, base: OpCost, st: Strategy, ins: list[fx.Node], c: Costing) -> OpCost:
+    """One rank's cost of ``node`` under ``st``: the work divided by :func:`work_split`, kernel
+    launches not divided (``OpCost.scaled``); a matmul is costed on its local shapes instead,
+    since its efficiency follows its smallest local dimension."""
+    f = work_split(st, c.mesh_shape)
+    if f <= 1:
+        return base
+    shapes = {a: local_shape(a.meta["val"].shape, spec, c.mesh_shape) for a, spec in zip(ins, st.inputs)}
+    local = local_node_cost(node, shapes, c.device)
+    if local is not None and math.isclose(local.flops_fwd * f, base.flops_fwd, rel_tol=0.02):
+        return local
+    return base.scaled(f)
+
+
 def split_axes(st: Strategy) -> set[int]:
     """Axes on which some output is not Replicate: R inputs there get partial gradients."""
     axes = set()
@@ -162,11 +177,10 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
                 compute[s] = optimizer_step_time(v.numel() / shards, c.device, 1, c.optimizer)
         return compute, memory
     base = node_cost(node, c.device)
-    t_all = base.time_fwd + base.time_bwd
     ins = tensor_inputs(node)
     act = saved.get(node.name, 0)
     for s, st in enumerate(strategies):
-        compute[s] = t_all / work_split(st, c.mesh_shape)
+        compute[s] = split_cost(node, base, st, ins, c).total
         for i, a in grad_sync_inputs(st):
             # consumers needing the same gradient all-reduce share one (the pass emits one per
             # producer, spec and axis), so each pays its share
