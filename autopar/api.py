@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import operator
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.context import ParallelMode, get_auto_parallel_context
+from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.mesh import Mesh
 from autopar.parallel_module import ParallelModule
 from autopar.passes.insert_collectives import insert_collectives
@@ -25,7 +27,7 @@ from autopar.runtime.program import RankProgram
 from autopar.sharding.placements import parse_spec
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
 from autopar.solver.decode import graph_fingerprint
-from autopar.solver.search import PlanError, PlanOptions, make_plan
+from autopar.solver.search import PlanError, PlanOptions, make_plans
 from autopar.trace import Traced, trace
 
 
@@ -48,14 +50,15 @@ def _check_mesh(mesh) -> Mesh:
     return mesh
 
 
-def _plan_traced(model, traced: Traced, mesh: Mesh, mode: ParallelMode) -> Plan:
+def _plan_traced(model, traced: Traced, mesh: Mesh, mode: ParallelMode, top_k: int = 1) -> list[Plan]:
+    """The ``top_k`` best predicted plans, best first."""
     if mode == ParallelMode.HYBRID:
         raise PlanError("HYBRID mode applies a complete plan: pass plan=<Plan or path to plan JSON>")
     if mode != ParallelMode.SEMI_AUTO and not ANNOTATIONS.empty() and mode != ParallelMode.AUTO:
         pass
     param_ann = resolve_params(model, ANNOTATIONS) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     input_ann = dict(ANNOTATIONS.inputs) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
-    return make_plan(traced, model, mesh, mode, _options(), param_ann, input_ann)
+    return make_plans(traced, model, mesh, mode, _options(), param_ann, input_ann, top_k)
 
 
 def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None) -> Plan:
@@ -64,7 +67,7 @@ def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_targ
     mode = _mode(mode)
     traced = trace(model, example_inputs, loss_fn, example_target)
     _attach_retrace(traced, model, example_inputs, loss_fn, example_target)
-    return _plan_traced(model, traced, mesh, mode)
+    return _plan_traced(model, traced, mesh, mode)[0]
 
 
 def _load_plan(plan, traced: Traced) -> Plan:
@@ -79,12 +82,12 @@ def _load_plan(plan, traced: Traced) -> Plan:
     return plan
 
 
-def _broadcast_plan(p: Plan | None) -> Plan:
+def _broadcast_plans(plans: list[Plan] | None) -> list[Plan]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return p
-    box = [p.to_json(indent=None) if p is not None else None]
+        return plans
+    box = [[p.to_json(indent=None) for p in plans] if plans is not None else None]
     dist.broadcast_object_list(box, src=0)
-    return Plan.from_json(box[0])
+    return [Plan.from_json(text) for text in box[0]]
 
 
 def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None,
@@ -110,10 +113,11 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
     if plan is not None:
         the_plan = _load_plan(plan, traced)
     else:
-        err, the_plan = None, None
+        err, plans = None, None
+        top_k = get_auto_parallel_context()["autotune_top_k"] if mode == ParallelMode.AUTO and mesh.size > 1 else 1
         if rank == 0:
             try:
-                the_plan = _plan_traced(model, traced, mesh, mode)
+                plans = _plan_traced(model, traced, mesh, mode, max(1, top_k))
             except Exception as e:  # noqa: BLE001 - re-raised on every rank below
                 err = e
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -125,11 +129,22 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
                 raise PlanError(f"planning failed on rank 0: {box[0]}")
         elif err is not None:
             raise err
-        the_plan = _broadcast_plan(the_plan)
-    from autopar.graph.chunk_hints import mark_chunk_hints
+        plans = _broadcast_plans(plans)
+        the_plan = plans[0]
+        if len(plans) > 1:
+            from autopar.autotune import choose
 
+            mark_chunk_hints(traced.gm)
+            the_plan = choose(plans, model, lambda m, p: build_parallel_module(m, _graph_copy(traced), p),
+                              tuple(example_inputs), example_target, get_auto_parallel_context()["autotune_steps"])
     mark_chunk_hints(traced.gm)
     return build_parallel_module(model, traced, the_plan)
+
+
+def _graph_copy(traced: Traced) -> Traced:
+    """``traced`` with its own copy of the graph (building a module rewrites the graph in place)."""
+    return dataclasses.replace(traced, gm=fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph)),
+                               meta=dict(traced.meta))
 
 
 def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:

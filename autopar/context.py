@@ -35,6 +35,8 @@ _DEFAULTS: dict[str, Any] = {
     "microbatches": None,
     "schedule": None,
     "solver_time_limit": 10.0,
+    "autotune_top_k": 0,           # AUTO under torch.distributed: time the k best predicted plans, keep the fastest
+    "autotune_steps": 3,
 }
 _context: dict[str, Any] = dict(_DEFAULTS)
 
@@ -48,6 +50,9 @@ def set_auto_parallel_context(**kwargs) -> None:
             value = ParallelMode.parse(value)
         if key == "grad_compression" and value not in (None, "bf16", "fp16"):
             raise ValueError(f"grad_compression must be None, 'bf16' or 'fp16', got {value!r}")
+        if key in ("autotune_top_k", "autotune_steps") and (not isinstance(value, int) or isinstance(value, bool)
+                                                            or value < (0 if key == "autotune_top_k" else 1)):
+            raise ValueError(f"{key} must be an int >= {0 if key == 'autotune_top_k' else 1}, got {value!r}")
         _context[key] = value
 
 

@@ -88,6 +88,15 @@ def render(plan) -> str:
             lines.append(f"  {_deg(a.degrees):<28} {_mb(a.microbatches, a.schedule) if a.fits else '-':<20} "
                          f"{_ms(a.step_time) if a.fits else '-':>12} {_ms(a.optimizer_time) if a.fits else '-':>12} "
                          f"{_gb(a.memory) if a.fits else '-':>12}  {'yes' if a.fits else 'no ':<4}  {a.note}")
+    trials = plan.options.get("autotune")
+    if trials:
+        lines.append("")
+        lines.append("measured on the ranks (autotune_top_k): the fastest measured of the best predicted wins")
+        lines.append(f"  {'plan':<44} {'predicted':>12} {'measured':>12}")
+        for t in trials:
+            measured = _ms(t["measured"]) if t["measured"] is not None else "failed"
+            note = "  chosen" if t["chosen"] else (f"  {t['error'][:60]}" if t["error"] else "")
+            lines.append(f"  {t['label']:<44} {_ms(t['predicted']):>12} {measured:>12}{note}")
     return "\n".join(lines)
 
 

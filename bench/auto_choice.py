@@ -9,6 +9,8 @@ planner's candidates are built by the functions ``make_plan`` calls: the pp=1 me
 forced DATA (``("dp",)`` mesh in DATA mode) and pure TP (``("tp",)`` mesh). Each plan is applied
 with HYBRID (``parallelize(plan=...)``) and timed, all of them interleaved. The figure: where
 AUTO's choice ranks among the measured step times, and its time over the fastest (target <= 1.10).
+``--autotune K`` (default 3) also runs AUTO with ``autotune_top_k=K`` on the ranks (the ranks time
+its K best predicted plans and keep the fastest) and ranks that choice the same way.
 ``--calibrate PROFILE`` plans with a calibration profile of this machine (measured first when
 the file is missing; ``autopar.cost_models.calibrate``) instead of the "cpu" preset's defaults.
 """
@@ -26,6 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.autotune import plan_label  # noqa: E402
 from autopar.context import ParallelMode  # noqa: E402
 from autopar.runtime.launch import RankPool  # noqa: E402
 from autopar.solver.pipeline_search import (optimizer_time, pipeline_candidates, plan_pipeline,  # noqa: E402
@@ -122,10 +125,25 @@ def _measure(rank: int, reps: int) -> dict:
     return interleaved(dict(_STEPS), reps, warmup=1)
 
 
+def _autotuned(rank: int, name: str, top_k: int) -> tuple[str, list]:
+    """AUTO with ``autotune_top_k``: the label of the plan the ranks chose, and the trials."""
+    factory, loss_fn, x, y = _inputs(name)
+    torch.manual_seed(0)
+    autopar.set_auto_parallel_context(autotune_top_k=top_k)
+    try:
+        pm = autopar.parallelize(factory(), autopar.Mesh(WORLD), example_inputs=(x,), loss_fn=loss_fn,
+                                 example_target=y, mode="auto")
+    finally:
+        autopar.reset_auto_parallel_context()
+    return plan_label(pm.plan), pm.plan.options.get("autotune", [])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--autotune", type=int, default=3, metavar="K",
+                    help="also run AUTO with autotune_top_k=K on the ranks and rank its choice (0: skip)")
     ap.add_argument("--calibrate", metavar="PROFILE", default=None,
                     help="plan with the calibration profile at PROFILE (measured first, quick, if missing)")
     args = ap.parse_args(argv)
@@ -158,12 +176,25 @@ def main(argv=None) -> int:
                 if i in failed:
                     print(f"      could not be built: {failed[i][:160]}")
             ratio = med[chosen] / med[order[0]]
-            summary.append((name, order.index(chosen) + 1, len(plans), ratio, _label(plans[chosen])))
+            summary.append((name, "predicted", order.index(chosen) + 1, len(plans), ratio, _label(plans[chosen])))
+            if args.autotune > 1:
+                label, trials = pool.run(_autotuned, name, args.autotune)[0]
+                tuned = next((i for i in range(len(plans)) if plan_label(plans[i]) == label and plans[i].mode
+                              == ParallelMode.AUTO), None)
+                print(f"  autotune_top_k={args.autotune}: "
+                      + "; ".join(f"{t['label']} predicted {t['predicted'] * 1e3:.1f} ms, measured "
+                                  f"{(t['measured'] or float('inf')) * 1e3:.1f} ms{' (chosen)' if t['chosen'] else ''}"
+                                  for t in trials))
+                if tuned is None:
+                    print(f"  the autotuned choice {label} is not among the measured plans")
+                else:
+                    summary.append((name, f"autotune {args.autotune}", order.index(tuned) + 1, len(plans),
+                                    med[tuned] / med[order[0]], _label(plans[tuned])))
     finally:
         pool.close()
     print("\nAUTO's choice: measured rank and time over the fastest measured plan (target <= 1.10)")
-    for name, rank, n, ratio, label in summary:
-        print(f"  {name:<16} rank {rank}/{n}  {ratio:.3f}×  {label}")
+    for name, how, rank, n, ratio, label in summary:
+        print(f"  {name:<16} {how:<11} rank {rank}/{n}  {ratio:.3f}×  {label}")
     return 0
 
 

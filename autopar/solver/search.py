@@ -258,8 +258,10 @@ def _breakdown(built, sol, traced) -> dict:
     return {"params+grads+optimizer": state, "activations": acts}
 
 
-def make_plan(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
-              input_ann: dict) -> Plan:
+def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
+               input_ann: dict, top_k: int = 1) -> list[Plan]:
+    """The ``top_k`` best predicted plans that fit memory, best first; each lists the others (and
+    the candidates that failed) as its ``alternatives``."""
     t0 = time.perf_counter()
     mark_chunk_hints(traced.gm)
     from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, rank_key
@@ -277,16 +279,24 @@ def make_plan(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
         raise PlanError(f"no plan fits memory on {m}: {err}") from None
     for p in plans:
         p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
-    best = min(plans, key=rank_key)
-    alts = [Alternative(p.degrees, p.step_time, max(p.memory_per_device), True,
-                        "mesh " + " × ".join(f"{n}={s}" for n, s in zip(p.mesh.axis_names, p.mesh.shape)),
-                        p.microbatches, p.schedule, p.options["optimizer_time"])
-            for p in sorted(plans, key=rank_key) if p is not best]
-    alts += [Alternative({}, math.inf, math.inf, False, f"mesh {m.shape}: {e}") for m, e in failures]
-    alts += [Alternative({}, math.inf, math.inf, False, f"{note}: {e}") for note, e in pipe_failures]
-    best.alternatives = [a for a in alts if a.fits] + sorted((a for a in alts if not a.fits), key=lambda a: a.note)
-    best.solve_time = time.perf_counter() - t0
-    return best
+    plans.sort(key=rank_key)
+    failed = [Alternative({}, math.inf, math.inf, False, f"mesh {m.shape}: {e}") for m, e in failures]
+    failed += [Alternative({}, math.inf, math.inf, False, f"{note}: {e}") for note, e in pipe_failures]
+    failed.sort(key=lambda a: a.note)
+    elapsed = time.perf_counter() - t0
+    for best in plans[:max(1, top_k)]:
+        best.alternatives = [Alternative(p.degrees, p.step_time, max(p.memory_per_device), True,
+                                         "mesh " + " × ".join(f"{n}={s}" for n, s in zip(p.mesh.axis_names, p.mesh.shape)),
+                                         p.microbatches, p.schedule, p.options["optimizer_time"])
+                             for p in plans if p is not best] + failed
+        best.solve_time = elapsed
+    return plans[:max(1, top_k)]
 
 
-__all__ = ["make_plan", "PlanOptions", "PlanError", "candidate_meshes", "R"]
+def make_plan(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
+              input_ann: dict) -> Plan:
+    """The best predicted plan (least ``rank_key`` among those that fit memory)."""
+    return make_plans(traced, model, mesh, mode, opts, param_ann, input_ann)[0]
+
+
+__all__ = ["make_plan", "make_plans", "PlanOptions", "PlanError", "candidate_meshes", "R"]
