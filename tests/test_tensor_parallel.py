@@ -241,3 +241,37 @@ def test_colwise_annotation_on_a_fused_qkv_trains_like_single_device():
     for r in run_ranks(2, _colwise_fused_job):
         assert_same_training(ref, r, what="colwise fused qkv")
         assert autopar.Plan.from_json(r["plan"]).params["blocks.0.qkv.weight"].spec == "[S(0)]"
+
+
+def _fused_gather_job(rank):
+    _megatron_annotations(fused=False)
+    autopar.shard_input(0, {"tp": Shard(1)})       # sequence parallel: the residual stream split by tokens
+    torch.manual_seed(0)
+    x, y = _block_data()
+    pmodel = autopar.parallelize(BlockStack(), autopar.Mesh(4, axis_names=("tp",)), example_inputs=(x,),
+                                 loss_fn=F.mse_loss, example_target=y, mode="semi_auto")
+    with autopar.count_collectives() as counter:
+        pmodel.step(x, target=y)
+    params = {d.placeholder for d in pmodel.plan.params.values()}
+    return {"ran": sorted((k, ph) for k, _, ax, ph in counter.calls if ax == "tp"),
+            "planned": sorted((c.kind, c.phase) for c in pmodel.plan.collectives(rank) if c.node not in params)}
+
+
+def test_plan_lists_exactly_the_collectives_a_sequence_split_input_runs():
+    """A token-split input (no gradient) gathered once for Megatron blocks: the plan lists what
+    runs, without backward collectives for a value that gets no gradient."""
+    r = run_ranks(4, _fused_gather_job)[0]
+    assert ("all_gather", "fwd") in r["ran"] and ("local_slice", "bwd") not in r["ran"]
+    assert r["planned"] == r["ran"]
+
+
+def test_fused_gathers_are_the_last_gather_on_a_summed_axis():
+    """The all-gathers whose backward becomes a reduce-scatter, as insert_collectives emits them."""
+    from autopar.sharding.redistribute import Step
+    from autopar.solver.decode import fused_gathers
+
+    gather0, gather1 = Step("all_gather", 0, 1, 1), Step("all_gather", 1, 0, 1)
+    assert fused_gathers([gather0, gather1], {0, 1}) == {0, 1}
+    assert fused_gathers([gather0, gather1], {1}) == {1}
+    assert fused_gathers([gather0, Step("local_slice", 0, 2, 1)], {0}) == set()
+    assert fused_gathers([Step("all_reduce", 0)], {0}) == set()

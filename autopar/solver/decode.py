@@ -8,16 +8,30 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from autopar.cost_models.compute import grad_nodes
 from autopar.plan import Collective, NodeDecision, ParamDecision
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.placements import Replicate, shard_factor, spec_str
 from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
 from autopar.sharding.strategy import tensor_inputs
-from autopar.solver.problem import BuiltProblem, Costing, grad_sync_inputs, tensor_bytes
+from autopar.solver.problem import BuiltProblem, Costing, grad_sync_inputs, split_axes, tensor_bytes
 
 
 def _spec_out(st, idx):
     return st.output if idx is None else st.output[idx]
+
+
+def fused_gathers(steps, f_axes: set[int]) -> set[int]:
+    """Indices of the all-gather steps whose backward is a reduce-scatter (Megatron-SP): the last
+    gather on an axis of ``f_axes`` (where the consumer runs split, so the gradient of its
+    replicated input must be summed) with no later step on that axis; as ``insert_collectives``
+    emits them."""
+    out = set()
+    for ax in f_axes:
+        gathers = [j for j, s in enumerate(steps) if s.kind == "all_gather" and s.axis == ax]
+        if gathers and not any(s.axis == ax for s in steps[gathers[-1] + 1:]):
+            out.add(gathers[-1])
+    return out
 
 
 def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
@@ -28,6 +42,8 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
     nodes, collectives = {}, []
     param_sync: dict[str, set[str]] = {}
     shared_f: set = set()
+    emitted: set = set()
+    need = grad_nodes(gm.graph)      # values that get a gradient: only they run backward collectives
     p = built.problem
     in_edges: dict[int, list] = {}
     out_edges: dict[int, list] = {}
@@ -51,23 +67,37 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
                                    output=out, local=list(st.local), module=node.meta.get("module_path", ""),
                                    time=float(p.nodes[v].compute[choice[v]]), options=options)
         ins = tensor_inputs(node)
+        split = split_axes(st)
+        fused_inputs: set[tuple[int, int]] = set()
         for i, a in enumerate(ins):
             src, idx = producer(a)
             if src.name not in chosen:
                 continue
-            have = _spec_out(chosen[src.name], idx)
+            have, want = _spec_out(chosen[src.name], idx), st.inputs[i]
+            f_axes = {ax for ax in split if isinstance(want[ax], Replicate)}
+            if src.op == "placeholder" and src.name in traced.params:
+                f_axes = {ax for ax in f_axes if not isinstance(have[ax], Replicate)}  # synced after backward
+            steps = redistribute_steps(have, want)
+            fused = fused_gathers(steps, f_axes)
+            fused_inputs |= {(i, steps[j].axis) for j in fused}
+            key = (src.name, idx, spec_str(want), frozenset(f_axes))
+            if key in emitted:       # consumers needing the same redistribution share it
+                continue
+            emitted.add(key)
             local = tensor_bytes(src, idx) / shard_factor(have, c.mesh_shape)
-            for step in redistribute_steps(have, st.inputs[i]):
+            for j, step in enumerate(steps):
                 moved, after = step_bytes(step, local, c.mesh_shape)
                 if step.communicates:
                     collectives.append(Collective(step.kind, int(moved), [axis_names[step.axis]], "fwd", name,
                                                   c.comm(step.kind, moved, step.axis)))
-                bwd = backward_kind(step.kind)
+                bwd = None if src not in need else "reduce_scatter" if j in fused else backward_kind(step.kind)
                 if bwd and bwd != "local_slice":
                     collectives.append(Collective(bwd, int(moved), [axis_names[step.axis]], "bwd", name,
                                                   c.comm(bwd, moved, step.axis)))
                 local = after
         for i, ax in grad_sync_inputs(st):
+            if (i, ax) in fused_inputs or ins[i] not in need:  # the all-gather's reduce-scatter backward sums this gradient
+                continue
             src, idx = producer(ins[i])
             nbytes = tensor_bytes(ins[i]) / shard_factor(st.inputs[i], c.mesh_shape)
             have = _spec_out(chosen[src.name], idx) if src.name in chosen else None

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_models.comm import axis_collective_time
-from autopar.cost_models.compute import OpCost, local_node_cost, node_cost, optimizer_step_time
+from autopar.cost_models.compute import OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time
 from autopar.cost_models.memory import saved_activations, training_state_bytes_per_param
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
@@ -87,22 +87,23 @@ def tensor_bytes(node: fx.Node, index: int | None = None) -> float:
     return float(v.numel() * v.element_size()) if isinstance(v, torch.Tensor) else 0.0
 
 
-def redistribution_time(src, dst, nbytes: float, c: Costing) -> float:
-    """Forward steps plus the conjugate collectives autograd runs in backward (memoised)."""
-    key = (src, dst, nbytes)
+def redistribution_time(src, dst, nbytes: float, c: Costing, grad: bool = True) -> float:
+    """Forward steps plus, when the value needs a gradient (``grad``), the conjugate collectives
+    autograd runs in backward (memoised)."""
+    key = (src, dst, nbytes, grad)
     if key not in c._redistribution:
-        c._redistribution[key] = _redistribution_time(src, dst, nbytes, c)
+        c._redistribution[key] = _redistribution_time(src, dst, nbytes, c, grad)
     return c._redistribution[key]
 
 
-def _redistribution_time(src, dst, nbytes: float, c: Costing) -> float:
+def _redistribution_time(src, dst, nbytes: float, c: Costing, grad: bool = True) -> float:
     total, local = 0.0, nbytes / shard_factor(src, c.mesh_shape)
     for st in redistribute_steps(src, dst):
         moved, local_after = step_bytes(st, local, c.mesh_shape)
         total += c.comm(st.kind, moved, st.axis)
-        bwd = backward_kind(st.kind)
+        bwd = backward_kind(st.kind) if grad else None
         if bwd:
-            total += c.comm(bwd, moved if bwd != "all_to_all" else moved, st.axis)
+            total += c.comm(bwd, moved, st.axis)
         local = local_after
     return total
 
@@ -177,11 +178,14 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
                 compute[s] = optimizer_step_time(v.numel() / shards, c.device, 1, c.optimizer)
         return compute, memory
     base = node_cost(node, c.device)
+    need = grad_nodes(node.graph)
     ins = tensor_inputs(node)
     act = saved.get(node.name, 0)
     for s, st in enumerate(strategies):
         compute[s] = split_cost(node, base, st, ins, c).total
         for i, a in grad_sync_inputs(st):
+            if ins[i] not in need:
+                continue
             # consumers needing the same gradient all-reduce share one (the pass emits one per
             # producer, spec and axis), so each pays its share
             nbytes = tensor_bytes(ins[i]) / shard_factor(st.inputs[i], c.mesh_shape)
@@ -270,13 +274,14 @@ def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: 
     s_specs = tuple(st.output if idx is None else st.output[idx] for st in s_strats)
     d_specs = tuple(st.inputs[i] for st in d_strats)
     frozen = src.name in c.frozen_buffers
-    key = (s_specs, d_specs, nbytes, frozen)
+    grad = src in grad_nodes(src.graph)
+    key = (s_specs, d_specs, nbytes, frozen, grad)
     if key not in c._edges:
         us, ud = list(dict.fromkeys(s_specs)), list(dict.fromkeys(d_specs))
         table = np.zeros((len(us), len(ud)))
         for a, ss in enumerate(us):
             for b, ds in enumerate(ud):
-                table[a, b] = HUGE_COST if frozen and ss != ds else redistribution_time(ss, ds, nbytes, c)
+                table[a, b] = HUGE_COST if frozen and ss != ds else redistribution_time(ss, ds, nbytes, c, grad)
         pos_s, pos_d = {s: k for k, s in enumerate(us)}, {s: k for k, s in enumerate(ud)}
         ri = np.array([pos_s[s] for s in s_specs])
         ci = np.array([pos_d[s] for s in d_specs])
