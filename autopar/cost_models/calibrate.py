@@ -6,7 +6,7 @@ One rank = one process with one thread, as multi-rank CPU runs use it. Measured:
   the best becomes ``peak_flops``; ``compute_efficiency`` = median rate of a linear
   layer's three training matmuls (transposed operands) / peak;
 - memory bandwidth, ``2 * nbytes / t`` of a large out-of-place op (read + write);
-- matmul efficiency by smallest dimension (a linear layer's training matmuls on 8..1024 tokens)
+- matmul efficiency by smallest dimension (the linears of a training step on 8..1024 tokens)
   and fused attention's efficiency;
 - kernel overhead, per kernel of a small transformer's training step at tiny sizes;
 - sharing: how much slower one of k processes running at once is (compute, memory, overhead);
@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from autopar.allocator import keep_freed_memory
 
 from .devices import DeviceSpec, Link, physical_memory_bytes
 
@@ -172,16 +174,36 @@ def measure_matmul_efficiency(n: int, peak: float, reps: int = 5) -> float:
     return min(1.0, statistics.median(rates) / peak)
 
 
-def measure_matmul_curve(peak: float, dims: Sequence[int], width: int = 1024, reps: int = 5) -> list[list[float]]:
-    """``[[d, efficiency], ...]``: a linear layer's training matmuls (``x @ w.T``, ``g @ w``,
-    ``g.T @ x``) on ``d`` tokens of a ``width x 2 width`` weight, FLOPs / time / ``peak``, so
-    each matmul's smallest dimension is ``d`` (at most ``width``)."""
+def measure_matmul_curve(peak: float, dims: Sequence[int], width: int = 1024, reps: int = 5,
+                         kernel_overhead: float = 2e-5, memory_bandwidth: float = 5e9) -> list[list[float]]:
+    """``[[d, efficiency], ...]`` of matmuls inside a training step on ``d`` tokens: forward +
+    backward (gradients freed each step, as ``zero_grad`` does) of three ``width x width``
+    linears with GELUs, its time less what the cost model gives the rest (the kernel launches,
+    the GELUs and the loss at ``memory_bandwidth``), against the linears' FLOPs at ``peak``.
+    The matmuls of a real step run slower than the same matmul in a loop (cold caches, freshly
+    allocated gradients): 2-3x at 16 tokens here."""
+    from autopar.trace import trace
+
+    from .compute import _MATMULS, node_work
+
     out = []
     for d in dims:
-        x, w, g = torch.randn(d, width), torch.randn(2 * width, width), torch.randn(d, 2 * width)
-        t = sum(median_time(fn, reps) for fn in (lambda: torch.mm(x, w.t()), lambda: torch.mm(g, w),
-                                                 lambda: torch.mm(g.t(), x)))
-        out.append([int(min(d, width)), min(1.0, 3 * 2.0 * d * width * 2 * width / t / peak)])
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width),
+                                    torch.nn.GELU(), torch.nn.Linear(width, width))
+        x = torch.randn(d, width)
+        gm = trace(model, (x,)).gm
+        works = [node_work(n) for n in gm.graph.nodes if n.op == "call_function"]
+        mm_flops = sum(f for w in works for _, f in w.matmuls_fwd + w.matmuls_bwd)
+        rest = sum(w.kernels_fwd + w.kernels_bwd for w in works) * kernel_overhead + sum(
+            (w.bytes_fwd + w.bytes_bwd) / memory_bandwidth for w in works if not (w.matmuls_fwd or w.matmuls_bwd))
+
+        def step():
+            model(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+
+        t = median_time(step, reps, 2) - rest
+        out.append([int(min(d, width)), min(1.0, mm_flops / max(t, 1e-9) / peak)])
     return out
 
 
@@ -277,6 +299,7 @@ def measure_optimizer_tensor_overhead(tensors: int = 50, reps: int = 9) -> float
 
 
 def _sharing_worker(rank: int, barrier, seconds: float, out: str) -> None:
+    keep_freed_memory()
     torch.set_num_threads(1)
     a = torch.randn(512, 512)
     big = torch.ones(4 << 20)
@@ -338,6 +361,7 @@ def free_port() -> int:
 def _collective_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, out: str) -> None:
     import torch.distributed as dist
 
+    keep_freed_memory()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
@@ -424,6 +448,7 @@ def calibrate(
     collective_sizes = collective_sizes or (
         (2**12, 2**16, 2**20, 2**22) if quick else (2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24)
     )
+    keep_freed_memory()   # as the ranks run (autopar.runtime.launch)
     started = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -431,10 +456,11 @@ def calibrate(
         fp32 = measure_matmul(matmul_sizes, torch.float32, reps)
         bf16 = measure_matmul(matmul_sizes[: max(1, len(matmul_sizes) - 1)], torch.bfloat16, reps)
         efficiency = measure_matmul_efficiency(max(matmul_sizes), max(fp32.values()), reps)
-        curve = measure_matmul_curve(max(fp32.values()), matmul_dims, reps=reps)
-        attention = measure_attention_efficiency(max(fp32.values()), reps=reps)
         bandwidth = measure_memory_bandwidth(copy_bytes, reps)
         overhead = measure_kernel_overhead()
+        curve = measure_matmul_curve(max(fp32.values()), matmul_dims, reps=reps, kernel_overhead=overhead,
+                                     memory_bandwidth=bandwidth)
+        attention = measure_attention_efficiency(max(fp32.values()), reps=reps)
         optimizer_s = measure_optimizer_seconds_per_param(reps=reps)
         optimizer_tensor = measure_optimizer_tensor_overhead()
     finally:

@@ -26,6 +26,7 @@ is a parameter (``requires_grad`` in its ``meta["val"]``) or depends on one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import weakref
 from dataclasses import dataclass
@@ -460,6 +461,21 @@ def cost_from_work(work: OpWork, device: DeviceSpec, dtype: torch.dtype = torch.
     )
 
 
+def _mm_dims(target, shapes: list) -> tuple[int, int, int, int] | None:
+    """(batch, m, n, k) of a matmul op on operands of ``shapes`` (None when not a matmul)."""
+    if target in (aten.addmm.default, aten.baddbmm.default):
+        shapes = shapes[1:]
+    if len(shapes) < 2 or len(shapes[0]) < 2 or len(shapes[1]) < 1:
+        return None
+    a, b = shapes[0], shapes[1]
+    if target == aten.linear.default:        # x[..., k] @ w[n, k].T
+        return 1, math.prod(a[:-1]), int(b[0]), int(a[-1])
+    if len(b) < 2:
+        return None
+    batch = math.prod(torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2]))) if len(a) > 2 or len(b) > 2 else 1
+    return int(batch), int(a[-2]), int(b[-1]), int(a[-1])
+
+
 _LOCAL_COSTED = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
                  aten.baddbmm.default, aten.matmul.default}
 
@@ -467,14 +483,29 @@ _LOCAL_COSTED = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.
 def local_node_cost(node: fx.Node, input_shapes: dict, device: DeviceSpec) -> OpCost | None:
     """Cost of a matmul node run on local pieces (``input_shapes``: input node -> local shape),
     so that a sharded matmul pays the efficiency of its own smallest dimension (4 data-parallel
-    ranks give each a quarter of the tokens). None for other nodes or when the op cannot run."""
+    ranks give each a quarter of the tokens): the node's work divided by
+    ``f = b m n k / (b' m' n' k')``, its matmuls at ``min(m', n', k')``, its kernels as they are.
+    None for other nodes."""
     if node.target not in _LOCAL_COSTED:
         return None
+    ins = [a for a in node.args if isinstance(a, fx.Node)]
     try:
-        work = _work(node.target, _signature(node, grad_nodes(node.graph), input_shapes))
-    except Exception:
+        full = _mm_dims(node.target, [tuple(_val(a).shape) for a in ins])
+        local = _mm_dims(node.target, [tuple(input_shapes.get(a, _val(a).shape)) for a in ins])
+    except (AttributeError, RuntimeError, TypeError):
         return None
-    return cost_from_work(work, device, _dtype(node))
+    if full is None or local is None or min(local) <= 0:
+        return None
+    f = math.prod(full) / math.prod(local)
+    work = node_work(node)
+    d = min(local[1:])
+
+    def regroup(table):
+        return ((d, sum(fl for _, fl in table) / f),) if table else ()
+
+    scaled = OpWork(work.flops_fwd / f, work.flops_bwd / f, work.bytes_fwd / f, work.bytes_bwd / f,
+                    work.kernels_fwd, work.kernels_bwd, regroup(work.matmuls_fwd), regroup(work.matmuls_bwd))
+    return cost_from_work(scaled, device, _dtype(node))
 
 
 def node_cost(node: fx.Node, device: DeviceSpec) -> OpCost:

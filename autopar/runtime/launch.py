@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.allocator import keep_freed_memory
+
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -47,6 +49,8 @@ def init_rank(rank: int, world: int, init_method: str, timeout_s: float = DEFAUL
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    else:
+        keep_freed_memory()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -62,6 +66,8 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        keep_freed_memory()
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
     return True
 
