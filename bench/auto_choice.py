@@ -9,7 +9,7 @@ planner's candidates are built by the functions ``make_plan`` calls: the pp=1 me
 forced DATA (``("dp",)`` mesh in DATA mode) and pure TP (``("tp",)`` mesh). Each plan is applied
 with HYBRID (``parallelize(plan=...)``) and timed, all of them interleaved. The figure: where
 AUTO's choice ranks among the measured step times, and its time over the fastest (target <= 1.10).
-``--autotune K`` (default 3) also runs AUTO with ``autotune_top_k=K`` on the ranks (the ranks time
+``--autotune K`` (default 3; ``--autotune-steps N``, default 3) also runs AUTO with ``autotune_top_k=K`` on the ranks (the ranks time
 its K best predicted plans and keep the fastest) and ranks that choice the same way.
 ``--calibrate PROFILE`` plans with a calibration profile of this machine (measured first when
 the file is missing; ``autopar.cost_models.calibrate``) instead of the "cpu" preset's defaults.
@@ -125,11 +125,11 @@ def _measure(rank: int, reps: int) -> dict:
     return interleaved(dict(_STEPS), reps, warmup=1)
 
 
-def _autotuned(rank: int, name: str, top_k: int) -> tuple[str, list]:
+def _autotuned(rank: int, name: str, top_k: int, steps: int) -> tuple[str, list]:
     """AUTO with ``autotune_top_k``: the label of the plan the ranks chose, and the trials."""
     factory, loss_fn, x, y = _inputs(name)
     torch.manual_seed(0)
-    autopar.set_auto_parallel_context(autotune_top_k=top_k)
+    autopar.set_auto_parallel_context(autotune_top_k=top_k, autotune_steps=steps)
     try:
         pm = autopar.parallelize(factory(), autopar.Mesh(WORLD), example_inputs=(x,), loss_fn=loss_fn,
                                  example_target=y, mode="auto")
@@ -144,6 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--autotune", type=int, default=3, metavar="K",
                     help="also run AUTO with autotune_top_k=K on the ranks and rank its choice (0: skip)")
+    ap.add_argument("--autotune-steps", type=int, default=3, metavar="N", help="autotune_steps (timed steps per plan)")
     ap.add_argument("--calibrate", metavar="PROFILE", default=None,
                     help="plan with the calibration profile at PROFILE (measured first, quick, if missing)")
     args = ap.parse_args(argv)
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
             ratio = med[chosen] / med[order[0]]
             summary.append((name, "predicted", order.index(chosen) + 1, len(plans), ratio, _label(plans[chosen])))
             if args.autotune > 1:
-                label, trials = pool.run(_autotuned, name, args.autotune)[0]
+                label, trials = pool.run(_autotuned, name, args.autotune, args.autotune_steps)[0]
                 tuned = next((i for i in range(len(plans)) if plan_label(plans[i]) == label and plans[i].mode
                               == ParallelMode.AUTO), None)
                 print(f"  autotune_top_k={args.autotune}: "

@@ -101,7 +101,7 @@ def test_link_for_and_axis_link():
 
 def test_ranks_sharing_cores_run_slower(no_profile):
     """Without measurements: k/cores once ranks outnumber cores."""
-    dev = dataclasses.replace(get_device("cpu"), cores=2, sharing=())
+    dev = dataclasses.replace(get_device("cpu"), cores=2, sharing=(), shared_links=())
     assert dev.shared_by(2) is dev
     four = dev.shared_by(4)
     assert four.peak_flops["fp32"] == dev.peak_flops["fp32"] / 2
@@ -120,6 +120,20 @@ def test_measured_sharing_is_used_interpolated_and_extrapolated(no_profile):
     assert dev.slowdown(3) == pytest.approx((1.8, 2.1, 2.5))
     assert dev.slowdown(8) == pytest.approx((5.0, 6.0, 7.0))
     assert dev.slowdown(1) == (1.0, 1.0, 1.0) and dev.shared_by(1) is dev
+
+
+def test_ranks_sharing_a_node_use_the_link_measured_with_that_many(no_profile):
+    """4 gloo ranks on 2 cores wait for the scheduler at every ring hop: their link is the one
+    measured with 4 processes, not the 2-process one."""
+    dev = dataclasses.replace(get_device("cpu"), cores=2, sharing=(),
+                              shared_links=((2, 2e-4, 1e9), (4, 1e-3, 2e9)))
+    assert dev.shared_by(2).intra_node_link == Link(1e9, 2e-4)
+    assert dev.shared_by(4).intra_node_link == Link(2e9, 1e-3) == dev.shared_by(4).inter_node_link
+    three = dev.shared_link(3)
+    assert three.latency == pytest.approx(6e-4) and three.bandwidth == pytest.approx(1.5e9)
+    assert dev.shared_link(8).latency == pytest.approx(2e-3)
+    assert dev.shared_link(1) is None and dev.shared_by(1) is dev
+    assert dataclasses.replace(dev, shared_links=()).shared_link(4) is None
 
 
 def test_matmul_efficiency_curve_is_log_interpolated():
@@ -192,6 +206,8 @@ def test_calibrate_tiny_end_to_end(no_profile):
     assert 0 < profile["attention_efficiency"] <= 1 and dev.attention_efficiency == profile["attention_efficiency"]
     (k, *slowdowns), = profile["sharing"]
     assert k == 2 and all(f >= 1 for f in slowdowns) and dev.sharing[0][0] == 2
+    (k, latency, bandwidth), = profile["shared_links"]
+    assert k == 2 and latency > 0 and bandwidth > 0 and dev.shared_link(2) == Link(bandwidth, latency)
 
 
 def test_optimizer_step_time_is_bytes_plus_a_cost_per_tensor(no_profile):

@@ -13,7 +13,9 @@ One rank = one process with one thread, as multi-rank CPU runs use it. Measured:
 - optimizer step, seconds of ``torch.optim.AdamW.step`` per parameter, stored as the bytes
   per parameter that the measured memory bandwidth moves in that time, and per parameter tensor;
 - gloo collective alpha/beta on loopback for 2 and 4 processes: all_reduce times fitted by
-  least squares to ``t = 2(p-1) * alpha + 2(p-1)/p * n * beta``; bandwidth = 1/beta.
+  least squares to ``t = 2(p-1) * alpha + 2(p-1)/p * n * beta``; bandwidth = 1/beta; and the same
+  fit per process count (``shared_links``: with more processes than cores a hop waits for the
+  scheduler).
 
 The profile is JSON at ``~/.cache/autopar/cpu_profile.json`` (env ``AUTOPAR_PROFILE``
 overrides) and names the machine it was measured on (cpu model, core count, torch).
@@ -134,6 +136,7 @@ def device_from_profile(profile: dict) -> DeviceSpec:
         matmul_efficiency=tuple((int(d), float(e)) for d, e in profile.get("matmul_efficiency", ())),
         attention_efficiency=profile.get("attention_efficiency"),
         sharing=tuple((int(k), float(c), float(m), float(o)) for k, c, m, o in profile.get("sharing", ())),
+        shared_links=tuple((int(k), float(a), float(b)) for k, a, b in profile.get("shared_links", ())),
         notes=f"calibrated {profile.get('date', '?')}",
     )
 
@@ -470,6 +473,12 @@ def calibrate(
     for world in world_sizes:
         rows += measure_all_reduce(world, collective_sizes, reps)
     alpha, beta = fit_alpha_beta(rows) if rows else (5e-5, 1e-9)
+    links = []
+    for world in world_sizes:
+        mine = [r for r in rows if r[0] == world]
+        if len(mine) >= 2:
+            a, b = fit_alpha_beta(mine)
+            links.append([world, a, 1.0 / b])
     profile = {
         "version": PROFILE_VERSION,
         "machine": fingerprint(),
@@ -488,6 +497,7 @@ def calibrate(
         "optimizer_tensor_overhead": optimizer_tensor,
         "collectives": {"all_reduce": rows},
         "link": {"bandwidth": 1.0 / beta, "latency": alpha},
+        "shared_links": links,
         "seconds": round(time.perf_counter() - started, 2),
     }
     if save:
@@ -512,7 +522,8 @@ def summary(profile: dict) -> str:
             + "; ".join(f"{k}: {c:.2f} {m:.2f} {o:.2f}" for k, c, m, o in profile.get("sharing", [])),
             f"AdamW step: {profile.get('optimizer_s_per_param', float('nan')) * 1e9:.1f} ns/param "
             f"({profile.get('optimizer_bytes_per_param', float('nan')):.0f} bytes/param at the measured bandwidth)",
-            f"gloo loopback: alpha {link['latency'] * 1e6:.1f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s",
+            f"gloo loopback: alpha {link['latency'] * 1e6:.1f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s"
+            + "".join(f"; {k} ranks: {a * 1e6:.0f} us, {b / 1e9:.2f} GB/s" for k, a, b in profile.get("shared_links", [])),
             f"saved to {profile.get('path', '-')} in {profile['seconds']} s",
         ]
     )

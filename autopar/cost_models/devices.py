@@ -71,6 +71,9 @@ class DeviceSpec:
     attention_efficiency: float | None = None  # fraction of peak for fused attention FLOPs
     # CPU only, measured: (ranks per node, compute, memory, per-kernel slowdown) vs one rank
     sharing: tuple[tuple[int, float, float, float], ...] = ()
+    # CPU only, measured: (ranks per node, latency s, bandwidth B/s) of the loopback link when that many
+    # ranks share the node (4 gloo processes on 2 cores wait for the scheduler: ~1 ms per ring hop)
+    shared_links: tuple[tuple[int, float, float], ...] = ()
     notes: str = field(default="", compare=False)
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
@@ -134,12 +137,30 @@ class DeviceSpec:
         and per-tensor overheads scaled by :meth:`slowdown`. On this 2-core VM 4 ranks run
         small ops 3-4x and matmuls about 2x slower than one rank alone."""
         fc, fm, fo = self.slowdown(ranks_per_node)
-        if fc == fm == fo == 1.0:
+        link = self.shared_link(ranks_per_node)
+        if fc == fm == fo == 1.0 and link is None:
             return self
+        links = {} if link is None else {"intra_node_link": link, "inter_node_link": link}
         return dataclasses.replace(self, peak_flops={k: v / fc for k, v in self.peak_flops.items()},
                                    memory_bandwidth=self.memory_bandwidth / fm, kernel_overhead=self.kernel_overhead * fo,
                                    optimizer_tensor_overhead=None if self.optimizer_tensor_overhead is None
-                                   else self.optimizer_tensor_overhead * fo)
+                                   else self.optimizer_tensor_overhead * fo, **links)
+
+    def shared_link(self, ranks_per_node: int) -> "Link | None":
+        """The loopback link measured with ``ranks_per_node`` ranks on the node (``shared_links``;
+        interpolated linearly between measured counts, latency times ``k / k_max`` beyond the last,
+        the first below it); None when nothing was measured or ranks do not share (one rank)."""
+        rows = sorted(self.shared_links)
+        k = ranks_per_node
+        if not rows or not self.cores or k <= 1:
+            return None
+        if k <= rows[0][0]:
+            return Link(bandwidth=rows[0][2], latency=rows[0][1])
+        for lo, hi in zip(rows, rows[1:]):
+            if k <= hi[0]:
+                w = (k - lo[0]) / (hi[0] - lo[0])
+                return Link(bandwidth=lo[2] + w * (hi[2] - lo[2]), latency=lo[1] + w * (hi[1] - lo[1]))
+        return Link(bandwidth=rows[-1][2], latency=rows[-1][1] * k / rows[-1][0])
 
     def with_devices_per_node(self, n: int) -> "DeviceSpec":
         """A copy with ``devices_per_node = n``."""
@@ -230,7 +251,9 @@ def _cpu() -> DeviceSpec:
     latency — quick calibrations here gave 200-670 us and 0.3-1.2 GB/s — and 20 us per kernel of a
     training step, measured by ``calibrate.measure_kernel_overhead`` at 18-19 us). Two ranks on
     the two cores run 1.05x (matmul), 1.15x (memory-bound) and 1.25x (small ops) slower than one,
-    four ranks 2.4x, 2.5x and 3x (``calibrate.measure_sharing`` gave 2.2-2.8, 2.3-2.8, 2.4-3.6).
+    four ranks 2.4x, 2.5x and 3x (``calibrate.measure_sharing`` gave 2.2-2.8, 2.3-2.8, 2.4-3.6);
+    and gloo's ring waits for the scheduler: all_reduce fits 180 us per hop with 2 ranks, 920 us with 4
+    (a 4 KiB all_reduce: 0.47 ms on 2 ranks, 5.9 ms on 4).
     Memory: physical RAM / cores.
     """
     from .calibrate import device_from_profile, load_profile
@@ -257,6 +280,7 @@ def _cpu() -> DeviceSpec:
         matmul_efficiency=((8, 0.22), (16, 0.36), (32, 0.55), (64, 0.6), (128, 0.71), (256, 0.79), (1024, 0.8)),
         attention_efficiency=0.34,
         sharing=((2, 1.05, 1.15, 1.25), (4, 2.4, 2.5, 3.0)) if nproc == 2 else (),
+        shared_links=((2, 2.0e-4, 1.0e9), (4, 9.0e-4, 1.0e9)) if nproc == 2 else (),
         notes="defaults: no calibration profile (run `autopar calibrate`)",
     )
 
