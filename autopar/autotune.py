@@ -4,10 +4,11 @@ The cost model ranks plans; where its top candidates lie within its error of eac
 ranks themselves decide (as Alpa profiles its stage candidates). With the context setting
 ``autotune_top_k = k > 1`` and a running process group, ``parallelize`` in AUTO mode builds
 each of the k best predicted plans on a copy of the model and runs ``warmup`` + ``steps``
-training steps (``pmodel.step`` on the example batch, gradients dropped), the plans
-interleaved round by round so that a change of machine load hits all of them alike::
+training steps (``pmodel.step`` on the example batch, then the plan's optimizer — AdamW, or SGD
+when the plan was made for it — on the copy's parameters), the plans interleaved round by round so
+that a change of machine load hits all of them alike::
 
-    measured(plan) = max over ranks of median_rounds(step seconds) + predicted optimizer step
+    measured(plan) = max over ranks of median_rounds(step + optimizer seconds)
     chosen         = argmin measured (ties: the better predicted)
 
 Every rank gets the same maxima from one all-reduce, so every rank picks the same plan. The
@@ -34,7 +35,7 @@ class Trial:
 
     label: str
     predicted: float      # plan.step_time, seconds
-    measured: float       # slowest rank's median step (forward + backward + sync) + predicted optimizer
+    measured: float       # slowest rank's median step: forward, backward, gradient sync and optimizer
     error: str = ""       # why it could not be built or run (measured = inf)
 
 
@@ -51,13 +52,16 @@ def measure_plans(plans: list[Plan], build: Callable[[Plan], object], example_in
     """Build every plan (``build(plan)`` -> a ParallelModule) and time its training steps,
     interleaved; collective over the default process group (every rank calls it alike)."""
     rng = torch.get_rng_state()
-    modules, errors = [], []
+    modules, optimizers, errors = [], [], []
     for plan in plans:
         try:
-            modules.append(build(plan))
+            pm = build(plan)
+            modules.append(pm)
+            optimizers.append(_optimizer(plan, pm))
             errors.append("")
         except Exception as err:  # noqa: BLE001 - a plan that cannot be built loses, with the reason kept
             modules.append(None)
+            optimizers.append(None)
             errors.append(f"{type(err).__name__}: {err}")
     built = torch.tensor([0.0 if m is not None else 1.0 for m in modules], dtype=torch.float64)
     if dist.is_initialized():
@@ -71,8 +75,9 @@ def measure_plans(plans: list[Plan], build: Callable[[Plan], object], example_in
                 dist.barrier()
             t0 = time.perf_counter()
             pm.step(*example_inputs, target=example_target)
+            optimizers[i].step()
+            optimizers[i].zero_grad(set_to_none=True)
             elapsed = time.perf_counter() - t0
-            pm.zero_grad(set_to_none=True)
             if r >= warmup:
                 times[i].append(elapsed)
     med = torch.tensor([statistics.median(t) if t else float("inf") for t in times], dtype=torch.float64)
@@ -81,10 +86,17 @@ def measure_plans(plans: list[Plan], build: Callable[[Plan], object], example_in
     torch.set_rng_state(rng)
     trials = []
     for plan, m, err, bad in zip(plans, med.tolist(), errors, built.tolist()):
-        opt = float(plan.options.get("optimizer_time", 0.0))
         reason = err or ("could not be built on another rank" if bad else "")
-        trials.append(Trial(plan_label(plan), plan.step_time, m + opt if not reason else float("inf"), reason))
+        trials.append(Trial(plan_label(plan), plan.step_time, m if not reason else float("inf"), reason))
     return trials
+
+
+def _optimizer(plan: Plan, pmodel) -> torch.optim.Optimizer:
+    """The optimizer the plan was costed for, on the trial copy's parameters."""
+    params = list(pmodel.parameters())
+    if str(plan.options.get("optimizer", "adamw")).lower() == "sgd":
+        return torch.optim.SGD(params, lr=1e-3)
+    return torch.optim.AdamW(params, lr=1e-3)
 
 
 def choose(plans: list[Plan], model: torch.nn.Module, build: Callable[[torch.nn.Module, Plan], object],

@@ -34,7 +34,7 @@ Constraints
                     (``_collapse_ties``, ``_map_edges``)
 
 Pre-solve reductions (``_reduce``), each exact:
-    * drop strategies that no allowed pair of some edge can accompany      (``_prune_forbidden``)
+    * drop strategies that no allowed pair of some edge can accompany      (``_pruneforbidden``)
     * drop strategy s of v when some t is no worse in compute, memory (if budgeted) and in
       every incident edge's row: any solution using s stays as good with t (``_drop_dominated``)
     * a class with one strategy left adds its edge rows to its neighbours  (``_fold_fixed``)
@@ -57,18 +57,15 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 from ortools.sat.python import cp_model
 
-HUGE_COST = 1e6  # seconds; a compute or resharding cost at or above this forbids that choice
+from autopar.solver.class_graph import HUGE_COST, ClassGraph, InfeasibleError, is_forbidden, recover_choices, reduce_graph
+
 GIB = float(1 << 30)
 _COEF_TARGET = 1e9
-
-
-class InfeasibleError(ValueError):
-    """No strategy assignment satisfies the memory budget or avoids forbidden choices."""
 
 
 class SolverTimeoutError(RuntimeError):
@@ -112,74 +109,7 @@ class IntraOpSolution:
     num_vars: int
 
 
-@dataclass
-class _Leaf:
-    node: int
-    parent: int
-    parent_cands: np.ndarray
-    choice: np.ndarray  # original strategy of node per position in parent_cands
-
-
-@dataclass
-class _Series:
-    node: int
-    left: int
-    right: int
-    left_cands: np.ndarray
-    right_cands: np.ndarray
-    choice: np.ndarray  # [len left_cands, len right_cands] original strategy of node
-
-
-@dataclass
-class _Graph:
-    """The reduced problem on tie classes. Matrices are indexed by positions in ``cands``; inf = forbidden."""
-    members: list[list[int]]
-    cands: list[np.ndarray]
-    compute: list[np.ndarray]
-    memory: list[np.ndarray]
-    edges: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # key (a, b) with a < b
-    nbrs: list[set[int]] = field(default_factory=list)
-    alive: set[int] = field(default_factory=set)
-    eliminated: list[_Leaf | _Series] = field(default_factory=list)
-    fixed_memory: float = 0.0  # memory of eliminated classes
-    budgeted: bool = False
-
-    def edge(self, a: int, b: int) -> np.ndarray:
-        return self.edges[(a, b)] if a < b else self.edges[(b, a)].T
-
-    def add_edge(self, a: int, b: int, matrix: np.ndarray) -> None:
-        key, m = ((a, b), matrix) if a < b else ((b, a), matrix.T)
-        self.edges[key] = self.edges[key] + m if key in self.edges else np.array(m, dtype=float)
-        self.nbrs[a].add(b)
-        self.nbrs[b].add(a)
-
-    def remove_edge(self, a: int, b: int) -> None:
-        del self.edges[(min(a, b), max(a, b))]
-        self.nbrs[a].discard(b)
-        self.nbrs[b].discard(a)
-
-    def restrict(self, a: int, keep: np.ndarray) -> None:
-        self.cands[a], self.compute[a], self.memory[a] = self.cands[a][keep], self.compute[a][keep], self.memory[a][keep]
-        for b in self.nbrs[a]:
-            key = (min(a, b), max(a, b))
-            self.edges[key] = self.edges[key][keep] if a < b else self.edges[key][:, keep]
-        if not len(self.cands[a]):
-            names = ", ".join(str(v) for v in self.members[a][:4])
-            raise InfeasibleError(
-                f"no strategy is possible for node(s) {names}: every candidate has an infinite (>= {HUGE_COST:g} s) "
-                f"compute or resharding cost with all choices of a neighbour, or is excluded by annotations/ties. "
-                f"Relax the annotations or add a rule for the op")
-
-    def memory_is_free(self, a: int) -> bool:
-        mem = self.memory[a]
-        return not self.budgeted or float(mem.max() - mem.min()) <= 1e-12 * max(1.0, abs(float(mem.max())))
-
-
 # ---------------------------------------------------------------- problem -> class graph
-
-def _forbidden(x: np.ndarray) -> np.ndarray:
-    return ~np.isfinite(x) | (x >= HUGE_COST)
-
 
 def _validate(p: IntraOpProblem) -> None:
     for v, node in enumerate(p.nodes):
@@ -214,7 +144,7 @@ def _tie_classes(p: IntraOpProblem) -> list[int]:
     return [find(v) for v in range(len(p.nodes))]
 
 
-def _collapse_ties(p: IntraOpProblem) -> tuple[_Graph, list[int]]:
+def _collapse_ties(p: IntraOpProblem) -> tuple[ClassGraph, list[int]]:
     """One class per tie group: summed compute/memory, candidates = intersection of ``allowed``."""
     roots = _tie_classes(p)
     index = {r: i for i, r in enumerate(dict.fromkeys(roots))}
@@ -222,7 +152,7 @@ def _collapse_ties(p: IntraOpProblem) -> tuple[_Graph, list[int]]:
     members: list[list[int]] = [[] for _ in index]
     for v, a in enumerate(class_of):
         members[a].append(v)
-    g = _Graph(members, [], [], [], nbrs=[set() for _ in members], alive=set(range(len(members))),
+    g = ClassGraph(members, [], [], [], nbrs=[set() for _ in members], alive=set(range(len(members))),
                budgeted=p.memory_budget is not None)
     for group in members:
         k = len(p.nodes[group[0]].compute)
@@ -233,131 +163,23 @@ def _collapse_ties(p: IntraOpProblem) -> tuple[_Graph, list[int]]:
         compute = sum(np.asarray(p.nodes[v].compute, dtype=float) for v in group)
         memory = sum(np.asarray(p.nodes[v].memory, dtype=float) for v in group)
         g.cands.append(np.arange(k))
-        g.compute.append(np.where(_forbidden(compute), np.inf, compute))
+        g.compute.append(np.where(is_forbidden(compute), np.inf, compute))
         g.memory.append(np.where(np.isfinite(memory), memory, np.inf))
         g.restrict(len(g.cands) - 1, keep)
     return g, class_of
 
 
-def _map_edges(p: IntraOpProblem, g: _Graph, class_of: list[int]) -> None:
+def _map_edges(p: IntraOpProblem, g: ClassGraph, class_of: list[int]) -> None:
     """Edges onto classes; parallel edges summed; an edge inside a class adds its diagonal."""
     for e in p.edges:
         a, b = class_of[e.src], class_of[e.dst]
         cost = np.asarray(e.cost, dtype=float)
-        cost = np.where(_forbidden(cost), np.inf, cost)
+        cost = np.where(is_forbidden(cost), np.inf, cost)
         if a == b:
             c = g.cands[a]
             g.compute[a] = g.compute[a] + cost[c, c]
         else:
             g.add_edge(a, b, cost[np.ix_(g.cands[a], g.cands[b])])
-
-
-# ---------------------------------------------------------------- reductions
-
-def _prune_forbidden(g: _Graph) -> bool:
-    changed = False
-    for a in list(g.alive):
-        keep = np.isfinite(g.compute[a]) & np.isfinite(g.memory[a])
-        for b in g.nbrs[a]:
-            keep &= np.isfinite(g.edge(a, b)).any(axis=1)
-        if not keep.all():
-            g.restrict(a, keep)
-            changed = True
-    return changed
-
-
-def _drop_dominated(g: _Graph) -> bool:
-    changed = False
-    for a in list(g.alive):
-        k = len(g.cands[a])
-        if k < 2:
-            continue
-        columns = [g.compute[a][:, None]] + ([g.memory[a][:, None]] if g.budgeted else [])
-        sig = np.hstack(columns + [g.edge(a, b) for b in g.nbrs[a]])
-        le = (sig[:, None, :] <= sig[None, :, :]).all(axis=2)  # le[t, s]: t no worse than s
-        order = np.arange(k)
-        dominates = le & (~le.T | (order[:, None] < order[None, :]))
-        np.fill_diagonal(dominates, False)
-        keep = ~dominates.any(axis=0)
-        if not keep.all():
-            g.restrict(a, keep)
-            changed = True
-    return changed
-
-
-def _fold_fixed(g: _Graph) -> bool:
-    changed = False
-    for a in list(g.alive):
-        if len(g.cands[a]) == 1 and g.nbrs[a]:
-            for b in list(g.nbrs[a]):
-                g.compute[b] = g.compute[b] + g.edge(a, b)[0]
-                g.remove_edge(a, b)
-            changed = True
-    return changed
-
-
-def _fold_separable(g: _Graph) -> bool:
-    changed = False
-    for (a, b), m in list(g.edges.items()):
-        if not np.isfinite(m).all():
-            continue
-        row, col = m[:, 0], m[0, :] - m[0, 0]
-        if np.allclose(m, row[:, None] + col[None, :], rtol=1e-12, atol=1e-15):
-            g.compute[a] = g.compute[a] + row
-            g.compute[b] = g.compute[b] + col
-            g.remove_edge(a, b)
-            changed = True
-    return changed
-
-
-def _eliminate(g: _Graph) -> bool:
-    changed = False
-    for a in sorted(g.alive):
-        if len(g.nbrs[a]) > 2 or not g.memory_is_free(a):
-            continue
-        nbrs = sorted(g.nbrs[a])
-        if not nbrs:
-            if len(g.cands[a]) > 1:
-                g.restrict(a, np.arange(len(g.cands[a])) == np.argmin(g.compute[a]))
-                changed = True
-            continue
-        if len(nbrs) == 1:
-            b = nbrs[0]
-            total = g.edge(b, a) + g.compute[a][None, :]
-            best = np.argmin(total, axis=1)
-            g.eliminated.append(_Leaf(a, b, g.cands[b].copy(), g.cands[a][best]))
-            g.compute[b] = g.compute[b] + total[np.arange(len(best)), best]
-        else:
-            b, c = nbrs
-            total = g.edge(b, a)[:, :, None] + g.compute[a][None, :, None] + g.edge(a, c)[None, :, :]
-            best = np.argmin(total, axis=1)
-            g.eliminated.append(_Series(a, b, c, g.cands[b].copy(), g.cands[c].copy(), g.cands[a][best]))
-            g.add_edge(b, c, np.take_along_axis(total, best[:, None, :], axis=1)[:, 0, :])
-        for b in nbrs:
-            g.remove_edge(a, b)
-        g.fixed_memory += float(g.memory[a][0])
-        g.alive.discard(a)
-        changed = True
-    return changed
-
-
-def _reduce(g: _Graph) -> None:
-    passes = (_prune_forbidden, _fold_fixed, _fold_separable, _drop_dominated, _eliminate)
-    while any([step(g) for step in passes]):
-        pass
-
-
-def _recover(g: _Graph, picked: dict[int, int]) -> dict[int, int]:
-    """Choices of eliminated classes, latest elimination first (its neighbours are decided)."""
-    for rec in reversed(g.eliminated):
-        if isinstance(rec, _Leaf):
-            i = int(np.searchsorted(rec.parent_cands, picked[rec.parent]))
-            picked[rec.node] = int(rec.choice[i])
-        else:
-            i = int(np.searchsorted(rec.left_cands, picked[rec.left]))
-            j = int(np.searchsorted(rec.right_cands, picked[rec.right]))
-            picked[rec.node] = int(rec.choice[i, j])
-    return picked
 
 
 # ---------------------------------------------------------------- CP-SAT model
@@ -369,7 +191,7 @@ class _Model:
     num_vars: int
 
 
-def _scale(g: _Graph, active: list[int]) -> float:
+def _scale(g: ClassGraph, active: list[int]) -> float:
     spans = [float(np.ptp(g.compute[a][np.isfinite(g.compute[a])])) for a in active]
     spans += [float(np.ptp(m[np.isfinite(m)])) for m in g.edges.values()]
     largest = max(spans, default=0.0)
@@ -396,7 +218,7 @@ def _add_edge_vars(mdl: _Model, a: int, b: int, matrix: np.ndarray, scale: float
     return terms
 
 
-def _add_memory(mdl: _Model, g: _Graph, active: list[int], budget: float) -> None:
+def _add_memory(mdl: _Model, g: ClassGraph, active: list[int], budget: float) -> None:
     """sum m x <= budget, in units of 1e-9 of the largest spread, memories ceiled, budget floored."""
     base = g.fixed_memory + sum(float(g.memory[a].min()) for a in g.alive)
     spread = max((float(np.ptp(g.memory[a])) for a in active), default=0.0)
@@ -415,7 +237,7 @@ class _OverBudget(Exception):
         self.lower_bound = lower_bound
 
 
-def _build_model(g: _Graph, budget: float | None, minimise_memory: bool = False,
+def _build_model(g: ClassGraph, budget: float | None, minimise_memory: bool = False,
                  hint: dict[int, int] | None = None) -> tuple[_Model, list[int]]:
     """CP-SAT model of the reduced graph; ``hint`` maps classes to original strategy indices."""
     active = sorted(a for a in g.alive if len(g.cands[a]) > 1 or g.nbrs[a])
@@ -453,14 +275,14 @@ def _run(mdl: _Model, time_limit_s: float, workers: int) -> tuple[cp_model.CpSol
     return solver, solver.Solve(mdl.model)
 
 
-def _picked(g: _Graph, mdl: _Model, active: list[int], solver: cp_model.CpSolver) -> dict[int, int]:
+def _picked(g: ClassGraph, mdl: _Model, active: list[int], solver: cp_model.CpSolver) -> dict[int, int]:
     picked = {a: int(g.cands[a][0]) for a in g.alive}
     for a in active:
         picked[a] = int(g.cands[a][next(s for s, x in enumerate(mdl.x[a]) if solver.Value(x))])
     return picked
 
 
-def _memory_error(p: IntraOpProblem, g: _Graph, class_of: list[int]) -> InfeasibleError:
+def _memory_error(p: IntraOpProblem, g: ClassGraph, class_of: list[int]) -> InfeasibleError:
     """Solve for the smallest achievable memory and explain the gap to the budget."""
     mdl, active = _build_model(g, None, minimise_memory=True)
     solver, status = _run(mdl, p.time_limit_s, p.workers)
@@ -468,7 +290,7 @@ def _memory_error(p: IntraOpProblem, g: _Graph, class_of: list[int]) -> Infeasib
         return InfeasibleError(
             "no strategy assignment avoids forbidden (infinite or >= HUGE_COST) compute/resharding choices, "
             "even ignoring memory; check the op rules and annotations")
-    choice = _expand(class_of, _recover(g, _picked(g, mdl, active, solver)))
+    choice = _expand(class_of, recover_choices(g, _picked(g, mdl, active, solver)))
     smallest = evaluate(p, choice)[1]
     word = "smallest achievable" if status == cp_model.OPTIMAL else "smallest found"
     return InfeasibleError(
@@ -488,8 +310,8 @@ def evaluate(p: IntraOpProblem, choice: list[int]) -> tuple[float, float]:
     """(objective seconds, memory bytes) of an assignment; objective inf if a forbidden choice is used."""
     total = sum(float(n.compute[s]) for n, s in zip(p.nodes, choice))
     total += sum(float(e.cost[choice[e.src], choice[e.dst]]) for e in p.edges)
-    forbidden = any(_forbidden(np.asarray(n.compute[s])) for n, s in zip(p.nodes, choice)) or any(
-        _forbidden(np.asarray(e.cost[choice[e.src], choice[e.dst]])) for e in p.edges)
+    forbidden = any(is_forbidden(np.asarray(n.compute[s])) for n, s in zip(p.nodes, choice)) or any(
+        is_forbidden(np.asarray(e.cost[choice[e.src], choice[e.dst]])) for e in p.edges)
     memory = sum(float(n.memory[s]) for n, s in zip(p.nodes, choice))
     return (math.inf if forbidden else total), memory
 
@@ -545,7 +367,7 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
     """Reduce, build and run CP-SAT until ``deadline`` (perf_counter seconds)."""
     g, class_of = _collapse_ties(p)
     _map_edges(p, g, class_of)
-    _reduce(g)
+    reduce_graph(g)
     try:
         mdl, active = _build_model(g, p.memory_budget, hint=_class_hint(class_of, hint))
     except _OverBudget:
@@ -564,7 +386,7 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
                 f"CP-SAT found no assignment within {p.time_limit_s:g} s ({mdl.num_vars} variables, "
                 f"status {solver.StatusName(status)}); raise time_limit_s or coarsen the op groups")
         picked = _picked(g, mdl, active, solver)
-    choice = _expand(class_of, _recover(g, picked))
+    choice = _expand(class_of, recover_choices(g, picked))
     objective, memory = evaluate(p, choice)
     return IntraOpSolution(choice, objective, "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
                            time.perf_counter() - start, memory, mdl.num_vars)
@@ -596,11 +418,11 @@ def brute_force(p: IntraOpProblem, max_assignments: int = 2_000_000) -> IntraOpS
     memory = np.zeros(len(choice))
     for v, n in enumerate(p.nodes):
         c = np.asarray(n.compute, dtype=float)
-        objective += np.where(_forbidden(c), np.inf, c)[choice[:, v]]
+        objective += np.where(is_forbidden(c), np.inf, c)[choice[:, v]]
         memory += np.asarray(n.memory, dtype=float)[choice[:, v]]
     for e in p.edges:
         c = np.asarray(e.cost, dtype=float)
-        objective += np.where(_forbidden(c), np.inf, c)[choice[:, e.src], choice[:, e.dst]]
+        objective += np.where(is_forbidden(c), np.inf, c)[choice[:, e.src], choice[:, e.dst]]
     if p.memory_budget is not None:
         objective = np.where(memory <= p.memory_budget, objective, np.inf)
     best = int(np.argmin(objective)) if len(objective) else 0
@@ -608,3 +430,7 @@ def brute_force(p: IntraOpProblem, max_assignments: int = 2_000_000) -> IntraOpS
         raise InfeasibleError("brute_force: no assignment fits the memory budget and avoids forbidden choices")
     return IntraOpSolution([int(s) for s in choice[best]], float(objective[best]), "OPTIMAL",
                            time.perf_counter() - start, float(memory[best]), 0)
+
+
+__all__ = ["HUGE_COST", "EdgeCost", "InfeasibleError", "IntraOpProblem", "IntraOpSolution", "NodeChoices",
+           "SolverTimeoutError", "brute_force", "evaluate", "solve_intra_op"]

@@ -1,0 +1,203 @@
+"""The tie-class graph of an intra-op problem and its exact pre-solve reductions.
+
+Each class (a tie group, or one node) keeps its remaining candidate strategies ``cands`` with
+their compute and memory; each class edge a matrix of resharding times, inf = forbidden.
+``reduce_graph`` applies until nothing changes, each reduction exact:
+
+    * drop strategies that no allowed pair of some edge can accompany      (``_prune_forbidden``)
+    * drop strategy s of v when some t is no worse in compute, memory (if budgeted) and in
+      every incident edge's row: any solution using s stays as good with t (``_drop_dominated``)
+    * a class with one strategy left adds its edge rows to its neighbours  (``_fold_fixed``)
+    * an edge with R[i,j] = a_i + b_j moves a to u and b to v               (``_fold_separable``)
+    * a class of degree <= 2 whose memory does not depend on its choice (or no budget) is
+      eliminated by min-plus products, like Alpa's graph simplification: a leaf adds
+      min_j (R[i,j] + c[j]) to its neighbour; a node between u and w becomes an edge
+      min_j (R1[i,j] + c[j] + R2[j,k]); its choice is recovered afterwards   (``_eliminate``,
+      ``recover_choices``)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+HUGE_COST = 1e6  # seconds; a compute or resharding cost at or above this forbids that choice
+
+
+class InfeasibleError(ValueError):
+    """No strategy assignment satisfies the memory budget or avoids forbidden choices."""
+
+
+@dataclass
+class Leaf:
+    node: int
+    parent: int
+    parent_cands: np.ndarray
+    choice: np.ndarray  # original strategy of node per position in parent_cands
+
+
+@dataclass
+class Series:
+    node: int
+    left: int
+    right: int
+    left_cands: np.ndarray
+    right_cands: np.ndarray
+    choice: np.ndarray  # [len left_cands, len right_cands] original strategy of node
+
+
+@dataclass
+class ClassGraph:
+    """The reduced problem on tie classes. Matrices are indexed by positions in ``cands``; inf = forbidden."""
+    members: list[list[int]]
+    cands: list[np.ndarray]
+    compute: list[np.ndarray]
+    memory: list[np.ndarray]
+    edges: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # key (a, b) with a < b
+    nbrs: list[set[int]] = field(default_factory=list)
+    alive: set[int] = field(default_factory=set)
+    eliminated: list[Leaf | Series] = field(default_factory=list)
+    fixed_memory: float = 0.0  # memory of eliminated classes
+    budgeted: bool = False
+
+    def edge(self, a: int, b: int) -> np.ndarray:
+        return self.edges[(a, b)] if a < b else self.edges[(b, a)].T
+
+    def add_edge(self, a: int, b: int, matrix: np.ndarray) -> None:
+        key, m = ((a, b), matrix) if a < b else ((b, a), matrix.T)
+        self.edges[key] = self.edges[key] + m if key in self.edges else np.array(m, dtype=float)
+        self.nbrs[a].add(b)
+        self.nbrs[b].add(a)
+
+    def remove_edge(self, a: int, b: int) -> None:
+        del self.edges[(min(a, b), max(a, b))]
+        self.nbrs[a].discard(b)
+        self.nbrs[b].discard(a)
+
+    def restrict(self, a: int, keep: np.ndarray) -> None:
+        self.cands[a], self.compute[a], self.memory[a] = self.cands[a][keep], self.compute[a][keep], self.memory[a][keep]
+        for b in self.nbrs[a]:
+            key = (min(a, b), max(a, b))
+            self.edges[key] = self.edges[key][keep] if a < b else self.edges[key][:, keep]
+        if not len(self.cands[a]):
+            names = ", ".join(str(v) for v in self.members[a][:4])
+            raise InfeasibleError(
+                f"no strategy is possible for node(s) {names}: every candidate has an infinite (>= {HUGE_COST:g} s) "
+                f"compute or resharding cost with all choices of a neighbour, or is excluded by annotations/ties. "
+                f"Relax the annotations or add a rule for the op")
+
+    def memory_is_free(self, a: int) -> bool:
+        mem = self.memory[a]
+        return not self.budgeted or float(mem.max() - mem.min()) <= 1e-12 * max(1.0, abs(float(mem.max())))
+
+
+def is_forbidden(x: np.ndarray) -> np.ndarray:
+    return ~np.isfinite(x) | (x >= HUGE_COST)
+
+
+# ---------------------------------------------------------------- reductions
+
+def _pruneforbidden(g: ClassGraph) -> bool:
+    changed = False
+    for a in list(g.alive):
+        keep = np.isfinite(g.compute[a]) & np.isfinite(g.memory[a])
+        for b in g.nbrs[a]:
+            keep &= np.isfinite(g.edge(a, b)).any(axis=1)
+        if not keep.all():
+            g.restrict(a, keep)
+            changed = True
+    return changed
+
+
+def _drop_dominated(g: ClassGraph) -> bool:
+    changed = False
+    for a in list(g.alive):
+        k = len(g.cands[a])
+        if k < 2:
+            continue
+        columns = [g.compute[a][:, None]] + ([g.memory[a][:, None]] if g.budgeted else [])
+        sig = np.hstack(columns + [g.edge(a, b) for b in g.nbrs[a]])
+        le = (sig[:, None, :] <= sig[None, :, :]).all(axis=2)  # le[t, s]: t no worse than s
+        order = np.arange(k)
+        dominates = le & (~le.T | (order[:, None] < order[None, :]))
+        np.fill_diagonal(dominates, False)
+        keep = ~dominates.any(axis=0)
+        if not keep.all():
+            g.restrict(a, keep)
+            changed = True
+    return changed
+
+
+def _fold_fixed(g: ClassGraph) -> bool:
+    changed = False
+    for a in list(g.alive):
+        if len(g.cands[a]) == 1 and g.nbrs[a]:
+            for b in list(g.nbrs[a]):
+                g.compute[b] = g.compute[b] + g.edge(a, b)[0]
+                g.remove_edge(a, b)
+            changed = True
+    return changed
+
+
+def _fold_separable(g: ClassGraph) -> bool:
+    changed = False
+    for (a, b), m in list(g.edges.items()):
+        if not np.isfinite(m).all():
+            continue
+        row, col = m[:, 0], m[0, :] - m[0, 0]
+        if np.allclose(m, row[:, None] + col[None, :], rtol=1e-12, atol=1e-15):
+            g.compute[a] = g.compute[a] + row
+            g.compute[b] = g.compute[b] + col
+            g.remove_edge(a, b)
+            changed = True
+    return changed
+
+
+def _eliminate(g: ClassGraph) -> bool:
+    changed = False
+    for a in sorted(g.alive):
+        if len(g.nbrs[a]) > 2 or not g.memory_is_free(a):
+            continue
+        nbrs = sorted(g.nbrs[a])
+        if not nbrs:
+            if len(g.cands[a]) > 1:
+                g.restrict(a, np.arange(len(g.cands[a])) == np.argmin(g.compute[a]))
+                changed = True
+            continue
+        if len(nbrs) == 1:
+            b = nbrs[0]
+            total = g.edge(b, a) + g.compute[a][None, :]
+            best = np.argmin(total, axis=1)
+            g.eliminated.append(Leaf(a, b, g.cands[b].copy(), g.cands[a][best]))
+            g.compute[b] = g.compute[b] + total[np.arange(len(best)), best]
+        else:
+            b, c = nbrs
+            total = g.edge(b, a)[:, :, None] + g.compute[a][None, :, None] + g.edge(a, c)[None, :, :]
+            best = np.argmin(total, axis=1)
+            g.eliminated.append(Series(a, b, c, g.cands[b].copy(), g.cands[c].copy(), g.cands[a][best]))
+            g.add_edge(b, c, np.take_along_axis(total, best[:, None, :], axis=1)[:, 0, :])
+        for b in nbrs:
+            g.remove_edge(a, b)
+        g.fixed_memory += float(g.memory[a][0])
+        g.alive.discard(a)
+        changed = True
+    return changed
+
+
+def reduce_graph(g: ClassGraph) -> None:
+    passes = (_pruneforbidden, _fold_fixed, _fold_separable, _drop_dominated, _eliminate)
+    while any([step(g) for step in passes]):
+        pass
+
+
+def recover_choices(g: ClassGraph, picked: dict[int, int]) -> dict[int, int]:
+    """Choices of eliminated classes, latest elimination first (its neighbours are decided)."""
+    for rec in reversed(g.eliminated):
+        if isinstance(rec, Leaf):
+            i = int(np.searchsorted(rec.parent_cands, picked[rec.parent]))
+            picked[rec.node] = int(rec.choice[i])
+        else:
+            i = int(np.searchsorted(rec.left_cands, picked[rec.left]))
+            j = int(np.searchsorted(rec.right_cands, picked[rec.right]))
+            picked[rec.node] = int(rec.choice[i, j])
+    return picked
