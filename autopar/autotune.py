@@ -44,7 +44,8 @@ def plan_label(plan: Plan) -> str:
     d = plan.degrees
     mesh = " × ".join(f"{n}={s}" for n, s in zip(plan.mesh.axis_names, plan.mesh.shape))
     sched = f" {plan.microbatches}×{plan.schedule}" if plan.schedule != "none" else ""
-    return f"pp={d.get('pp', 1)} dp={d.get('dp', 1)} tp={d.get('tp', 1)} [{mesh}]{sched}"
+    note = f" ({plan.options['candidate']})" if plan.options.get("candidate") else ""
+    return f"pp={d.get('pp', 1)} dp={d.get('dp', 1)} tp={d.get('tp', 1)} [{mesh}]{sched}{note}"
 
 
 def measure_plans(plans: list[Plan], build: Callable[[Plan], object], example_inputs: tuple, example_target,

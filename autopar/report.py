@@ -83,7 +83,8 @@ def render(plan) -> str:
                      "fits  note")
         opt = plan.options.get("optimizer_time", 0.0)
         lines.append(f"  {_deg(plan.degrees):<28} {_mb(plan.microbatches, plan.schedule):<20} {_ms(plan.step_time):>12} "
-                     f"{_ms(opt):>12} {_gb(max(plan.memory_per_device or [0])):>12}  yes   chosen")
+                     f"{_ms(opt):>12} {_gb(max(plan.memory_per_device or [0])):>12}  yes   chosen"
+                     + (f" ({plan.options['candidate']})" if plan.options.get("candidate") else ""))
         for a in plan.alternatives[:10]:
             lines.append(f"  {_deg(a.degrees):<28} {_mb(a.microbatches, a.schedule) if a.fits else '-':<20} "
                          f"{_ms(a.step_time) if a.fits else '-':>12} {_ms(a.optimizer_time) if a.fits else '-':>12} "

@@ -4,9 +4,9 @@
 
 For three models (a wide MLP, a deep narrow transformer, an embedding-heavy transformer) the
 planner's candidates are built by the functions ``make_plan`` calls: the pp=1 meshes of
-``candidate_meshes`` (solved with ``solve_on_mesh``), every pipeline candidate of
-``pipeline_candidates`` (``plan_pipeline``: pp, sub-mesh, microbatches and schedule), plus
-forced DATA (``("dp",)`` mesh in DATA mode) and pure TP (``("tp",)`` mesh). Each plan is applied
+``candidate_meshes`` (solved with ``solve_on_mesh``), DDP's layout (``ddp_candidate``: the DATA
+mode plan), every pipeline candidate of ``pipeline_candidates`` (``plan_pipeline``: pp, sub-mesh,
+microbatches and schedule), plus pure TP (``("tp",)`` mesh). Each plan is applied
 with HYBRID (``parallelize(plan=...)``) and timed, all of them interleaved. The figure: where
 AUTO's choice ranks among the measured step times, and its time over the fastest (target <= 1.10).
 ``--autotune K`` (default 3; ``--autotune-steps N``, default 3) also runs AUTO with ``autotune_top_k=K`` on the ranks (the ranks time
@@ -33,7 +33,7 @@ from autopar.context import ParallelMode  # noqa: E402
 from autopar.runtime.launch import RankPool  # noqa: E402
 from autopar.solver.pipeline_search import (optimizer_time, pipeline_candidates, plan_pipeline,  # noqa: E402
                                             rank_key, retrace_batch)
-from autopar.solver.search import PlanOptions, candidate_meshes, solve_on_mesh  # noqa: E402
+from autopar.solver.search import PlanOptions, ddp_candidate, candidate_meshes, solve_on_mesh  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 from examples.models import GPT, MLP, lm_loss  # noqa: E402
 
@@ -61,10 +61,7 @@ def _inputs(name: str):
 
 
 def _label(p) -> str:
-    d = p.degrees
-    mesh = " × ".join(f"{n}={s}" for n, s in zip(p.mesh.axis_names, p.mesh.shape))
-    sched = f" {p.microbatches}×{p.schedule}" if p.schedule != "none" else ""
-    return f"{p.mode.name:<9} pp={d.get('pp', 1)} dp={d.get('dp', 1)} tp={d.get('tp', 1)} [{mesh}]{sched}"
+    return f"{p.mode.name:<9} {plan_label(p)}"
 
 
 def considered_plans(name: str, opts: PlanOptions) -> tuple[list, int]:
@@ -84,13 +81,12 @@ def considered_plans(name: str, opts: PlanOptions) -> tuple[list, int]:
             continue
     for m in candidate_meshes(mesh):
         plans.append(solve_on_mesh(traced, m, ParallelMode.AUTO, opts, {}, {}))
+    plans += ddp_candidate(traced, mesh, opts, [])          # DATA mode's plan, one of AUTO's candidates
     for p in plans:
         p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
     chosen = min(range(len(plans)), key=lambda i: rank_key(plans[i]))
-    plans.append(solve_on_mesh(traced, autopar.Mesh((WORLD,), axis_names=("dp",)), ParallelMode.DATA, opts, {}, {}))
     plans.append(solve_on_mesh(traced, autopar.Mesh((WORLD,), axis_names=("tp",)), ParallelMode.AUTO, opts, {}, {}))
-    for p in plans[-2:]:
-        p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
+    plans[-1].options["optimizer_time"] = optimizer_time(plans[-1], opts.optimizer)
     return plans, chosen
 
 

@@ -276,6 +276,8 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
             plans.append(solve_on_mesh(traced, m, mode, opts, param_ann, input_ann))
         except InfeasibleError as err:
             failures.append((m, err))
+    if mode == ParallelMode.AUTO and len(meshes) > 1:
+        plans += ddp_candidate(traced, mesh, opts, failures)
     if not plans:
         m, err = failures[0]
         raise PlanError(f"no plan fits memory on {m}: {err}") from None
@@ -288,11 +290,26 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     elapsed = time.perf_counter() - t0
     for best in plans[:max(1, top_k)]:
         best.alternatives = [Alternative(p.degrees, p.step_time, max(p.memory_per_device), True,
-                                         "mesh " + " × ".join(f"{n}={s}" for n, s in zip(p.mesh.axis_names, p.mesh.shape)),
+                                         "mesh " + " × ".join(f"{n}={s}" for n, s in zip(p.mesh.axis_names, p.mesh.shape))
+                                         + (f" ({p.options['candidate']})" if p.options.get("candidate") else ""),
                                          p.microbatches, p.schedule, p.options["optimizer_time"])
                              for p in plans if p is not best] + failed
         best.solve_time = elapsed
     return plans[:max(1, top_k)]
+
+
+def ddp_candidate(traced, mesh: Mesh, opts: PlanOptions, failures: list) -> list[Plan]:
+    """DDP's layout as one of AUTO's candidates: the DATA-mode plan on the whole mesh (every weight
+    whole, the batch split), which AUTO's own solve on a ``dp`` axis may not reproduce."""
+    m = mesh.reshape((mesh.size,), ("dp",))
+    try:
+        plan = solve_on_mesh(traced, m, ParallelMode.DATA, opts, {}, {})
+    except (InfeasibleError, PlanError) as err:
+        failures.append((m, err))
+        return []
+    plan.mode = ParallelMode.AUTO
+    plan.options["candidate"] = "DDP layout"
+    return [plan]
 
 
 def make_plan(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
@@ -301,4 +318,4 @@ def make_plan(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     return make_plans(traced, model, mesh, mode, opts, param_ann, input_ann)[0]
 
 
-__all__ = ["make_plan", "make_plans", "PlanOptions", "PlanError", "candidate_meshes", "R"]
+__all__ = ["make_plan", "make_plans", "ddp_candidate", "PlanOptions", "PlanError", "candidate_meshes", "R"]
