@@ -97,7 +97,7 @@ def is_forbidden(x: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- reductions
 
-def _pruneforbidden(g: ClassGraph) -> bool:
+def _prune_forbidden(g: ClassGraph) -> bool:
     changed = False
     for a in list(g.alive):
         keep = np.isfinite(g.compute[a]) & np.isfinite(g.memory[a])
@@ -185,7 +185,7 @@ def _eliminate(g: ClassGraph) -> bool:
 
 
 def reduce_graph(g: ClassGraph) -> None:
-    passes = (_pruneforbidden, _fold_fixed, _fold_separable, _drop_dominated, _eliminate)
+    passes = (_prune_forbidden, _fold_fixed, _fold_separable, _drop_dominated, _eliminate)
     while any([step(g) for step in passes]):
         pass
 

@@ -33,16 +33,9 @@ Constraints
                     the class's compute). Exact for any ties, identical layers or not.
                     (``_collapse_ties``, ``_map_edges``)
 
-Pre-solve reductions (``_reduce``), each exact:
-    * drop strategies that no allowed pair of some edge can accompany      (``_pruneforbidden``)
-    * drop strategy s of v when some t is no worse in compute, memory (if budgeted) and in
-      every incident edge's row: any solution using s stays as good with t (``_drop_dominated``)
-    * a class with one strategy left adds its edge rows to its neighbours  (``_fold_fixed``)
-    * an edge with R[i,j] = a_i + b_j moves a to u and b to v               (``_fold_separable``)
-    * a class of degree <= 2 whose memory does not depend on its choice (or no budget) is
-      eliminated by min-plus products, like Alpa's graph simplification: a leaf adds
-      min_j (R[i,j] + c[j]) to its neighbour; a node between u and w becomes an edge
-      min_j (R1[i,j] + c[j] + R2[j,k]); its choice is recovered afterwards   (``_eliminate``)
+Pre-solve reductions (``class_graph.reduce_graph``), each exact: forbidden and dominated
+strategies dropped, fixed classes and separable edges folded, classes of degree <= 2 eliminated
+by min-plus products (Alpa's graph simplification); the math is in ``class_graph``.
 
 Budget shortcut (``solve_intra_op``): with a budget, the problem is first solved without it
 (memory then never blocks elimination, so trees and chains vanish entirely). If that optimum

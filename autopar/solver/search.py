@@ -42,12 +42,12 @@ class PlanError(ValueError):
 
 def candidate_meshes(mesh: Mesh) -> list[Mesh]:
     """An unnamed mesh may be re-factored into 1-D and 2-D (dp, tp) meshes: the free 1-D mesh
-    (the solver picks each op's split), pure data parallelism (a named ``dp`` axis keeps the batch
-    split, so DATA is always among the candidates and alternatives), and every (dp, tp)."""
+    (the solver picks each op's split) and every (dp, tp). (DDP's layout joins them in
+    ``make_plans``: ``ddp_candidate``.)"""
     if mesh.named or mesh.size == 1:
         return [mesh]
     n = mesh.size
-    out = [mesh.reshape((n,), ("d0",)), mesh.reshape((n,), ("dp",))]
+    out = [mesh.reshape((n,), ("d0",))]
     for dp in range(2, n):
         if n % dp == 0:
             out.append(mesh.reshape((dp, n // dp), ("dp", "tp")))
