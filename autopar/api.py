@@ -109,6 +109,7 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
                            "under torchrun or autopar.launch (or use a Mesh(1))")
     traced = trace(model, example_inputs, loss_fn, example_target)
     _attach_retrace(traced, model, example_inputs, loss_fn, example_target)
+    mark_chunk_hints(traced.gm)      # every rank's graph, whether it plans or receives the plan
     rank = dist.get_rank() if dist.is_initialized() else 0
     if plan is not None:
         the_plan = _load_plan(plan, traced)
@@ -134,10 +135,8 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
         if len(plans) > 1:
             from autopar.autotune import choose
 
-            mark_chunk_hints(traced.gm)
             the_plan = choose(plans, model, lambda m, p: build_parallel_module(m, _graph_copy(traced), p),
                               tuple(example_inputs), example_target, get_auto_parallel_context()["autotune_steps"])
-    mark_chunk_hints(traced.gm)
     return build_parallel_module(model, traced, the_plan)
 
 

@@ -281,22 +281,11 @@ def _freeze(x):
     return repr(x)
 
 
-def _contiguous_strides(shape) -> tuple:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(size), 1)
-    return tuple(reversed(strides))
-
-
-def _signature(node: fx.Node, need: frozenset, shapes: dict | None = None):
+def _signature(node: fx.Node, need: frozenset):
     def sig(a):
         if isinstance(a, fx.Node):
             v = _val(a)
             if isinstance(v, torch.Tensor):
-                if shapes and a in shapes:
-                    shape = tuple(int(s) for s in shapes[a])
-                    return ("T", shape, _contiguous_strides(shape), v.dtype, a in need and _is_float(v))
                 return _tensor_sig(v, a in need)
             return ("V", _freeze(v))
         return a
