@@ -54,8 +54,6 @@ def _plan_traced(model, traced: Traced, mesh: Mesh, mode: ParallelMode, top_k: i
     """The ``top_k`` best predicted plans, best first."""
     if mode == ParallelMode.HYBRID:
         raise PlanError("HYBRID mode applies a complete plan: pass plan=<Plan or path to plan JSON>")
-    if mode != ParallelMode.SEMI_AUTO and not ANNOTATIONS.empty() and mode != ParallelMode.AUTO:
-        pass
     param_ann = resolve_params(model, ANNOTATIONS) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     input_ann = dict(ANNOTATIONS.inputs) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     return make_plans(traced, model, mesh, mode, _options(), param_ann, input_ann, top_k)
@@ -135,8 +133,9 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
         if len(plans) > 1:
             from autopar.autotune import choose
 
+            ctx = get_auto_parallel_context()
             the_plan = choose(plans, model, lambda m, p: build_parallel_module(m, _graph_copy(traced), p),
-                              tuple(example_inputs), example_target, get_auto_parallel_context()["autotune_steps"])
+                              tuple(example_inputs), example_target, ctx["autotune_steps"], ctx["autotune_slack"])
     return build_parallel_module(model, traced, the_plan)
 
 

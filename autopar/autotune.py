@@ -2,14 +2,24 @@
 
 The cost model ranks plans; where its top candidates lie within its error of each other, the
 ranks themselves decide (as Alpa profiles its stage candidates). With the context setting
-``autotune_top_k = k > 1`` and a running process group, ``parallelize`` in AUTO mode builds
-each of the k best predicted plans on a copy of the model and runs ``warmup`` + ``steps``
-training steps (``pmodel.step`` on the example batch, then the plan's optimizer — AdamW, or SGD
-when the plan was made for it — on the copy's parameters), the plans interleaved round by round so
-that a change of machine load hits all of them alike::
+``autotune_top_k = k > 1`` (the default, 4) and a running process group, ``parallelize`` in AUTO
+mode takes the shortlist of the k best predicted plans, keeping those predicted within
+``autotune_slack`` (1.5) times the best and dropping repeats of one layout under another mesh name::
+
+    shortlist = distinct { p in top_k : predicted(p) <= slack * predicted(best) }
+
+It builds each on a copy of the model and runs ``warmup`` + ``steps`` training steps
+(``pmodel.step`` on the example batch, then the plan's optimizer — AdamW, or SGD when the plan was
+made for it — on the copy's parameters), the plans interleaved round by round so that a change of
+machine load hits all of them alike; when the copies would not fit the device together
+(sum of predicted peaks > the memory budget) one plan is built, timed and freed at a time::
 
     measured(plan) = max over ranks of median_rounds(step + optimizer seconds)
+    close          = { p : measured(p) <= 1.1 * min measured }   -> 2 * steps more rounds each, pooled
     chosen         = argmin measured (ties: the better predicted)
+
+Steps of plans a few per cent apart differ by about as much from one round to the next when
+ranks share cores, so the close calls get three times the rounds of the clear losers.
 
 Every rank gets the same maxima from one all-reduce, so every rank picks the same plan. The
 user's model, its buffers and the RNG state are left as they were. The trials go to
@@ -18,6 +28,8 @@ user's model, its buffers and the RNG state are left as they were. The trials go
 from __future__ import annotations
 
 import copy
+import gc
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -37,6 +49,7 @@ class Trial:
     predicted: float      # plan.step_time, seconds
     measured: float       # slowest rank's median step: forward, backward, gradient sync and optimizer
     error: str = ""       # why it could not be built or run (measured = inf)
+    steps: int = 0        # timed steps behind ``measured`` (this rank's)
 
 
 def plan_label(plan: Plan) -> str:
@@ -48,48 +61,112 @@ def plan_label(plan: Plan) -> str:
     return f"pp={d.get('pp', 1)} dp={d.get('dp', 1)} tp={d.get('tp', 1)} [{mesh}]{sched}{note}"
 
 
-def measure_plans(plans: list[Plan], build: Callable[[Plan], object], example_inputs: tuple, example_target,
-                  steps: int = 3, warmup: int = 1) -> list[Trial]:
-    """Build every plan (``build(plan)`` -> a ParallelModule) and time its training steps,
-    interleaved; collective over the default process group (every rank calls it alike)."""
-    rng = torch.get_rng_state()
-    modules, optimizers, errors = [], [], []
+def layout_key(plan: Plan) -> str:
+    """What a plan runs, without its mesh's axis names: equal keys are one layout under two names."""
+    return json.dumps([list(plan.mesh.shape), plan.microbatches, plan.schedule,
+                       [s.ranks for s in plan.stages], {k: [n.strategy, n.inputs, n.output] for k, n in plan.nodes.items()},
+                       {k: p.spec for k, p in plan.params.items()}, plan.inputs], sort_keys=True, default=str)
+
+
+def shortlist(plans: list[Plan], slack: float) -> list[Plan]:
+    """The plans (best predicted first) worth timing: predicted within ``slack`` x the best, one per layout."""
+    out, seen = [], set()
     for plan in plans:
-        try:
-            pm = build(plan)
-            modules.append(pm)
-            optimizers.append(_optimizer(plan, pm))
-            errors.append("")
-        except Exception as err:  # noqa: BLE001 - a plan that cannot be built loses, with the reason kept
-            modules.append(None)
-            optimizers.append(None)
-            errors.append(f"{type(err).__name__}: {err}")
-    built = torch.tensor([0.0 if m is not None else 1.0 for m in modules], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(built, op=dist.ReduceOp.MAX)    # a plan that failed on any rank runs on none
-    times: list[list[float]] = [[] for _ in plans]
-    for r in range(warmup + steps):
-        for i, pm in enumerate(modules):
-            if pm is None or built[i] > 0:
-                continue
-            if dist.is_initialized():
-                dist.barrier()
-            t0 = time.perf_counter()
-            pm.step(*example_inputs, target=example_target)
-            optimizers[i].step()
-            optimizers[i].zero_grad(set_to_none=True)
-            elapsed = time.perf_counter() - t0
-            if r >= warmup:
-                times[i].append(elapsed)
-    med = torch.tensor([statistics.median(t) if t else float("inf") for t in times], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        key = layout_key(plan)
+        if plan.step_time <= slack * plans[0].step_time and key not in seen:
+            seen.add(key)
+            out.append(plan)
+    return out
+
+
+def measure_plans(plans: list[Plan], build: Callable[[Plan], object], example_inputs: tuple, example_target,
+                  steps: int = 3, warmup: int = 1, together: bool = True, race: float = 0.1) -> list[Trial]:
+    """Build every plan (``build(plan)`` -> a ParallelModule) and time its training steps;
+    collective over the default process group (every rank calls it alike). ``together``: all
+    plans built at once and timed interleaved; otherwise built, timed and freed one at a time.
+    ``race``: the plans measured within ``1 + race`` of the fastest are timed ``2 * steps`` more
+    rounds (their samples pooled), so that the close calls get the most measurements."""
+    rng = torch.get_rng_state()
+    timer = _Timer(plans, build, example_inputs, example_target, warmup, together)
+    timer.run(list(range(len(plans))), steps)
+    med = timer.medians()
+    best = min(med)
+    close = [i for i, m in enumerate(med) if m <= (1 + race) * best and m < float("inf")]
+    if race > 0 and len(close) > 1:
+        timer.run(close, 2 * steps)
+        med = timer.medians()
+    timer.free()
     torch.set_rng_state(rng)
     trials = []
-    for plan, m, err, bad in zip(plans, med.tolist(), errors, built.tolist()):
-        reason = err or ("could not be built on another rank" if bad else "")
-        trials.append(Trial(plan_label(plan), plan.step_time, m if not reason else float("inf"), reason))
+    for i, plan in enumerate(plans):
+        reason = timer.errors[i] or ("could not be built on another rank" if timer.failed[i] else "")
+        trials.append(Trial(plan_label(plan), plan.step_time, med[i] if not reason else float("inf"), reason,
+                            len(timer.samples[i])))
     return trials
+
+
+class _Timer:
+    """Timed training steps of plans on trial copies, every rank alike (see ``measure_plans``)."""
+
+    def __init__(self, plans, build, example_inputs, example_target, warmup: int, together: bool):
+        self.plans, self.build, self.inputs, self.target = plans, build, example_inputs, example_target
+        self.warmup, self.together = warmup, together
+        self.samples: list[list[float]] = [[] for _ in plans]
+        self.errors, self.failed = [""] * len(plans), [False] * len(plans)
+        self.kept: dict[int, tuple] = {}
+
+    def run(self, indices: list[int], rounds: int) -> None:
+        """``rounds`` timed rounds of ``indices`` (after ``warmup`` untimed ones for new builds)."""
+        for group in ([indices] if self.together else [[i] for i in indices]):
+            runs = self._built(group)
+            fresh = any(not self.samples[i] for i in runs)
+            warm = self.warmup if fresh or not self.together else 0
+            for r in range(warm + rounds):
+                for i, (pm, opt) in runs.items():
+                    if dist.is_initialized():
+                        dist.barrier()
+                    t0 = time.perf_counter()
+                    pm.step(*self.inputs, target=self.target)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    if r >= warm:
+                        self.samples[i].append(time.perf_counter() - t0)
+            if not self.together:
+                runs.clear()
+                gc.collect()
+
+    def _built(self, group: list[int]) -> dict:
+        runs = {i: self.kept[i] for i in group if i in self.kept}
+        todo = [i for i in group if i not in runs and not self.failed[i]]
+        if not todo:
+            return runs
+        for i in todo:
+            try:
+                pm = self.build(self.plans[i])
+                runs[i] = (pm, _optimizer(self.plans[i], pm))
+            except Exception as err:  # noqa: BLE001 - a plan that cannot be built loses, with the reason kept
+                self.errors[i] = f"{type(err).__name__}: {err}"
+        bad = torch.tensor([0.0 if i in runs else 1.0 for i in todo], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)    # a plan that failed on any rank runs on none
+        for i, b in zip(todo, bad.tolist()):
+            if b:
+                self.failed[i] = True
+                runs.pop(i, None)
+        if self.together:
+            self.kept.update(runs)
+        return runs
+
+    def medians(self) -> list[float]:
+        """Per plan, the slowest rank's median step (inf for a plan that did not run)."""
+        med = torch.tensor([statistics.median(t) if t else float("inf") for t in self.samples], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        return med.tolist()
+
+    def free(self) -> None:
+        self.kept.clear()
+        gc.collect()
 
 
 def _optimizer(plan: Plan, pmodel) -> torch.optim.Optimizer:
@@ -101,19 +178,25 @@ def _optimizer(plan: Plan, pmodel) -> torch.optim.Optimizer:
 
 
 def choose(plans: list[Plan], model: torch.nn.Module, build: Callable[[torch.nn.Module, Plan], object],
-           example_inputs: tuple, example_target, steps: int = 3) -> Plan:
-    """The plan of ``plans`` (best predicted first) whose measured step is least; records the
-    trials in its ``options["autotune"]``. Each trial runs on a deep copy of ``model``."""
+           example_inputs: tuple, example_target, steps: int = 3, slack: float = 1.5) -> Plan:
+    """The plan of ``shortlist(plans, slack)`` (best predicted first) whose measured step is
+    least; records the trials in its ``options["autotune"]``. Each trial runs on a deep copy of
+    ``model``; the copies are built together only when their predicted peaks fit the budget."""
+    plans = shortlist(plans, slack)
     if len(plans) < 2:
         return plans[0]
-    trials = measure_plans(plans, lambda p: build(copy.deepcopy(model), p), example_inputs, example_target, steps)
+    budget = plans[0].options.get("memory_budget") or float("inf")
+    together = sum(max(p.memory_per_device, default=0.0) for p in plans) <= budget
+    trials = measure_plans(plans, lambda p: build(copy.deepcopy(model), p), example_inputs, example_target, steps,
+                           together=together)
     best = min(range(len(plans)), key=lambda i: (trials[i].measured, i))
     if trials[best].measured == float("inf"):
         best = 0
     chosen = plans[best]
     chosen.options["autotune"] = [dict(asdict(t), measured=t.measured if t.measured < float("inf") else None,
                                        chosen=(i == best)) for i, t in enumerate(trials)]
+    chosen.options["autotune_timing"] = "interleaved" if together else "one plan at a time (copies exceed memory)"
     return chosen
 
 
-__all__ = ["Trial", "choose", "measure_plans", "plan_label"]
+__all__ = ["Trial", "choose", "layout_key", "measure_plans", "plan_label", "shortlist"]

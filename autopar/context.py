@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from typing import Any
 
 
@@ -28,6 +29,17 @@ class ParallelMode(str, enum.Enum):
         return self.name
 
 
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer (e.g. 0 to turn autotune off), "
+                         f"got {text!r}") from None
+
+
 _DEFAULTS: dict[str, Any] = {
     "parallel_mode": ParallelMode.AUTO,
     "grad_compression": None,      # None, "bf16" or "fp16"
@@ -35,10 +47,32 @@ _DEFAULTS: dict[str, Any] = {
     "microbatches": None,
     "schedule": None,
     "solver_time_limit": 10.0,
-    "autotune_top_k": 0,           # AUTO under torch.distributed: time the k best predicted plans, keep the fastest
-    "autotune_steps": 3,
+    # AUTO under torch.distributed: time the k best predicted plans (those predicted within
+    # autotune_slack x the best) for autotune_steps steps each and keep the fastest; 0 or 1 = off
+    "autotune_top_k": 4,
+    "autotune_steps": 5,
+    "autotune_slack": 1.5,
 }
-_context: dict[str, Any] = dict(_DEFAULTS)
+
+
+def _defaults() -> dict[str, Any]:
+    """The defaults; ``AUTOPAR_AUTOTUNE_TOP_K`` in the environment sets autotune_top_k's (0 turns it off)."""
+    out = dict(_DEFAULTS)
+    out["autotune_top_k"] = _env_int("AUTOPAR_AUTOTUNE_TOP_K", _DEFAULTS["autotune_top_k"])
+    _check("autotune_top_k", out["autotune_top_k"])
+    return out
+
+
+def _check(key: str, value) -> None:
+    if key in ("autotune_top_k", "autotune_steps") and (not isinstance(value, int) or isinstance(value, bool)
+                                                        or value < (0 if key == "autotune_top_k" else 1)):
+        raise ValueError(f"{key} must be an int >= {0 if key == 'autotune_top_k' else 1}, got {value!r}")
+    if key == "autotune_slack" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1):
+        raise ValueError(f"autotune_slack must be a number >= 1 (trial plans predicted within slack x the best), "
+                         f"got {value!r}")
+
+
+_context: dict[str, Any] = _defaults()
 
 
 def set_auto_parallel_context(**kwargs) -> None:
@@ -50,9 +84,7 @@ def set_auto_parallel_context(**kwargs) -> None:
             value = ParallelMode.parse(value)
         if key == "grad_compression" and value not in (None, "bf16", "fp16"):
             raise ValueError(f"grad_compression must be None, 'bf16' or 'fp16', got {value!r}")
-        if key in ("autotune_top_k", "autotune_steps") and (not isinstance(value, int) or isinstance(value, bool)
-                                                            or value < (0 if key == "autotune_top_k" else 1)):
-            raise ValueError(f"{key} must be an int >= {0 if key == 'autotune_top_k' else 1}, got {value!r}")
+        _check(key, value)
         _context[key] = value
 
 
@@ -61,5 +93,6 @@ def get_auto_parallel_context() -> dict:
 
 
 def reset_auto_parallel_context() -> None:
+    fresh = _defaults()
     _context.clear()
-    _context.update(_DEFAULTS)
+    _context.update(fresh)

@@ -92,12 +92,13 @@ def render(plan) -> str:
     trials = plan.options.get("autotune")
     if trials:
         lines.append("")
-        lines.append("measured on the ranks (autotune_top_k): the fastest measured of the best predicted wins")
-        lines.append(f"  {'plan':<44} {'predicted':>12} {'measured':>12}")
+        lines.append("measured on the ranks (autotune_top_k): the fastest measured of the best predicted wins; "
+                     f"timed {plan.options.get('autotune_timing', 'interleaved')}")
+        lines.append(f"  {'plan':<44} {'predicted':>12} {'measured':>12} {'steps':>6}")
         for t in trials:
             measured = _ms(t["measured"]) if t["measured"] is not None else "failed"
             note = "  chosen" if t["chosen"] else (f"  {t['error'][:60]}" if t["error"] else "")
-            lines.append(f"  {t['label']:<44} {_ms(t['predicted']):>12} {measured:>12}{note}")
+            lines.append(f"  {t['label']:<44} {_ms(t['predicted']):>12} {measured:>12} {t.get('steps', 0):>6}{note}")
     return "\n".join(lines)
 
 

@@ -1,16 +1,19 @@
 """Does AUTO pick the fastest plan? Measure every plan it considered on 4 ranks.
 
-    .venv/bin/python bench/auto_choice.py [--reps 6] [--calibrate]
+    .venv/bin/python bench/auto_choice.py [--reps 12] [--calibrate PROFILE]
 
 For three models (a wide MLP, a deep narrow transformer, an embedding-heavy transformer) the
 planner's candidates are built by the functions ``make_plan`` calls: the pp=1 meshes of
 ``candidate_meshes`` (solved with ``solve_on_mesh``), DDP's layout (``ddp_candidate``: the DATA
 mode plan), every pipeline candidate of ``pipeline_candidates`` (``plan_pipeline``: pp, sub-mesh,
-microbatches and schedule), plus pure TP (``("tp",)`` mesh). Each plan is applied
+microbatches and schedule), plus pure TP (``("tp",)`` mesh) unless AUTO's 1-D solve is that
+layout already. Each plan is applied
 with HYBRID (``parallelize(plan=...)``) and timed, all of them interleaved. The figure: where
 AUTO's choice ranks among the measured step times, and its time over the fastest (target <= 1.10).
-``--autotune K`` (default 3; ``--autotune-steps N``, default 3) also runs AUTO with ``autotune_top_k=K`` on the ranks (the ranks time
-its K best predicted plans and keep the fastest) and ranks that choice the same way.
+Then it runs AUTO as shipped on the same ranks (``parallelize(mode="auto")`` with the context's
+defaults: the ranks time its best predicted plans, ``autotune_top_k`` = 4 within ``autotune_slack``
+= 1.5x of the best, ``autotune_steps`` = 5, and keep the fastest) and ranks that choice the same way;
+``--autotune K`` / ``--autotune-steps N`` override the two settings (``--autotune 0``: skip).
 ``--calibrate PROFILE`` plans with a calibration profile of this machine (measured first when
 the file is missing; ``autopar.cost_models.calibrate``) instead of the "cpu" preset's defaults.
 """
@@ -28,7 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.autotune import plan_label  # noqa: E402
+from autopar.autotune import layout_key, plan_label  # noqa: E402
 from autopar.context import ParallelMode  # noqa: E402
 from autopar.runtime.launch import RankPool  # noqa: E402
 from autopar.solver.pipeline_search import (optimizer_time, pipeline_candidates, plan_pipeline,  # noqa: E402
@@ -85,8 +88,10 @@ def considered_plans(name: str, opts: PlanOptions) -> tuple[list, int]:
     for p in plans:
         p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
     chosen = min(range(len(plans)), key=lambda i: rank_key(plans[i]))
-    plans.append(solve_on_mesh(traced, autopar.Mesh((WORLD,), axis_names=("tp",)), ParallelMode.AUTO, opts, {}, {}))
-    plans[-1].options["optimizer_time"] = optimizer_time(plans[-1], opts.optimizer)
+    pure_tp = solve_on_mesh(traced, autopar.Mesh((WORLD,), axis_names=("tp",)), ParallelMode.AUTO, opts, {}, {})
+    if layout_key(pure_tp) not in {layout_key(p) for p in plans}:     # one plan under two mesh names is timed once
+        pure_tp.options["optimizer_time"] = optimizer_time(pure_tp, opts.optimizer)
+        plans.append(pure_tp)
     return plans, chosen
 
 
@@ -121,11 +126,13 @@ def _measure(rank: int, reps: int) -> dict:
     return interleaved(dict(_STEPS), reps, warmup=1)
 
 
-def _autotuned(rank: int, name: str, top_k: int, steps: int) -> tuple[str, list]:
-    """AUTO with ``autotune_top_k``: the label of the plan the ranks chose, and the trials."""
+def _autotuned(rank: int, name: str, top_k: int | None, steps: int | None) -> tuple[str, list]:
+    """AUTO (the context's autotune settings unless given): the label of the plan the ranks chose, and the trials."""
     factory, loss_fn, x, y = _inputs(name)
     torch.manual_seed(0)
-    autopar.set_auto_parallel_context(autotune_top_k=top_k, autotune_steps=steps)
+    autopar.reset_auto_parallel_context()
+    autopar.set_auto_parallel_context(**{k: v for k, v in (("autotune_top_k", top_k), ("autotune_steps", steps))
+                                         if v is not None})
     try:
         pm = autopar.parallelize(factory(), autopar.Mesh(WORLD), example_inputs=(x,), loss_fn=loss_fn,
                                  example_target=y, mode="auto")
@@ -136,11 +143,12 @@ def _autotuned(rank: int, name: str, top_k: int, steps: int) -> tuple[str, list]
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--autotune", type=int, default=3, metavar="K",
-                    help="also run AUTO with autotune_top_k=K on the ranks and rank its choice (0: skip)")
-    ap.add_argument("--autotune-steps", type=int, default=3, metavar="N", help="autotune_steps (timed steps per plan)")
+    ap.add_argument("--autotune", type=int, default=None, metavar="K",
+                    help="autotune_top_k of the AUTO run on the ranks (default: the shipped default; 0: skip the run)")
+    ap.add_argument("--autotune-steps", type=int, default=None, metavar="N",
+                    help="autotune_steps (timed steps per plan; default: the shipped default)")
     ap.add_argument("--calibrate", metavar="PROFILE", default=None,
                     help="plan with the calibration profile at PROFILE (measured first, quick, if missing)")
     args = ap.parse_args(argv)
@@ -174,18 +182,19 @@ def main(argv=None) -> int:
                     print(f"      could not be built: {failed[i][:160]}")
             ratio = med[chosen] / med[order[0]]
             summary.append((name, "predicted", order.index(chosen) + 1, len(plans), ratio, _label(plans[chosen])))
-            if args.autotune > 1:
+            if args.autotune is None or args.autotune > 1:
                 label, trials = pool.run(_autotuned, name, args.autotune, args.autotune_steps)[0]
+                how = "shipped" if args.autotune is None and args.autotune_steps is None else f"autotune {args.autotune}"
                 tuned = next((i for i in range(len(plans)) if plan_label(plans[i]) == label and plans[i].mode
                               == ParallelMode.AUTO), None)
-                print(f"  autotune_top_k={args.autotune}: "
+                print(f"  AUTO as run ({how}): "
                       + "; ".join(f"{t['label']} predicted {t['predicted'] * 1e3:.1f} ms, measured "
                                   f"{(t['measured'] or float('inf')) * 1e3:.1f} ms{' (chosen)' if t['chosen'] else ''}"
                                   for t in trials))
                 if tuned is None:
                     print(f"  the autotuned choice {label} is not among the measured plans")
                 else:
-                    summary.append((name, f"autotune {args.autotune}", order.index(tuned) + 1, len(plans),
+                    summary.append((name, how, order.index(tuned) + 1, len(plans),
                                     med[tuned] / med[order[0]], _label(plans[tuned])))
     finally:
         pool.close()

@@ -3,12 +3,20 @@
 ``run_ranks(n, fn, *args)`` runs ``fn(rank, *args)`` on n ranks (gloo, 1 thread each, a
 timeout on every process group) and returns the per-rank results. A pool that saw a
 failure is replaced before the next test uses it.
+
+AUTO's measured choice (``autotune_top_k``, on by default) is off in the suite unless
+``AUTOPAR_AUTOTUNE_TOP_K`` is set: a timed choice would make the plan a test sees depend on the
+machine's load. ``test_autotune.py`` turns it on where it is the thing tested.
 """
 from __future__ import annotations
 
-import pytest
+import os
 
-from autopar.runtime.launch import RankPool
+os.environ.setdefault("AUTOPAR_AUTOTUNE_TOP_K", "0")
+
+import pytest  # noqa: E402
+
+from autopar.runtime.launch import RankPool  # noqa: E402
 
 _POOLS: dict[int, RankPool] = {}
 

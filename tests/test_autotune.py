@@ -1,4 +1,5 @@
 """AUTO's measured choice (autotune_top_k): the ranks time the best predicted plans and keep the fastest."""
+import dataclasses
 import functools
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
+from autopar.autotune import layout_key, plan_label, shortlist
 from conftest import run_ranks
 from examples.models import MLP
 from oracle import assert_same_training, make_batch, parallel_run, reference_run
@@ -17,7 +19,7 @@ def _autotune_job(rank):
     x, y = make_batch("vector", 8, d_in=32)
     torch.manual_seed(0)
     before = {k: v.clone() for k, v in MODEL().state_dict().items()}
-    autopar.set_auto_parallel_context(autotune_top_k=3, autotune_steps=2)
+    autopar.set_auto_parallel_context(autotune_top_k=3, autotune_steps=2, autotune_slack=100.0)
     try:
         out = parallel_run(rank, MODEL, F.cross_entropy, x, y, autopar.Mesh(4), "auto")
     finally:
@@ -38,8 +40,11 @@ def test_autotune_times_the_best_predicted_plans_and_trains_like_one_device():
     chosen = next(t for t in trials if t["chosen"])
     assert chosen["measured"] == min(t["measured"] for t in trials if t["measured"] is not None)
     assert all(t["measured"] > 0 and t["predicted"] > 0 for t in trials)
+    raced = [t for t in trials if t["steps"] == 2 + 2 * 2]     # the close calls: 2 steps, then 4 more
+    assert all(t["steps"] in (2, 6) for t in trials) and len(raced) != 1 and (not raced or chosen in raced)
     assert len({t["label"] for t in trials}) == 3
     assert "measured on the ranks" in plans[0].report()
+    assert plans[0].options["autotune_timing"] == "interleaved"
     for r in results:
         assert_same_training(ref, r, what="autotuned AUTO")
 
@@ -49,3 +54,75 @@ def test_autotune_settings_are_checked():
         autopar.set_auto_parallel_context(autotune_top_k=-1)
     with pytest.raises(ValueError, match="autotune_steps must be an int >= 1"):
         autopar.set_auto_parallel_context(autotune_steps=0)
+    with pytest.raises(ValueError, match="autotune_slack must be a number >= 1"):
+        autopar.set_auto_parallel_context(autotune_slack=0.5)
+
+
+def _one_at_a_time_job(rank):
+    """A memory budget that fits each trial copy but not three together: timed one by one."""
+    x, y = make_batch("vector", 8, d_in=32)
+    torch.manual_seed(0)
+    planned = autopar.plan(MODEL(), autopar.Mesh(4), example_inputs=(x,), loss_fn=F.cross_entropy,
+                           example_target=y, mode="auto")
+    peaks = [max(planned.memory_per_device)] + [a.memory for a in planned.alternatives if a.fits]
+    budget_gb = 1.5 * max(peaks) / 2**30
+    autopar.set_auto_parallel_context(autotune_top_k=3, autotune_steps=1, autotune_slack=100.0,
+                                      memory_budget_gb=budget_gb)
+    try:
+        return parallel_run(rank, MODEL, F.cross_entropy, x, y, autopar.Mesh(4), "auto")
+    finally:
+        autopar.reset_auto_parallel_context()
+
+
+def test_autotune_times_one_plan_at_a_time_when_the_copies_exceed_memory():
+    x, y = make_batch("vector", 8, d_in=32)
+    ref = reference_run(MODEL, F.cross_entropy, x, y)
+    results = run_ranks(4, _one_at_a_time_job)
+    plan = autopar.Plan.from_json(results[0]["plan"])
+    assert plan.options["autotune_timing"].startswith("one plan at a time")
+    assert len(plan.options["autotune"]) == 3
+    assert all(t["measured"] is not None and t["steps"] in (1, 3) for t in plan.options["autotune"])
+    assert "one plan at a time" in plan.report()
+    for r in results:
+        assert_same_training(ref, r, what="autotuned AUTO, one plan at a time")
+
+
+def _plans(top_k):
+    from autopar.api import _plan_traced
+    from autopar.trace import trace
+
+    x, y = make_batch("vector", 8, d_in=32)
+    torch.manual_seed(0)
+    model = MODEL()
+    return _plan_traced(model, trace(model, (x,), F.cross_entropy, y), autopar.Mesh(4), autopar.ParallelMode.AUTO,
+                        top_k)
+
+
+def test_shortlist_keeps_plans_within_the_slack_and_one_per_layout():
+    plans = _plans(8)
+    assert len(plans) >= 3
+    best = plans[0].step_time
+    renamed = dataclasses.replace(plans[0], mesh=plans[0].mesh.reshape(plans[0].mesh.shape,
+                                                                        tuple(f"x{i}" for i in range(plans[0].mesh.ndim))))
+    assert layout_key(renamed) == layout_key(plans[0]) and plan_label(renamed) != plan_label(plans[0])
+    out = shortlist([plans[0], renamed] + plans[1:], 1.5)
+    assert renamed not in out and out[0] is plans[0]
+    assert [p for p in out] == [p for p in plans if p.step_time <= 1.5 * best
+                                and layout_key(p) not in {layout_key(q) for q in plans[:plans.index(p)]}]
+    assert all(p.step_time <= 1.0 * best for p in shortlist(plans, 1.0))
+    assert len(shortlist(plans, 1e9)) == len({layout_key(p) for p in plans})
+
+
+def test_autotune_is_on_by_default_and_the_environment_turns_it_off(monkeypatch):
+    monkeypatch.delenv("AUTOPAR_AUTOTUNE_TOP_K", raising=False)
+    autopar.reset_auto_parallel_context()
+    ctx = autopar.get_auto_parallel_context()
+    assert (ctx["autotune_top_k"], ctx["autotune_steps"], ctx["autotune_slack"]) == (4, 5, 1.5)
+    monkeypatch.setenv("AUTOPAR_AUTOTUNE_TOP_K", "0")
+    autopar.reset_auto_parallel_context()
+    assert autopar.get_auto_parallel_context()["autotune_top_k"] == 0
+    monkeypatch.setenv("AUTOPAR_AUTOTUNE_TOP_K", "four")
+    with pytest.raises(ValueError, match="AUTOPAR_AUTOTUNE_TOP_K must be an integer .* got 'four'"):
+        autopar.reset_auto_parallel_context()
+    monkeypatch.setenv("AUTOPAR_AUTOTUNE_TOP_K", "0")
+    autopar.reset_auto_parallel_context()
