@@ -2,7 +2,7 @@
 
 The cost model ranks plans; where its top candidates lie within its error of each other, the
 ranks themselves decide (as Alpa profiles its stage candidates). With the context setting
-``autotune_top_k = k > 1`` (the default, 4) and a running process group, ``parallelize`` in AUTO
+``autotune_top_k = k > 1`` (the default, 6) and a running process group, ``parallelize`` in AUTO
 mode takes the shortlist of the k best predicted plans, keeping those predicted within
 ``autotune_slack`` (1.5) times the best and dropping repeats of one layout under another mesh name::
 

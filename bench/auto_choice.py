@@ -11,7 +11,7 @@ layout already. Each plan is applied
 with HYBRID (``parallelize(plan=...)``) and timed, all of them interleaved. The figure: where
 AUTO's choice ranks among the measured step times, and its time over the fastest (target <= 1.10).
 Then it runs AUTO as shipped on the same ranks (``parallelize(mode="auto")`` with the context's
-defaults: the ranks time its best predicted plans, ``autotune_top_k`` = 4 within ``autotune_slack``
+defaults: the ranks time its best predicted plans, ``autotune_top_k`` = 6 within ``autotune_slack``
 = 1.5x of the best, ``autotune_steps`` = 5, and keep the fastest) and ranks that choice the same way;
 ``--autotune K`` / ``--autotune-steps N`` override the two settings (``--autotune 0``: skip).
 ``--calibrate PROFILE`` plans with a calibration profile of this machine (measured first when

@@ -117,7 +117,7 @@ def test_autotune_is_on_by_default_and_the_environment_turns_it_off(monkeypatch)
     monkeypatch.delenv("AUTOPAR_AUTOTUNE_TOP_K", raising=False)
     autopar.reset_auto_parallel_context()
     ctx = autopar.get_auto_parallel_context()
-    assert (ctx["autotune_top_k"], ctx["autotune_steps"], ctx["autotune_slack"]) == (4, 5, 1.5)
+    assert (ctx["autotune_top_k"], ctx["autotune_steps"], ctx["autotune_slack"]) == (6, 5, 1.5)
     monkeypatch.setenv("AUTOPAR_AUTOTUNE_TOP_K", "0")
     autopar.reset_auto_parallel_context()
     assert autopar.get_auto_parallel_context()["autotune_top_k"] == 0
