@@ -281,6 +281,11 @@ def _freeze(x):
     return repr(x)
 
 
+def work_signature(node: fx.Node, need: frozenset):
+    """Hashable signature of a node's call: arguments with tensors as (shape, stride, dtype, needs grad)."""
+    return _signature(node, need)
+
+
 def _signature(node: fx.Node, need: frozenset):
     def sig(a):
         if isinstance(a, fx.Node):

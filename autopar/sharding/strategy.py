@@ -120,11 +120,26 @@ def _combine(node, axis_choices, mesh_shape, in_shapes, outs) -> Strategy | None
     return Strategy(inputs, output, locals_, name)
 
 
+_MESH_STRATEGIES: dict[tuple, list[Strategy]] = {}
+
+
 def mesh_strategies(node: fx.Node, axis_options: list[AxisStrategy], mesh_shape, limit: int = 64) -> list[Strategy]:
-    """All valid combinations of per-axis strategies (replicate-everything always first)."""
+    """All valid combinations of per-axis strategies (replicate-everything always first); a pure
+    function of the options, the mesh and the node's shapes, memoised (repeated layers ask alike)."""
     in_shapes = [shape_of(a) for a in tensor_inputs(node)]
     outs = out_shapes(node)
     base = replicate_all(node)
+    key = (tuple(axis_options), tuple(mesh_shape), tuple(in_shapes), tuple(outs) if isinstance(outs, list) else outs,
+           base, limit)
+    cached = _MESH_STRATEGIES.get(key)
+    if cached is None:
+        if len(_MESH_STRATEGIES) > 20000:
+            _MESH_STRATEGIES.clear()
+        cached = _MESH_STRATEGIES[key] = _combinations(node, base, axis_options, mesh_shape, in_shapes, outs, limit)
+    return list(cached)
+
+
+def _combinations(node, base, axis_options, mesh_shape, in_shapes, outs, limit) -> list[Strategy]:
     options = [base] + [o for o in axis_options if o != base]
     seen, result = set(), []
     for combo in itertools.product(options, repeat=len(mesh_shape)):

@@ -27,7 +27,8 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_models.comm import axis_collective_time
-from autopar.cost_models.compute import OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time
+from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time,
+                                         work_signature)
 from autopar.cost_models.memory import saved_activations, training_state_bytes_per_param
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
@@ -197,6 +198,20 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
     return compute, memory
 
 
+def cost_key(node: fx.Node, strategies: list[Strategy], saved: dict[str, int], traced_params: set[str],
+             need: frozenset) -> tuple:
+    """Everything ``node_costs`` reads: two nodes with equal keys cost the same under every strategy
+    (the op and its argument signature, which inputs are parameters, need gradients and how many
+    consumers share them, the saved-activation bytes, the strategies)."""
+    if node.op == "placeholder":
+        v = node.meta.get("val")
+        shape = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
+        return ("placeholder", node.name in traced_params, shape, tuple(strategies))
+    ins = tuple((a.name in traced_params, a in need, len(a.users)) for a in tensor_inputs(node))
+    return (node.op, node.target, work_signature(node, need), node in need, ins, saved.get(node.name, 0),
+            tuple(strategies))
+
+
 @dataclass
 class BuiltProblem:
     problem: IntraOpProblem
@@ -213,10 +228,14 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     names = list(cands.strategies)
     index = {n: i for i, n in enumerate(names)}
     by_name = {n.name: n for n in gm.graph.nodes}
-    nodes = []
+    need = grad_nodes(gm.graph)
+    nodes, memo = [], {}
     for n in names:
-        comp, mem = node_costs(by_name[n], cands.strategies[n], c, saved, params)
-        nodes.append(NodeChoices(n, comp, mem, allowed.get(n)))
+        key = cost_key(by_name[n], cands.strategies[n], saved, params, need)
+        if key not in memo:         # repeated layers: one costing per distinct op, shapes and strategies
+            memo[key] = node_costs(by_name[n], cands.strategies[n], c, saved, params)
+        comp, mem = memo[key]
+        nodes.append(NodeChoices(n, comp.copy(), mem.copy(), allowed.get(n)))
     edges = []
     for n in names:
         node = by_name[n]

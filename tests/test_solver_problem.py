@@ -1,0 +1,57 @@
+"""Building the intra-op problem: repeated layers are costed once, and that changes nothing."""
+import numpy as np
+import torch
+
+from autopar.cost_models.compute import grad_nodes
+from autopar.cost_models.devices import get_device
+from autopar.cost_models.memory import saved_activations
+from autopar.sharding.candidates import build_candidates
+from autopar.sharding.registry import axis_options, has_rule
+from autopar.sharding.strategy import _combinations, out_shapes, replicate_all, shape_of, tensor_inputs
+from autopar.solver.problem import Costing, build_problem, cost_key, node_costs
+from autopar.trace import trace
+from examples.models import GPT, lm_loss
+from oracle import make_batch
+
+MESH = (2, 2)
+
+
+def _traced():
+    torch.manual_seed(0)
+    x, y = make_batch("tokens", 4, vocab=64, seq=8)
+    return trace(GPT(vocab=64, hidden=32, heads=2, layers=3, seq=8, qkv_bias=False), (x,), lm_loss, y)
+
+
+def test_memoised_node_costs_equal_costing_every_node():
+    tr = _traced()
+    cands = build_candidates(tr.gm, MESH)
+    costing = Costing(MESH, get_device("a100-80gb"), "adamw", "fp32", frozen_buffers=set(tr.buffers))
+    built = build_problem(tr.gm, cands, costing, set(tr.params))
+    saved = saved_activations(tr.gm, dropout_mask_bytes=1)
+    by_name = {n.name: n for n in tr.gm.graph.nodes}
+    need = grad_nodes(tr.gm.graph)
+    keys = set()
+    for i, name in enumerate(built.names):
+        comp, mem = node_costs(by_name[name], cands.strategies[name], costing, saved, set(tr.params))
+        assert np.array_equal(built.problem.nodes[i].compute, comp), name
+        assert np.array_equal(built.problem.nodes[i].memory, mem), name
+        keys.add(cost_key(by_name[name], cands.strategies[name], saved, set(tr.params), need))
+    assert len(keys) < 0.6 * len(built.names), "3 equal blocks should share most of their costings"
+
+
+def test_memoised_strategies_equal_enumerating_every_node():
+    tr = _traced()
+    cands = build_candidates(tr.gm, MESH)
+    checked = 0
+    for node in tr.gm.graph.nodes:
+        if node.name not in cands.strategies or node.op != "call_function":
+            continue
+
+        def combos(options, node=node):
+            return _combinations(node, replicate_all(node), options, MESH, [shape_of(a) for a in tensor_inputs(node)],
+                                 out_shapes(node), 64)
+
+        fresh = combos(axis_options(node) if has_rule(node.target) else []) or combos([replicate_all(node)])
+        assert cands.strategies[node.name] == fresh, node.name
+        checked += 1
+    assert checked > 50
