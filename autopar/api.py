@@ -18,13 +18,11 @@ from autopar.mesh import Mesh
 from autopar.parallel_module import ParallelModule
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.localize_shapes import localize_shapes
-from autopar.passes.shard_params import local_piece
 from autopar.plan import Plan
 from autopar.runtime.grad_sync import add_axis_sync_hooks, wrap_ddp
 from autopar.runtime.groups import AxisGroup, axis_groups
 from autopar.runtime.launch import init_from_env
-from autopar.runtime.program import RankProgram
-from autopar.sharding.placements import parse_spec
+from autopar.runtime.program import RankProgram, placeholder_slot
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
 from autopar.solver.decode import graph_fingerprint
 from autopar.solver.search import PlanError, PlanOptions, make_plans
@@ -180,26 +178,12 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan) -> P
     gm, param_sync = insert_collectives(gm, the_plan, mesh.axis_names, mesh.shape, set(traced.params))
     gm = localize_shapes(gm, the_plan, mesh.shape)
     fwd = _forward_graph(gm, traced)
-    slots, params, buffers = [], {}, {}
+    params, buffers = {}, {}
     state = dict(model.state_dict(keep_vars=True))
     named_p = dict(model.named_parameters(remove_duplicate=False))
     named_b = dict(model.named_buffers(remove_duplicate=False))
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        ph = node.name
-        if ph in traced.params or ph in traced.buffers:
-            name, d = params_by_ph[ph]
-            full = (named_p.get(name) if ph in traced.params else named_b.get(name))
-            piece = local_piece(full.detach(), parse_spec(d.spec), coords, mesh.shape).clone()
-            (params if ph in traced.params else buffers)[name] = piece
-            slots.append(("param" if ph in traced.params else "buffer", name))
-        elif ph in traced.constants:
-            slots.append(("const", traced.constants[ph]))
-        elif ph in traced.inputs:
-            slots.append(("input", traced.inputs.index(ph)))
-        else:
-            slots.append(("target", None))
+    slots = [placeholder_slot(node.name, traced, params_by_ph, named_p, named_b, coords, mesh.shape, params, buffers)
+             for node in gm.graph.nodes if node.op == "placeholder"]
     program = RankProgram(gm, fwd, slots, params, buffers, axes)
     ddp = _grad_sync(program, the_plan, param_sync, traced, axes, mesh)
     used = {a for d in the_plan.params.values() for a in d.aliases}

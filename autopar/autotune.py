@@ -11,7 +11,8 @@ mode takes the shortlist of the k best predicted plans, keeping those predicted 
 It builds each on a copy of the model and runs ``warmup`` + ``steps`` training steps
 (``pmodel.step`` on the example batch, then the plan's optimizer — AdamW, or SGD when the plan was
 made for it — on the copy's parameters), the plans interleaved round by round so that a change of
-machine load hits all of them alike; when the copies would not fit the device together
+machine load hits all of them alike (in a new order each round: what ran before a step changes its
+caches); when the copies would not fit the device together
 (sum of predicted peaks > the memory budget) one plan is built, timed and freed at a time::
 
     measured(plan) = max over ranks of median_rounds(step + optimizer seconds)
@@ -30,6 +31,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -114,6 +116,7 @@ class _Timer:
         self.samples: list[list[float]] = [[] for _ in plans]
         self.errors, self.failed = [""] * len(plans), [False] * len(plans)
         self.kept: dict[int, tuple] = {}
+        self.rounds = 0                   # rounds run so far: seeds each round's order alike on every rank
 
     def run(self, indices: list[int], rounds: int) -> None:
         """``rounds`` timed rounds of ``indices`` (after ``warmup`` untimed ones for new builds)."""
@@ -122,7 +125,10 @@ class _Timer:
             fresh = any(not self.samples[i] for i in runs)
             warm = self.warmup if fresh or not self.together else 0
             for r in range(warm + rounds):
-                for i, (pm, opt) in runs.items():
+                self.rounds += 1
+                order = random.Random(self.rounds).sample(list(runs), len(runs))
+                for i in order:                 # a new order each round, the same on every rank
+                    pm, opt = runs[i]
                     if dist.is_initialized():
                         dist.barrier()
                     t0 = time.perf_counter()

@@ -120,22 +120,20 @@ class ParallelModule(nn.Module):
 
     # ---- gradients -------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global gradient norm over all shards (2-norm or inf-norm)."""
-        world = self.plan.mesh.size
+        """Clip by the global gradient norm over all shards (2-norm or inf-norm): every rank adds its
+        pieces' ``|g|^p`` divided by how many ranks hold that same piece (``_replicas``)."""
         local = torch.zeros((), dtype=torch.float64)
         grads = []
         for name, p in self.program.named_parameters():
             if p.grad is None:
                 continue
             grads.append(p.grad)
-            spec = parse_spec(self.plan.params[name].spec) if name in self.plan.params else ()
-            replicas = world / shard_factor(spec, self.plan.mesh.shape) if spec else world
             g = p.grad.detach().double()
             if norm_type == math.inf:
                 local = torch.maximum(local, g.abs().max())
             else:
-                local += (g.abs() ** norm_type).sum() / replicas
-        if dist.is_initialized() and world > 1:
+                local += (g.abs() ** norm_type).sum() / self._replicas(name)
+        if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
         total = local if norm_type == math.inf else local ** (1.0 / norm_type)
         coef = float(max_norm) / (float(total) + 1e-6)
@@ -143,6 +141,12 @@ class ParallelModule(nn.Module):
             for g in grads:
                 g.mul_(coef)
         return total.float()
+
+    def _replicas(self, name: str) -> float:
+        """How many ranks hold the same piece of parameter ``name``."""
+        world = self.plan.mesh.size
+        spec = parse_spec(self.plan.params[name].spec) if name in self.plan.params else ()
+        return world / shard_factor(spec, self.plan.mesh.shape) if spec else world
 
     # ---- state -------------------------------------------------------------------------------
     def _local(self, name: str) -> torch.Tensor | None:

@@ -26,13 +26,13 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from autopar.parallel_module import ParallelModule, _to_replicate
-from autopar.passes.shard_params import assemble, local_piece
+from autopar.passes.shard_params import assemble
 from autopar.passes.split_stages import forward_only, split_stages
 from autopar.runtime import comm
 from autopar.runtime.comm import COUNTER
 from autopar.runtime.groups import AxisGroup, axis_groups, bound_axes
 from autopar.runtime.pipeline import PipelineExecutor, StageCall
-from autopar.runtime.program import ParamTree
+from autopar.runtime.program import ParamTree, placeholder_slot
 from autopar.sharding.placements import Partial, local_shape, parse_spec, shard_factor
 from autopar.solver.schedule import build_schedule
 
@@ -96,20 +96,8 @@ def build_pipeline_module(model: nn.Module, traced, plan) -> "PipelineModule":
     params, buffers, calls = {}, {}, {}
     for s in mine:
         g = graphs[s]
-        slots = []
-        for ph in g.placeholders:
-            if ph in mb.params or ph in mb.buffers:
-                name, d = by_ph[ph]
-                full = named_p.get(name) if ph in mb.params else named_b.get(name)
-                piece = local_piece(full.detach(), parse_spec(d.spec), coords, mesh.shape).clone()
-                (params if ph in mb.params else buffers)[name] = piece
-                slots.append(("param" if ph in mb.params else "buffer", name))
-            elif ph in mb.constants:
-                slots.append(("const", mb.constants[ph]))
-            elif ph in mb.inputs:
-                slots.append(("input", mb.inputs.index(ph)))
-            else:
-                slots.append(("target", None))
+        slots = [placeholder_slot(ph, mb, by_ph, named_p, named_b, coords, mesh.shape, params, buffers)
+                 for ph in g.placeholders]
         keep = [mb.output_index] if mb.output_index is not None and g.results else []
         calls[s] = StageCall(g, forward_only(g, keep), slots)
     program = PipelineProgram(params, buffers)
@@ -263,29 +251,9 @@ class PipelineModule(ParallelModule):
 
     # ---- gradients and state -----------------------------------------------------------------
     def _replicas(self, name: str) -> int:
+        """Ranks holding the same piece: its shard's replicas in each stage that owns ``name``."""
         spec = parse_spec(self.plan.params[name].spec)
         return len(self._owners.get(name, [0])) * self._per_pp // shard_factor(spec, self.plan.mesh.shape)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        local = torch.zeros((), dtype=torch.float64)
-        grads = []
-        for name, p in self.program.named_parameters():
-            if p.grad is None:
-                continue
-            grads.append(p.grad)
-            g = p.grad.detach().double()
-            if norm_type == math.inf:
-                local = torch.maximum(local, g.abs().max())
-            else:
-                local += (g.abs() ** norm_type).sum() / self._replicas(name)
-        if dist.is_initialized():
-            dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
-        total = local if norm_type == math.inf else local ** (1.0 / norm_type)
-        coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return total.float()
 
     def _gather(self, name: str, local: torch.Tensor | None, spec) -> torch.Tensor:
         """The full tensor from the pieces held by the ranks of the first stage owning ``name``."""

@@ -123,7 +123,7 @@ def _build(rank: int, name: str, plan_jsons: list[str]) -> dict:
 
 
 def _measure(rank: int, reps: int) -> dict:
-    return interleaved(dict(_STEPS), reps, warmup=1)
+    return interleaved(dict(_STEPS), reps, warmup=1, shuffle=True)
 
 
 def _autotuned(rank: int, name: str, top_k: int | None, steps: int | None) -> tuple[str, list]:

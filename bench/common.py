@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -29,10 +30,13 @@ def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 2) -> dict[str, list[float]]:
+def interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 2,
+                shuffle: bool = False) -> dict[str, list[float]]:
     """Seconds per call of every function, run round-robin ``reps`` times after ``warmup``
     rounds. Under torch.distributed (call on every rank, same order) each call starts after a
-    barrier and its time is the slowest rank's (all-reduce MAX over ranks at the end)."""
+    barrier and its time is the slowest rank's (all-reduce MAX over ranks at the end).
+    ``shuffle``: each round runs the functions in a new order (the same on every rank), so that
+    no function always follows the same one (what ran before changes caches and the allocator)."""
     names = list(fns)
     for _ in range(warmup):
         for n in names:
@@ -40,8 +44,9 @@ def interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 2
                 dist.barrier()
             fns[n]()
     times = {n: [] for n in names}
-    for _ in range(reps):
-        for n in names:
+    for r in range(reps):
+        order = random.Random(r).sample(names, len(names)) if shuffle else names
+        for n in order:
             if _dist_on():
                 dist.barrier()
             t0 = time.perf_counter()

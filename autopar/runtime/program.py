@@ -5,7 +5,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.passes.shard_params import local_piece
 from autopar.runtime.groups import AxisGroup, bound_axes
+from autopar.sharding.placements import parse_spec
 
 
 def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
@@ -16,6 +18,24 @@ def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
             mod.add_module(part, nn.Module())
         mod = getattr(mod, part)
     return mod, leaf
+
+
+def placeholder_slot(ph: str, traced, decisions: dict, named_params: dict, named_buffers: dict, coords, mesh_shape,
+                     params: dict, buffers: dict) -> tuple:
+    """The program slot of graph input ``ph`` of ``traced``; for a parameter or buffer, this rank's
+    piece of the model's tensor (``decisions[ph]`` = (name, ParamDecision)) goes into ``params``/``buffers``."""
+    if ph in traced.params or ph in traced.buffers:
+        name, d = decisions[ph]
+        is_param = ph in traced.params
+        full = (named_params if is_param else named_buffers).get(name)
+        (params if is_param else buffers)[name] = local_piece(full.detach(), parse_spec(d.spec), coords,
+                                                              mesh_shape).clone()
+        return ("param" if is_param else "buffer", name)
+    if ph in traced.constants:
+        return ("const", traced.constants[ph])
+    if ph in traced.inputs:
+        return ("input", traced.inputs.index(ph))
+    return ("target", None)
 
 
 def fill_slots(slots, tensor_of, inputs, target) -> list:
