@@ -17,7 +17,7 @@ caches); when the copies would not fit the device together
 
     measured(plan) = max over ranks of median_rounds(step + optimizer seconds)
     close          = { p : measured(p) <= 1.1 * min measured }   -> 2 * steps more rounds each, pooled
-    chosen         = argmin measured (ties: the better predicted)
+    chosen         = the best predicted p with measured(p) <= 1.03 * min measured
 
 Steps of plans a few per cent apart differ by about as much from one round to the next when
 ranks share cores, so the close calls get three times the rounds of the clear losers.
@@ -175,6 +175,19 @@ class _Timer:
         gc.collect()
 
 
+TIE = 0.03   # measured steps this close are not told apart by a few timed steps on shared cores
+
+
+def pick(trials: list[Trial], tie: float = TIE) -> int:
+    """Index of the chosen trial (trials in predicted order): among those measured within
+    ``1 + tie`` of the fastest, the best predicted — where the clock cannot tell plans apart, the
+    cost model does. 0 when none ran."""
+    fastest = min(t.measured for t in trials)
+    if fastest == float("inf"):
+        return 0
+    return next(i for i, t in enumerate(trials) if t.measured <= (1 + tie) * fastest)
+
+
 def _optimizer(plan: Plan, pmodel) -> torch.optim.Optimizer:
     """The optimizer the plan was costed for, on the trial copy's parameters."""
     params = list(pmodel.parameters())
@@ -195,9 +208,7 @@ def choose(plans: list[Plan], model: torch.nn.Module, build: Callable[[torch.nn.
     together = sum(max(p.memory_per_device, default=0.0) for p in plans) <= budget
     trials = measure_plans(plans, lambda p: build(copy.deepcopy(model), p), example_inputs, example_target, steps,
                            together=together)
-    best = min(range(len(plans)), key=lambda i: (trials[i].measured, i))
-    if trials[best].measured == float("inf"):
-        best = 0
+    best = pick(trials)
     chosen = plans[best]
     chosen.options["autotune"] = [dict(asdict(t), measured=t.measured if t.measured < float("inf") else None,
                                        chosen=(i == best)) for i, t in enumerate(trials)]
@@ -205,4 +216,4 @@ def choose(plans: list[Plan], model: torch.nn.Module, build: Callable[[torch.nn.
     return chosen
 
 
-__all__ = ["Trial", "choose", "layout_key", "measure_plans", "plan_label", "shortlist"]
+__all__ = ["TIE", "Trial", "choose", "pick", "layout_key", "measure_plans", "plan_label", "shortlist"]

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.autotune import layout_key, plan_label, shortlist
+from autopar.autotune import TIE, Trial, layout_key, pick, plan_label, shortlist
 from conftest import run_ranks
 from examples.models import MLP
 from oracle import assert_same_training, make_batch, parallel_run, reference_run
@@ -38,7 +38,10 @@ def test_autotune_times_the_best_predicted_plans_and_trains_like_one_device():
     trials = plans[0].options["autotune"]
     assert len(trials) == 3 and sum(t["chosen"] for t in trials) == 1
     chosen = next(t for t in trials if t["chosen"])
-    assert chosen["measured"] == min(t["measured"] for t in trials if t["measured"] is not None)
+    fastest = min(t["measured"] for t in trials if t["measured"] is not None)
+    assert chosen["measured"] <= (1 + TIE) * fastest
+    assert all(t["measured"] > (1 + TIE) * fastest for t in trials[:trials.index(chosen)]), \
+        "a better predicted plan within the tie margin must win"
     assert all(t["measured"] > 0 and t["predicted"] > 0 for t in trials)
     raced = [t for t in trials if t["steps"] == 2 + 2 * 2]     # the close calls: 2 steps, then 4 more
     assert all(t["steps"] in (2, 6) for t in trials) and len(raced) != 1 and (not raced or chosen in raced)
@@ -126,3 +129,14 @@ def test_autotune_is_on_by_default_and_the_environment_turns_it_off(monkeypatch)
         autopar.reset_auto_parallel_context()
     monkeypatch.setenv("AUTOPAR_AUTOTUNE_TOP_K", "0")
     autopar.reset_auto_parallel_context()
+
+
+def test_pick_prefers_the_better_predicted_plan_when_measurements_tie():
+    def trials(*measured):
+        return [Trial(f"p{i}", 0.01 * (i + 1), m) for i, m in enumerate(measured)]
+
+    assert pick(trials(0.100, 0.090)) == 1                  # 10 % apart: the clock decides
+    assert pick(trials(0.0925, 0.090)) == 0                 # within 3 %: the better predicted
+    assert pick(trials(0.120, 0.0925, 0.090)) == 1
+    assert pick(trials(float("inf"), 0.090)) == 1
+    assert pick(trials(float("inf"), float("inf"))) == 0
