@@ -16,11 +16,12 @@ caches); when the copies would not fit the device together
 (sum of predicted peaks > the memory budget) one plan is built, timed and freed at a time::
 
     measured(plan) = max over ranks of median_rounds(step + optimizer seconds)
-    close          = { p : measured(p) <= 1.1 * min measured }   -> 2 * steps more rounds each, pooled
+    close          = the 2 fastest ∪ { p : measured(p) <= 1.1 * min measured }   -> 2 * steps more rounds, pooled
     chosen         = the best predicted p with measured(p) <= 1.03 * min measured
 
 Steps of plans a few per cent apart differ by about as much from one round to the next when
-ranks share cores, so the close calls get three times the rounds of the clear losers.
+ranks share cores (a median of 5 steps moved by 10-15 % between runs here), so the leader and the
+close calls get three times the rounds of the clear losers.
 
 Every rank gets the same maxima from one all-reduce, so every rank picks the same plan. The
 user's model, its buffers and the RNG state are left as they were. The trials go to
@@ -86,14 +87,16 @@ def measure_plans(plans: list[Plan], build: Callable[[Plan], object], example_in
     """Build every plan (``build(plan)`` -> a ParallelModule) and time its training steps;
     collective over the default process group (every rank calls it alike). ``together``: all
     plans built at once and timed interleaved; otherwise built, timed and freed one at a time.
-    ``race``: the plans measured within ``1 + race`` of the fastest are timed ``2 * steps`` more
-    rounds (their samples pooled), so that the close calls get the most measurements."""
+    ``race``: the two fastest and every plan measured within ``1 + race`` of the fastest are timed
+    ``2 * steps`` more rounds (their samples pooled), so that the leader is always checked against
+    the runner-up and the close calls get the most measurements."""
     rng = torch.get_rng_state()
     timer = _Timer(plans, build, example_inputs, example_target, warmup, together)
     timer.run(list(range(len(plans))), steps)
     med = timer.medians()
     best = min(med)
-    close = [i for i, m in enumerate(med) if m <= (1 + race) * best and m < float("inf")]
+    ranked = sorted((i for i, m in enumerate(med) if m < float("inf")), key=med.__getitem__)
+    close = sorted(set(ranked[:2]) | {i for i in ranked if med[i] <= (1 + race) * best})
     if race > 0 and len(close) > 1:
         timer.run(close, 2 * steps)
         med = timer.medians()

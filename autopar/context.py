@@ -50,7 +50,7 @@ _DEFAULTS: dict[str, Any] = {
     # AUTO under torch.distributed: time the k best predicted plans (those predicted within
     # autotune_slack x the best) for autotune_steps steps each and keep the fastest; 0 or 1 = off
     "autotune_top_k": 6,
-    "autotune_steps": 5,
+    "autotune_steps": 8,
     "autotune_slack": 1.5,
 }
 

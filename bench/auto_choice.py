@@ -12,7 +12,7 @@ with HYBRID (``parallelize(plan=...)``) and timed, all of them interleaved. The 
 AUTO's choice ranks among the measured step times, and its time over the fastest (target <= 1.10).
 Then it runs AUTO as shipped on the same ranks (``parallelize(mode="auto")`` with the context's
 defaults: the ranks time its best predicted plans, ``autotune_top_k`` = 6 within ``autotune_slack``
-= 1.5x of the best, ``autotune_steps`` = 5, and keep the fastest) and ranks that choice the same way;
+= 1.5x of the best, ``autotune_steps`` = 8, and keep the fastest) and ranks that choice the same way;
 ``--autotune K`` / ``--autotune-steps N`` override the two settings (``--autotune 0``: skip).
 ``--calibrate PROFILE`` plans with a calibration profile of this machine (measured first when
 the file is missing; ``autopar.cost_models.calibrate``) instead of the "cpu" preset's defaults.

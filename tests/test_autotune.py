@@ -43,8 +43,8 @@ def test_autotune_times_the_best_predicted_plans_and_trains_like_one_device():
     assert all(t["measured"] > (1 + TIE) * fastest for t in trials[:trials.index(chosen)]), \
         "a better predicted plan within the tie margin must win"
     assert all(t["measured"] > 0 and t["predicted"] > 0 for t in trials)
-    raced = [t for t in trials if t["steps"] == 2 + 2 * 2]     # the close calls: 2 steps, then 4 more
-    assert all(t["steps"] in (2, 6) for t in trials) and len(raced) != 1 and (not raced or chosen in raced)
+    raced = [t for t in trials if t["steps"] == 2 + 2 * 2]     # the 2 fastest and close calls: 2 steps, 4 more
+    assert all(t["steps"] in (2, 6) for t in trials) and len(raced) >= 2
     assert len({t["label"] for t in trials}) == 3
     assert "measured on the ranks" in plans[0].report()
     assert plans[0].options["autotune_timing"] == "interleaved"
@@ -85,6 +85,7 @@ def test_autotune_times_one_plan_at_a_time_when_the_copies_exceed_memory():
     assert plan.options["autotune_timing"].startswith("one plan at a time")
     assert len(plan.options["autotune"]) == 3
     assert all(t["measured"] is not None and t["steps"] in (1, 3) for t in plan.options["autotune"])
+    assert sum(t["steps"] == 3 for t in plan.options["autotune"]) >= 2
     assert "one plan at a time" in plan.report()
     for r in results:
         assert_same_training(ref, r, what="autotuned AUTO, one plan at a time")
@@ -120,7 +121,7 @@ def test_autotune_is_on_by_default_and_the_environment_turns_it_off(monkeypatch)
     monkeypatch.delenv("AUTOPAR_AUTOTUNE_TOP_K", raising=False)
     autopar.reset_auto_parallel_context()
     ctx = autopar.get_auto_parallel_context()
-    assert (ctx["autotune_top_k"], ctx["autotune_steps"], ctx["autotune_slack"]) == (6, 5, 1.5)
+    assert (ctx["autotune_top_k"], ctx["autotune_steps"], ctx["autotune_slack"]) == (6, 8, 1.5)
     monkeypatch.setenv("AUTOPAR_AUTOTUNE_TOP_K", "0")
     autopar.reset_auto_parallel_context()
     assert autopar.get_auto_parallel_context()["autotune_top_k"] == 0
