@@ -16,7 +16,8 @@ caches); when the copies would not fit the device together
 (sum of predicted peaks > the memory budget) one plan is built, timed and freed at a time::
 
     measured(plan) = max over ranks of median_rounds(step + optimizer seconds)
-    close          = the 2 fastest ∪ { p : measured(p) <= 1.1 * min measured }   -> 2 * steps more rounds, pooled
+    close          = the 2 fastest ∪ { p : measured(p) <= 1.1 * min measured }
+                     (2 * steps more rounds each, samples pooled)
     chosen         = the best predicted p with measured(p) <= 1.03 * min measured
 
 Steps of plans a few per cent apart differ by about as much from one round to the next when
@@ -66,8 +67,8 @@ def plan_label(plan: Plan) -> str:
 
 def layout_key(plan: Plan) -> str:
     """What a plan runs, without its mesh's axis names: equal keys are one layout under two names."""
-    return json.dumps([list(plan.mesh.shape), plan.microbatches, plan.schedule,
-                       [s.ranks for s in plan.stages], {k: [n.strategy, n.inputs, n.output] for k, n in plan.nodes.items()},
+    nodes = {k: [n.strategy, n.inputs, n.output] for k, n in plan.nodes.items()}
+    return json.dumps([list(plan.mesh.shape), plan.microbatches, plan.schedule, [s.ranks for s in plan.stages], nodes,
                        {k: p.spec for k, p in plan.params.items()}, plan.inputs], sort_keys=True, default=str)
 
 
@@ -201,8 +202,8 @@ def _optimizer(plan: Plan, pmodel) -> torch.optim.Optimizer:
 
 def choose(plans: list[Plan], model: torch.nn.Module, build: Callable[[torch.nn.Module, Plan], object],
            example_inputs: tuple, example_target, steps: int = 3, slack: float = 1.5) -> Plan:
-    """The plan of ``shortlist(plans, slack)`` (best predicted first) whose measured step is
-    least; records the trials in its ``options["autotune"]``. Each trial runs on a deep copy of
+    """The plan of ``shortlist(plans, slack)`` (best predicted first) that ``pick`` takes from the
+    measured trials; records the trials in its ``options["autotune"]``. Each trial runs on a deep copy of
     ``model``; the copies are built together only when their predicted peaks fit the budget."""
     plans = shortlist(plans, slack)
     if len(plans) < 2:
