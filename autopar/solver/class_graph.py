@@ -97,35 +97,41 @@ def is_forbidden(x: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- reductions
 
-def _prune_forbidden(g: ClassGraph) -> bool:
+def _restrict_each(g: ClassGraph, keep_of) -> bool:
+    """Restrict every live class to the candidates ``keep_of(a)`` marks (None: leave it)."""
     changed = False
     for a in list(g.alive):
-        keep = np.isfinite(g.compute[a]) & np.isfinite(g.memory[a])
-        for b in g.nbrs[a]:
-            keep &= np.isfinite(g.edge(a, b)).any(axis=1)
-        if not keep.all():
+        keep = keep_of(a)
+        if keep is not None and not keep.all():
             g.restrict(a, keep)
             changed = True
     return changed
 
 
+def _prune_forbidden(g: ClassGraph) -> bool:
+    def keep_of(a):
+        keep = np.isfinite(g.compute[a]) & np.isfinite(g.memory[a])
+        for b in g.nbrs[a]:
+            keep &= np.isfinite(g.edge(a, b)).any(axis=1)
+        return keep
+
+    return _restrict_each(g, keep_of)
+
+
 def _drop_dominated(g: ClassGraph) -> bool:
-    changed = False
-    for a in list(g.alive):
+    def keep_of(a):
         k = len(g.cands[a])
         if k < 2:
-            continue
+            return None
         columns = [g.compute[a][:, None]] + ([g.memory[a][:, None]] if g.budgeted else [])
         sig = np.hstack(columns + [g.edge(a, b) for b in g.nbrs[a]])
         le = (sig[:, None, :] <= sig[None, :, :]).all(axis=2)  # le[t, s]: t no worse than s
         order = np.arange(k)
         dominates = le & (~le.T | (order[:, None] < order[None, :]))
         np.fill_diagonal(dominates, False)
-        keep = ~dominates.any(axis=0)
-        if not keep.all():
-            g.restrict(a, keep)
-            changed = True
-    return changed
+        return ~dominates.any(axis=0)
+
+    return _restrict_each(g, keep_of)
 
 
 def _fold_fixed(g: ClassGraph) -> bool:
