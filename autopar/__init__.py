@@ -8,12 +8,11 @@ from autopar.context import (ParallelMode, get_auto_parallel_context, reset_auto
                              set_auto_parallel_context)
 from autopar.mesh import Mesh
 from autopar.parallel_module import ParallelModule
-from autopar.plan import Plan
+from autopar.plan import Plan, PlanError
 from autopar.runtime.comm import count_collectives
 from autopar.runtime.launch import RankError, launch
 from autopar.sharding.placements import Partial, Replicate, Shard
 from autopar.solver.annotations import clear_annotations, pipeline_stage, shard, shard_input
-from autopar.solver.search import PlanError
 from autopar.trace import TraceError
 
 __all__ = ["parallelize", "plan", "Mesh", "ParallelMode", "Plan", "ParallelModule", "Shard", "Replicate", "Partial",

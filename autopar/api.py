@@ -18,14 +18,14 @@ from autopar.mesh import Mesh
 from autopar.parallel_module import ParallelModule
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.localize_shapes import localize_shapes
-from autopar.plan import Plan
+from autopar.plan import Plan, PlanError
 from autopar.runtime.grad_sync import add_axis_sync_hooks, wrap_ddp
 from autopar.runtime.groups import AxisGroup, axis_groups
 from autopar.runtime.launch import init_from_env
 from autopar.runtime.program import RankProgram, placeholder_slot
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
 from autopar.solver.decode import graph_fingerprint
-from autopar.solver.search import PlanError, PlanOptions, make_plans
+from autopar.solver.search import PlanOptions, make_plans
 from autopar.trace import Traced, trace
 
 

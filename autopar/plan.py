@@ -14,6 +14,10 @@ from autopar.mesh import Mesh
 FORMAT_VERSION = 1
 
 
+class PlanError(ValueError):
+    """The request cannot be planned as asked, or a plan does not fit the graph; the message says what to change."""
+
+
 @dataclass
 class NodeDecision:
     """The strategy chosen for one op."""

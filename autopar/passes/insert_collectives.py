@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.passes.specs import PlanSpecs
+from autopar.plan import PlanError
 from autopar.runtime import comm, local_ops
 from autopar.sharding.candidates import is_dropped
 from autopar.sharding.placements import Replicate
@@ -76,6 +77,9 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
             continue
         ins = tensor_inputs(node)
         need = specs.input_specs(node)
+        if len(ins) != len(need):
+            raise PlanError(f"the plan gives {node.name} ({node.target}) {len(need)} input placement(s) but it has "
+                             f"{len(ins)} tensor input(s); the plan does not match this graph, make a new one")
         outs = specs.output_specs(node)
         split = _split_axes(outs)
         new_inputs = []
@@ -98,7 +102,7 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
                     cache[key] = value
                 new_inputs.append(cache[key])
         _replace_tensor_inputs(node, new_inputs)
-        _apply_local(gm, node, decision, axis_names, mesh_shape)
+        _apply_local(gm, node, decision, axis_names, mesh_shape, specs)
     graph.lint()
     gm.recompile()
     return gm, dict(param_sync)
@@ -135,7 +139,7 @@ def _replace_tensor_inputs(node: fx.Node, new_inputs: list[fx.Node]) -> None:
     node.args, node.kwargs = tuple(args), dict(kwargs)
 
 
-def _apply_local(gm: fx.GraphModule, node: fx.Node, decision, axis_names, mesh_shape) -> None:
+def _apply_local(gm: fx.GraphModule, node: fx.Node, decision, axis_names, mesh_shape, specs: PlanSpecs) -> None:
     if len(decision.local) != len(axis_names):
         raise ValueError(f"the plan's decision for {node.name} names local implementations for "
                          f"{len(decision.local)} mesh axes, the mesh has {len(axis_names)} {tuple(axis_names)}; "
@@ -151,7 +155,9 @@ def _apply_local(gm: fx.GraphModule, node: fx.Node, decision, axis_names, mesh_s
                 factor *= mesh_shape[a]
         with gm.graph.inserting_after(node):
             scaled = gm.graph.call_function(local_ops.scale, (node, 1.0 / factor))
+        scaled.meta = dict(node.meta)
         node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+        specs.same_as(scaled, node)
         return
     impl = local_ops.IMPLS[family]
     axes = {role: [a for a, r in roles if r == role] for role in {r for _, r in roles}}

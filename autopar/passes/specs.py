@@ -5,6 +5,7 @@ import operator
 
 import torch.fx as fx
 
+from autopar.plan import PlanError
 from autopar.sharding.placements import R, parse_spec
 
 
@@ -16,15 +17,23 @@ class PlanSpecs:
         self.k = mesh_ndim
         self.by_placeholder = {p.placeholder: parse_spec(p.spec) for p in plan.params.values()}
         self.by_placeholder.update({k: parse_spec(v) for k, v in plan.inputs.items()})
+        self._same_as: dict[str, fx.Node] = {}
+
+    def same_as(self, new: fx.Node, old: fx.Node) -> None:
+        """``new`` (a node a pass inserted after ``old``, e.g. a local rescale) has ``old``'s placement."""
+        self._same_as[new.name] = old
 
     def spec(self, node: fx.Node, index: int | None = None):
+        if node.name in self._same_as:
+            return self.spec(self._same_as[node.name], index)
         if node.op == "placeholder":
             return self.by_placeholder.get(node.name, tuple(R for _ in range(self.k)))
         if node.op == "call_function" and node.target is operator.getitem:
             return self.spec(node.args[0], node.args[1])
         d = self.plan.nodes.get(node.name)
         if d is None:
-            return tuple(R for _ in range(self.k))
+            raise PlanError(f"the plan has no placement for {node.name} ({node.target}); the plan does not "
+                             "match this graph, make a new one")
         if isinstance(d.output, list):
             return parse_spec(d.output[index if index is not None else 0])
         return parse_spec(d.output)

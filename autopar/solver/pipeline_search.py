@@ -43,7 +43,7 @@ from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved, train
 from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
 from autopar.mesh import Mesh
 from autopar.passes.specs import PlanSpecs
-from autopar.plan import Plan, Stage
+from autopar.plan import Plan, PlanError, Stage
 from autopar.sharding.placements import Replicate, parse_spec, shard_factor
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.decode import graph_fingerprint
@@ -423,7 +423,6 @@ def rank_key(plan: Plan) -> float:
 def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict):
     """(plans, failures [(note, error)], forced) for every pipeline candidate of the request."""
     from autopar.solver.annotations import ANNOTATIONS, resolve_stages
-    from autopar.solver.search import PlanError
 
     tags = resolve_stages(model, ANNOTATIONS) if mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO) else {}
     try:

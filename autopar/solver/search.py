@@ -17,7 +17,7 @@ from autopar.cost_models.compute import total_flops
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.layers import find_layers, tie_groups
 from autopar.mesh import Mesh
-from autopar.plan import Alternative, Plan
+from autopar.plan import Alternative, Plan, PlanError
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard
 from autopar.solver.decode import decode, graph_fingerprint, output_specs
@@ -34,10 +34,6 @@ class PlanOptions:
     time_limit_s: float = 10.0
     microbatches: int | None = None
     schedule: str | None = None
-
-
-class PlanError(ValueError):
-    """The request cannot be planned as asked; the message says what to change."""
 
 
 def candidate_meshes(mesh: Mesh) -> list[Mesh]:
