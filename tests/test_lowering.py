@@ -1,6 +1,7 @@
-"""The lowering (insert_collectives) is right for every layout the rules allow, not only for the
-ones today's cost model happens to pick: plans chosen under randomly perturbed costs, and
-hand-edited decisions, train like single-device; a plan that does not fit the graph is refused."""
+"""The lowering (insert_collectives, split_stages) is right for every layout the rules allow, not
+only for the ones today's cost model happens to pick: plans chosen under randomly perturbed
+costs (tensor, data and pipeline parallel), and hand-edited decisions, train like single-device;
+a plan that does not fit the graph is refused."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,10 +14,14 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.passes.insert_collectives import insert_collectives
+from autopar.passes.split_stages import Transfer
+from autopar.runtime.pipeline import PipelineExecutor
 from autopar.solver import search
 from autopar.trace import trace
 from conftest import run_ranks
+from examples.models import lm_loss
 from oracle import assert_same_training, make_batch, parallel_run, reference_run
+from test_pipeline import MODELS as PP_MODELS
 from test_tensor_parallel import DEVICE, MESHES, MODELS, _memory_cap
 
 
@@ -116,6 +121,41 @@ def test_plans_under_random_costs_train_like_single_device(monkeypatch, name, me
     ref = reference_run(model_fn, loss_fn, x, y)
     for r in run_ranks(MESHES[mesh_key][0], _model_job, name, plan.to_json()):
         assert_same_training(ref, r, what=f"{name} {mesh_key} seed {seed}")
+
+
+def _pp_job(rank, name, plan_json):
+    autopar.set_auto_parallel_context(schedule="1f1b", microbatches=2)
+    x, y = make_batch("tokens", 8)
+    plan = autopar.Plan.from_json(plan_json)
+    return parallel_run(rank, PP_MODELS[name], lm_loss, x, y, plan.mesh, None, plan=plan)
+
+
+PP_CASES = [("gpt", ("pp", "tp"), 2), ("llama", ("pp", "tp"), 4), ("gpt", ("pp", "dp"), 1)]
+
+
+@pytest.mark.parametrize("name,axes,seed", PP_CASES)
+def test_pipeline_plans_under_random_costs_train_like_single_device(monkeypatch, name, axes, seed):
+    """GPT's tied embedding: when one gather of the weight serves the embedding (stage 0) and the
+    head (stage 1), each stage gathers its own copy (the gathered weight crossed the cut with
+    the shape of its unsharded piece, and the pipeline hung)."""
+    autopar.set_auto_parallel_context(schedule="1f1b", microbatches=2)
+    x, y = make_batch("tokens", 8)
+    monkeypatch.setattr(search, "solve_intra_op", _perturbed(seed))
+    torch.manual_seed(0)
+    plan = autopar.plan(PP_MODELS[name](), autopar.Mesh((2, 2), axis_names=axes, device=DEVICE), example_inputs=(x,),
+                        loss_fn=lm_loss, example_target=y, mode="auto")
+    assert plan.degrees["pp"] == 2
+    ref = reference_run(PP_MODELS[name], lm_loss, x, y)
+    for r in run_ranks(4, _pp_job, name, plan.to_json()):
+        assert_same_training(ref, r, what=f"{name} {axes} seed {seed}")
+
+
+def test_a_stage_sending_a_value_of_the_wrong_shape_fails_clearly():
+    t = Transfer(0, "add_2", 0, 1, (2, 16, 32), torch.float32)
+    ex = PipelineExecutor({}, None, [t], lambda stage: 1, 0, {}, None, None)
+    with pytest.raises(RuntimeError, match=r"the activation of transfer 0 \(add_2\), microbatch 0, is \(2, 16, 16\) "
+                                           r"torch.float32 but its peer expects \(2, 16, 32\)"):
+        ex._send(t, 0, False, torch.zeros(2, 16, 16), [])
 
 
 def _rms_graph():

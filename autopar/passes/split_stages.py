@@ -6,9 +6,11 @@ stages (original node names per stage). Nodes the passes inserted get a stage fr
     stage(v) = min over users u of stage(u)   (the graph output counts as the last stage)
     stage(getitem(x, i)) = stage(x)
 
-so a collective inserted before its consumer runs with the consumer, and a value crosses a
-cut in its producer's placement (peer ranks of two stages share their (dp, tp) coordinates,
-so each sends its local piece to its peer: no resharding at the cut).
+so a collective inserted before its consumer runs with the consumer. An inserted node whose
+users run on several stages (one gather of a tied weight shared by the embedding and the
+head) is copied per stage. So only planned values cross a cut, each in its producer's
+placement (peer ranks of two stages share their (dp, tp) coordinates, so each sends its local
+piece to its peer: no resharding at the cut).
 
 Each stage graph takes ``(*placeholders it uses, *received values)`` and returns
 ``(*values it sends, *graph outputs)`` (outputs on the last stage only). A ``Transfer`` names
@@ -61,18 +63,35 @@ class StageGraph:
 
 
 def assign_stages(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -> dict[str, int]:
-    """Stage of every call node of ``gm`` (module docstring); raises SplitError on a backward edge."""
+    """Stage of every call node of ``gm`` (module docstring); raises SplitError on a backward edge.
+
+    A node the passes inserted whose users run on several stages is copied once per stage, so
+    each stage redoes it (e.g. gathers its own copy of a tied weight) and only planned values
+    cross cuts, in the placement the plan gives them. ``gm`` is changed in place."""
     last = num_stages - 1
     out = dict(stage_of)
-    for node in reversed(list(gm.graph.nodes)):
+    graph = gm.graph
+    for node in reversed(list(graph.nodes)):
         if node.op != "call_function" or node.name in out:
             continue
-        users = [last if u.op == "output" else out.get(u.name, last) for u in node.users]
-        out[node.name] = min(users, default=last)
-    for node in gm.graph.nodes:
+        by_stage: dict[int, list[fx.Node]] = {}
+        for u in node.users:
+            by_stage.setdefault(last if u.op == "output" else out.get(u.name, last), []).append(u)
+        first = min(by_stage, default=last)
+        out[node.name] = first
+        if node.target is operator.getitem:
+            continue
+        for s, users in sorted(by_stage.items())[1:]:
+            with graph.inserting_after(node):
+                copy = graph.node_copy(node)
+            copy.meta = dict(node.meta)
+            for u in users:
+                u.replace_input_with(node, copy)
+            out[copy.name] = s
+    for node in graph.nodes:
         if node.op == "call_function" and node.target is operator.getitem:
             out[node.name] = out[node.args[0].name]
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node.op != "call_function":
             continue
         for a in node.all_input_nodes:
@@ -83,17 +102,17 @@ def assign_stages(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int)
 
 
 def _local_val(node: fx.Node, specs: PlanSpecs, mesh_shape) -> tuple[tuple, torch.dtype]:
-    probe = node
-    while not (isinstance(probe.meta.get("val"), torch.Tensor) and (probe.name in specs.plan.nodes
-                                                                     or probe.op == "placeholder")):
-        if not probe.args or not isinstance(probe.args[0], fx.Node):
-            raise SplitError(f"cannot tell the local shape of {node.name!r}, which crosses a stage cut")
-        probe = probe.args[0]
-    val = probe.meta["val"]
-    idx = node.args[1] if node.op == "call_function" and node.target is operator.getitem else None
-    if idx is not None and probe is node:
-        return local_shape(tuple(val.shape), specs.spec(node.args[0], idx), mesh_shape), val.dtype
-    return local_shape(tuple(val.shape), specs.spec(probe), mesh_shape), val.dtype
+    val = node.meta.get("val")
+    if node.target is operator.getitem:
+        spec = specs.spec(node.args[0], node.args[1])
+    elif node.name in specs.plan.nodes:
+        spec = specs.spec(node)
+    else:
+        raise SplitError(f"{node.name!r} crosses a stage cut but has no placement in the plan; only planned "
+                         "values may cross cuts (make a new plan)")
+    if not isinstance(val, torch.Tensor):
+        raise SplitError(f"cannot tell the local shape of {node.name!r}, which crosses a stage cut")
+    return local_shape(tuple(val.shape), spec, mesh_shape), val.dtype
 
 
 def split_stages(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int, plan, mesh_shape

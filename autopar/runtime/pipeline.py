@@ -111,6 +111,11 @@ class PipelineExecutor:
     def _send(self, t: Transfer, mb: int, backward: bool, value: torch.Tensor, works: list) -> None:
         dst = self.peer(t.src if backward else t.dst)
         value = value.detach().contiguous()
+        if tuple(value.shape) != tuple(t.shape) or value.dtype != t.dtype:
+            raise RuntimeError(
+                f"pipeline rank {self.my_rank}: the {'gradient' if backward else 'activation'} of transfer {t.index} "
+                f"({t.value}), microbatch {mb}, is {tuple(value.shape)} {value.dtype} but its peer expects "
+                f"{tuple(t.shape)} {t.dtype}; the stage split disagrees with the plan (make a new plan)")
         if dst == self.my_rank:
             self._mailbox[(t.index, mb, backward)] = value
             return
