@@ -19,7 +19,8 @@ from autopar.parallel_module import ParallelModule
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.localize_shapes import localize_shapes
 from autopar.plan import Plan, PlanError
-from autopar.runtime.grad_sync import add_axis_sync_hooks, wrap_ddp
+from autopar.runtime.grad_sync import (Accumulation, add_axis_sync_hooks, broadcast_state, grads_by_axes, sum_grads,
+                                       wrap_ddp)
 from autopar.runtime.groups import AxisGroup, axis_groups
 from autopar.runtime.launch import init_from_env
 from autopar.runtime.program import RankProgram, placeholder_slot
@@ -66,11 +67,14 @@ def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_targ
     return _plan_traced(model, traced, mesh, mode)[0]
 
 
-def _load_plan(plan, traced: Traced) -> Plan:
+def _load_plan(plan, traced: Traced, mesh: Mesh) -> Plan:
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an autopar.Plan or a path to a plan JSON, got {type(plan).__name__}")
+    if tuple(plan.mesh.shape) != tuple(mesh.shape) or tuple(plan.mesh.axis_names) != tuple(mesh.axis_names):
+        raise PlanError(f"the given plan was made for mesh {plan.mesh!r} but parallelize() got mesh {mesh!r}; "
+                        "apply it on the mesh it was made for, or make a new plan for this mesh")
     fp = graph_fingerprint(traced.gm)
     if plan.fingerprint and plan.fingerprint != fp:
         raise PlanError("the given plan was made for a different model or input shapes (graph fingerprint "
@@ -103,12 +107,13 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
     elif mesh.size != 1:
         raise RuntimeError(f"mesh {mesh!r} has {mesh.size} devices but torch.distributed is not initialized: run "
                            "under torchrun or autopar.launch (or use a Mesh(1))")
+    broadcast_state(model)           # one model on every rank, whatever each rank's seed was
     traced = trace(model, example_inputs, loss_fn, example_target)
     _attach_retrace(traced, model, example_inputs, loss_fn, example_target)
     mark_chunk_hints(traced.gm)      # every rank's graph, whether it plans or receives the plan
     rank = dist.get_rank() if dist.is_initialized() else 0
     if plan is not None:
-        the_plan = _load_plan(plan, traced)
+        the_plan = _load_plan(plan, traced, mesh)
     else:
         err, plans = None, None
         top_k = get_auto_parallel_context()["autotune_top_k"] if mode == ParallelMode.AUTO and mesh.size > 1 else 1
@@ -175,7 +180,8 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan) -> P
         coords = tuple(0 for _ in mesh.shape)
     gm = traced.gm
     params_by_ph = {d.placeholder: (name, d) for name, d in the_plan.params.items()}
-    gm, param_sync = insert_collectives(gm, the_plan, mesh.axis_names, mesh.shape, set(traced.params))
+    gm, param_sync = insert_collectives(gm, the_plan, mesh.axis_names, mesh.shape, set(traced.params),
+                                          traced.loss_index)
     gm = localize_shapes(gm, the_plan, mesh.shape)
     fwd = _forward_graph(gm, traced)
     params, buffers = {}, {}
@@ -185,17 +191,21 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan) -> P
     slots = [placeholder_slot(node.name, traced, params_by_ph, named_p, named_b, coords, mesh.shape, params, buffers)
              for node in gm.graph.nodes if node.op == "placeholder"]
     program = RankProgram(gm, fwd, slots, params, buffers, axes)
-    ddp = _grad_sync(program, the_plan, param_sync, traced, axes, mesh)
+    sync = {traced.params[ph]: tuple(sorted(a, key=mesh.axis_names.index)) for ph, a in param_sync.items()}
+    named = dict(program.named_parameters())
+    groups = {n: g.group for n, g in axes.items()}
+    acc = Accumulation(list(named.values()), lambda: sum_grads(grads_by_axes(named, sync), groups))
+    ddp = _grad_sync(program, the_plan, sync, axes, mesh, acc)
     used = {a for d in the_plan.params.values() for a in d.aliases}
     extra = {k: v.detach().clone() for k, v in state.items() if k not in used}
-    return ParallelModule(program, the_plan, traced, axes, coords, ddp, extra, list(state))
+    return ParallelModule(program, the_plan, traced, axes, coords, ddp, extra, list(state), acc)
 
 
-def _grad_sync(program: RankProgram, the_plan: Plan, param_sync: dict, traced: Traced, axes, mesh: Mesh):
+def _grad_sync(program: RankProgram, the_plan: Plan, sync: dict, axes, mesh: Mesh, acc: Accumulation):
     """DDP over the most common sync axes; hooks for the rest."""
     if not dist.is_initialized() or mesh.size == 1:
         return None
-    by_name = {traced.params[ph]: set(a) for ph, a in param_sync.items()}
+    by_name = {name: set(a) for name, a in sync.items()}
     weight: dict[frozenset, int] = {}
     for name, ax in by_name.items():
         weight[frozenset(ax)] = weight.get(frozenset(ax), 0) + program.local_tensor(name).numel()
@@ -209,7 +219,7 @@ def _grad_sync(program: RankProgram, the_plan: Plan, param_sync: dict, traced: T
         else:
             extra = ax - main
         if extra:
-            add_axis_sync_hooks(p, [axes[a].group for a in sorted(extra, key=mesh.axis_names.index)])
+            add_axis_sync_hooks(p, [axes[a].group for a in sorted(extra, key=mesh.axis_names.index)], acc)
     if main:
         if len(main) == mesh.ndim:
             group = dist.group.WORLD

@@ -1,6 +1,7 @@
 """ParallelModule: what ``autopar.parallelize`` returns on each rank."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -19,7 +20,7 @@ class ParallelModule(nn.Module):
     """This rank's part of the model: ``step`` trains, ``forward`` infers, both on the global batch."""
 
     def __init__(self, program: RankProgram, plan, traced, axes, coords, ddp=None, extra_state=None,
-                 state_keys=None):
+                 state_keys=None, accumulation=None):
         super().__init__()
         self.program = program
         self.plan = plan
@@ -31,6 +32,7 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_ddp", ddp)
         self._extra_state = extra_state or {}
         self._state_keys = state_keys or []
+        object.__setattr__(self, "_acc", accumulation)
 
     # ---- introspection -------------------------------------------------------------------
     @property
@@ -94,10 +96,28 @@ class ParallelModule(nn.Module):
             raise ValueError("step() needs target= (the model was planned with a loss_fn and example_target)")
         xs, tgt = self._local_inputs(inputs, target, local_batch)
         runner = self._ddp if self._ddp is not None else self.program
-        outs = runner(*xs, target=tgt)
-        loss = outs[meta["loss_index"]]
-        loss.backward()
+        acc = self._acc
+        if acc is not None:
+            acc.before_backward()
+        quiet = self._ddp is not None and acc is not None and not acc.syncing
+        with self._ddp.no_sync() if quiet else contextlib.nullcontext():
+            outs = runner(*xs, target=tgt)
+            loss = outs[meta["loss_index"]]
+            loss.backward()
+        if acc is not None:
+            acc.after_backward()
         return self._global_loss(loss.detach())
+
+    def no_sync(self):
+        """Steps in this block keep their gradients local (no communication), like DDP's
+        ``no_sync``. The gradients still add up exactly like single-device ``loss.backward()``
+        calls: the first step after the block, ``clip_grad_norm_``, ``full_grad_dict`` or any
+        optimizer's ``step()`` sums them. Without it every step sums its own gradient."""
+        return self._acc.no_sync() if self._acc is not None else contextlib.nullcontext()
+
+    def _flush_grads(self) -> None:
+        if self._acc is not None:
+            self._acc.flush()
 
     def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         spec = parse_spec(self.plan.outputs.get("loss", "[" + ",".join("R" for _ in self.plan.mesh.shape) + "]"))
@@ -122,6 +142,7 @@ class ParallelModule(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global gradient norm over all shards (2-norm or inf-norm): every rank adds its
         pieces' ``|g|^p`` divided by how many ranks hold that same piece (``_replicas``)."""
+        self._flush_grads()
         local = torch.zeros((), dtype=torch.float64)
         grads = []
         for name, p in self.program.named_parameters():
@@ -147,6 +168,10 @@ class ParallelModule(nn.Module):
         world = self.plan.mesh.size
         spec = parse_spec(self.plan.params[name].spec) if name in self.plan.params else ()
         return world / shard_factor(spec, self.plan.mesh.shape) if spec else world
+
+    def _trainable(self, name: str) -> bool:
+        """A parameter that gets a gradient (``requires_grad`` and a path to the loss; the plan says)."""
+        return self.plan.params[name].trainable
 
     # ---- state -------------------------------------------------------------------------------
     def _local(self, name: str) -> torch.Tensor | None:
@@ -179,10 +204,11 @@ class ParallelModule(nn.Module):
         return out
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's gradient gathered in full (canonical names; zeros where none)."""
+        """Every trainable parameter's gradient gathered in full (canonical names; zeros where none)."""
+        self._flush_grads()
         out = {}
         for name, d in self.plan.params.items():
-            if d.kind != "parameter":
+            if d.kind != "parameter" or not self._trainable(name):
                 continue
             p = self._local(name)
             g = None if p is None else (p.grad if p.grad is not None else torch.zeros_like(p))

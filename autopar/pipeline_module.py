@@ -23,13 +23,13 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from autopar.parallel_module import ParallelModule, _to_replicate
 from autopar.passes.shard_params import assemble
 from autopar.passes.split_stages import forward_only, split_stages
 from autopar.runtime import comm
 from autopar.runtime.comm import COUNTER
+from autopar.runtime.grad_sync import Accumulation, grads_by_axes, sum_grads
 from autopar.runtime.groups import AxisGroup, axis_groups, bound_axes
 from autopar.runtime.pipeline import PipelineExecutor, StageCall
 from autopar.runtime.program import ParamTree, placeholder_slot
@@ -77,7 +77,8 @@ def build_pipeline_module(model: nn.Module, traced, plan) -> "PipelineModule":
     mesh = plan.mesh
     pp, per_pp = mesh.shape[0], mesh.size // mesh.shape[0]
     my_rank, axes, coords = _rank_info(mesh)
-    gm, param_sync = insert_collectives(mb.gm, plan, mesh.axis_names, mesh.shape, set(mb.params))
+    gm, param_sync = insert_collectives(mb.gm, plan, mesh.axis_names, mesh.shape, set(mb.params),
+                                          mb.loss_index)
     gm = localize_shapes(gm, plan, mesh.shape)
     stage_of = {n: st.index for st in plan.stages for n in st.nodes}
     graphs, transfers = split_stages(gm, stage_of, len(plan.stages), plan, mesh.shape)
@@ -132,6 +133,7 @@ class PipelineModule(ParallelModule):
         self._out_meta = out_meta
         self._per_pp = plan.mesh.size // plan.mesh.shape[0]
         self._rank = dist.get_rank() if dist.is_initialized() else 0
+        object.__setattr__(self, "_acc", Accumulation(list(program.parameters()), self._sync_grads))
 
     # ---- introspection ---------------------------------------------------------------------
     @property
@@ -183,8 +185,11 @@ class PipelineModule(ParallelModule):
         if meta["target_shape"] is not None and target is None:
             raise ValueError("step() needs target= (the model was planned with a loss_fn and example_target)")
         mbs = self._microbatches(inputs, target, local_batch)
+        self._acc.before_backward()
         losses = self._executor.run(self.program.local_tensor, mbs, 1.0 / self.plan.microbatches)
-        self._sync_grads()
+        if self._acc.syncing:
+            self._sync_grads()
+        self._acc.after_backward()
         total = torch.stack(losses).sum() / self.plan.microbatches if losses else torch.zeros(())
         return self._pipeline_loss(total)
 
@@ -209,25 +214,15 @@ class PipelineModule(ParallelModule):
     def _sync_grads(self) -> None:
         if not dist.is_initialized():
             return
-        by_axes: dict[tuple, list[torch.Tensor]] = {}
-        for name, axes in self._sync.items():
-            if not self.program.has(name):
-                continue
-            p = self.program.local_tensor(name)
-            if p.grad is not None and axes:
-                by_axes.setdefault(tuple(axes), []).append(p.grad)
-        for axes, grads in by_axes.items():
-            flat = _flatten_dense_tensors(grads)
-            for a in axes:
-                COUNTER.record("all_reduce", flat, a, "bwd")
-                dist.all_reduce(flat, group=self._axes[a].group)
-            for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(new)
+        named = dict(self.program.named_parameters())
+        sum_grads(grads_by_axes(named, self._sync), {n: g.group for n, g in self._axes.items()})
         for name, coords in self._owners.items():
             group = self._ties.get(tuple(coords))
             if group is None or not self.program.has(name):
                 continue
             p = self.program.local_tensor(name)
+            if not p.requires_grad:
+                continue
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             COUNTER.record("all_reduce", grad, "pp", "bwd")
             dist.all_reduce(grad, group=group)

@@ -41,6 +41,7 @@ class ParamDecision:
     aliases: list[str] = field(default_factory=list)
     grad_sync: list[str] = field(default_factory=list)   # axes whose gradient all-reduce runs after backward
     kind: str = "parameter"                              # or "buffer"
+    trainable: bool = True                               # a parameter that gets a gradient (not frozen/unused)
 
 
 @dataclass

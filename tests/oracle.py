@@ -1,8 +1,11 @@
 """The oracle: a parallel run trains exactly like single-device training.
 
 ``reference_run`` trains a fresh model on one process; ``parallel_run`` (called on every
-rank) trains the same model through autopar. Both return losses, the gradients of the first
-step and the parameters after every AdamW step, so tests compare them at 1e-5 relative.
+rank) trains the same model through autopar. Both return the losses, the gradients gathered
+before every optimizer step and the parameters after it, so tests compare them at 1e-5 relative.
+The optimizer is SGD with momentum unless a test asks for AdamW: AdamW's update does not change
+when every gradient is scaled by a constant, so a gradient-scale error would pass an AdamW-only
+comparison of parameters.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import torch
 import autopar
 
 STEPS = 3
-LR = 1e-3
+LR = {"sgd": 0.05, "adamw": 1e-3}
 
 
 def make_batch(kind: str, batch: int, seed: int = 1, **kw):
@@ -33,45 +36,78 @@ def make_batch(kind: str, batch: int, seed: int = 1, **kw):
     raise ValueError(kind)
 
 
-def _train(step_fn, params_fn, grads_fn, opt, steps):
-    losses, grads, params = [], None, []
-    for i in range(steps):
-        loss = step_fn()
-        losses.append(float(loss))
-        if i == 0:
-            grads = {k: v.clone() for k, v in grads_fn().items()}
+def make_optimizer(params, optim: str, lr: float, eps: float = 1e-8):
+    """``"sgd"`` (SGD with momentum 0.9, the default: its update is linear in the gradient, so a
+    gradient-scale error shows in the parameters) or ``"adamw"`` (scale-invariant update)."""
+    params = [p for p in params if p.requires_grad]
+    if optim == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if optim == "adamw":
+        return torch.optim.AdamW(params, lr=lr, eps=eps)
+    raise ValueError(optim)
+
+
+def _train(step_fn, params_fn, grads_fn, opt, steps, micro: int = 1, clip_fn=None):
+    """``micro`` > 1: each step accumulates ``micro`` backward passes before the optimizer step;
+    ``clip_fn``: clips the gradients (returns the norm before clipping) before they are compared."""
+    losses, grads, params, norms = [], [], [], []
+    for _ in range(steps):
+        for m in range(micro):
+            loss = step_fn(m)
+            losses.append(float(loss))
+        if clip_fn is not None:
+            norms.append(float(clip_fn()))
+        grads.append({k: v.clone() for k, v in grads_fn().items()})
         opt.step()
         opt.zero_grad()
         params.append({k: v.clone() for k, v in params_fn().items()})
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "norms": norms}
 
 
-def reference_run(model_fn, loss_fn, x, y, steps: int = STEPS, lr: float = LR, eps: float = 1e-8):
-    torch.manual_seed(0)
-    model = model_fn()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
-
-    def step():
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        return loss.detach()
-
-    names = {id(p): n for n, p in model.named_parameters()}
-    return _train(step, lambda: {k: v.detach() for k, v in model.state_dict().items()},
-                  lambda: {names[id(p)]: p.grad for p in model.parameters() if p.grad is not None}, opt, steps)
+def _chunks(t, micro):
+    return t.chunk(micro, 0) if micro > 1 else (t,)
 
 
-def parallel_run(rank, model_fn, loss_fn, x, y, mesh, mode, steps: int = STEPS, lr: float = LR, eps: float = 1e-8, setup=None,
-                 **kw):
+def reference_run(model_fn, loss_fn, x, y, steps: int = STEPS, lr: float | None = None, eps: float = 1e-8,
+                  optim: str = "sgd", micro: int = 1, setup=None, clip: float | None = None):
+    """Single-device training: ``loss.backward()`` per micro-batch, then the optimizer's step."""
     torch.manual_seed(0)
     model = model_fn()
     if setup is not None:
         setup(model)
-    pmodel = autopar.parallelize(model, mesh, example_inputs=(x,), loss_fn=loss_fn, example_target=y, mode=mode, **kw)
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=lr, eps=eps)
-    out = _train(lambda: pmodel.step(x, target=y), pmodel.full_state_dict, pmodel.full_grad_dict, opt, steps)
+    opt = make_optimizer(model.parameters(), optim, lr if lr is not None else LR[optim], eps)
+    xs, ys = _chunks(x, micro), _chunks(y, micro)
+
+    def step(m):
+        loss = loss_fn(model(xs[m]), ys[m])
+        loss.backward()
+        return loss.detach()
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    clip_fn = None if clip is None else lambda: torch.nn.utils.clip_grad_norm_(
+        [p for p in model.parameters() if p.grad is not None], clip)
+    return _train(step, lambda: {k: v.detach() for k, v in model.state_dict().items()},
+                  lambda: {names[id(p)]: p.grad for p in model.parameters() if p.grad is not None}, opt, steps, micro,
+                  clip_fn)
+
+
+def parallel_run(rank, model_fn, loss_fn, x, y, mesh, mode, steps: int = STEPS, lr: float | None = None,
+                 eps: float = 1e-8, setup=None, optim: str = "sgd", micro: int = 1, clip: float | None = None, **kw):
+    """The same training through autopar on every rank (planned for one micro-batch's shape)."""
+    torch.manual_seed(0)
+    model = model_fn()
+    if setup is not None:
+        setup(model)
+    xs, ys = _chunks(x, micro), _chunks(y, micro)
+    pmodel = autopar.parallelize(model, mesh, example_inputs=(xs[0],), loss_fn=loss_fn, example_target=ys[0],
+                                 mode=mode, **kw)
+    opt = make_optimizer(pmodel.parameters(), optim, lr if lr is not None else LR[optim], eps)
+    clip_fn = None if clip is None else lambda: pmodel.clip_grad_norm_(clip)
+    out = _train(lambda m: pmodel.step(xs[m], target=ys[m]), pmodel.full_state_dict, pmodel.full_grad_dict, opt,
+                 steps, micro, clip_fn)
     out["degrees"] = pmodel.plan.degrees
     out["plan"] = pmodel.plan.to_json()
+    out["optim"] = optim
     return out
 
 
@@ -81,19 +117,23 @@ PARAM_TENSOR_RTOL = 1e-3
 def assert_same_training(ref, par, rtol: float = 1e-5, what: str = ""):
     """The oracle, at ``rtol`` relative:
 
-    * every step's loss;
-    * every gathered gradient of the first step, tensor by tensor;
-    * the parameters (and buffers) after every AdamW step as one vector over the whole model.
-      Tensor by tensor they must agree to PARAM_TENSOR_RTOL: a zero-initialised bias after
-      one AdamW step is ±lr per element, so an element whose true gradient is ~0 moves by
-      float noise in BOTH runs and a per-tensor 1e-5 would compare noise (docs/testing.md).
+    * every loss;
+    * every gathered gradient before every optimizer step, tensor by tensor;
+    * the parameters (and buffers) after every step: tensor by tensor under SGD; under AdamW as
+      one vector over the whole model and tensor by tensor to PARAM_TENSOR_RTOL (a zero-initialised
+      bias after one AdamW step is ±lr per element, so an element whose true gradient is ~0 moves
+      by float noise in BOTH runs and a per-tensor 1e-5 would compare noise, docs/testing.md).
     """
     assert len(par["losses"]) == len(ref["losses"])
     for a, b in zip(par["losses"], ref["losses"]):
         assert abs(a - b) <= rtol * max(abs(b), 1e-6), f"{what} loss {a} != {b}"
-    _close(par["grads"], ref["grads"], rtol, f"{what} grad")
+    for a, b in zip(par.get("norms", []), ref.get("norms", [])):
+        assert abs(a - b) <= rtol * max(abs(b), 1e-6), f"{what} gradient norm {a} != {b}"
+    for i, (ga, gb) in enumerate(zip(par["grads"], ref["grads"])):
+        _close(ga, gb, rtol, f"{what} grad before step {i + 1}")
+    adamw = par.get("optim") == "adamw"
     for i, (pa, pb) in enumerate(zip(par["params"], ref["params"])):
-        _close(pa, pb, PARAM_TENSOR_RTOL, f"{what} params after step {i + 1}")
+        _close(pa, pb, PARAM_TENSOR_RTOL if adamw else rtol, f"{what} params after step {i + 1}")
         keys = [k for k, v in pb.items() if v.is_floating_point()]
         got = torch.cat([pa[k].double().flatten() for k in keys])
         want = torch.cat([pb[k].double().flatten() for k in keys])

@@ -2,8 +2,9 @@
 consumer's strategy needs, plus Megatron's ``f`` (identity forward, gradient all-reduce)
 where a Replicate input feeds a split computation, and swap in local implementations.
 
-Parameters that need a gradient all-reduce over an axis are not given ``f`` ops: their
-axes are returned so the runtime syncs them in buckets after backward (DDP's reducer).
+Parameters whose gradient is summed over an axis after backward (``sharding/grad_sync.py``, the
+rule the cost side shares) are not given ``f`` ops there: their axes are returned so the runtime
+syncs them in buckets after backward (DDP's reducer).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from autopar.passes.specs import PlanSpecs
 from autopar.plan import PlanError
 from autopar.runtime import comm, local_ops
 from autopar.sharding.candidates import is_dropped
+from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.sharding.placements import Replicate
 from autopar.sharding.redistribute import redistribute_steps
 from autopar.sharding.strategy import tensor_inputs
@@ -59,13 +61,13 @@ def _emit_steps(graph: fx.Graph, value: fx.Node, steps, axis_names, fuse_axes: s
 
 
 def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: tuple, param_placeholders: set[str],
-                       ) -> tuple[fx.GraphModule, dict[str, set[str]]]:
+                       loss_index: int | None = None) -> tuple[fx.GraphModule, dict[str, set[str]]]:
     """Rewrite ``gm`` in place for this plan; returns (gm, parameter placeholder -> grad-sync axes)."""
     specs = PlanSpecs(plan, len(axis_names))
     graph = gm.graph
-    synced = _param_sync_axes(graph, plan, specs, param_placeholders)
-    param_sync: dict[str, set[str]] = defaultdict(set)
-    cache: dict = {}  # (value, spec, f axes, once axes) -> node: consumers needing the same share it
+    rule = grad_sync_rule(graph, trainable_params(graph, param_placeholders, loss_node(graph, loss_index)), specs,
+                          len(axis_names))
+    cache: dict = {}  # (value, spec, f axes, once axes, pgrad axes) -> node: consumers needing the same share it
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is operator.getitem:
             continue
@@ -86,13 +88,10 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
         with graph.inserting_before(node):
             for i, src in enumerate(ins):
                 have, want = specs.spec(src), need[i]
-                f_axes = {a for a in split if isinstance(want[a], Replicate)}
-                pgrad = synced.get(src.name, set())
-                f_axes -= pgrad
-                for a in pgrad:
-                    param_sync[src.name].add(axis_names[a])
+                f_axes = {a for a in split if isinstance(want[a], Replicate)} - rule.partial_axes(src)
+                pgrad = set(rule.exit_axes(src, node))
                 once = {a for a in pgrad if isinstance(want[a], Replicate) and a not in split}
-                key = (src, want, frozenset(f_axes), frozenset(once))
+                key = (src, want, frozenset(f_axes), frozenset(once), frozenset(pgrad))
                 if key not in cache:
                     value, fused = _emit_steps(graph, src, redistribute_steps(have, want), axis_names, f_axes, pgrad)
                     for a in sorted(f_axes - fused):
@@ -105,24 +104,16 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
         _apply_local(gm, node, decision, axis_names, mesh_shape, specs)
     graph.lint()
     gm.recompile()
-    return gm, dict(param_sync)
+    return gm, {ph: {axis_names[a] for a in axes} for ph, axes in rule.param_axes.items()}
 
 
-def _param_sync_axes(graph: fx.Graph, plan, specs: PlanSpecs, params: set[str]) -> dict[str, set[int]]:
-    """Axes over which each replicated parameter's gradient is summed after backward: those
-    where some use runs split (its local gradient is then a partial sum)."""
-    out: dict[str, set[int]] = defaultdict(set)
-    for node in graph.nodes:
-        if node.op != "call_function" or node.name not in plan.nodes:
-            continue
-        split = _split_axes(specs.output_specs(node))
-        for src, want in zip(tensor_inputs(node), specs.input_specs(node)):
-            if src.op == "placeholder" and src.name in params:
-                have = specs.spec(src)
-                for a in split:
-                    if isinstance(want[a], Replicate) and isinstance(have[a], Replicate):
-                        out[src.name].add(a)
-    return dict(out)
+def loss_node(graph: fx.Graph, loss_index: int | None) -> fx.Node | None:
+    """The graph output that is the loss (None: no loss, every output counts)."""
+    if loss_index is None:
+        return None
+    out = next(n for n in graph.nodes if n.op == "output")
+    node = out.args[0][loss_index]
+    return node if isinstance(node, fx.Node) else None
 
 
 def _replace_tensor_inputs(node: fx.Node, new_inputs: list[fx.Node]) -> None:

@@ -23,6 +23,10 @@ class PlanSpecs:
         """``new`` (a node a pass inserted after ``old``, e.g. a local rescale) has ``old``'s placement."""
         self._same_as[new.name] = old
 
+    def has(self, node: fx.Node) -> bool:
+        """Whether the plan decides ``node``'s strategy (an op it places)."""
+        return node.name in self.plan.nodes
+
     def spec(self, node: fx.Node, index: int | None = None):
         if node.name in self._same_as:
             return self.spec(self._same_as[node.name], index)

@@ -1,15 +1,28 @@
 """Data-parallel gradient sync.
 
 Gradients of parameters replicated on the data-parallel axes are partial sums (each rank's
-loss is its share of the global mean), so they are SUMMED, not averaged. The axes shared by
-most parameters go through DDP's bucketed reducer (overlapped with backward) with a sum
+loss is its share of the global mean), so they are SUMMED, not averaged. Which parameters are
+summed over which axes is decided once, at plan time (``sharding/grad_sync.py``). The axes shared
+by most parameters go through DDP's bucketed reducer (overlapped with backward) with a sum
 hook, optionally compressing to bf16/fp16 on the wire (Horovod-style); any other axis a
 parameter needs is all-reduced by a post-accumulate-grad hook.
+
+Accumulation (``Accumulation``): several steps before the optimizer's step add up exactly like
+several ``loss.backward()`` calls on one device. A sum is only right over the gradient one step
+produced, so each synced step sets the gradients earlier steps already summed aside and adds them
+back after its own sum. Steps inside ``no_sync()`` keep their local partial gradients; the next
+synced step sums them with its own, and so does ``flush()``, which runs before any optimizer's
+step, before ``clip_grad_norm_`` and before gradients are gathered.
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.runtime.comm import COUNTER
 
@@ -39,7 +52,9 @@ def wrap_ddp(module: torch.nn.Module, group, ignore: list[str], compression: str
     """DDP over ``group`` summing gradients; parameters named in ``ignore`` are left alone."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    DDP._set_params_and_buffers_to_ignore_for_model(module, ignore)
+    # DDP spells the names of the root module's own parameters ".name" when it builds its buckets
+    # and "name" elsewhere: list both, or a root-level parameter is synced although ignored.
+    DDP._set_params_and_buffers_to_ignore_for_model(module, list(ignore) + ["." + n for n in ignore if "." not in n])
     ddp = DDP(module, process_group=group, forward_sync_buffers=False, bucket_cap_mb=bucket_mb,
               gradient_as_bucket_view=True)
     if compression is None:
@@ -50,10 +65,138 @@ def wrap_ddp(module: torch.nn.Module, group, ignore: list[str], compression: str
     return ddp
 
 
-def add_axis_sync_hooks(param: torch.nn.Parameter, groups: list) -> None:
-    """All-reduce (sum) this parameter's gradient over ``groups`` once it is accumulated."""
+def add_axis_sync_hooks(param: torch.nn.Parameter, groups: list, acc: "Accumulation") -> None:
+    """All-reduce (sum) this parameter's gradient over ``groups`` once it is accumulated (not
+    inside ``acc.no_sync()``)."""
     def hook(p):
+        if not acc.syncing:
+            return
         for g in groups:
             COUNTER.record("all_reduce", p.grad, "grad", "bwd")
             dist.all_reduce(p.grad, group=g)
     param.register_post_accumulate_grad_hook(hook)
+
+
+def sum_grads(grads_by_axes: dict[tuple, list[torch.Tensor]], groups: dict) -> None:
+    """Sum gradients over their axes, one flat buffer per axis set (``groups``: axis -> group)."""
+    for axes, grads in grads_by_axes.items():
+        if not grads or not axes:
+            continue
+        flat = _flatten_dense_tensors(grads)
+        for a in axes:
+            COUNTER.record("all_reduce", flat, a, "bwd")
+            dist.all_reduce(flat, group=groups[a])
+        for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(new)
+
+
+def broadcast_state(model: torch.nn.Module, bucket_mb: float = 25.0) -> None:
+    """Give every rank rank 0's parameters and buffers (in place), as DDP does for its replicas:
+    ranks whose models were initialised differently (no common seed) then train one model."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    tensors = [t for t in list(model.parameters()) + list(model.buffers())]
+    seen, unique = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            unique.append(t)
+    limit = int(bucket_mb * 2 ** 20)
+    bucket, size = [], 0
+    for t in unique + [None]:
+        if t is None or (bucket and (size + t.numel() * t.element_size() > limit or t.dtype != bucket[0].dtype)):
+            if bucket:
+                flat = _flatten_dense_tensors([b.detach() for b in bucket])
+                dist.broadcast(flat, src=0)
+                with torch.no_grad():
+                    for b, new in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                        b.copy_(new)
+            bucket, size = [], 0
+        if t is not None:
+            bucket.append(t)
+            size += t.numel() * t.element_size()
+
+
+def grads_by_axes(params: dict[str, torch.nn.Parameter], sync: dict[str, tuple]) -> dict[tuple, list]:
+    """The gradients to sum, grouped by their sync axes (``sync``: parameter name -> axes), in
+    name order: every rank must flatten the same tensors in the same order."""
+    out: dict[tuple, list] = {}
+    for name, axes in sorted(sync.items()):
+        p = params.get(name)
+        if p is not None and p.grad is not None and axes:
+            out.setdefault(tuple(axes), []).append(p.grad)
+    return out
+
+
+_PENDING: "weakref.WeakSet[Accumulation]" = weakref.WeakSet()
+
+
+class Accumulation:
+    """Gradient accumulation over several steps of one per-rank module (module docstring).
+
+    ``params``: the trainable parameters; ``flush_sum``: sums their current local gradients over
+    their axes (the same sums a synced step runs)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], flush_sum):
+        self._params = [p for p in params if p.requires_grad]
+        self._ids = {id(p) for p in self._params}
+        self._flush_sum = flush_sum
+        self._held: dict[int, torch.Tensor] = {}
+        self.local = False      # gradients hold local (unsummed) parts from no_sync steps
+        self.syncing = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
+    def before_backward(self) -> None:
+        """Set the already-summed gradients aside (unless local parts wait to be summed with this step's)."""
+        if self.local and all(p.grad is None for p in self._params):
+            self._held.clear()          # the user zeroed the gradients meanwhile
+            self.local = False
+        if self.local:
+            return
+        for p in self._params:
+            if p.grad is not None:
+                g = p.grad.detach().clone()     # DDP's gradient may be a view of its bucket
+                self._held[id(p)] = g if id(p) not in self._held else self._held[id(p)] + g
+                p.grad = None
+
+    def after_backward(self) -> None:
+        """After this step's sums (or none inside no_sync): add the set-aside gradients back."""
+        if not self.syncing:
+            self.local = True
+            _PENDING.add(self)
+            return
+        self._restore()
+
+    def flush(self) -> None:
+        """Sum gradients that no_sync steps left local; a no-op otherwise."""
+        if not self.local:
+            return
+        self._flush_sum()
+        self._restore()
+
+    def _restore(self) -> None:
+        for p in self._params:
+            held = self._held.pop(id(p), None)
+            if held is not None:
+                p.grad = held if p.grad is None else p.grad.add_(held)
+        self.local = False
+        _PENDING.discard(self)
+
+    def owns_any(self, tensors) -> bool:
+        return any(id(t) in self._ids for t in tensors)
+
+
+def _flush_before_optimizer_step(optimizer, args, kwargs) -> None:
+    for acc in list(_PENDING):
+        if acc.owns_any(p for g in optimizer.param_groups for p in g["params"]):
+            acc.flush()
+
+
+register_optimizer_step_pre_hook(_flush_before_optimizer_step)

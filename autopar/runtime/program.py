@@ -28,8 +28,10 @@ def placeholder_slot(ph: str, traced, decisions: dict, named_params: dict, named
         name, d = decisions[ph]
         is_param = ph in traced.params
         full = (named_params if is_param else named_buffers).get(name)
-        (params if is_param else buffers)[name] = local_piece(full.detach(), parse_spec(d.spec), coords,
-                                                              mesh_shape).clone()
+        piece = local_piece(full.detach(), parse_spec(d.spec), coords, mesh_shape).clone()
+        if is_param:
+            piece.requires_grad_(full.requires_grad and piece.is_floating_point())
+        (params if is_param else buffers)[name] = piece
         return ("param" if is_param else "buffer", name)
     if ph in traced.constants:
         return ("const", traced.constants[ph])
@@ -55,13 +57,14 @@ def fill_slots(slots, tensor_of, inputs, target) -> list:
 
 
 class ParamTree(nn.Module):
-    """This rank's pieces of parameters and buffers, registered under the model's own names."""
+    """This rank's pieces of parameters and buffers, registered under the model's own names; a
+    parameter piece keeps the model parameter's ``requires_grad`` (frozen stays frozen)."""
 
     def __init__(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
         super().__init__()
         for name, t in params.items():
             mod, leaf = _owner(self, name)
-            mod.register_parameter(leaf, nn.Parameter(t, requires_grad=t.is_floating_point()))
+            mod.register_parameter(leaf, nn.Parameter(t, requires_grad=t.requires_grad))
         for name, t in buffers.items():
             mod, leaf = _owner(self, name)
             mod.register_buffer(leaf, t)

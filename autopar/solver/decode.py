@@ -11,6 +11,7 @@ import torch.fx as fx
 from autopar.cost_models.compute import grad_nodes
 from autopar.plan import Collective, NodeDecision, ParamDecision
 from autopar.sharding.candidates import Candidates, producer
+from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.sharding.placements import Replicate, shard_factor, spec_str
 from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
 from autopar.sharding.strategy import tensor_inputs
@@ -34,16 +35,45 @@ def fused_gathers(steps, f_axes: set[int]) -> set[int]:
     return out
 
 
+class ChosenSpecs:
+    """The placements of a solved strategy choice, asked the way ``PlanSpecs`` answers for a Plan."""
+
+    def __init__(self, chosen: dict):
+        self.chosen = chosen
+
+    def has(self, node: fx.Node) -> bool:
+        return node.op == "call_function" and node.name in self.chosen
+
+    def spec(self, node: fx.Node, index=None):
+        src, idx = producer(node) if index is None else (node, index)
+        return _spec_out(self.chosen[src.name], idx)
+
+    def input_specs(self, node: fx.Node) -> list:
+        return list(self.chosen[node.name].inputs)
+
+    def output_specs(self, node: fx.Node) -> list:
+        o = self.chosen[node.name].output
+        return list(o) if o and isinstance(o[0], tuple) else [o]
+
+
+def loss_output(gm: fx.GraphModule, traced) -> fx.Node | None:
+    if traced.loss_index is None:
+        return None
+    node = next(n for n in gm.graph.nodes if n.op == "output").args[0][traced.loss_index]
+    return node if isinstance(node, fx.Node) else None
+
+
 def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
            axis_names: tuple, traced) -> tuple[dict, dict, dict, list[Collective]]:
     """Returns (node decisions, param/buffer decisions, input specs, collectives)."""
     chosen = {n: cands.strategies[n][choice[i]] for i, n in enumerate(built.names)}
     by_name = {n.name: n for n in gm.graph.nodes}
     nodes, collectives = {}, []
-    param_sync: dict[str, set[str]] = {}
     shared_f: set = set()
     emitted: set = set()
     need = grad_nodes(gm.graph)      # values that get a gradient: only they run backward collectives
+    rule = grad_sync_rule(gm.graph, trainable_params(gm.graph, set(traced.params), loss_output(gm, traced)),
+                          ChosenSpecs(chosen), len(axis_names))
     p = built.problem
     in_edges: dict[int, list] = {}
     out_edges: dict[int, list] = {}
@@ -74,9 +104,7 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
             if src.name not in chosen:
                 continue
             have, want = _spec_out(chosen[src.name], idx), st.inputs[i]
-            f_axes = {ax for ax in split if isinstance(want[ax], Replicate)}
-            if src.op == "placeholder" and src.name in traced.params:
-                f_axes = {ax for ax in f_axes if not isinstance(have[ax], Replicate)}  # synced after backward
+            f_axes = {ax for ax in split if isinstance(want[ax], Replicate)} - rule.partial_axes(a)  # summed later
             steps = redistribute_steps(have, want)
             fused = fused_gathers(steps, f_axes)
             fused_inputs |= {(i, steps[j].axis) for j in fused}
@@ -100,10 +128,7 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
                 continue
             src, idx = producer(ins[i])
             nbytes = tensor_bytes(ins[i]) / shard_factor(st.inputs[i], c.mesh_shape)
-            have = _spec_out(chosen[src.name], idx) if src.name in chosen else None
-            if src.op == "placeholder" and src.name in traced.params and have is not None \
-                    and isinstance(have[ax], Replicate):
-                param_sync.setdefault(src.name, set()).add(axis_names[ax])
+            if ax in rule.partial_axes(ins[i]):     # a parameter's partial gradient, summed after backward
                 continue
             key = (src.name, idx, st.inputs[i], ax)
             if key in shared_f:
@@ -121,9 +146,10 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
         if ph not in chosen:
             continue
         val = by_name[ph].meta["val"]
-        sync = sorted(param_sync.get(ph, set()), key=axis_names.index)
+        sync = sorted((axis_names[a] for a in rule.param_axes.get(ph, ())), key=axis_names.index)
         params[pname] = ParamDecision(spec_str(chosen[ph].output), list(val.shape), str(val.dtype).replace("torch.", ""),
-                                      ph, list(traced.aliases.get(pname, [pname])), sync, "parameter")
+                                      ph, list(traced.aliases.get(pname, [pname])), sync, "parameter",
+                                      ph in rule.trainable)
         if sync:
             nbytes = tensor_bytes(by_name[ph]) / shard_factor(chosen[ph].output, c.mesh_shape)
             collectives.append(Collective("all_reduce", int(nbytes), sync, "bwd", ph,
