@@ -16,6 +16,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 
+from autopar.opaque_functions import opaque_functions
+
 _WRAP = "model."
 
 
@@ -136,7 +138,10 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None) -
         args = tuple(a.to("meta") for a in args)
     step = _Step(model, loss_fn)
     try:
-        ep = torch.export.export(step, args, strict=False)
+        with opaque_functions():
+            ep = torch.export.export(step, args, strict=False)
+    except TraceError:
+        raise
     except Exception as err:  # noqa: BLE001 - every failure is reported with its location
         raise _explain_failure(err, model) from err
     return _from_exported(ep, model, inputs, example_target, loss_fn is not None)
