@@ -72,9 +72,10 @@ def _load_plan(plan, traced: Traced, mesh: Mesh) -> Plan:
         plan = Plan.load(plan)
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an autopar.Plan or a path to a plan JSON, got {type(plan).__name__}")
-    if tuple(plan.mesh.shape) != tuple(mesh.shape) or tuple(plan.mesh.axis_names) != tuple(mesh.axis_names):
-        raise PlanError(f"the given plan was made for mesh {plan.mesh!r} but parallelize() got mesh {mesh!r}; "
-                        "apply it on the mesh it was made for, or make a new plan for this mesh")
+    if plan.mesh.size != mesh.size:   # AUTO may re-factor a mesh and pipelines add size-1 axes: count devices
+        raise PlanError(f"the given plan was made for mesh {plan.mesh!r} ({plan.mesh.size} devices) but parallelize() "
+                        f"got mesh {mesh!r} ({mesh.size} devices); apply it on a mesh of {plan.mesh.size} devices, or "
+                        "make a new plan for this mesh")
     fp = graph_fingerprint(traced.gm)
     if plan.fingerprint and plan.fingerprint != fp:
         raise PlanError("the given plan was made for a different model or input shapes (graph fingerprint "

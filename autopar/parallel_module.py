@@ -192,8 +192,8 @@ class ParallelModule(nn.Module):
         """Every parameter and buffer gathered in full; same keys and shapes as model.state_dict()."""
         out = {}
         for name, d in self.plan.params.items():
-            if d.kind == "constant":
-                continue
+            if d.kind == "constant" or all(a in self._extra_state for a in d.aliases):
+                continue     # a tensor no stage holds (unused) keeps its initial value
             full = self._gather(name, self._local(name), parse_spec(d.spec))
             for alias in d.aliases:
                 out[alias] = full

@@ -89,11 +89,12 @@ def build_pipeline_module(model: nn.Module, traced, plan) -> "PipelineModule":
     owners: dict[str, list[int]] = {}
     for g in graphs:
         for ph in g.placeholders:
-            if ph in mb.params:
-                owners.setdefault(mb.params[ph], [])
+            name = mb.params.get(ph) or mb.buffers.get(ph)     # buffers too: gathered from their stage
+            if name is not None:
+                owners.setdefault(name, [])
                 c = plan.stages[g.stage].ranks[0] // per_pp
-                if c not in owners[mb.params[ph]]:
-                    owners[mb.params[ph]].append(c)
+                if c not in owners[name]:
+                    owners[name].append(c)
     params, buffers, calls = {}, {}, {}
     for s in mine:
         g = graphs[s]
@@ -111,7 +112,8 @@ def build_pipeline_module(model: nn.Module, traced, plan) -> "PipelineModule":
     executor = PipelineExecutor(calls, schedule, transfers, peer, my_rank, axes, mb.loss_index, mb.output_index)
     sync = {mb.params[ph]: sorted(a, key=mesh.axis_names.index) for ph, a in param_sync.items()}
     ties = _tie_groups(owners, per_pp, my_rank)
-    used = {a for d in plan.params.values() for a in d.aliases}
+    held = {mb.params.get(ph) or mb.buffers.get(ph) for g in graphs for ph in g.placeholders}
+    used = {a for name, d in plan.params.items() if name in held or d.kind == "constant" for a in d.aliases}
     state = model.state_dict(keep_vars=True)
     extra = {k: v.detach().clone() for k, v in state.items() if k not in used}
     return PipelineModule(program, plan, traced, axes, coords, executor, sync, owners, ties, extra, list(state),

@@ -1,5 +1,6 @@
 """Small models with what ordinary models have and the oracle models lack: parameters used through a
-slice, frozen, tied and unused parameters, an integer buffer updated in place, BatchNorm."""
+slice, frozen, tied and unused parameters, an integer buffer updated in place, BatchNorm, a custom
+autograd Function."""
 from __future__ import annotations
 
 import torch
@@ -36,6 +37,18 @@ class Unused(Sliced):
         self.spare = nn.Parameter(torch.randn(HIDDEN))
 
 
+class StraightThroughRound(torch.autograd.Function):
+    """Round to quarters forward, identity backward: autograd of the forward would give zero."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 class KitchenBlock(nn.Module):
     def __init__(self, h):
         super().__init__()
@@ -48,13 +61,14 @@ class KitchenBlock(nn.Module):
 
     def forward(self, x):
         b, t, d = x.shape
-        x = x + torch.tanh(self.frozen(x))
+        x = x + torch.tanh(self.frozen(StraightThroughRound.apply(x)))
         y = self.norm(x.reshape(b * t, d)).reshape(b, t, d)
         return x + self.fc2(F.gelu(self.fc1(y)))
 
 
 class Kitchen(nn.Module):
-    """Sliced, tied, frozen and unused parameters, an int buffer updated in place, BatchNorm, 2 layers."""
+    """Sliced, tied, frozen and unused parameters, an int buffer updated in place, BatchNorm, a custom
+    autograd Function, 2 layers."""
 
     def __init__(self, layers: int = 2):
         super().__init__()

@@ -71,22 +71,18 @@ class Quantized(nn.Module):
         return self.out(whole + 2 * rem)
 
 
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
 def _batch():
     return make_batch("vector", 8, d_in=16)
 
 
 def _job(rank, mesh, mode):
     x, y = _batch()
-    return parallel_run(rank, Quantized, F.cross_entropy, x, y, mesh, mode, make_opt=_sgd)
+    return parallel_run(rank, Quantized, F.cross_entropy, x, y, mesh, mode, optim="sgd", lr=0.1)
 
 
 def _reference():
     x, y = _batch()
-    return reference_run(Quantized, F.cross_entropy, x, y, make_opt=_sgd)
+    return reference_run(Quantized, F.cross_entropy, x, y, optim="sgd", lr=0.1)
 
 
 def test_stand_alone_uses_the_functions_own_backward():
