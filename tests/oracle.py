@@ -2,7 +2,8 @@
 
 ``reference_run`` trains a fresh model on one process; ``parallel_run`` (called on every
 rank) trains the same model through autopar. Both return losses, the gradients of the first
-step and the parameters after every AdamW step, so tests compare them at 1e-5 relative.
+step and the parameters after every optimizer step (AdamW unless ``optimizer`` builds another
+from the parameters), so tests compare them at 1e-5 relative.
 """
 from __future__ import annotations
 
@@ -46,10 +47,14 @@ def _train(step_fn, params_fn, grads_fn, opt, steps):
     return {"losses": losses, "grads": grads, "params": params}
 
 
-def reference_run(model_fn, loss_fn, x, y, steps: int = STEPS, lr: float = LR, eps: float = 1e-8):
+def _optimizer(params, optimizer, lr: float, eps: float) -> torch.optim.Optimizer:
+    return optimizer(params) if optimizer is not None else torch.optim.AdamW(params, lr=lr, eps=eps)
+
+
+def reference_run(model_fn, loss_fn, x, y, steps: int = STEPS, lr: float = LR, eps: float = 1e-8, optimizer=None):
     torch.manual_seed(0)
     model = model_fn()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    opt = _optimizer(model.parameters(), optimizer, lr, eps)
 
     def step():
         loss = loss_fn(model(x), y)
@@ -62,13 +67,13 @@ def reference_run(model_fn, loss_fn, x, y, steps: int = STEPS, lr: float = LR, e
 
 
 def parallel_run(rank, model_fn, loss_fn, x, y, mesh, mode, steps: int = STEPS, lr: float = LR, eps: float = 1e-8, setup=None,
-                 **kw):
+                 optimizer=None, **kw):
     torch.manual_seed(0)
     model = model_fn()
     if setup is not None:
         setup(model)
     pmodel = autopar.parallelize(model, mesh, example_inputs=(x,), loss_fn=loss_fn, example_target=y, mode=mode, **kw)
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=lr, eps=eps)
+    opt = _optimizer(pmodel.parameters(), optimizer, lr, eps)
     out = _train(lambda: pmodel.step(x, target=y), pmodel.full_state_dict, pmodel.full_grad_dict, opt, steps)
     out["degrees"] = pmodel.plan.degrees
     out["plan"] = pmodel.plan.to_json()
@@ -78,13 +83,13 @@ def parallel_run(rank, model_fn, loss_fn, x, y, mesh, mode, steps: int = STEPS, 
 PARAM_TENSOR_RTOL = 1e-3
 
 
-def assert_same_training(ref, par, rtol: float = 1e-5, what: str = ""):
+def assert_same_training(ref, par, rtol: float = 1e-5, what: str = "", tensor_rtol: float = PARAM_TENSOR_RTOL):
     """The oracle, at ``rtol`` relative:
 
     * every step's loss;
     * every gathered gradient of the first step, tensor by tensor;
     * the parameters (and buffers) after every AdamW step as one vector over the whole model.
-      Tensor by tensor they must agree to PARAM_TENSOR_RTOL: a zero-initialised bias after
+      Tensor by tensor they must agree to ``tensor_rtol`` (PARAM_TENSOR_RTOL): a zero-initialised bias after
       one AdamW step is ±lr per element, so an element whose true gradient is ~0 moves by
       float noise in BOTH runs and a per-tensor 1e-5 would compare noise (docs/testing.md).
     """
@@ -93,7 +98,7 @@ def assert_same_training(ref, par, rtol: float = 1e-5, what: str = ""):
         assert abs(a - b) <= rtol * max(abs(b), 1e-6), f"{what} loss {a} != {b}"
     _close(par["grads"], ref["grads"], rtol, f"{what} grad")
     for i, (pa, pb) in enumerate(zip(par["params"], ref["params"])):
-        _close(pa, pb, PARAM_TENSOR_RTOL, f"{what} params after step {i + 1}")
+        _close(pa, pb, tensor_rtol, f"{what} params after step {i + 1}")
         keys = [k for k, v in pb.items() if v.is_floating_point()]
         got = torch.cat([pa[k].double().flatten() for k in keys])
         want = torch.cat([pb[k].double().flatten() for k in keys])
