@@ -27,6 +27,13 @@ close calls get three times the rounds of the clear losers.
 Every rank gets the same maxima from one all-reduce, so every rank picks the same plan. The
 user's model, its buffers and the RNG state are left as they were. The trials go to
 ``plan.options["autotune"]`` and the report.
+
+A plan that cannot be built on some rank is not timed and runs on no rank; its trial keeps the
+reason (``KeyError: 'submod_3' (split_stages.py:162 in _stage_graph) on rank 0``: exception type,
+message, where it was raised, and the first rank it failed on, the same on every rank) and rank 0
+warns (RuntimeWarning). A plan is built from the same Plan as any other, so such a failure is
+a bug of the passes, not a property of the plan. A plan that fails while timed stops ``parallelize``
+with an error naming it (its peers may be waiting on it: it cannot be skipped).
 """
 from __future__ import annotations
 
@@ -36,6 +43,8 @@ import json
 import random
 import statistics
 import time
+import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -52,7 +61,7 @@ class Trial:
     label: str
     predicted: float      # plan.step_time, seconds
     measured: float       # slowest rank's median step: forward, backward, gradient sync and optimizer
-    error: str = ""       # why it could not be built or run (measured = inf)
+    error: str = ""       # why it could not be built: type, message, where, rank (measured = inf)
     steps: int = 0        # timed steps behind ``measured`` (this rank's)
 
 
@@ -103,12 +112,16 @@ def measure_plans(plans: list[Plan], build: Callable[[Plan], object], example_in
         med = timer.medians()
     timer.free()
     torch.set_rng_state(rng)
-    trials = []
-    for i, plan in enumerate(plans):
-        reason = timer.errors[i] or ("could not be built on another rank" if timer.failed[i] else "")
-        trials.append(Trial(plan_label(plan), plan.step_time, med[i] if not reason else float("inf"), reason,
-                            len(timer.samples[i])))
-    return trials
+    return [Trial(plan_label(plan), plan.step_time, med[i] if not timer.errors[i] else float("inf"), timer.errors[i],
+                  len(timer.samples[i])) for i, plan in enumerate(plans)]
+
+
+def failure(err: BaseException) -> str:
+    """``KeyError: 'submod_3' (split_stages.py:162 in _stage_graph)``: type, message and the
+    innermost frame, enough to tell a bug from a plan that cannot fit."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" ({frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(err).__name__}: {err}{where}"
 
 
 class _Timer:
@@ -118,7 +131,7 @@ class _Timer:
         self.plans, self.build, self.inputs, self.target = plans, build, example_inputs, example_target
         self.warmup, self.together = warmup, together
         self.samples: list[list[float]] = [[] for _ in plans]
-        self.errors, self.failed = [""] * len(plans), [False] * len(plans)
+        self.errors = [""] * len(plans)
         self.kept: dict[int, tuple] = {}
         self.rounds = 0                   # rounds run so far: seeds each round's order alike on every rank
 
@@ -136,9 +149,13 @@ class _Timer:
                     if dist.is_initialized():
                         dist.barrier()
                     t0 = time.perf_counter()
-                    pm.step(*self.inputs, target=self.target)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                    try:
+                        pm.step(*self.inputs, target=self.target)
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                    except Exception as err:
+                        raise RuntimeError(f"autotune: plan {plan_label(self.plans[i])} was built but failed while "
+                                           f"timed: {failure(err)}") from err
                     if r >= warm:
                         self.samples[i].append(time.perf_counter() - t0)
             if not self.together:
@@ -147,21 +164,24 @@ class _Timer:
 
     def _built(self, group: list[int]) -> dict:
         runs = {i: self.kept[i] for i in group if i in self.kept}
-        todo = [i for i in group if i not in runs and not self.failed[i]]
+        todo = [i for i in group if i not in runs and not self.errors[i]]
         if not todo:
             return runs
+        mine = {}
         for i in todo:
             try:
                 pm = self.build(self.plans[i])
                 runs[i] = (pm, _optimizer(self.plans[i], pm))
             except Exception as err:  # noqa: BLE001 - a plan that cannot be built loses, with the reason kept
-                self.errors[i] = f"{type(err).__name__}: {err}"
-        bad = torch.tensor([0.0 if i in runs else 1.0 for i in todo], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)    # a plan that failed on any rank runs on none
-        for i, b in zip(todo, bad.tolist()):
-            if b:
-                self.failed[i] = True
+                mine[i] = failure(err)
+        per_rank = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, mine)    # a plan that failed on any rank runs on none
+        for rank, errors in enumerate(per_rank):
+            for i, reason in errors.items():
+                if not self.errors[i]:
+                    self.errors[i] = f"{reason} on rank {rank}"
                 runs.pop(i, None)
         if self.together:
             self.kept.update(runs)
@@ -212,6 +232,11 @@ def choose(plans: list[Plan], model: torch.nn.Module, build: Callable[[torch.nn.
     together = sum(max(p.memory_per_device, default=0.0) for p in plans) <= budget
     trials = measure_plans(plans, lambda p: build(copy.deepcopy(model), p), example_inputs, example_target, steps,
                            together=together)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for t in trials:
+            if t.error:
+                warnings.warn(f"autotune: plan {t.label} could not be built and was not timed: {t.error}",
+                              RuntimeWarning, stacklevel=2)
     best = pick(trials)
     chosen = plans[best]
     chosen.options["autotune"] = [dict(asdict(t), measured=t.measured if t.measured < float("inf") else None,
@@ -220,4 +245,4 @@ def choose(plans: list[Plan], model: torch.nn.Module, build: Callable[[torch.nn.
     return chosen
 
 
-__all__ = ["TIE", "Trial", "choose", "pick", "layout_key", "measure_plans", "plan_label", "shortlist"]
+__all__ = ["TIE", "Trial", "choose", "failure", "pick", "layout_key", "measure_plans", "plan_label", "shortlist"]

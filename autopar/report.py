@@ -97,8 +97,10 @@ def render(plan) -> str:
         lines.append(f"  {'plan':<44} {'predicted':>12} {'measured':>12} {'steps':>6}")
         for t in trials:
             measured = _ms(t["measured"]) if t["measured"] is not None else "failed"
-            note = "  chosen" if t["chosen"] else (f"  {t['error'][:60]}" if t["error"] else "")
+            note = "  chosen" if t["chosen"] else ""
             lines.append(f"  {t['label']:<44} {_ms(t['predicted']):>12} {measured:>12} {t.get('steps', 0):>6}{note}")
+            if t["error"]:
+                lines.append(f"      not built: {t['error']}")
     return "\n".join(lines)
 
 

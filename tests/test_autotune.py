@@ -1,13 +1,14 @@
 """AUTO's measured choice (autotune_top_k): the ranks time the best predicted plans and keep the fastest."""
 import dataclasses
 import functools
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.autotune import TIE, Trial, layout_key, pick, plan_label, shortlist
+from autopar.autotune import TIE, Trial, choose, layout_key, pick, plan_label, shortlist
 from conftest import run_ranks
 from examples.models import MLP
 from oracle import assert_same_training, make_batch, parallel_run, reference_run
@@ -141,3 +142,59 @@ def test_pick_prefers_the_better_predicted_plan_when_measurements_tie():
     assert pick(trials(0.120, 0.0925, 0.090)) == 1
     assert pick(trials(float("inf"), 0.090)) == 1
     assert pick(trials(float("inf"), float("inf"))) == 0
+
+
+class _StubModule(torch.nn.Module):
+    """Stands in for a built plan: a step that does nothing, one parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def step(self, *inputs, target=None):
+        return torch.zeros(())
+
+
+def test_a_plan_that_cannot_be_built_is_listed_with_its_reason_and_warned_about():
+    """Every pipelined plan of a Hugging Face Llama failed to build (KeyError: 'submod_3') and
+    autotune dropped them without a word: the reason now names the exception, where it was raised
+    and the rank, in the trials, the report and a warning."""
+    plans = shortlist(_plans(8), 1e9)[:3]
+    assert len(plans) == 3
+    broken = plans[1]
+
+    def build(model, plan):
+        if plan is broken:
+            raise KeyError("submod_3")
+        return _StubModule()
+
+    x, y = make_batch("vector", 8, d_in=32)
+    with pytest.warns(RuntimeWarning, match=rf"autotune: plan {re.escape(plan_label(broken))} could not be built "
+                                            r"and was not timed: KeyError: 'submod_3' \(test_autotune.py:\d+ in build\) on rank 0"):
+        chosen = choose(plans, MODEL(), build, (x,), y, steps=1, slack=1e9)
+    trials = chosen.options["autotune"]
+    failed = [t for t in trials if t["error"]]
+    assert [t["label"] for t in failed] == [plan_label(broken)] and failed[0]["measured"] is None
+    assert failed[0]["error"].startswith("KeyError: 'submod_3' (test_autotune.py:")
+    assert chosen is not broken
+    assert f"not built: {failed[0]['error']}" in chosen.report()
+
+
+def _fails_on_rank_1_job(rank):
+    plans = shortlist(_plans(8), 1e9)[:2]
+
+    def build(model, plan):
+        if plan is plans[1] and rank == 1:
+            raise ValueError("no such stage")
+        return _StubModule()
+
+    x, y = make_batch("vector", 8, d_in=32)
+    chosen = choose(plans, MODEL(), build, (x,), y, steps=1, slack=1e9)
+    return [t["error"] for t in chosen.options["autotune"]]
+
+
+def test_a_plan_that_fails_on_one_rank_is_dropped_on_all_with_that_ranks_reason():
+    errors = run_ranks(2, _fails_on_rank_1_job)
+    assert errors[0] == errors[1]
+    assert errors[0][0] == "" and re.fullmatch(r"ValueError: no such stage \(test_autotune.py:\d+ in build\) on rank 1",
+                                               errors[0][1])

@@ -6,30 +6,15 @@ import torch
 
 import autopar
 from conftest import run_ranks
+from hf_zoo import gpt2
+from hf_zoo import lm_loss as _loss
 
 transformers = pytest.importorskip("transformers")
 
 
 def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32, use_cache=False,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
-    return GPT2LMHeadModel(cfg)
-
-
-class LogitsOnly(torch.nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, idx):
-        return self.inner(input_ids=idx).logits
-
-
-def _loss(logits, y):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+    return gpt2()
 
 
 def _data():
@@ -39,7 +24,7 @@ def _data():
 
 def test_hf_gpt2_plans_with_tied_embeddings():
     x, y = _data()
-    plan = autopar.plan(LogitsOnly(_gpt2()), autopar.Mesh(2, axis_names=("tp",), device="a100-80gb"),
+    plan = autopar.plan(_gpt2(), autopar.Mesh(2, axis_names=("tp",), device="a100-80gb"),
                         example_inputs=(x,), loss_fn=_loss, example_target=y, mode="auto")
     wte = plan.params["inner.transformer.wte.weight"]
     assert "inner.lm_head.weight" in wte.aliases
@@ -47,13 +32,13 @@ def test_hf_gpt2_plans_with_tied_embeddings():
 
 def _gpt2_job(rank):
     x, y = _data()
-    pmodel = autopar.parallelize(LogitsOnly(_gpt2()), autopar.Mesh(2), example_inputs=(x,), loss_fn=_loss,
+    pmodel = autopar.parallelize(_gpt2(), autopar.Mesh(2), example_inputs=(x,), loss_fn=_loss,
                                  example_target=y, mode="data")
     return float(pmodel.step(x, target=y))
 
 
 def test_hf_gpt2_trains_under_data_parallel():
     x, y = _data()
-    ref = _loss(LogitsOnly(_gpt2())(x), y).item()
+    ref = _loss(_gpt2()(x), y).item()
     for got in run_ranks(2, _gpt2_job):
         assert abs(got - ref) <= 1e-5 * ref

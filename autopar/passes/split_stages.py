@@ -12,6 +12,10 @@ head) is copied per stage. So only planned values cross a cut, each in its produ
 placement (peer ranks of two stages share their (dp, tp) coordinates, so each sends its local
 piece to its peer: no resharding at the cut).
 
+A stage graph keeps the graph-module attributes (``get_attr`` nodes) its nodes read, like the
+placeholders it uses: torch.export turns a ``torch.no_grad()`` region (Hugging Face rotary
+embeddings) into ``wrap_with_set_grad_enabled(False, submod, ...)``, whose body is such an attribute.
+
 Each stage graph takes ``(*placeholders it uses, *received values)`` and returns
 ``(*values it sends, *graph outputs)`` (outputs on the last stage only). A ``Transfer`` names
 one (value, source stage, destination stage) with the value's local shape and dtype; its
@@ -149,6 +153,10 @@ def _stage_graph(gm: fx.GraphModule, s: int, stages: dict, transfers: list[Trans
             env[node] = g.placeholder(node.name)
             env[node].meta = dict(node.meta)
             placeholders.append(node.name)
+    attrs = {a for n in mine for a in n.all_input_nodes if a.op == "get_attr"}
+    for node in gm.graph.nodes:
+        if node in attrs:
+            env[node] = g.node_copy(node)
     recvs = [t for t in transfers if t.dst == s]
     for t in recvs:
         src = by_name[t.value]
