@@ -18,7 +18,6 @@ One training step (``step``):
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist

@@ -12,7 +12,6 @@ import functools
 import math
 
 import pytest
-import torch
 
 import autopar
 import hf_zoo

@@ -9,7 +9,6 @@ syncs them in buckets after backward (DDP's reducer).
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
 
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
