@@ -8,6 +8,9 @@ step (forward, backward, AdamW step, zero_grad), interleaved A, B, A', B':
   ddp          DistributedDataParallel(model) on the local batch, local mean loss
   autopar-bf16 the same with set_auto_parallel_context(grad_compression="bf16")
   ddp-bf16     DDP with torch's bf16_compress_hook
+  autopar-acc  gradient accumulation over K micro-batches: K-1 pmodel.step in pmodel.no_sync(),
+               the last outside (the gradients are summed once), then AdamW (--accumulate K)
+  ddp-acc      DDP's own idiom on the same micro-batches: K-1 backward in ddp.no_sync()
 
 Prints medians, the ratio of medians (target autopar/ddp <= 1.05) and the spread.
 
@@ -48,7 +51,7 @@ def _model(cfg):
     return GPT(vocab=cfg["vocab"], hidden=cfg["hidden"], heads=cfg["heads"], layers=cfg["layers"], seq=cfg["seq"])
 
 
-def rank_step_times(rank: int, cfg: dict, reps: int, warmup: int, compression: bool) -> dict:
+def rank_step_times(rank: int, cfg: dict, reps: int, warmup: int, compression: bool, accumulate: int = 0) -> dict:
     """Runs on every rank of a 4-rank gloo group; returns per-contender step times."""
     import autopar
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
@@ -97,7 +100,45 @@ def rank_step_times(rank: int, cfg: dict, reps: int, warmup: int, compression: b
 
         return step, losses, ddp
 
+    def autopar_acc_fn(k):
+        xs, ys = x.chunk(k), y.chunk(k)
+        pmodel = autopar.parallelize(_model(cfg), autopar.Mesh(world), example_inputs=(xs[0],), loss_fn=lm_loss,
+                                     example_target=ys[0], mode="data")
+        opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+        losses = []
+
+        def step():
+            with pmodel.no_sync():
+                for i in range(k - 1):
+                    pmodel.step(xs[i], target=ys[i])
+            losses.append(float(pmodel.step(xs[-1], target=ys[-1])))
+            opt.step()
+            opt.zero_grad()
+
+        return step, losses
+
+    def ddp_acc_fn(k):
+        ddp = DDP(_model(cfg))
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        xs, ys = xl.chunk(k), yl.chunk(k)
+        losses = []
+
+        def step():
+            with ddp.no_sync():
+                for i in range(k - 1):
+                    (lm_loss(ddp(xs[i]), ys[i]) / k).backward()
+            loss = lm_loss(ddp(xs[-1]), ys[-1]) / k
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+
+        return step, losses
+
     fns, losses = {}, {}
+    if accumulate:
+        fns["autopar-acc"], losses["autopar-acc"] = autopar_acc_fn(accumulate)
+        fns["ddp-acc"], losses["ddp-acc"] = ddp_acc_fn(accumulate)
     fns["autopar"], losses["autopar"], pmodel = autopar_step_fn(None)
     fns["ddp"], losses["ddp"], _ = ddp_step_fn(None)
     if compression:
@@ -107,6 +148,8 @@ def rank_step_times(rank: int, cfg: dict, reps: int, warmup: int, compression: b
     # first-step losses: autopar's is the global mean; DDP's the local mean -> average them
     first = {}
     for k, v in losses.items():
+        if k.endswith("-acc"):
+            continue
         t = torch.tensor([v[0]], dtype=torch.float64)
         if k.startswith("ddp"):
             dist.all_reduce(t)
@@ -116,12 +159,13 @@ def rank_step_times(rank: int, cfg: dict, reps: int, warmup: int, compression: b
             "plan_degrees": pmodel.plan.degrees, "params": sum(p.numel() for p in pmodel.parameters())}
 
 
-def step_benchmark(cfg: dict, reps: int, warmup: int, compression: bool = True, nprocs: int = 4) -> dict:
+def step_benchmark(cfg: dict, reps: int, warmup: int, compression: bool = True, nprocs: int = 4,
+                   accumulate: int = 0) -> dict:
     from autopar.runtime.launch import RankPool
 
     pool = RankPool(nprocs, timeout_s=600)
     try:
-        res = pool.run(rank_step_times, cfg, reps, warmup, compression, timeout_s=900)[0]
+        res = pool.run(rank_step_times, cfg, reps, warmup, compression, accumulate, timeout_s=900)[0]
     finally:
         pool.close()
     t = res["times"]
@@ -130,6 +174,8 @@ def step_benchmark(cfg: dict, reps: int, warmup: int, compression: bool = True, 
            "plain": Ratio("autopar", "ddp", t["autopar"], t["ddp"])}
     if compression:
         out["bf16"] = Ratio("autopar-bf16", "ddp-bf16", t["autopar-bf16"], t["ddp-bf16"])
+    if accumulate:
+        out["acc"] = Ratio("autopar-acc", "ddp-acc", t["autopar-acc"], t["ddp-acc"])
     return out
 
 
@@ -181,6 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--skip-plan", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--accumulate", type=int, default=0, help="also time accumulation over K micro-batches with "
+                    "no_sync (autopar vs DDP)")
+    ap.add_argument("--no-compression", action="store_true", help="skip the bf16 contenders")
     ap.add_argument("--profile", default=None, help="calibration profile for the 'cpu' device (sets AUTOPAR_PROFILE "
                     "for this process and its ranks; default: whatever AUTOPAR_PROFILE / the machine's profile says)")
     ap.add_argument("--json", default=None, help="also write the numbers to this JSON file")
@@ -192,17 +241,23 @@ def main(argv=None) -> int:
     print(header("data parallel: autopar DATA vs torch DDP"))
     record = {}
     if not args.skip_step:
-        r = step_benchmark(cfg, reps, warmup=2 if args.quick else 3)
+        r = step_benchmark(cfg, reps, warmup=2 if args.quick else 3, compression=not args.no_compression,
+                           accumulate=args.accumulate)
         print(f"\n## step time, 4 gloo ranks x 1 thread, GPT {cfg} ({r['params'] / 1e6:.2f} M params), "
               f"AdamW, {reps} interleaved rounds")
         print(f"autopar plan degrees {r['degrees']}, gradient sync through DDP reducer: {r['uses_ddp']}")
         print("first-step global mean loss: " + ", ".join(f"{k} {v:.6f}" for k, v in r["first_loss"].items()))
         print(r["plain"].line())
         print(check("autopar/ddp step-time ratio", r["plain"].ratio, 1.05))
-        print(r["bf16"].line())
-        print(check("autopar-bf16/ddp-bf16 step-time ratio", r["bf16"].ratio, 1.05))
-        record["step"] = {"cfg": cfg, "plain": r["plain"].to_dict(), "bf16": r["bf16"].to_dict(),
-                          "first_loss": r["first_loss"]}
+        if "bf16" in r:
+            print(r["bf16"].line())
+            print(check("autopar-bf16/ddp-bf16 step-time ratio", r["bf16"].ratio, 1.05))
+        if "acc" in r:
+            print(f"accumulation over {args.accumulate} micro-batches (no_sync on all but the last), per optimizer step:")
+            print(r["acc"].line())
+            print(check("autopar-acc/ddp-acc step-time ratio", r["acc"].ratio, 1.05))
+        record["step"] = {"cfg": cfg, "first_loss": r["first_loss"],
+                          **{k: r[k].to_dict() for k in ("plain", "bf16", "acc") if k in r}}
     if not args.skip_plan:
         print(f"\n## planning GPT {XL} on the meta device, Mesh(8, device='a100-80gb'), fresh process each")
         rows = plan_benchmark()
