@@ -86,7 +86,7 @@ class Plan:
     nodes: dict[str, NodeDecision] = field(default_factory=dict)
     params: dict[str, ParamDecision] = field(default_factory=dict)
     inputs: dict[str, str] = field(default_factory=dict)       # input placeholder -> spec
-    outputs: dict[str, object] = field(default_factory=dict)   # "loss"/"output" -> spec
+    outputs: dict[str, object] = field(default_factory=dict)   # "loss" -> spec; "output" -> spec per leaf
     microbatches: int = 1
     schedule: str = "none"
     stages: list[Stage] = field(default_factory=list)
@@ -111,6 +111,14 @@ class Plan:
         names = {n for s in held for n in s.nodes}
         return [c for c in self.collective_list
                 if not c.node or c.node in names or c.node not in self.nodes or c.phase == "step"]
+
+    def output_specs(self) -> list:
+        """One spec per leaf of the model's output (None for a non-tensor leaf); a plan written when
+        ``outputs["output"]`` was a single spec reads as one leaf."""
+        specs = self.outputs.get("output")
+        if specs is None:
+            return []
+        return [specs] if isinstance(specs, str) else list(specs)
 
     def explain(self, name: str) -> str:
         from autopar.report import explain
