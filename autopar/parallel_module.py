@@ -44,6 +44,25 @@ class ParallelModule(nn.Module):
     def mesh(self):
         return self.plan.mesh
 
+    @property
+    def data_parallel_size(self) -> int:
+        """How many parts the global batch is cut into (the mesh axes where the first input is Shard(0));
+        a sampler gives each part to the ranks of one ``data_parallel_rank``."""
+        return math.prod(self.plan.mesh.shape[a] for a in self._batch_axes())
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which part of the global batch this rank takes (``local_batch=True`` expects that part)."""
+        rank = 0
+        for a in self._batch_axes():
+            rank = rank * self.plan.mesh.shape[a] + self._coords[a]
+        return rank
+
+    def _batch_axes(self) -> list[int]:
+        inputs = self._traced_meta["inputs"]
+        spec = parse_spec(self.plan.inputs[inputs[0]]) if inputs and inputs[0] in self.plan.inputs else ()
+        return [a for a, p in enumerate(spec) if p == Shard(0)]
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self.program.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 

@@ -63,6 +63,7 @@ class Alternative:
     microbatches: int = 1
     schedule: str = "none"
     optimizer_time: float = 0.0  # predicted optimizer-step seconds (part of step_time)
+    redundant_axes: list[str] = field(default_factory=list)   # mesh axes on which every rank repeats the work
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Plan:
     mode: ParallelMode
     mesh: Mesh
     degrees: dict
+    axis_roles: dict[str, str] = field(default_factory=dict)   # mesh axis -> "dp" | "tp" | "pp" | "none"
     nodes: dict[str, NodeDecision] = field(default_factory=dict)
     params: dict[str, ParamDecision] = field(default_factory=dict)
     inputs: dict[str, str] = field(default_factory=dict)       # input placeholder -> spec
@@ -111,6 +113,11 @@ class Plan:
         names = {n for s in held for n in s.nodes}
         return [c for c in self.collective_list
                 if not c.node or c.node in names or c.node not in self.nodes or c.phase == "step"]
+
+    def redundant_axes(self) -> list[str]:
+        """Mesh axes (size > 1) on which no op is split: every rank on such an axis repeats the same work."""
+        size = dict(zip(self.mesh.axis_names, self.mesh.shape))
+        return [a for a, role in self.axis_roles.items() if role == "none" and size.get(a, 1) > 1]
 
     def output_specs(self) -> list:
         """One spec per leaf of the model's output (None for a non-tensor leaf); a plan written when
