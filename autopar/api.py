@@ -152,9 +152,7 @@ def _graph_copy(traced: Traced) -> Traced:
 def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
     fwd = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     out = next(n for n in fwd.graph.nodes if n.op == "output")
-    vals = out.args[0]
-    keep = vals[traced.output_index] if traced.output_index is not None else vals
-    out.args = (keep,)
+    out.args = (tuple(out.args[0][i] for i in traced.output_leaves),)
     fwd.graph.eliminate_dead_code()
     fwd.recompile()
     return fwd

@@ -7,8 +7,10 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_unflatten
 
 from autopar.passes.shard_params import assemble, local_piece
+from autopar.plan import PlanError
 from autopar.runtime import comm
 from autopar.runtime.groups import bound_axes
 from autopar.runtime.program import RankProgram
@@ -26,7 +28,7 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self._traced_meta = {"inputs": list(traced.inputs), "input_shapes": list(traced.input_shapes),
                              "target_shape": traced.target_shape, "loss_index": traced.loss_index,
-                             "output_index": traced.output_index, "has_loss": traced.has_loss}
+                             "has_loss": traced.has_loss, "output_tree": traced.output_tree}
         self._axes = axes
         self._coords = coords
         object.__setattr__(self, "_ddp", ddp)
@@ -43,6 +45,25 @@ class ParallelModule(nn.Module):
     @property
     def mesh(self):
         return self.plan.mesh
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many parts the global batch is cut into (the mesh axes where the first input is Shard(0));
+        a sampler gives each part to the ranks of one ``data_parallel_rank``."""
+        return math.prod(self.plan.mesh.shape[a] for a in self._batch_axes())
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which part of the global batch this rank takes (``local_batch=True`` expects that part)."""
+        rank = 0
+        for a in self._batch_axes():
+            rank = rank * self.plan.mesh.shape[a] + self._coords[a]
+        return rank
+
+    def _batch_axes(self) -> list[int]:
+        inputs = self._traced_meta["inputs"]
+        spec = parse_spec(self.plan.inputs[inputs[0]]) if inputs and inputs[0] in self.plan.inputs else ()
+        return [a for a, p in enumerate(spec) if p == Shard(0)]
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self.program.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
@@ -128,15 +149,21 @@ class ParallelModule(nn.Module):
         return loss
 
     def forward(self, *inputs, local_batch: bool = False):
-        """Forward only: the model's full output (gathered where the plan splits it)."""
+        """Forward only: the model's output, in the structure the model returns, each tensor gathered in full."""
         xs, _ = self._local_inputs(inputs, None, local_batch)
-        out = self.program(*xs, target=None, forward_only=True)
-        spec_text = self.plan.outputs.get("output")
-        if spec_text is None or not isinstance(out, torch.Tensor):
-            return out
-        spec = parse_spec(spec_text)
+        leaves = self.program(*xs, target=None, forward_only=True)
+        names = self.plan.mesh.axis_names
         with bound_axes(self._axes):
-            return _to_replicate(out, spec, self.plan.mesh.axis_names)
+            full = [_to_replicate(x, parse_spec(spec), names) if isinstance(x, torch.Tensor) and spec else x
+                    for x, spec in zip(leaves, self._output_specs(len(leaves)))]
+        return tree_unflatten(full, self._traced_meta["output_tree"])
+
+    def _output_specs(self, n: int) -> list:
+        specs = self.plan.output_specs()
+        if len(specs) != n:
+            raise PlanError(f"the plan places {len(specs)} model output(s) but the model returns {n} leaves; "
+                            "make a new plan for this model")
+        return specs
 
     # ---- gradients -------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

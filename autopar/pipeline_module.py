@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_unflatten
 
 from autopar.parallel_module import ParallelModule, _to_replicate
 from autopar.passes.shard_params import assemble
@@ -70,9 +71,9 @@ def build_pipeline_module(model: nn.Module, traced, plan) -> "PipelineModule":
         raise ValueError("the plan's microbatch graph does not match this model traced at microbatch size "
                          f"{info['microbatch_size']}; make a new plan for this model")
     traced.meta.get("microbatch_traces", {}).pop(info["microbatch_size"], None)
-    out_node = next(n for n in mb.gm.graph.nodes if n.op == "output")
-    out_val = out_node.args[0][mb.output_index].meta.get("val") if mb.output_index is not None else None
-    out_meta = (tuple(out_val.shape), out_val.dtype) if isinstance(out_val, torch.Tensor) else ((), torch.float32)
+    out_args = next(n for n in traced.gm.graph.nodes if n.op == "output").args[0]
+    out_meta = [out_args[i].meta.get("val") if isinstance(out_args[i], torch.fx.Node) else out_args[i]
+                for i in traced.output_leaves]
     mesh = plan.mesh
     pp, per_pp = mesh.shape[0], mesh.size // mesh.shape[0]
     my_rank, axes, coords = _rank_info(mesh)
@@ -99,7 +100,7 @@ def build_pipeline_module(model: nn.Module, traced, plan) -> "PipelineModule":
         g = graphs[s]
         slots = [placeholder_slot(ph, mb, by_ph, named_p, named_b, coords, mesh.shape, params, buffers)
                  for ph in g.placeholders]
-        keep = [mb.output_index] if mb.output_index is not None and g.results else []
+        keep = list(mb.output_leaves) if g.results else []
         calls[s] = StageCall(g, forward_only(g, keep), slots)
     program = PipelineProgram(params, buffers)
     schedule = build_schedule(plan.schedule, pp, plan.microbatches, info.get("virtual_stages", 1))
@@ -230,17 +231,33 @@ class PipelineModule(ParallelModule):
             p.grad = grad
 
     def forward(self, *inputs, local_batch: bool = False):
-        """Forward only: the model's full output on every rank (microbatched, gathered)."""
+        """Forward only: the model's output on every rank, in the structure the model returns; each tensor
+        leaf is gathered in full and its microbatches concatenated along dim 0."""
         mbs = self._microbatches(inputs, None, local_batch)
         outs = self._executor.run(self.program.local_tensor, mbs, 1.0, train=False)
+        specs = self._output_specs(len(self._out_meta))
+        full = [self._output_leaf(j, val, spec, [o[j] for o in outs]) for j, (val, spec)
+                in enumerate(zip(self._out_meta, specs))]
+        return tree_unflatten(full, self._traced_meta["output_tree"])
+
+    def _output_leaf(self, j: int, val, spec, pieces: list):
+        """Leaf ``j`` of the model's output on every rank: ``val`` is its traced (global) value."""
+        if not isinstance(val, torch.Tensor):
+            return val
         mesh = self.plan.mesh
-        spec = parse_spec(self.plan.outputs.get("output", "[" + ",".join("R" for _ in mesh.shape) + "]"))
         if self._is_last():
             with bound_axes(self._axes), torch.no_grad():
-                full = torch.cat([_to_replicate(o, spec, mesh.axis_names) for o in outs], 0)
+                parts = [_to_replicate(p, parse_spec(spec), mesh.axis_names) if spec else p for p in pieces]
+            if not val.dim() and len(parts) > 1:
+                raise ValueError(f"output leaf {j} of the pipelined model is a scalar: it cannot be rebuilt from "
+                                 f"{len(parts)} microbatches; return per-example values or plan one microbatch")
+            full = torch.cat(parts, 0) if val.dim() else parts[0]
+            if tuple(full.shape) != tuple(val.shape):
+                raise ValueError(f"output leaf {j} of the pipelined model is {tuple(full.shape)} after joining "
+                                 f"{len(parts)} microbatches along dim 0, but the model returns {tuple(val.shape)}: "
+                                 "a pipelined forward returns outputs whose dim 0 is the batch")
         else:
-            shape, dtype = self._out_meta
-            full = torch.empty((self._traced_meta["input_shapes"][0][0],) + tuple(shape[1:]), dtype=dtype)
+            full = torch.empty(tuple(val.shape), dtype=val.dtype)
         if dist.is_initialized():
             dist.broadcast(full, src=self._executor.peer(len(self.plan.stages) - 1), group=self._axes["pp"].group)
         return full

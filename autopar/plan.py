@@ -64,6 +64,7 @@ class Alternative:
     microbatches: int = 1
     schedule: str = "none"
     optimizer_time: float = 0.0  # predicted optimizer-step seconds (part of step_time)
+    redundant_axes: list[str] = field(default_factory=list)   # mesh axes on which every rank repeats the work
 
 
 @dataclass
@@ -84,10 +85,11 @@ class Plan:
     mode: ParallelMode
     mesh: Mesh
     degrees: dict
+    axis_roles: dict[str, str] = field(default_factory=dict)   # mesh axis -> "dp" | "tp" | "pp" | "none"
     nodes: dict[str, NodeDecision] = field(default_factory=dict)
     params: dict[str, ParamDecision] = field(default_factory=dict)
     inputs: dict[str, str] = field(default_factory=dict)       # input placeholder -> spec
-    outputs: dict[str, object] = field(default_factory=dict)   # "loss"/"output" -> spec
+    outputs: dict[str, object] = field(default_factory=dict)   # "loss" -> spec; "output" -> spec per leaf
     microbatches: int = 1
     schedule: str = "none"
     stages: list[Stage] = field(default_factory=list)
@@ -112,6 +114,19 @@ class Plan:
         names = {n for s in held for n in s.nodes}
         return [c for c in self.collective_list
                 if not c.node or c.node in names or c.node not in self.nodes or c.phase == "step"]
+
+    def redundant_axes(self) -> list[str]:
+        """Mesh axes (size > 1) on which no op is split: every rank on such an axis repeats the same work."""
+        size = dict(zip(self.mesh.axis_names, self.mesh.shape))
+        return [a for a, role in self.axis_roles.items() if role == "none" and size.get(a, 1) > 1]
+
+    def output_specs(self) -> list:
+        """One spec per leaf of the model's output (None for a non-tensor leaf); a plan written when
+        ``outputs["output"]`` was a single spec reads as one leaf."""
+        specs = self.outputs.get("output")
+        if specs is None:
+            return []
+        return [specs] if isinstance(specs, str) else list(specs)
 
     def explain(self, name: str) -> str:
         from autopar.report import explain

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from autopar.sharding.placements import Shard, parse_spec
+
 
 def _gb(b: float) -> str:
     return f"{b / 2**30:.3f} GiB" if b >= 2**24 else f"{b / 2**20:.2f} MiB"
@@ -18,6 +20,7 @@ def render(plan) -> str:
              f"mesh: {' × '.join(f'{n}={s}' for n, s in zip(m.axis_names, m.shape))} ({m.size} devices, {m.device})",
              f"degrees: dp={plan.degrees.get('dp', 1)} tp={plan.degrees.get('tp', 1)} pp={plan.degrees.get('pp', 1)}"
              f"   microbatches={plan.microbatches} schedule={plan.schedule}",
+             *_redundant_lines(plan),
              f"predicted step time: {_ms(plan.step_time)}   FLOPs/step: {plan.flops:.3e}   "
              f"peak memory/device: {_gb(max(plan.memory_per_device or [0]))}",
              f"solver: {plan.solver_status} in {plan.solve_time:.2f}s", ""]
@@ -78,7 +81,8 @@ def render(plan) -> str:
         lines += render_pipeline(plan)
     if plan.alternatives:
         lines.append("")
-        lines.append("why this plan — alternatives considered (least step time that fits memory wins):")
+        lines.append("why this plan — alternatives considered (least step time that fits memory wins; a plan "
+                     "that repeats the work on an axis only where every plan does):")
         lines.append(f"  {'degrees':<28} {'microbatches':<20} {'step time':>12} {'of it optim':>12} {'memory':>12}  "
                      "fits  note")
         opt = plan.options.get("optimizer_time", 0.0)
@@ -88,7 +92,8 @@ def render(plan) -> str:
         for a in plan.alternatives[:10]:
             lines.append(f"  {_deg(a.degrees):<28} {_mb(a.microbatches, a.schedule) if a.fits else '-':<20} "
                          f"{_ms(a.step_time) if a.fits else '-':>12} {_ms(a.optimizer_time) if a.fits else '-':>12} "
-                         f"{_gb(a.memory) if a.fits else '-':>12}  {'yes' if a.fits else 'no ':<4}  {a.note}")
+                         f"{_gb(a.memory) if a.fits else '-':>12}  {'yes' if a.fits else 'no ':<4}  {a.note}"
+                         + (f"; repeats work on {'+'.join(a.redundant_axes)}" if a.redundant_axes else ""))
     trials = plan.options.get("autotune")
     if trials:
         lines.append("")
@@ -102,6 +107,21 @@ def render(plan) -> str:
             if t["error"]:
                 lines.append(f"      not built: {t['error']}")
     return "\n".join(lines)
+
+
+def _redundant_lines(plan) -> list[str]:
+    size = dict(zip(plan.mesh.axis_names, plan.mesh.shape))
+    out = []
+    for a in plan.redundant_axes():
+        shares = plan.options.get("axis_shares", {}).get(a, {})
+        split = 1.0 - shares.get("none", 1.0)
+        what = (f"only {split * 100:.2g}% of the compute (FLOPs) is split on it — every rank on it repeats the rest"
+                if split > 0 else "no op is split on it — every rank on it repeats the same work")
+        stored = any(d.kind == "parameter" and isinstance(parse_spec(d.spec)[plan.mesh.axis_index(a)], Shard)
+                     for d in plan.params.values())
+        out.append(f"axis {a} (size {size[a]}): {what}"
+                   + (" (parameters are stored split on it: that saves memory only)" if stored else ""))
+    return out
 
 
 def _mb(microbatches: int, schedule: str) -> str:

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils._pytree import TreeSpec
 
 from autopar.opaque_functions import opaque_functions
 
@@ -38,7 +39,8 @@ class Traced:
     aliases: dict[str, list[str]]     # canonical parameter name -> every name it has (tied)
     buffer_mutations: dict[int, str]  # output index -> buffer name it updates
     loss_index: int | None            # output index of the scalar loss
-    output_index: int | None          # output index of the model's output
+    output_leaves: list[int]          # output index of each leaf of the model's output, in pytree order
+    output_tree: TreeSpec | None      # pytree structure of the model's output (tuple, dict, ModelOutput, ...)
     input_shapes: list[tuple]
     target_shape: tuple | None
     has_loss: bool = False
@@ -49,6 +51,11 @@ class Traced:
             if n.name == name:
                 return n
         raise KeyError(f"no node named {name!r} in the traced graph")
+
+    @property
+    def output_index(self) -> int | None:
+        """The output index of the model's output when it is one leaf (None for a structure)."""
+        return self.output_leaves[0] if len(self.output_leaves) == 1 else None
 
     @property
     def batch_size(self) -> int:
@@ -180,16 +187,19 @@ def _from_exported(ep, model, inputs, example_target, has_loss) -> Traced:
         stack = node.meta.get("nn_module_stack") or {}
         path = list(stack.values())[-1][0] if stack else ""
         node.meta["module_path"] = path[len(_WRAP):] if path.startswith(_WRAP) else ("" if path == "model" else path)
-    loss_index = output_index = None
+    tree = ep.call_spec.out_spec
+    loss_index = None
     if has_loss:
-        loss_index, output_index = user_out[0], user_out[1]
+        loss_index, leaves = user_out[0], user_out[1:]
+        tree = tree.child(1) if hasattr(tree, "child") else tree.children_specs[1]   # (loss, model output)
     else:
-        output_index = user_out[0] if len(user_out) == 1 else None
-        out_val = _output_vals(gm)[output_index] if output_index is not None else None
-        if isinstance(out_val, torch.Tensor) and out_val.dim() == 0:
-            loss_index = output_index
+        leaves = user_out
+        out_vals = [_output_vals(gm)[i] for i in leaves]
+        if len(out_vals) == 1 and isinstance(out_vals[0], torch.Tensor) and out_vals[0].dim() == 0:
+            loss_index = leaves[0]
     return Traced(gm=gm, params=params, buffers=buffers, constants=constants, inputs=user, target=target,
-                  aliases=aliases, buffer_mutations=mutations, loss_index=loss_index, output_index=output_index,
+                  aliases=aliases, buffer_mutations=mutations, loss_index=loss_index, output_leaves=leaves,
+                  output_tree=tree,
                   input_shapes=[tuple(t.shape) for t in inputs],
                   target_shape=tuple(example_target.shape) if example_target is not None else None,
                   has_loss=loss_index is not None)

@@ -162,7 +162,7 @@ class PipelineExecutor:
             if train:
                 results[a.microbatch] = outs[call.graph.results[self.loss_result]].detach()
             else:
-                results[a.microbatch] = outs[n]
+                results[a.microbatch] = outs[n:]
         if train:
             pending[(a.stage, a.microbatch)] = _Pending(leaves, outs)
 

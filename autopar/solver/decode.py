@@ -166,16 +166,14 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
 
 
 def output_specs(gm: fx.GraphModule, nodes: dict, params: dict, inputs: dict, traced) -> dict:
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    vals = out.args[0]
+    """``{"loss": spec, "output": [spec per leaf of the model's output (None for a non-tensor leaf)]}``."""
+    vals = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     result = {}
-    for key, index in (("loss", traced.loss_index), ("output", traced.output_index)):
-        if index is None:
-            continue
-        node = vals[index]
-        if not isinstance(node, fx.Node):
-            continue
-        result[key] = _spec_of(node, nodes, params, inputs)
+    if traced.loss_index is not None and isinstance(vals[traced.loss_index], fx.Node):
+        result["loss"] = _spec_of(vals[traced.loss_index], nodes, params, inputs)
+    if traced.output_leaves:
+        result["output"] = [_spec_of(vals[i], nodes, params, inputs) if isinstance(vals[i], fx.Node) else None
+                            for i in traced.output_leaves]
     return result
 
 

@@ -394,7 +394,8 @@ def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: Pipelin
     options["pipeline"] = {"virtual_stages": part.virtual_stages, "bubble_fraction": part.bubble_fraction,
                            "microbatch_size": mb.batch_size, "microbatch_fingerprint": graph_fingerprint(mb.gm),
                            "pipeline_time": part.step_time, "sub_mesh": list(cand.sub.shape)}
-    return Plan(mode=mode, mesh=full, degrees={**sub_plan.degrees, "pp": pp}, nodes=sub_plan.nodes,
+    return Plan(mode=mode, mesh=full, degrees={**sub_plan.degrees, "pp": pp},
+                axis_roles={full.axis_names[0]: "pp", **sub_plan.axis_roles}, nodes=sub_plan.nodes,
                 params=sub_plan.params, inputs={k: _with_pp(v) for k, v in sub_plan.inputs.items()},
                 outputs={k: _with_pp(v) for k, v in sub_plan.outputs.items()}, microbatches=part.microbatches,
                 schedule=part.schedule, stages=stages, step_time=step, flops=total_flops(traced.gm),
@@ -415,9 +416,11 @@ def optimizer_time(plan: Plan, optimizer: str = "adamw") -> float:
     return optimizer_step_time(numel, device, len(params), optimizer)
 
 
-def rank_key(plan: Plan) -> float:
-    """What AUTO minimises: the predicted step time (forward, backward, gradient sync and optimizer)."""
-    return plan.step_time
+def rank_key(plan: Plan) -> tuple[bool, float]:
+    """What AUTO minimises: first whether a mesh axis repeats the work (a plan that splits nothing on
+    an axis wastes its devices, however fast its step), then the predicted step time (forward,
+    backward, gradient sync and optimizer)."""
+    return bool(plan.redundant_axes()), plan.step_time
 
 
 def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict):

@@ -21,6 +21,7 @@ from autopar.plan import Alternative, Plan, PlanError
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard
 from autopar.solver.decode import decode, graph_fingerprint, output_specs
+from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, solve_intra_op
 from autopar.solver.problem import Costing, build_problem, grad_sync_overhead
 
@@ -200,18 +201,6 @@ def _outs(st):
     return list(o) if o and isinstance(o[0], tuple) else [o]
 
 
-def _degrees(inputs: dict, mesh: Mesh, traced) -> dict:
-    from autopar.sharding.placements import parse_spec
-
-    dp = 1
-    if traced.inputs and traced.inputs[0] in inputs:
-        spec = parse_spec(inputs[traced.inputs[0]])
-        for a, p in enumerate(spec):
-            if p == Shard(0):
-                dp *= mesh.shape[a]
-    return {"dp": dp, "tp": mesh.size // dp, "pp": 1}
-
-
 def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict,
                   ranks_per_node: int | None = None) -> Plan:
     """``ranks_per_node``: ranks sharing a node (default: this mesh's); a pipeline stage's
@@ -233,14 +222,17 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     outputs = output_specs(traced.gm, nodes, params, inputs, traced)
     last_bucket = grad_sync_overhead(costing, [(mesh.axis_names.index(a), c.bytes) for c in colls
                                                if c.node in traced.params for a in c.axes])
-    return Plan(mode=mode, mesh=mesh, degrees=_degrees(inputs, mesh, traced), nodes=nodes, params=params,
+    shares = axis_shares(traced.gm, nodes, inputs, mesh.axis_names, mesh.shape)
+    roles = {a: role(s) for a, s in shares.items()}
+    return Plan(mode=mode, mesh=mesh, degrees=degrees_of(roles, mesh.axis_names, mesh.shape), axis_roles=roles,
+                nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
                 memory_per_device=[float(sol.memory)] * mesh.size, memory_breakdown=_breakdown(built, sol, traced),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 options={"grad_compression": opts.grad_compression, "optimizer": opts.optimizer,
                          "precision": opts.precision, "memory_budget": budget,
-                         "solver_vars": sol.num_vars, "grad_sync_overhead": last_bucket},
+                         "solver_vars": sol.num_vars, "grad_sync_overhead": last_bucket, "axis_shares": shares},
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
 
 
@@ -280,18 +272,19 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     for p in plans:
         p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
     plans.sort(key=rank_key)
+    chosen = [p for p in plans if not p.redundant_axes()] or plans   # none that wastes an axis while one does not
     failed = [Alternative({}, math.inf, math.inf, False, f"mesh {m.shape}: {e}") for m, e in failures]
     failed += [Alternative({}, math.inf, math.inf, False, f"{note}: {e}") for note, e in pipe_failures]
     failed.sort(key=lambda a: a.note)
     elapsed = time.perf_counter() - t0
-    for best in plans[:max(1, top_k)]:
+    for best in chosen[:max(1, top_k)]:
         best.alternatives = [Alternative(p.degrees, p.step_time, max(p.memory_per_device), True,
                                          "mesh " + " × ".join(f"{n}={s}" for n, s in zip(p.mesh.axis_names, p.mesh.shape))
                                          + (f" ({p.options['candidate']})" if p.options.get("candidate") else ""),
-                                         p.microbatches, p.schedule, p.options["optimizer_time"])
+                                         p.microbatches, p.schedule, p.options["optimizer_time"], p.redundant_axes())
                              for p in plans if p is not best] + failed
         best.solve_time = elapsed
-    return plans[:max(1, top_k)]
+    return chosen[:max(1, top_k)]
 
 
 def ddp_candidate(traced, mesh: Mesh, opts: PlanOptions, failures: list) -> list[Plan]:

@@ -1,0 +1,104 @@
+"""What a plan actually splits on each mesh axis: the roles behind ``plan.degrees``.
+
+On mesh axis ``a``, an op's compute is *split* when it consumes a tensor input, or produces an
+output, as anything but Replicate on ``a``. It is *batch-split* when it consumes a value that
+carries the batch split on ``a`` along that split:
+
+    carries(input or target, dim 0)  where its spec on ``a`` is Shard(0)
+    carries(op output, dim d)        where the op is batch-split and the output is Shard(d) on ``a``
+
+A batch-split op's Partial output (a sum over the batch: the loss) ends the batch split; a value
+consumed Replicate on ``a`` (gathered) no longer carries it. Each op weighs its FLOPs (forward +
+backward, at least 1), and the axis takes the role of the largest share of the compute:
+
+    "dp"    batch-split ops (data parallel),
+    "tp"    ops split otherwise (tensor parallel),
+    "none"  ops not split on it: every rank on the axis repeats that work (its parameters may
+            still be stored split, which saves memory only).
+
+Ties go to "dp", then "tp". ``degrees = {"dp": prod of dp axis sizes, "tp": prod of tp axis
+sizes, "pp": 1}``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch.fx as fx
+
+from autopar.cost_models.compute import node_work
+from autopar.sharding.candidates import producer
+from autopar.sharding.placements import Replicate, Shard, parse_spec
+from autopar.sharding.strategy import tensor_inputs
+
+DP, TP, NONE = "dp", "tp", "none"
+
+
+def _outs(decision) -> list:
+    out = decision.output
+    return [parse_spec(o) for o in out] if isinstance(out, list) else [parse_spec(out)]
+
+
+def _ndim(node: fx.Node, idx) -> int:
+    v = node.meta.get("val")
+    v = v[idx] if idx is not None and isinstance(v, (tuple, list)) else v
+    return v.dim() if hasattr(v, "dim") else 0
+
+
+def _sharded_dim(p, ndim: int):
+    return p.dim % ndim if isinstance(p, Shard) and ndim else None
+
+
+def _axis_shares(gm: fx.GraphModule, nodes: dict, inputs: dict, a: int) -> dict[str, float]:
+    """Weight of the batch-split ops ("dp"), of the ops split otherwise ("tp") and of the ops not
+    split ("none") on mesh axis ``a``."""
+    carries: dict[tuple, int] = {}
+    for ph, text in inputs.items():
+        p = parse_spec(text)[a]
+        if isinstance(p, Shard) and p.dim == 0:
+            carries[(ph, None)] = 0
+    shares = {DP: 0.0, TP: 0.0, NONE: 0.0}
+    for node in gm.graph.nodes:
+        d = nodes.get(node.name)
+        if node.op != "call_function" or d is None:
+            continue
+        work = node_work(node)
+        weight = max(1.0, work.flops_fwd + work.flops_bwd)
+        ins, outs = [parse_spec(s) for s in d.inputs], _outs(d)
+        if all(isinstance(s[a], Replicate) for s in ins + outs if s):
+            shares[NONE] += weight
+            continue
+        on_batch = False
+        for i, arg in enumerate(tensor_inputs(node)[:len(ins)]):
+            src, idx = producer(arg)
+            k = carries.get((src.name, idx))
+            on_batch |= k is not None and _sharded_dim(ins[i][a], _ndim(src, idx)) == k
+        shares[DP if on_batch else TP] += weight
+        if not on_batch:
+            continue
+        multi = isinstance(d.output, list)
+        for j, spec in enumerate(outs):
+            dim = _sharded_dim(spec[a], _ndim(node, j if multi else None)) if spec else None
+            if dim is not None:
+                carries[(node.name, j if multi else None)] = dim
+    return shares
+
+
+def axis_shares(gm: fx.GraphModule, nodes: dict, inputs: dict, axis_names: tuple, mesh_shape: tuple) -> dict:
+    """Mesh axis name -> {"dp": fraction, "tp": fraction, "none": fraction} of the compute (module docstring)."""
+    out = {}
+    for a, name in enumerate(axis_names):
+        shares = _axis_shares(gm, nodes, inputs, a) if mesh_shape[a] > 1 else {DP: 0.0, TP: 0.0, NONE: 1.0}
+        total = sum(shares.values()) or 1.0
+        out[name] = {k: v / total for k, v in shares.items()}
+    return out
+
+
+def role(shares: dict) -> str:
+    """The role of the largest share (ties: "dp", then "tp")."""
+    return max((DP, TP, NONE), key=lambda k: (shares[k], -(DP, TP, NONE).index(k)))
+
+
+def degrees_of(roles: dict, axis_names: tuple, mesh_shape: tuple) -> dict:
+    size = dict(zip(axis_names, mesh_shape))
+    return {"dp": math.prod(size[n] for n, r in roles.items() if r == DP),
+            "tp": math.prod(size[n] for n, r in roles.items() if r == TP), "pp": 1}
