@@ -64,6 +64,9 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
     """Rewrite ``gm`` in place for this plan; returns (gm, parameter placeholder -> grad-sync axes)."""
     specs = PlanSpecs(plan, len(axis_names))
     graph = gm.graph
+    for node in graph.nodes:
+        if node.name in plan.nodes:
+            _check_local(node, plan.nodes[node.name], axis_names)
     rule = grad_sync_rule(graph, trainable_params(graph, param_placeholders, loss_node(graph, loss_index)), specs,
                           len(axis_names))
     cache: dict = {}  # (value, spec, f axes, once axes, pgrad axes) -> node: consumers needing the same share it
@@ -129,11 +132,14 @@ def _replace_tensor_inputs(node: fx.Node, new_inputs: list[fx.Node]) -> None:
     node.args, node.kwargs = tuple(args), dict(kwargs)
 
 
-def _apply_local(gm: fx.GraphModule, node: fx.Node, decision, axis_names, mesh_shape, specs: PlanSpecs) -> None:
+def _check_local(node: fx.Node, decision, axis_names) -> None:
     if len(decision.local) != len(axis_names):
         raise ValueError(f"the plan's decision for {node.name} names local implementations for "
                          f"{len(decision.local)} mesh axes, the mesh has {len(axis_names)} {tuple(axis_names)}; "
                          "the plan is inconsistent, make a new one")
+
+
+def _apply_local(gm: fx.GraphModule, node: fx.Node, decision, axis_names, mesh_shape, specs: PlanSpecs) -> None:
     roles = [(axis_names[a], name.split(":")[1]) for a, name in enumerate(decision.local) if name]
     if not roles:
         return
