@@ -234,4 +234,4 @@ def _grad_sync(program: RankProgram, the_plan: Plan, sync: dict, axes, mesh: Mes
     return ddp
 
 
-__all__ = ["plan", "parallelize", "operator", "torch"]
+__all__ = ["plan", "parallelize"]

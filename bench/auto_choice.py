@@ -3,7 +3,7 @@
     .venv/bin/python bench/auto_choice.py [--reps 12] [--calibrate PROFILE]
 
 For three models (a wide MLP, a deep narrow transformer, an embedding-heavy transformer) the
-planner's candidates are built by the functions ``make_plan`` calls: the pp=1 meshes of
+planner's candidates are built by the functions ``make_plans`` calls: the pp=1 meshes of
 ``candidate_meshes`` (solved with ``solve_on_mesh``), DDP's layout (``ddp_candidate``: the DATA
 mode plan), every pipeline candidate of ``pipeline_candidates`` (``plan_pipeline``: pp, sub-mesh,
 microbatches and schedule), plus pure TP (``("tp",)`` mesh) unless AUTO's 1-D solve is that
@@ -35,7 +35,7 @@ from autopar.autotune import layout_key, plan_label  # noqa: E402
 from autopar.context import ParallelMode  # noqa: E402
 from autopar.runtime.launch import RankPool  # noqa: E402
 from autopar.solver.pipeline_search import (optimizer_time, pipeline_candidates, plan_pipeline,  # noqa: E402
-                                            rank_key, retrace_batch)
+                                            retrace_batch)
 from autopar.solver.search import PlanOptions, ddp_candidate, candidate_meshes, solve_on_mesh  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 from examples.models import GPT, MLP, lm_loss  # noqa: E402
@@ -68,8 +68,8 @@ def _label(p) -> str:
 
 
 def considered_plans(name: str, opts: PlanOptions) -> tuple[list, int]:
-    """Every candidate plan, built by the functions make_plan uses, and the index of AUTO's
-    choice (the least ``rank_key`` among make_plan's own candidates, as make_plan picks)."""
+    """Every candidate plan, built by the functions make_plans uses, and the index of AUTO's
+    choice (the least predicted ``step_time`` among make_plans' own candidates, as make_plans picks)."""
     torch.manual_seed(0)
     factory, loss_fn, x, y = _inputs(name)
     model = factory()
@@ -87,7 +87,7 @@ def considered_plans(name: str, opts: PlanOptions) -> tuple[list, int]:
     plans += ddp_candidate(traced, mesh, opts, [])          # DATA mode's plan, one of AUTO's candidates
     for p in plans:
         p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
-    chosen = min(range(len(plans)), key=lambda i: rank_key(plans[i]))
+    chosen = min(range(len(plans)), key=lambda i: plans[i].step_time)
     pure_tp = solve_on_mesh(traced, autopar.Mesh((WORLD,), axis_names=("tp",)), ParallelMode.AUTO, opts, {}, {})
     if layout_key(pure_tp) not in {layout_key(p) for p in plans}:     # one plan under two mesh names is timed once
         pure_tp.options["optimizer_time"] = optimizer_time(pure_tp, opts.optimizer)
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
             times = pool.run(_measure, args.reps)[0]
             med = [statistics.median(times[str(i)]) if str(i) in times else float("inf") for i in range(len(plans))]
             order = sorted(range(len(plans)), key=med.__getitem__)
-            pred_order = sorted(range(len(plans)), key=lambda i: rank_key(plans[i]))
+            pred_order = sorted(range(len(plans)), key=lambda i: plans[i].step_time)
             print(f"\n{name}: {len(plans)} plans, {args.reps} interleaved rounds on {WORLD} ranks")
             print(f"  {'plan':<62} {'predicted ms':>12} {'pred rank':>9} {'measured ms':>11} {'rank':>5}"
                   "   (predicted = plan.step_time, optimizer included)")

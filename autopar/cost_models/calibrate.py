@@ -187,7 +187,7 @@ def measure_matmul_curve(peak: float, dims: Sequence[int], width: int = 1024, re
     allocated gradients): 2-3x at 16 tokens here."""
     from autopar.trace import trace
 
-    from .compute import _MATMULS, node_work
+    from .compute import node_work
 
     out = []
     for d in dims:

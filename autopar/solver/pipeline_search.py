@@ -155,7 +155,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
                 continue
             base = node_cost(node, device)
             fwd_base += base.time_fwd
-            total_base += base.total
+            total_base += base.time_total
             launch += base.launch_fwd + base.launch_bwd
             time += d.time - _moved_param_sync(node, d, traced, costing, shape) + coll_time.get(name, 0.0)
             out_spec = specs.spec(node, 0 if isinstance(d.output, list) else None)
@@ -415,11 +415,6 @@ def optimizer_time(plan: Plan, optimizer: str = "adamw") -> float:
     return optimizer_step_time(numel, device, len(params), optimizer)
 
 
-def rank_key(plan: Plan) -> float:
-    """What AUTO minimises: the predicted step time (forward, backward, gradient sync and optimizer)."""
-    return plan.step_time
-
-
 def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict):
     """(plans, failures [(note, error)], forced) for every pipeline candidate of the request."""
     from autopar.solver.annotations import ANNOTATIONS, resolve_stages
@@ -454,5 +449,5 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
     return plans, failures, forced
 
 
-__all__ = ["pipeline_plans", "plan_pipeline", "unit_profiles", "retrace_batch", "microbatch_trace", "rank_key",
+__all__ = ["pipeline_plans", "plan_pipeline", "unit_profiles", "retrace_batch", "microbatch_trace",
            "optimizer_time"]

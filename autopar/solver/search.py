@@ -262,7 +262,7 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     the candidates that failed) as its ``alternatives``."""
     t0 = time.perf_counter()
     mark_chunk_hints(traced.gm)
-    from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, rank_key
+    from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
 
     pipe_plans, pipe_failures, pipeline_only = pipeline_plans(traced, model, mesh, mode, opts, param_ann, input_ann)
     meshes = [] if pipeline_only else candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
@@ -279,7 +279,7 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
         raise PlanError(f"no plan fits memory on {m}: {err}") from None
     for p in plans:
         p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
-    plans.sort(key=rank_key)
+    plans.sort(key=lambda p: p.step_time)
     failed = [Alternative({}, math.inf, math.inf, False, f"mesh {m.shape}: {e}") for m, e in failures]
     failed += [Alternative({}, math.inf, math.inf, False, f"{note}: {e}") for note, e in pipe_failures]
     failed.sort(key=lambda a: a.note)
@@ -308,10 +308,4 @@ def ddp_candidate(traced, mesh: Mesh, opts: PlanOptions, failures: list) -> list
     return [plan]
 
 
-def make_plan(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
-              input_ann: dict) -> Plan:
-    """The best predicted plan (least ``rank_key`` among those that fit memory)."""
-    return make_plans(traced, model, mesh, mode, opts, param_ann, input_ann)[0]
-
-
-__all__ = ["make_plan", "make_plans", "ddp_candidate", "PlanOptions", "PlanError", "candidate_meshes", "R"]
+__all__ = ["make_plans", "ddp_candidate", "PlanOptions", "PlanError", "candidate_meshes", "R"]
