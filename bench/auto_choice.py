@@ -176,7 +176,7 @@ def main(argv=None) -> int:
                   "   (predicted = plan.step_time, optimizer included)")
             for i in order:
                 mark = "  <- AUTO" if i == chosen else ""
-                print(f"  {_label(plans[i]):<62} {rank_key(plans[i]) * 1e3:>12.3f} {pred_order.index(i) + 1:>9} "
+                print(f"  {_label(plans[i]):<62} {plans[i].step_time * 1e3:>12.3f} {pred_order.index(i) + 1:>9} "
                       f"{med[i] * 1e3:>11.1f} {order.index(i) + 1:>5}{mark}", flush=True)
                 if i in failed:
                     print(f"      could not be built: {failed[i][:160]}")
