@@ -155,7 +155,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     opts = PlanOptions()
     if args.calibrate:
-        from autopar.cost_models.calibrate import calibrate, load_profile
+        from autopar.cost_models.calibrate import calibrate
+        from autopar.cost_models.profile import load_profile
 
         os.environ["AUTOPAR_PROFILE"] = args.calibrate
         if load_profile() is None:
