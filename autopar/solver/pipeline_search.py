@@ -48,6 +48,7 @@ from autopar.sharding.placements import Replicate, parse_spec, shard_factor
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.decode import graph_fingerprint
 from autopar.solver.inter_op import LayerProfile, PipelinePartition, partition_stages
+from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.problem import Costing, tensor_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -311,8 +312,6 @@ def _check_tags(part: PipelinePartition, cand: PipelineCandidate, units, gm) -> 
 
 def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, param_ann: dict, input_ann: dict) -> Plan:
     """The best pipeline plan for one (pp, sub-mesh) candidate (module docstring)."""
-    from autopar.solver.search import PlanOptions, solve_on_mesh
-
     batch = traced.batch_size
     dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
     counts = _microbatch_counts(batch, dp, opts)
