@@ -32,8 +32,8 @@ from autopar.runtime.grad_sync import Accumulation, grads_by_axes, sum_grads
 from autopar.runtime.groups import AxisGroup, axis_groups, bound_axes
 from autopar.runtime.pipeline import PipelineExecutor, StageCall
 from autopar.runtime.program import ParamTree, placeholder_slot
+from autopar.schedule import build_schedule
 from autopar.sharding.placements import Partial, local_shape, parse_spec, shard_factor
-from autopar.solver.schedule import build_schedule
 
 
 class PipelineProgram(ParamTree):
