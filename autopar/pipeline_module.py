@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.parallel_module import ParallelModule, _to_replicate
-from autopar.passes.shard_params import assemble
 from autopar.passes.split_stages import forward_only, split_stages
 from autopar.runtime import comm
 from autopar.runtime.comm import COUNTER
@@ -34,6 +33,7 @@ from autopar.runtime.pipeline import PipelineExecutor, StageCall
 from autopar.runtime.program import ParamTree, placeholder_slot
 from autopar.schedule import build_schedule
 from autopar.sharding.placements import Partial, local_shape, parse_spec, shard_factor
+from autopar.sharding.shard_params import assemble
 
 
 class PipelineProgram(ParamTree):
