@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.graph.retrace import graph_fingerprint, microbatch_trace
 from autopar.parallel_module import ParallelModule, _to_replicate
 from autopar.passes.split_stages import forward_only, split_stages
 from autopar.runtime import comm
@@ -61,8 +62,6 @@ def _tie_groups(owners: dict[str, list[int]], per_pp: int, my_rank: int) -> dict
 def build_pipeline_module(model: nn.Module, traced, plan) -> "PipelineModule":
     from autopar.passes.insert_collectives import insert_collectives
     from autopar.passes.localize_shapes import localize_shapes
-    from autopar.solver.decode import graph_fingerprint
-    from autopar.solver.pipeline_search import microbatch_trace
 
     info = plan.options["pipeline"]
     mb = microbatch_trace(traced, info["microbatch_size"])

@@ -33,9 +33,9 @@ import torch.nn.functional as F  # noqa: E402
 import autopar  # noqa: E402
 from autopar.autotune import layout_key, plan_label  # noqa: E402
 from autopar.context import ParallelMode  # noqa: E402
+from autopar.graph.retrace import retrace_batch  # noqa: E402
 from autopar.runtime.launch import RankPool  # noqa: E402
-from autopar.solver.pipeline_search import (optimizer_time, pipeline_candidates, plan_pipeline,  # noqa: E402
-                                            retrace_batch)
+from autopar.solver.pipeline_search import optimizer_time, pipeline_candidates, plan_pipeline  # noqa: E402
 from autopar.solver.search import PlanOptions, ddp_candidate, candidate_meshes, solve_on_mesh  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 from examples.models import GPT, MLP, lm_loss  # noqa: E402

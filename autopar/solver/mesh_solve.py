@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from autopar.context import ParallelMode
 from autopar.cost_models.compute import total_flops
 from autopar.graph.layers import find_layers, tie_groups
+from autopar.graph.retrace import graph_fingerprint
 from autopar.mesh import Mesh
 from autopar.plan import Plan, PlanError
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard
-from autopar.solver.decode import decode, graph_fingerprint, output_specs
+from autopar.solver.decode import decode, output_specs
 from autopar.solver.intra_op import solve_intra_op
 from autopar.solver.problem import Costing, build_problem, grad_sync_overhead
 
