@@ -43,8 +43,8 @@ from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved, train
 from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
 from autopar.graph.retrace import graph_fingerprint, microbatch_trace
 from autopar.mesh import Mesh
-from autopar.passes.specs import PlanSpecs
 from autopar.plan import Plan, PlanError, Stage
+from autopar.plan_specs import PlanSpecs
 from autopar.sharding.placements import Replicate, parse_spec, shard_factor
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.inter_op import LayerProfile, PipelinePartition, partition_stages
