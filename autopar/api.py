@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.collectives.groups import AxisGroup, axis_groups
 from autopar.context import ParallelMode, get_auto_parallel_context
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import graph_fingerprint, retrace_batch
@@ -20,7 +21,6 @@ from autopar.passes.localize_shapes import localize_shapes
 from autopar.plan import Plan, PlanError
 from autopar.runtime.grad_sync import (Accumulation, add_axis_sync_hooks, broadcast_state, grads_by_axes, sum_grads,
                                        wrap_ddp)
-from autopar.runtime.groups import AxisGroup, axis_groups
 from autopar.runtime.launch import init_from_env
 from autopar.runtime.program import RankProgram, placeholder_slot
 from autopar.solver.annotations import ANNOTATIONS, resolve_params

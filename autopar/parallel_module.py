@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.runtime import comm
-from autopar.runtime.groups import bound_axes
+from autopar.collectives import comm
+from autopar.collectives.groups import bound_axes
 from autopar.runtime.program import RankProgram
 from autopar.sharding.placements import Partial, Replicate, Shard, parse_spec, shard_factor
 from autopar.sharding.redistribute import redistribute_steps

@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.collectives import comm
+from autopar.collectives.comm import COUNTER
+from autopar.collectives.groups import AxisGroup, axis_groups, bound_axes
 from autopar.graph.retrace import graph_fingerprint, microbatch_trace
 from autopar.parallel_module import ParallelModule, _to_replicate
 from autopar.passes.split_stages import forward_only, split_stages
-from autopar.runtime import comm
-from autopar.runtime.comm import COUNTER
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, sum_grads
-from autopar.runtime.groups import AxisGroup, axis_groups, bound_axes
 from autopar.runtime.pipeline import PipelineExecutor, StageCall
 from autopar.runtime.program import ParamTree, placeholder_slot
 from autopar.schedule import build_schedule

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from autopar.collectives.comm import COUNTER
+from autopar.collectives.groups import bound_axes
 from autopar.passes.split_stages import StageGraph, Transfer
-from autopar.runtime.comm import COUNTER
-from autopar.runtime.groups import bound_axes
 from autopar.runtime.program import fill_slots
 from autopar.schedule import Action, Schedule
 

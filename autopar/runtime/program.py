@@ -5,7 +5,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.runtime.groups import AxisGroup, bound_axes
+from autopar.collectives.groups import AxisGroup, bound_axes
 from autopar.sharding.placements import parse_spec
 from autopar.sharding.shard_params import local_piece
 
