@@ -4,16 +4,16 @@
                                  loss_fn=F.cross_entropy, example_target=y, mode="auto")
 """
 from autopar.api import parallelize, plan
+from autopar.collectives.comm import count_collectives
 from autopar.context import (ParallelMode, get_auto_parallel_context, reset_auto_parallel_context,
                              set_auto_parallel_context)
+from autopar.errors import TraceError
 from autopar.mesh import Mesh
 from autopar.parallel_module import ParallelModule
 from autopar.plan import Plan, PlanError
-from autopar.runtime.comm import count_collectives
 from autopar.runtime.launch import RankError, launch
 from autopar.sharding.placements import Partial, Replicate, Shard
 from autopar.solver.annotations import clear_annotations, pipeline_stage, shard, shard_input
-from autopar.trace import TraceError
 
 __all__ = ["parallelize", "plan", "Mesh", "ParallelMode", "Plan", "ParallelModule", "Shard", "Replicate", "Partial",
            "shard", "shard_input", "pipeline_stage", "clear_annotations", "set_auto_parallel_context",

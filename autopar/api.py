@@ -4,16 +4,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import operator
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.collectives.groups import AxisGroup, axis_groups
 from autopar.context import ParallelMode, get_auto_parallel_context
 from autopar.graph.chunk_hints import mark_chunk_hints
+from autopar.graph.retrace import graph_fingerprint, retrace_batch
 from autopar.mesh import Mesh
 from autopar.parallel_module import ParallelModule
 from autopar.passes.insert_collectives import insert_collectives
@@ -21,11 +21,9 @@ from autopar.passes.localize_shapes import localize_shapes
 from autopar.plan import Plan, PlanError
 from autopar.runtime.grad_sync import (Accumulation, add_axis_sync_hooks, broadcast_state, grads_by_axes, sum_grads,
                                        wrap_ddp)
-from autopar.runtime.groups import AxisGroup, axis_groups
 from autopar.runtime.launch import init_from_env
 from autopar.runtime.program import RankProgram, placeholder_slot
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
-from autopar.solver.decode import graph_fingerprint
 from autopar.solver.search import PlanOptions, make_plans
 from autopar.trace import Traced, trace
 
@@ -160,8 +158,6 @@ def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
 
 def _attach_retrace(traced: Traced, model, example_inputs, loss_fn, example_target) -> None:
     """Let pipeline planning re-trace the step at a microbatch shape."""
-    from autopar.solver.pipeline_search import retrace_batch
-
     traced.meta["retrace"] = functools.partial(retrace_batch, model, example_inputs, loss_fn, example_target)
 
 
@@ -232,4 +228,4 @@ def _grad_sync(program: RankProgram, the_plan: Plan, sync: dict, axes, mesh: Mes
     return ddp
 
 
-__all__ = ["plan", "parallelize", "operator", "torch"]
+__all__ = ["plan", "parallelize"]

@@ -33,6 +33,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from autopar.errors import TraceError
+
 _WHAT_TO_DO = ("keep it opaque by passing tensors (and plain Python values) as apply's arguments and returning "
                "a tensor or a tuple of tensors, or call its forward's ops directly in the model if autograd of "
                "them is what you want")
@@ -65,12 +67,6 @@ def _same_value(a, b) -> bool:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 - values that cannot be compared are different
         return False
-
-
-def _error(msg: str) -> Exception:
-    from autopar.trace import TraceError
-
-    return TraceError(msg)
 
 
 def _register(entry: _Entry) -> str:
@@ -131,17 +127,17 @@ def _run_forward(key: str, tensors: list[torch.Tensor], check: bool = False) -> 
     with torch.no_grad(), _native(), watch:
         out = entry.cls.apply(*args, **kwargs)
     if check and watch.written:
-        raise _error(f"autograd Function {entry.name} modifies an input in place, so autopar cannot keep it opaque: "
-                     f"return a new tensor instead (no ctx.mark_dirty); {_WHAT_TO_DO}")
+        raise TraceError(f"autograd Function {entry.name} modifies an input in place, so autopar cannot keep it "
+                         f"opaque: return a new tensor instead (no ctx.mark_dirty); {_WHAT_TO_DO}")
     if check and watch.captured:
-        raise _error(f"autograd Function {entry.name} uses a model tensor that is not an argument of apply (a "
-                     "parameter reached through a closure or class attribute?), so autopar cannot keep it opaque: "
-                     f"its gradient and per-rank copy would be lost; {_WHAT_TO_DO}")
+        raise TraceError(f"autograd Function {entry.name} uses a model tensor that is not an argument of apply (a "
+                         "parameter reached through a closure or class attribute?), so autopar cannot keep it opaque: "
+                         f"its gradient and per-rank copy would be lost; {_WHAT_TO_DO}")
     flat, spec = tree_flatten(out)
     bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor)]
     if bad or not flat:
-        raise _error(f"autograd Function {entry.name} returns {', '.join(bad) or 'no tensor'}, so autopar cannot "
-                     f"keep it opaque (its outputs must all be tensors); {_WHAT_TO_DO}")
+        raise TraceError(f"autograd Function {entry.name} returns {', '.join(bad) or 'no tensor'}, so autopar cannot "
+                         f"keep it opaque (its outputs must all be tensors); {_WHAT_TO_DO}")
     entry.out_spec = spec
     return _fresh(flat, tensors)
 
@@ -238,7 +234,7 @@ def _opaque_apply(cls, args, kwargs):
     flat, in_spec = tree_flatten((args, kwargs))
     for leaf in flat:
         if isinstance(leaf, nn.Module):
-            raise _error(f"autograd Function {cls.__module__}.{cls.__qualname__} gets the module "
+            raise TraceError(f"autograd Function {cls.__module__}.{cls.__qualname__} gets the module "
                          f"{type(leaf).__name__} as an argument, so autopar cannot keep it opaque: its parameters "
                          "would bypass the traced graph. Pass the tensors it uses as arguments of apply instead")
     tensors = [t for t in flat if isinstance(t, torch.Tensor)]

@@ -9,13 +9,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_unflatten
 
-from autopar.passes.shard_params import assemble, local_piece
+from autopar.collectives import comm
+from autopar.collectives.groups import bound_axes
 from autopar.plan import PlanError
-from autopar.runtime import comm
-from autopar.runtime.groups import bound_axes
 from autopar.runtime.program import RankProgram
 from autopar.sharding.placements import Partial, Replicate, Shard, parse_spec, shard_factor
 from autopar.sharding.redistribute import redistribute_steps
+from autopar.sharding.shard_params import assemble, local_piece
 
 
 class ParallelModule(nn.Module):

@@ -24,17 +24,18 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_unflatten
 
+from autopar.collectives import comm
+from autopar.collectives.comm import COUNTER
+from autopar.collectives.groups import AxisGroup, axis_groups, bound_axes
+from autopar.graph.retrace import graph_fingerprint, microbatch_trace
 from autopar.parallel_module import ParallelModule, _to_replicate
-from autopar.passes.shard_params import assemble
 from autopar.passes.split_stages import forward_only, split_stages
-from autopar.runtime import comm
-from autopar.runtime.comm import COUNTER
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, sum_grads
-from autopar.runtime.groups import AxisGroup, axis_groups, bound_axes
 from autopar.runtime.pipeline import PipelineExecutor, StageCall
 from autopar.runtime.program import ParamTree, placeholder_slot
+from autopar.schedule import build_schedule
 from autopar.sharding.placements import Partial, local_shape, parse_spec, shard_factor
-from autopar.solver.schedule import build_schedule
+from autopar.sharding.shard_params import assemble
 
 
 class PipelineProgram(ParamTree):
@@ -62,8 +63,6 @@ def _tie_groups(owners: dict[str, list[int]], per_pp: int, my_rank: int) -> dict
 def build_pipeline_module(model: nn.Module, traced, plan) -> "PipelineModule":
     from autopar.passes.insert_collectives import insert_collectives
     from autopar.passes.localize_shapes import localize_shapes
-    from autopar.solver.decode import graph_fingerprint
-    from autopar.solver.pipeline_search import microbatch_trace
 
     info = plan.options["pipeline"]
     mb = microbatch_trace(traced, info["microbatch_size"])

@@ -1,7 +1,7 @@
 """The pipeline part of a plan's report: stages, bubble, the schedule grid and its timeline PNG."""
 from __future__ import annotations
 
-from autopar.solver.schedule import Schedule, build_schedule, simulate
+from autopar.schedule import Schedule, build_schedule, simulate
 
 
 def plan_schedule(plan) -> Schedule:

@@ -17,13 +17,10 @@ import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import TreeSpec
 
+from autopar.errors import TraceError
 from autopar.opaque_functions import opaque_functions
 
 _WRAP = "model."
-
-
-class TraceError(RuntimeError):
-    """The model could not be traced; the message names the module and source line."""
 
 
 @dataclass

@@ -3,7 +3,7 @@
     .venv/bin/python bench/auto_choice.py [--reps 12] [--calibrate PROFILE]
 
 For three models (a wide MLP, a deep narrow transformer, an embedding-heavy transformer) the
-planner's candidates are built by the functions ``make_plan`` calls: the pp=1 meshes of
+planner's candidates are built by the functions ``make_plans`` calls: the pp=1 meshes of
 ``candidate_meshes`` (solved with ``solve_on_mesh``), DDP's layout (``ddp_candidate``: the DATA
 mode plan), every pipeline candidate of ``pipeline_candidates`` (``plan_pipeline``: pp, sub-mesh,
 microbatches and schedule), plus pure TP (``("tp",)`` mesh) unless AUTO's 1-D solve is that
@@ -33,9 +33,9 @@ import torch.nn.functional as F  # noqa: E402
 import autopar  # noqa: E402
 from autopar.autotune import layout_key, plan_label  # noqa: E402
 from autopar.context import ParallelMode  # noqa: E402
+from autopar.graph.retrace import retrace_batch  # noqa: E402
 from autopar.runtime.launch import RankPool  # noqa: E402
-from autopar.solver.pipeline_search import (optimizer_time, pipeline_candidates, plan_pipeline,  # noqa: E402
-                                            rank_key, retrace_batch)
+from autopar.solver.pipeline_search import optimizer_time, pipeline_candidates, plan_pipeline  # noqa: E402
 from autopar.solver.search import PlanOptions, ddp_candidate, candidate_meshes, solve_on_mesh  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 from examples.models import GPT, MLP, lm_loss  # noqa: E402
@@ -68,8 +68,8 @@ def _label(p) -> str:
 
 
 def considered_plans(name: str, opts: PlanOptions) -> tuple[list, int]:
-    """Every candidate plan, built by the functions make_plan uses, and the index of AUTO's
-    choice (the least ``rank_key`` among make_plan's own candidates, as make_plan picks)."""
+    """Every candidate plan, built by the functions make_plans uses, and the index of AUTO's
+    choice (the least predicted ``step_time`` among make_plans' own candidates, as make_plans picks)."""
     torch.manual_seed(0)
     factory, loss_fn, x, y = _inputs(name)
     model = factory()
@@ -87,7 +87,7 @@ def considered_plans(name: str, opts: PlanOptions) -> tuple[list, int]:
     plans += ddp_candidate(traced, mesh, opts, [])          # DATA mode's plan, one of AUTO's candidates
     for p in plans:
         p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
-    chosen = min(range(len(plans)), key=lambda i: rank_key(plans[i]))
+    chosen = min(range(len(plans)), key=lambda i: plans[i].step_time)
     pure_tp = solve_on_mesh(traced, autopar.Mesh((WORLD,), axis_names=("tp",)), ParallelMode.AUTO, opts, {}, {})
     if layout_key(pure_tp) not in {layout_key(p) for p in plans}:     # one plan under two mesh names is timed once
         pure_tp.options["optimizer_time"] = optimizer_time(pure_tp, opts.optimizer)
@@ -155,7 +155,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     opts = PlanOptions()
     if args.calibrate:
-        from autopar.cost_models.calibrate import calibrate, load_profile
+        from autopar.cost_models.calibrate import calibrate
+        from autopar.cost_models.profile import load_profile
 
         os.environ["AUTOPAR_PROFILE"] = args.calibrate
         if load_profile() is None:
@@ -170,13 +171,13 @@ def main(argv=None) -> int:
             times = pool.run(_measure, args.reps)[0]
             med = [statistics.median(times[str(i)]) if str(i) in times else float("inf") for i in range(len(plans))]
             order = sorted(range(len(plans)), key=med.__getitem__)
-            pred_order = sorted(range(len(plans)), key=lambda i: rank_key(plans[i]))
+            pred_order = sorted(range(len(plans)), key=lambda i: plans[i].step_time)
             print(f"\n{name}: {len(plans)} plans, {args.reps} interleaved rounds on {WORLD} ranks")
             print(f"  {'plan':<62} {'predicted ms':>12} {'pred rank':>9} {'measured ms':>11} {'rank':>5}"
                   "   (predicted = plan.step_time, optimizer included)")
             for i in order:
                 mark = "  <- AUTO" if i == chosen else ""
-                print(f"  {_label(plans[i]):<62} {rank_key(plans[i]) * 1e3:>12.3f} {pred_order.index(i) + 1:>9} "
+                print(f"  {_label(plans[i]):<62} {plans[i].step_time * 1e3:>12.3f} {pred_order.index(i) + 1:>9} "
                       f"{med[i] * 1e3:>11.1f} {order.index(i) + 1:>5}{mark}", flush=True)
                 if i in failed:
                     print(f"      could not be built: {failed[i][:160]}")

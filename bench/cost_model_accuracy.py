@@ -37,7 +37,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tp_models
 
-from autopar.cost_models.calibrate import calibrate, load_profile, profile_path, summary
+from autopar.cost_models.calibrate import calibrate, summary
+from autopar.cost_models.profile import load_profile, profile_path
 from autopar.cost_models.compute import node_cost
 from autopar.cost_models.devices import DeviceSpec, get_device
 

@@ -62,7 +62,7 @@ def test_linear_cost_and_roofline():
     compute = cost.flops_fwd / (1e12 * 0.5)
     memory = cost.bytes_fwd / (1e11 * 0.5)
     assert cost.time_fwd == pytest.approx(max(compute, memory) + 1e-6)
-    assert cost.total == pytest.approx(cost.time_fwd + cost.time_bwd) == cost.time_total
+    assert cost.time_total == pytest.approx(cost.time_fwd + cost.time_bwd)
 
 
 def test_skinny_matmuls_pay_their_efficiency():

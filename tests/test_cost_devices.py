@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from autopar.cost_models import calibrate as cal
+from autopar.cost_models import profile as prof
 from autopar.cost_models.devices import (
     DeviceSpec,
     Link,
@@ -25,7 +26,7 @@ def no_profile(tmp_path, monkeypatch):
 
 
 def _profile(**machine):
-    fp = cal.fingerprint()
+    fp = prof.fingerprint()
     fp.update(machine)
     return {
         "machine": fp,
@@ -165,7 +166,7 @@ def test_corrupt_profile_is_a_clear_error(no_profile):
     assert "corrupt" in str(err.value) and "autopar calibrate" in str(err.value)
     no_profile.write_text(json.dumps({"machine": {}}))
     with pytest.raises(ValueError, match="incomplete.*autopar calibrate"):
-        cal.load_profile()
+        prof.load_profile()
 
 
 @pytest.mark.parametrize("field,value", [("cpu_model", "Some Other CPU 9000"), ("nproc", 1024)])

@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 import autopar
+from autopar.cost_models.calibrate import free_port
 
 
 def _write_rank(rank, folder):
@@ -51,7 +52,7 @@ def test_torchrun_env_init_trains(tmp_path):
         print("RANK_OK", torch.distributed.get_rank())
     """))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(autopar.runtime.launch.free_port()), str(script)],
+                          "--master-port", str(free_port()), str(script)],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("RANK_OK") == 2

@@ -16,7 +16,7 @@ import autopar
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.split_stages import Transfer
 from autopar.runtime.pipeline import PipelineExecutor
-from autopar.solver import search
+from autopar.solver import mesh_solve
 from autopar.trace import trace
 from conftest import run_ranks
 from examples.models import lm_loss
@@ -76,7 +76,7 @@ def test_split_mean_feeds_a_consumer_that_needs_it_whole():
 def _perturbed(seed: int):
     """solve_intra_op on costs scaled by random factors (e^N(0, 1.5)): another valid layout."""
     rng = np.random.default_rng(seed)
-    solve = search.solve_intra_op
+    solve = mesh_solve.solve_intra_op
 
     def noisy(a):
         a = np.array(a, dtype=float)
@@ -96,7 +96,7 @@ def _random_plan(monkeypatch, name, mesh_key, seed) -> autopar.Plan:
     model_fn, loss_fn, kind, kw, _ = MODELS[name]
     n, shape, axes = MESHES[mesh_key]
     x, y = make_batch(kind, 8, **kw)
-    monkeypatch.setattr(search, "solve_intra_op", _perturbed(seed))
+    monkeypatch.setattr(mesh_solve, "solve_intra_op", _perturbed(seed))
     torch.manual_seed(0)
     mesh = autopar.Mesh(shape, axis_names=axes, device=DEVICE, memory_gb=_memory_cap(name, mesh_key))
     return autopar.plan(model_fn(), mesh, example_inputs=(x,), loss_fn=loss_fn, example_target=y, mode="auto")
@@ -140,7 +140,7 @@ def test_pipeline_plans_under_random_costs_train_like_single_device(monkeypatch,
     the shape of its unsharded piece, and the pipeline hung)."""
     autopar.set_auto_parallel_context(schedule="1f1b", microbatches=2)
     x, y = make_batch("tokens", 8)
-    monkeypatch.setattr(search, "solve_intra_op", _perturbed(seed))
+    monkeypatch.setattr(mesh_solve, "solve_intra_op", _perturbed(seed))
     torch.manual_seed(0)
     plan = autopar.plan(PP_MODELS[name](), autopar.Mesh((2, 2), axis_names=axes, device=DEVICE), example_inputs=(x,),
                         loss_fn=lm_loss, example_target=y, mode="auto")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.runtime.comm import count_collectives
+from autopar.collectives.comm import count_collectives
 from conftest import run_ranks
 from examples.models import GPT, Llama, lm_loss
 from oracle import assert_same_training, make_batch, parallel_run, reference_run

@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
-from autopar.passes.shard_params import assemble, local_piece
 from autopar.sharding.placements import P, R, Shard
 from autopar.sharding.redistribute import redistribute_steps
+from autopar.sharding.shard_params import assemble, local_piece
 
 MESH = (2, 2)
 RANKS = [(i, j) for i in range(2) for j in range(2)]

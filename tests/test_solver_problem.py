@@ -6,7 +6,7 @@ from autopar.cost_models.compute import grad_nodes
 from autopar.cost_models.devices import get_device
 from autopar.cost_models.memory import saved_activations
 from autopar.sharding.candidates import build_candidates
-from autopar.sharding.registry import axis_options, has_rule
+from autopar.sharding.rules import axis_options, has_rule
 from autopar.sharding.strategy import _combinations, out_shapes, replicate_all, shape_of, tensor_inputs
 from autopar.solver.problem import Costing, build_problem, cost_key, node_costs
 from autopar.trace import trace

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: completeness, dependencies, step times, in-flight bounds, printing."""
 import pytest
 
-from autopar.solver.schedule import Action, build_schedule, simulate
+from autopar.schedule import Action, build_schedule, simulate
 
 CASES = [("gpipe", p, m, 1) for p in (1, 2, 4) for m in (1, 3, 8)] + \
         [("1f1b", p, m, 1) for p in (1, 2, 4) for m in (1, 3, 8)] + \

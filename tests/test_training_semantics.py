@@ -60,7 +60,7 @@ def test_gradient_accumulation_equals_backward_per_micro_batch(mode):
 
 
 def _no_sync_job(rank):
-    from autopar.runtime.comm import count_collectives
+    from autopar.collectives.comm import count_collectives
 
     x, y = tokens(24)
     torch.manual_seed(0)

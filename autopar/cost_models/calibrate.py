@@ -26,7 +26,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import socket
 import statistics
 import tempfile
@@ -40,106 +39,7 @@ import torch
 
 from autopar.allocator import keep_freed_memory
 
-from .devices import DeviceSpec, Link, physical_memory_bytes
-
-PROFILE_VERSION = 1
-RERUN = "run `autopar calibrate` again"
-
-
-# ---- the profile file ----------------------------------------------------------------
-
-
-def profile_path() -> Path:
-    """``$AUTOPAR_PROFILE`` or ``~/.cache/autopar/cpu_profile.json``."""
-    env = os.environ.get("AUTOPAR_PROFILE")
-    return Path(env) if env else Path.home() / ".cache" / "autopar" / "cpu_profile.json"
-
-
-def cpu_model() -> str:
-    """The CPU model string (``/proc/cpuinfo`` "model name", else ``platform.processor()``)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def fingerprint() -> dict:
-    """What identifies this machine (no hostname): cpu model, core count, torch version."""
-    return {"cpu_model": cpu_model(), "nproc": os.cpu_count() or 1, "torch": torch.__version__}
-
-
-def load_profile(path: str | os.PathLike | None = None) -> dict | None:
-    """The profile at ``path`` (default :func:`profile_path`), None when there is none.
-
-    Raises ``ValueError`` naming the file when it is not valid JSON, lacks fields, or was
-    measured on another machine (cpu model or core count differ).
-    """
-    path = Path(path) if path is not None else profile_path()
-    if not path.exists():
-        return None
-    try:
-        profile = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"calibration profile {path} is corrupt ({exc}); {RERUN}") from exc
-    required = ("machine", "peak_flops", "memory_bandwidth", "kernel_overhead", "link")
-    if not isinstance(profile, dict) or any(k not in profile for k in required):
-        raise ValueError(f"calibration profile {path} is incomplete (needs {', '.join(required)}); {RERUN}")
-    theirs, ours = profile["machine"], fingerprint()
-    for key in ("cpu_model", "nproc"):
-        if theirs.get(key) != ours[key]:
-            raise ValueError(
-                f"calibration profile {path} was measured on another machine "
-                f"({key}: {theirs.get(key)!r}, this machine: {ours[key]!r}); {RERUN}"
-            )
-    return profile
-
-
-def save_profile(profile: dict, path: str | os.PathLike | None = None) -> Path:
-    """Write ``profile`` as JSON (atomically); returns the path."""
-    path = Path(path) if path is not None else profile_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(profile, indent=2, sort_keys=True), encoding="utf-8")
-    tmp.replace(path)
-    return path
-
-
-def device_from_profile(profile: dict) -> DeviceSpec:
-    """The "cpu" :class:`DeviceSpec` of a profile: peak = the best square matmul,
-    ``compute_efficiency`` = what a linear layer's matmuls reach of it, memory efficiency 1
-    (the bandwidth is measured on a real op)."""
-    peak = dict(profile["peak_flops"])
-    fp32 = peak["fp32"]
-    peak.setdefault("tf32", fp32)
-    peak.setdefault("bf16", fp32)
-    peak.setdefault("fp16", peak["bf16"])
-    link = Link(bandwidth=float(profile["link"]["bandwidth"]), latency=float(profile["link"]["latency"]))
-    nproc = int(profile["machine"]["nproc"])
-    return DeviceSpec(
-        name="cpu",
-        peak_flops=peak,
-        memory_bytes=physical_memory_bytes() // nproc,
-        memory_bandwidth=float(profile["memory_bandwidth"]),
-        intra_node_link=link,
-        inter_node_link=link,
-        devices_per_node=nproc,
-        compute_efficiency=float(profile.get("compute_efficiency", 1.0)),
-        memory_efficiency=1.0,
-        kernel_overhead=float(profile["kernel_overhead"]),
-        optimizer_bytes_per_param=float(profile.get("optimizer_bytes_per_param", 32.0)),
-        optimizer_tensor_overhead=float(profile.get("optimizer_tensor_overhead", 3.5e-5)),
-        cores=nproc,
-        matmul_efficiency=tuple((int(d), float(e)) for d, e in profile.get("matmul_efficiency", ())),
-        attention_efficiency=profile.get("attention_efficiency"),
-        sharing=tuple((int(k), float(c), float(m), float(o)) for k, c, m, o in profile.get("sharing", ())),
-        shared_links=tuple((int(k), float(a), float(b)) for k, a, b in profile.get("shared_links", ())),
-        notes=f"calibrated {profile.get('date', '?')}",
-    )
-
+from .profile import PROFILE_VERSION, fingerprint, profile_path, save_profile
 
 # ---- single-process measurements --------------------------------------------------------
 
@@ -187,7 +87,7 @@ def measure_matmul_curve(peak: float, dims: Sequence[int], width: int = 1024, re
     allocated gradients): 2-3x at 16 tokens here."""
     from autopar.trace import trace
 
-    from .compute import _MATMULS, node_work
+    from .compute import node_work
 
     out = []
     for d in dims:

@@ -76,11 +76,6 @@ class OpCost:
         return self.time_fwd + self.time_bwd
 
     @property
-    def total(self) -> float:
-        """Same as :attr:`time_total`."""
-        return self.time_total
-
-    @property
     def flops_total(self) -> float:
         return self.flops_fwd + self.flops_bwd
 
@@ -283,10 +278,6 @@ def _freeze(x):
 
 def work_signature(node: fx.Node, need: frozenset):
     """Hashable signature of a node's call: arguments with tensors as (shape, stride, dtype, needs grad)."""
-    return _signature(node, need)
-
-
-def _signature(node: fx.Node, need: frozenset):
     def sig(a):
         if isinstance(a, fx.Node):
             v = _val(a)
@@ -385,7 +376,7 @@ def node_work(node: fx.Node) -> OpWork:
         return OpWork()
     need = grad_nodes(node.graph)
     try:
-        return _work(target, _signature(node, need))
+        return _work(target, work_signature(node, need))
     except Exception:
         return _fallback_work(node, need)
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .profile import load_profile
+
 GiB = 2**30
 TERA = 1e12
 GIGA = 1e9
@@ -256,8 +258,6 @@ def _cpu() -> DeviceSpec:
     (a 4 KiB all_reduce: 0.47 ms on 2 ranks, 5.9 ms on 4).
     Memory: physical RAM / cores.
     """
-    from .calibrate import device_from_profile, load_profile
-
     profile = load_profile()
     if profile is not None:
         return device_from_profile(profile)
@@ -282,6 +282,39 @@ def _cpu() -> DeviceSpec:
         sharing=((2, 1.05, 1.15, 1.25), (4, 2.4, 2.5, 3.0)) if nproc == 2 else (),
         shared_links=((2, 2.0e-4, 1.0e9), (4, 9.0e-4, 1.0e9)) if nproc == 2 else (),
         notes="defaults: no calibration profile (run `autopar calibrate`)",
+    )
+
+
+def device_from_profile(profile: dict) -> DeviceSpec:
+    """The "cpu" :class:`DeviceSpec` of a profile: peak = the best square matmul,
+    ``compute_efficiency`` = what a linear layer's matmuls reach of it, memory efficiency 1
+    (the bandwidth is measured on a real op)."""
+    peak = dict(profile["peak_flops"])
+    fp32 = peak["fp32"]
+    peak.setdefault("tf32", fp32)
+    peak.setdefault("bf16", fp32)
+    peak.setdefault("fp16", peak["bf16"])
+    link = Link(bandwidth=float(profile["link"]["bandwidth"]), latency=float(profile["link"]["latency"]))
+    nproc = int(profile["machine"]["nproc"])
+    return DeviceSpec(
+        name="cpu",
+        peak_flops=peak,
+        memory_bytes=physical_memory_bytes() // nproc,
+        memory_bandwidth=float(profile["memory_bandwidth"]),
+        intra_node_link=link,
+        inter_node_link=link,
+        devices_per_node=nproc,
+        compute_efficiency=float(profile.get("compute_efficiency", 1.0)),
+        memory_efficiency=1.0,
+        kernel_overhead=float(profile["kernel_overhead"]),
+        optimizer_bytes_per_param=float(profile.get("optimizer_bytes_per_param", 32.0)),
+        optimizer_tensor_overhead=float(profile.get("optimizer_tensor_overhead", 3.5e-5)),
+        cores=nproc,
+        matmul_efficiency=tuple((int(d), float(e)) for d, e in profile.get("matmul_efficiency", ())),
+        attention_efficiency=profile.get("attention_efficiency"),
+        sharing=tuple((int(k), float(c), float(m), float(o)) for k, c, m, o in profile.get("sharing", ())),
+        shared_links=tuple((int(k), float(a), float(b)) for k, a, b in profile.get("shared_links", ())),
+        notes=f"calibrated {profile.get('date', '?')}",
     )
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.passes.specs import PlanSpecs
+from autopar.plan_specs import PlanSpecs
 from autopar.sharding.placements import local_shape
 
 

@@ -1,1 +1,1 @@
-"""What per-rank programs call: autograd collectives, launch, grad sync, pipeline execution."""
+"""Running per-rank programs: launch, gradient sync, pipeline execution, checkpoints."""

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from autopar.runtime.comm import COUNTER
+from autopar.collectives.comm import COUNTER
 
 
 def _sum_hook(group, bucket):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import sys
 import tempfile
 import traceback
@@ -26,12 +25,6 @@ DEFAULT_TIMEOUT_S = 120.0
 
 class RankError(RuntimeError):
     """A rank raised; the message carries that rank's traceback."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rendezvous_file() -> str:

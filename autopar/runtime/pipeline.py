@@ -1,6 +1,6 @@
 """Run a pipeline schedule on this rank: stage forwards/backwards with p2p between stages.
 
-The executor follows ``autopar.solver.schedule.build_schedule(...)``'s action list for this
+The executor follows ``autopar.schedule.build_schedule(...)``'s action list for this
 rank (the same data the planner simulated):
 
     F(s, i):  receive stage s's inputs of microbatch i (from the producing stage's peer rank),
@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from autopar.collectives.comm import COUNTER
+from autopar.collectives.groups import bound_axes
 from autopar.passes.split_stages import StageGraph, Transfer
-from autopar.runtime.comm import COUNTER
-from autopar.runtime.groups import bound_axes
 from autopar.runtime.program import fill_slots
-from autopar.solver.schedule import Action, Schedule
+from autopar.schedule import Action, Schedule
 
 
 RECV_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("AUTOPAR_P2P_TIMEOUT", "300")))

@@ -5,9 +5,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.passes.shard_params import local_piece
-from autopar.runtime.groups import AxisGroup, bound_axes
+from autopar.collectives.groups import AxisGroup, bound_axes
 from autopar.sharding.placements import parse_spec
+from autopar.sharding.shard_params import local_piece
 
 
 def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:

@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.ops import aten
 
 from autopar.sharding.placements import R, Shard
-from autopar.sharding.registry import axis_options, has_rule
+from autopar.sharding.rules import axis_options, has_rule
 from autopar.sharding.strategy import Strategy, mesh_strategies, replicate_all, shape_of
 
 DROPPED = {aten._assert_tensor_metadata.default}

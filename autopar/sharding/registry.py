@@ -26,28 +26,11 @@ def register_rule(*targets):
     return deco
 
 
-def has_rule(target) -> bool:
-    _load()
-    return target in _RULES
-
-
-def axis_options(node: fx.Node) -> list[AxisStrategy]:
-    """Candidate strategies of ``node`` along one mesh axis ([] = replicate only)."""
-    _load()
-    rule = _RULES.get(node.target)
-    return rule(node) if rule else []
+def rule_for(target) -> Callable[[fx.Node], list[AxisStrategy]] | None:
+    """The rule registered for ``target``; rules register when ``autopar.sharding.rules`` is imported."""
+    return _RULES.get(target)
 
 
 def is_passthrough(node: fx.Node) -> bool:
     """getitem on a multi-output op: takes its producer's placement, no strategy of its own."""
     return node.op == "call_function" and node.target is operator.getitem
-
-
-_loaded = False
-
-
-def _load() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from autopar.sharding import rules  # noqa: F401  (registers every op family)

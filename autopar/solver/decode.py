@@ -5,7 +5,6 @@ from __future__ import annotations
 import operator
 
 import numpy as np
-import torch
 import torch.fx as fx
 
 from autopar.cost_models.compute import grad_nodes
@@ -190,14 +189,3 @@ def _spec_of(node: fx.Node, nodes, params, inputs):
         if p.placeholder == node.name:
             return p.spec
     return None
-
-
-def graph_fingerprint(gm: fx.GraphModule) -> str:
-    import hashlib
-
-    h = hashlib.sha1()
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
-        h.update(f"{n.op}|{n.name}|{n.target}|{shape}".encode())
-    return h.hexdigest()[:16]

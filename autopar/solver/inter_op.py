@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autopar.solver.schedule import build_schedule, simulate
+from autopar.schedule import build_schedule, simulate
 
 GIB = float(1 << 30)
 

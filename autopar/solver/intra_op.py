@@ -23,7 +23,7 @@ Constraints
     memory:         sum_{v,s} m[v,s] x[v,s] <= M, memories rounded up and the budget down,
                     so a reported solution always fits.                  (``_add_memory``)
     forbidden:      strategies with non-finite or >= HUGE_COST compute and pairs with such
-                    resharding get no variable, so they cannot be chosen.  (``_restrict_problem``)
+                    resharding get no variable, so they cannot be chosen.  (``is_forbidden``, ``_prune_forbidden``)
     allowed:        annotations restrict x[v,s] to ``allowed``             (``_collapse_ties``)
     ties:           x[a,s] = x[b,s] for tied a, b. Applied by substitution: each tie group is
                     one *class* sharing one set of variables, with the members' compute and

@@ -41,13 +41,14 @@ from autopar.cost_models.compute import node_cost, optimizer_step_time, total_fl
 from autopar.cost_models.devices import axis_link
 from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved, training_state_bytes_per_param
 from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
+from autopar.graph.retrace import graph_fingerprint, microbatch_trace
 from autopar.mesh import Mesh
-from autopar.passes.specs import PlanSpecs
 from autopar.plan import Plan, PlanError, Stage
+from autopar.plan_specs import PlanSpecs
 from autopar.sharding.placements import Replicate, parse_spec, shard_factor
 from autopar.sharding.strategy import tensor_inputs
-from autopar.solver.decode import graph_fingerprint
 from autopar.solver.inter_op import LayerProfile, PipelinePartition, partition_stages
+from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.problem import Costing, tensor_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -77,35 +78,6 @@ class UnitCosts:
 
 class PipelineRequestError(ValueError):
     """A pipeline request that cannot be planned (raised as PlanError by the search)."""
-
-
-# ---- microbatch traces ----------------------------------------------------------------
-
-def microbatch_trace(traced, batch: int):
-    """The training step traced with every input and the target cut to ``batch`` rows (cached)."""
-    cache = traced.meta.setdefault("microbatch_traces", {})
-    if batch == traced.batch_size:
-        return traced
-    if batch not in cache:
-        retrace = traced.meta.get("retrace")
-        if retrace is None:
-            raise PipelineRequestError("pipeline planning needs to re-trace the model at the microbatch shape; "
-                                       "call autopar.plan()/parallelize() (they attach the tracer)")
-        mb = retrace(batch)
-        from autopar.graph.chunk_hints import mark_chunk_hints
-
-        mark_chunk_hints(mb.gm)
-        cache[batch] = mb
-    return cache[batch]
-
-
-def retrace_batch(model, example_inputs, loss_fn, example_target, batch: int):
-    """Trace ``model`` (+ loss) on the first ``batch`` rows of the example inputs and target."""
-    from autopar.trace import trace
-
-    inputs = (example_inputs,) if not isinstance(example_inputs, (tuple, list)) else tuple(example_inputs)
-    target = example_target[:batch] if example_target is not None else None
-    return trace(model, tuple(x[:batch] for x in inputs), loss_fn, target)
 
 
 # ---- profiles ---------------------------------------------------------------------------
@@ -155,7 +127,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
                 continue
             base = node_cost(node, device)
             fwd_base += base.time_fwd
-            total_base += base.total
+            total_base += base.time_total
             launch += base.launch_fwd + base.launch_bwd
             time += d.time - _moved_param_sync(node, d, traced, costing, shape) + coll_time.get(name, 0.0)
             out_spec = specs.spec(node, 0 if isinstance(d.output, list) else None)
@@ -311,8 +283,6 @@ def _check_tags(part: PipelinePartition, cand: PipelineCandidate, units, gm) -> 
 
 def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, param_ann: dict, input_ann: dict) -> Plan:
     """The best pipeline plan for one (pp, sub-mesh) candidate (module docstring)."""
-    from autopar.solver.search import PlanOptions, solve_on_mesh
-
     batch = traced.batch_size
     dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
     counts = _microbatch_counts(batch, dp, opts)
@@ -416,13 +386,6 @@ def optimizer_time(plan: Plan, optimizer: str = "adamw") -> float:
     return optimizer_step_time(numel, device, len(params), optimizer)
 
 
-def rank_key(plan: Plan) -> tuple[bool, float]:
-    """What AUTO minimises: first whether a mesh axis repeats the work (a plan that splits nothing on
-    an axis wastes its devices, however fast its step), then the predicted step time (forward,
-    backward, gradient sync and optimizer)."""
-    return bool(plan.redundant_axes()), plan.step_time
-
-
 def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict):
     """(plans, failures [(note, error)], forced) for every pipeline candidate of the request."""
     from autopar.solver.annotations import ANNOTATIONS, resolve_stages
@@ -457,5 +420,5 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
     return plans, failures, forced
 
 
-__all__ = ["pipeline_plans", "plan_pipeline", "unit_profiles", "retrace_batch", "microbatch_trace", "rank_key",
+__all__ = ["pipeline_plans", "plan_pipeline", "unit_profiles",
            "optimizer_time"]

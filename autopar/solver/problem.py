@@ -183,7 +183,7 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
     ins = tensor_inputs(node)
     act = saved.get(node.name, 0)
     for s, st in enumerate(strategies):
-        compute[s] = split_cost(node, base, st, ins, c).total
+        compute[s] = split_cost(node, base, st, ins, c).time_total
         for i, a in grad_sync_inputs(st):
             if ins[i] not in need:
                 continue

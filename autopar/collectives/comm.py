@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.groups import axis as _axis
+from autopar.collectives.groups import axis as _axis
 
 
 @dataclass

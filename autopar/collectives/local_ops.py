@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch.ops import aten
 
-from autopar.runtime import comm
-from autopar.runtime.groups import axis as _axis
+from autopar.collectives import comm
+from autopar.collectives.groups import axis as _axis
 
 
 def piece_index(axes: list[str]) -> int:

@@ -1,0 +1,44 @@
+"""Traces at another batch size (pipeline microbatches), and the graph fingerprint that
+tells whether a plan was made for a traced graph."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.fx as fx
+
+from autopar.graph.chunk_hints import mark_chunk_hints
+from autopar.trace import trace
+
+
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    """Hash of every node's op, name, target and shape: a plan is refused on a graph it was not made for."""
+    h = hashlib.sha1()
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+        h.update(f"{n.op}|{n.name}|{n.target}|{shape}".encode())
+    return h.hexdigest()[:16]
+
+
+def microbatch_trace(traced, batch: int):
+    """The training step traced with every input and the target cut to ``batch`` rows (cached)."""
+    cache = traced.meta.setdefault("microbatch_traces", {})
+    if batch == traced.batch_size:
+        return traced
+    if batch not in cache:
+        retrace = traced.meta.get("retrace")
+        if retrace is None:
+            raise ValueError("pipeline planning needs to re-trace the model at the microbatch shape; "
+                             "call autopar.plan()/parallelize() (they attach the tracer)")
+        mb = retrace(batch)
+        mark_chunk_hints(mb.gm)
+        cache[batch] = mb
+    return cache[batch]
+
+
+def retrace_batch(model, example_inputs, loss_fn, example_target, batch: int):
+    """Trace ``model`` (+ loss) on the first ``batch`` rows of the example inputs and target."""
+    inputs = (example_inputs,) if not isinstance(example_inputs, (tuple, list)) else tuple(example_inputs)
+    target = example_target[:batch] if example_target is not None else None
+    return trace(model, tuple(x[:batch] for x in inputs), loss_fn, target)

@@ -1,0 +1,233 @@
+"""Solve one mesh: the intra-op problem of a traced model under a mode's restrictions → Plan.
+
+``_allowed`` turns the mode (DATA, SEMI_AUTO annotations, AUTO axis roles) into the strategies
+each node may take; ``solve_on_mesh`` builds the costed problem, solves it and decodes a Plan.
+``search.py`` (AUTO's mesh factorisations) and ``pipeline_search.py`` (each stage's sub-mesh)
+both call it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from autopar.context import ParallelMode
+from autopar.cost_models.compute import total_flops
+from autopar.graph.layers import find_layers, tie_groups
+from autopar.graph.retrace import graph_fingerprint
+from autopar.mesh import Mesh
+from autopar.plan import Plan, PlanError
+from autopar.sharding.candidates import build_candidates
+from autopar.sharding.placements import R, Replicate, Shard
+from autopar.solver.decode import decode, output_specs
+from autopar.solver.degrees import axis_shares, degrees_of, role
+from autopar.solver.intra_op import solve_intra_op
+from autopar.solver.problem import Costing, build_problem, grad_sync_overhead
+
+
+@dataclass
+class PlanOptions:
+    optimizer: str = "adamw"
+    precision: str = "fp32"
+    grad_compression: str | None = None
+    memory_budget_gb: float | None = None
+    time_limit_s: float = 10.0
+    microbatches: int | None = None
+    schedule: str | None = None
+
+
+def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, input_ann: dict) -> dict:
+    k = mesh.ndim
+    allowed: dict[str, list[int]] = {}
+
+    def only(name, pred):
+        idx = [i for i, st in enumerate(cands.strategies[name]) if pred(st.output)]
+        allowed[name] = idx
+        return idx
+
+    if mode == ParallelMode.STAND_ALONE:
+        for name, strategies in cands.strategies.items():
+            allowed[name] = [i for i, st in enumerate(strategies)
+                             if all(all(isinstance(p, Replicate) for p in s) for s in list(st.inputs) + _outs(st))]
+        return allowed
+    if mode == ParallelMode.DATA:
+        for ph in traced.inputs + ([traced.target] if traced.target else []):
+            shape = tuple(traced.node(ph).meta["val"].shape)
+            if not shape:
+                continue
+            if shape[0] % mesh.size:
+                raise PlanError(f"the global batch ({shape[0]}, dim 0 of input {ph!r}) is not divisible by the "
+                                f"data-parallel size {mesh.size}; use a batch that is a multiple of {mesh.size}")
+            only(ph, lambda spec: all(p == Shard(0) for p in spec))
+        for ph in list(traced.params) + list(traced.buffers) + list(traced.constants):
+            only(ph, lambda spec: all(isinstance(p, Replicate) for p in spec))
+        _keep_batch_split(traced, cands, allowed)
+    if mesh.named and mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO):
+        _axis_roles(traced, cands, mesh, input_ann, only)
+    by_canon = {}
+    for ph, pname in traced.params.items():
+        for alias in traced.aliases.get(pname, [pname]):
+            by_canon[alias] = ph
+    by_canon.update({b: ph for ph, b in traced.buffers.items()})
+    annotated_axes: dict[str, list[int]] = {}
+    for pname, placements in param_ann.items():
+        ph = by_canon.get(pname)
+        if ph is None:
+            raise PlanError(f"annotated parameter {pname!r} is not used by the traced model")
+        _check_axes(pname, placements, mesh, tuple(traced.node(ph).meta["val"].shape))
+        idx = only(ph, lambda spec, pl=placements: all(spec[mesh.axis_index(a)] == p for a, p in pl.items()))
+        if not idx:
+            raise PlanError(f"no valid placement of {pname!r} satisfies {_fmt(placements)}")
+        annotated_axes[ph] = [mesh.axis_index(a) for a in placements]
+    if annotated_axes:
+        _use_as_stored(traced, cands, allowed, set(annotated_axes), annotated_axes)
+    for i, placements in input_ann.items():
+        if i >= len(traced.inputs):
+            raise PlanError(f"shard_input({i}) but the model has {len(traced.inputs)} input(s)")
+        ph = traced.inputs[i]
+        _check_axes(f"input {i}", placements, mesh, tuple(traced.node(ph).meta["val"].shape))
+        only(ph, lambda spec, pl=placements: all(spec[mesh.axis_index(a)] == p for a, p in pl.items()))
+    return allowed
+
+
+ROLE_DATA, ROLE_TENSOR = ("dp", "data", "batch"), ("tp", "tensor", "model", "mp")
+
+
+def _axis_roles(traced, cands, mesh: Mesh, input_ann: dict, only) -> None:
+    """Named axes carry their role: "dp" shards the batch of every input, "tp" keeps inputs whole."""
+    data = [i for i, n in enumerate(mesh.axis_names) if n in ROLE_DATA]
+    tensor = [i for i, n in enumerate(mesh.axis_names) if n in ROLE_TENSOR]
+    if not data and not tensor:
+        return
+    phs = list(enumerate(traced.inputs)) + ([(None, traced.target)] if traced.target else [])
+    for i, ph in phs:
+        if i in input_ann:
+            continue
+        shape = tuple(traced.node(ph).meta["val"].shape)
+        dp = math.prod(mesh.shape[a] for a in data)
+        if data and shape and shape[0] % dp:
+            raise PlanError(f"the global batch ({shape[0]}, dim 0 of {ph!r}) is not divisible by the data-parallel "
+                            f"size {dp} (mesh axes {[mesh.axis_names[a] for a in data]}); use a batch that is a "
+                            f"multiple of {dp}")
+        only(ph, lambda spec, s=shape: all(spec[a] == (Shard(0) if s else R) for a in data)
+             and all(isinstance(spec[a], Replicate) for a in tensor))
+
+
+def _keep_batch_split(traced, cands, allowed: dict) -> None:
+    """DATA: every op downstream of the inputs runs on its rank's part of the batch (no output
+    Replicate on any axis); ops without such a strategy (no rule) keep their options."""
+    sources = set(traced.inputs) | ({traced.target} if traced.target else set())
+    batch_nodes = set()
+    for node in traced.gm.graph.nodes:
+        if node.name in sources or any(a.name in batch_nodes for a in node.all_input_nodes):
+            batch_nodes.add(node.name)
+    for name in batch_nodes - sources:
+        strategies = cands.strategies.get(name)
+        if not strategies:
+            continue
+        keep = [i for i, st in enumerate(strategies)
+                if all(not isinstance(p, Replicate) for spec in _outs(st) for p in spec)]
+        if keep:
+            allowed[name] = keep
+    _use_as_stored(traced, cands, allowed, set(traced.params) | set(traced.buffers), None)
+
+
+def _use_as_stored(traced, cands, allowed: dict, placeholders: set, axes: dict | None) -> None:
+    """Consumers of these placeholders take them as stored (no resharding of the weight):
+    DATA keeps weights whole (axes None: every axis); an annotated weight is used in its
+    annotated placement, as torch's ColwiseParallel/RowwiseParallel mean."""
+    from autopar.sharding.strategy import tensor_inputs
+
+    for node in traced.gm.graph.nodes:
+        if node.op != "call_function" or node.name not in cands.strategies:
+            continue
+        slots = [(i, a.name) for i, a in enumerate(tensor_inputs(node)) if a.name in placeholders]
+        if not slots:
+            continue
+        stored = {ph: cands.strategies[ph][allowed[ph][0]].output for _, ph in slots
+                  if ph in allowed and len(allowed[ph]) == 1}
+        if not stored:
+            continue
+        current = allowed.get(node.name, range(len(cands.strategies[node.name])))
+        keep = []
+        for k in current:
+            st = cands.strategies[node.name][k]
+            ok = True
+            for i, ph in slots:
+                if ph not in stored:
+                    continue
+                check = range(len(stored[ph])) if axes is None else axes.get(ph, ())
+                ok &= all(st.inputs[i][a] == stored[ph][a] for a in check)
+            if ok:
+                keep.append(k)
+        if keep:
+            allowed[node.name] = keep
+
+
+def _fmt(placements: dict) -> str:
+    return "{" + ", ".join(f"{a}: {p}" for a, p in placements.items()) + "}"
+
+
+def _check_axes(what: str, placements: dict, mesh: Mesh, shape: tuple) -> None:
+    for ax, p in placements.items():
+        if ax not in mesh.axis_names:
+            raise PlanError(f"{what}: unknown mesh axis {ax!r}; the mesh has axes {mesh.axis_names}")
+        if isinstance(p, Shard):
+            if not -len(shape) <= p.dim < len(shape):
+                raise PlanError(f"{what}: Shard({p.dim}) is out of range for a tensor of shape {list(shape)}")
+            size, n = shape[p.dim], mesh.axis_size(ax)
+            if size % (n * p.chunks):
+                raise PlanError(f"{what}: dimension {p.dim} of size {size} is not divisible by the size {n} of "
+                                f"mesh axis {ax!r}; choose another dim or a mesh axis that divides it")
+
+
+def _outs(st):
+    o = st.output
+    return list(o) if o and isinstance(o[0], tuple) else [o]
+
+
+def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict,
+                  ranks_per_node: int | None = None) -> Plan:
+    """``ranks_per_node``: ranks sharing a node (default: this mesh's); a pipeline stage's
+    sub-mesh passes the whole mesh's, since every stage runs at the same time."""
+    t0 = time.perf_counter()
+    device = mesh.spec()
+    per_node = ranks_per_node or min(mesh.size, mesh.gpus_per_node or mesh.size)
+    device = device.shared_by(per_node)  # CPU ranks beyond the core count share the cores
+    cands = build_candidates(traced.gm, mesh.shape)
+    allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
+    costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers))
+    names = dict(traced.params)
+    names.update(traced.buffers)
+    ties = tie_groups(find_layers(traced.gm, names))
+    budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
+    built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
+    sol = solve_intra_op(built.problem)
+    nodes, params, inputs, colls = decode(traced.gm, cands, built, sol.choice, costing, mesh.axis_names, traced)
+    outputs = output_specs(traced.gm, nodes, params, inputs, traced)
+    last_bucket = grad_sync_overhead(costing, [(mesh.axis_names.index(a), c.bytes) for c in colls
+                                               if c.node in traced.params for a in c.axes])
+    shares = axis_shares(traced.gm, nodes, inputs, mesh.axis_names, mesh.shape)
+    roles = {a: role(s) for a, s in shares.items()}
+    return Plan(mode=mode, mesh=mesh, degrees=degrees_of(roles, mesh.axis_names, mesh.shape), axis_roles=roles,
+                nodes=nodes, params=params,
+                inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
+                memory_per_device=[float(sol.memory)] * mesh.size, memory_breakdown=_breakdown(built, sol, traced),
+                solve_time=time.perf_counter() - t0,
+                solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
+                options={"grad_compression": opts.grad_compression, "optimizer": opts.optimizer,
+                         "precision": opts.precision, "memory_budget": budget,
+                         "solver_vars": sol.num_vars, "grad_sync_overhead": last_bucket, "axis_shares": shares},
+                fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
+
+
+def _breakdown(built, sol, traced) -> dict:
+    """Peak bytes per device: parameter training state vs activations kept for backward."""
+    state = acts = 0.0
+    for i, name in enumerate(built.names):
+        mem = float(built.problem.nodes[i].memory[sol.choice[i]])
+        if name in traced.params:
+            state += mem
+        else:
+            acts += mem
+    return {"params+grads+optimizer": state, "activations": acts}
