@@ -14,18 +14,7 @@ from autopar.opaque_functions import opaque_functions
 from autopar.trace import trace
 from conftest import run_ranks
 from oracle import assert_same_training, make_batch, parallel_run, reference_run
-
-
-class RoundSTE(torch.autograd.Function):
-    """Straight-through rounding: autograd of the forward would give a zero gradient."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x * 4) / 4
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
+from semantics_models import StraightThroughRound
 
 
 class MatmulGradScale(torch.autograd.Function):
@@ -65,7 +54,7 @@ class Quantized(nn.Module):
         self.out = nn.Linear(hidden, classes)
 
     def forward(self, x):
-        h = RoundSTE.apply(torch.tanh(self.inp(x)))
+        h = StraightThroughRound.apply(torch.tanh(self.inp(x)))
         h = MatmulGradScale.apply(h, self.w, 0.5)
         whole, rem = SplitRound.apply(h * 3)
         return self.out(whole + 2 * rem)
