@@ -29,7 +29,7 @@ def test_json_round_trip_is_identical(tmp_path):
     loaded = autopar.Plan.load(tmp_path / "p.json")
     assert loaded == plan
     assert loaded.mode == autopar.ParallelMode.AUTO and loaded.mesh == plan.mesh
-    assert json.loads(plan.to_json())["format_version"] == 1
+    assert json.loads(plan.to_json())["format_version"] == 2
 
 
 def test_public_plan_fields():
