@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 from pathlib import Path
 
 import torch.distributed as dist
@@ -13,7 +12,7 @@ import torch.nn as nn
 from autopar.collectives.groups import AxisGroup, axis_groups
 from autopar.context import ParallelMode, get_auto_parallel_context
 from autopar.graph.chunk_hints import mark_chunk_hints
-from autopar.graph.retrace import graph_fingerprint, retrace_batch
+from autopar.graph.retrace import Retracer, graph_fingerprint
 from autopar.mesh import Mesh
 from autopar.parallel_module import ParallelModule
 from autopar.passes.insert_collectives import insert_collectives
@@ -47,13 +46,14 @@ def _check_mesh(mesh) -> Mesh:
     return mesh
 
 
-def _plan_traced(model, traced: Traced, mesh: Mesh, mode: ParallelMode, top_k: int = 1) -> list[Plan]:
+def _plan_traced(model, traced: Traced, retracer: Retracer, mesh: Mesh, mode: ParallelMode,
+                 top_k: int = 1) -> list[Plan]:
     """The ``top_k`` best predicted plans, best first."""
     if mode == ParallelMode.HYBRID:
         raise PlanError("HYBRID mode applies a complete plan: pass plan=<Plan or path to plan JSON>")
     param_ann = resolve_params(model, ANNOTATIONS) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     input_ann = dict(ANNOTATIONS.inputs) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
-    return make_plans(traced, model, mesh, mode, _options(), param_ann, input_ann, top_k)
+    return make_plans(traced, model, mesh, mode, _options(), param_ann, input_ann, top_k, retracer)
 
 
 def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None) -> Plan:
@@ -61,8 +61,8 @@ def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_targ
     mesh = _check_mesh(mesh)
     mode = _mode(mode)
     traced = trace(model, example_inputs, loss_fn, example_target)
-    _attach_retrace(traced, model, example_inputs, loss_fn, example_target)
-    return _plan_traced(model, traced, mesh, mode)[0]
+    retracer = Retracer(model, example_inputs, loss_fn, example_target)
+    return _plan_traced(model, traced, retracer, mesh, mode)[0]
 
 
 def _load_plan(plan, traced: Traced, mesh: Mesh) -> Plan:
@@ -108,7 +108,7 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
                            "under torchrun or autopar.launch (or use a Mesh(1))")
     broadcast_state(model)           # one model on every rank, whatever each rank's seed was
     traced = trace(model, example_inputs, loss_fn, example_target)
-    _attach_retrace(traced, model, example_inputs, loss_fn, example_target)
+    retracer = Retracer(model, example_inputs, loss_fn, example_target)
     mark_chunk_hints(traced.gm)      # every rank's graph, whether it plans or receives the plan
     rank = dist.get_rank() if dist.is_initialized() else 0
     if plan is not None:
@@ -118,7 +118,7 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
         top_k = get_auto_parallel_context()["autotune_top_k"] if mode == ParallelMode.AUTO and mesh.size > 1 else 1
         if rank == 0:
             try:
-                plans = _plan_traced(model, traced, mesh, mode, max(1, top_k))
+                plans = _plan_traced(model, traced, retracer, mesh, mode, max(1, top_k))
             except Exception as e:  # noqa: BLE001 - re-raised on every rank below
                 err = e
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -136,9 +136,9 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
             from autopar.autotune import choose
 
             ctx = get_auto_parallel_context()
-            the_plan = choose(plans, model, lambda m, p: build_parallel_module(m, _graph_copy(traced), p),
+            the_plan = choose(plans, model, lambda m, p: build_parallel_module(m, _graph_copy(traced), p, retracer),
                               tuple(example_inputs), example_target, ctx["autotune_steps"], ctx["autotune_slack"])
-    return build_parallel_module(model, traced, the_plan)
+    return build_parallel_module(model, traced, the_plan, retracer)
 
 
 def _graph_copy(traced: Traced) -> Traced:
@@ -156,16 +156,13 @@ def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
     return fwd
 
 
-def _attach_retrace(traced: Traced, model, example_inputs, loss_fn, example_target) -> None:
-    """Let pipeline planning re-trace the step at a microbatch shape."""
-    traced.meta["retrace"] = functools.partial(retrace_batch, model, example_inputs, loss_fn, example_target)
-
-
-def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan) -> ParallelModule:
+def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
+                          retracer: Retracer | None = None) -> ParallelModule:
+    """This rank's module for ``the_plan``; a pipelined plan re-traces at its microbatch shape with ``retracer``."""
     if the_plan.degrees.get("pp", 1) > 1:
         from autopar.pipeline_module import build_pipeline_module
 
-        return build_pipeline_module(model, traced, the_plan)
+        return build_pipeline_module(model, traced, the_plan, retracer)
     mesh = the_plan.mesh
     if dist.is_initialized():
         axes = axis_groups(mesh)
@@ -224,7 +221,7 @@ def _grad_sync(program: RankProgram, the_plan: Plan, sync: dict, axes, mesh: Mes
             dm = mesh.device_mesh()
             group = dm[tuple(a for a in mesh.axis_names if a in main)]._flatten().get_group()
         ignore += [name for name, _ in program.named_buffers()]
-        ddp = wrap_ddp(program, group, ignore, the_plan.options.get("grad_compression"))
+        ddp = wrap_ddp(program, group, ignore, the_plan.grad_compression)
     return ddp
 
 

@@ -26,7 +26,7 @@ close calls get three times the rounds of the clear losers.
 
 Every rank gets the same maxima from one all-reduce, so every rank picks the same plan. The
 user's model, its buffers and the RNG state are left as they were. The trials go to
-``plan.options["autotune"]`` and the report.
+``plan.autotune`` and the report.
 
 A plan that cannot be built on some rank is not timed and runs on no rank; its trial keeps the
 reason (``KeyError: 'submod_3' (split_stages.py:162 in _stage_graph) on rank 0``: exception type,
@@ -46,12 +46,12 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from autopar.plan import Plan
+from autopar.plan import AutotuneTrial, Plan
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def plan_label(plan: Plan) -> str:
     d = plan.degrees
     mesh = " × ".join(f"{n}={s}" for n, s in zip(plan.mesh.axis_names, plan.mesh.shape))
     sched = f" {plan.microbatches}×{plan.schedule}" if plan.schedule != "none" else ""
-    note = f" ({plan.options['candidate']})" if plan.options.get("candidate") else ""
+    note = f" ({plan.candidate})" if plan.candidate else ""
     return f"pp={d.get('pp', 1)} dp={d.get('dp', 1)} tp={d.get('tp', 1)} [{mesh}]{sched}{note}"
 
 
@@ -215,7 +215,7 @@ def pick(trials: list[Trial], tie: float = TIE) -> int:
 def _optimizer(plan: Plan, pmodel) -> torch.optim.Optimizer:
     """The optimizer the plan was costed for, on the trial copy's parameters."""
     params = list(pmodel.parameters())
-    if str(plan.options.get("optimizer", "adamw")).lower() == "sgd":
+    if str(plan.optimizer).lower() == "sgd":
         return torch.optim.SGD(params, lr=1e-3)
     return torch.optim.AdamW(params, lr=1e-3)
 
@@ -223,12 +223,12 @@ def _optimizer(plan: Plan, pmodel) -> torch.optim.Optimizer:
 def choose(plans: list[Plan], model: torch.nn.Module, build: Callable[[torch.nn.Module, Plan], object],
            example_inputs: tuple, example_target, steps: int = 3, slack: float = 1.5) -> Plan:
     """The plan of ``shortlist(plans, slack)`` (best predicted first) that ``pick`` takes from the
-    measured trials; records the trials in its ``options["autotune"]``. Each trial runs on a deep copy of
+    measured trials; records the trials in its ``autotune``. Each trial runs on a deep copy of
     ``model``; the copies are built together only when their predicted peaks fit the budget."""
     plans = shortlist(plans, slack)
     if len(plans) < 2:
         return plans[0]
-    budget = plans[0].options.get("memory_budget") or float("inf")
+    budget = plans[0].memory_budget or float("inf")
     together = sum(max(p.memory_per_device, default=0.0) for p in plans) <= budget
     trials = measure_plans(plans, lambda p: build(copy.deepcopy(model), p), example_inputs, example_target, steps,
                            together=together)
@@ -239,9 +239,9 @@ def choose(plans: list[Plan], model: torch.nn.Module, build: Callable[[torch.nn.
                               RuntimeWarning, stacklevel=2)
     best = pick(trials)
     chosen = plans[best]
-    chosen.options["autotune"] = [dict(asdict(t), measured=t.measured if t.measured < float("inf") else None,
-                                       chosen=(i == best)) for i, t in enumerate(trials)]
-    chosen.options["autotune_timing"] = "interleaved" if together else "one plan at a time (copies exceed memory)"
+    chosen.autotune = [AutotuneTrial(t.label, t.predicted, t.measured if t.measured < float("inf") else None,
+                                     t.steps, t.error, i == best) for i, t in enumerate(trials)]
+    chosen.autotune_timing = "interleaved" if together else "one plan at a time (copies exceed memory)"
     return chosen
 
 

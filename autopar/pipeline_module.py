@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_unflatten
 from autopar.collectives import comm
 from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import AxisGroup, axis_groups, bound_axes
-from autopar.graph.retrace import graph_fingerprint, microbatch_trace
+from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.parallel_module import ParallelModule, _to_replicate
 from autopar.passes.split_stages import forward_only, split_stages
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, sum_grads
@@ -60,16 +60,18 @@ def _tie_groups(owners: dict[str, list[int]], per_pp: int, my_rank: int) -> dict
     return groups
 
 
-def build_pipeline_module(model: nn.Module, traced, plan) -> "PipelineModule":
+def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) -> "PipelineModule":
     from autopar.passes.insert_collectives import insert_collectives
     from autopar.passes.localize_shapes import localize_shapes
 
-    info = plan.options["pipeline"]
-    mb = microbatch_trace(traced, info["microbatch_size"])
-    if graph_fingerprint(mb.gm) != info["microbatch_fingerprint"]:
+    info = plan.pipeline
+    if info is None:
+        raise ValueError("a pipelined plan (degrees pp > 1) needs its pipeline info; make a new plan for this model")
+    mb = microbatch_trace(traced, info.microbatch_size, retracer)
+    if graph_fingerprint(mb.gm) != info.microbatch_fingerprint:
         raise ValueError("the plan's microbatch graph does not match this model traced at microbatch size "
-                         f"{info['microbatch_size']}; make a new plan for this model")
-    traced.meta.get("microbatch_traces", {}).pop(info["microbatch_size"], None)
+                         f"{info.microbatch_size}; make a new plan for this model")
+    traced.meta.get("microbatch_traces", {}).pop(info.microbatch_size, None)
     out_args = next(n for n in traced.gm.graph.nodes if n.op == "output").args[0]
     out_meta = [out_args[i].meta.get("val") if isinstance(out_args[i], torch.fx.Node) else out_args[i]
                 for i in traced.output_leaves]
@@ -102,7 +104,7 @@ def build_pipeline_module(model: nn.Module, traced, plan) -> "PipelineModule":
         keep = list(mb.output_leaves) if g.results else []
         calls[s] = StageCall(g, forward_only(g, keep), slots)
     program = PipelineProgram(params, buffers)
-    schedule = build_schedule(plan.schedule, pp, plan.microbatches, info.get("virtual_stages", 1))
+    schedule = build_schedule(plan.schedule, pp, plan.microbatches, info.virtual_stages)
     my_sub = my_rank % per_pp
 
     def peer(stage: int) -> int:

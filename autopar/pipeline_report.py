@@ -5,7 +5,7 @@ from autopar.schedule import Schedule, build_schedule, simulate
 
 
 def plan_schedule(plan) -> Schedule:
-    v = plan.options.get("pipeline", {}).get("virtual_stages", 1)
+    v = plan.pipeline.virtual_stages if plan.pipeline else 1
     return build_schedule(plan.schedule, plan.degrees.get("pp", 1), plan.microbatches, v)
 
 
@@ -25,12 +25,12 @@ def render_pipeline(plan) -> list[str]:
     """Report lines: per-stage table, bubble fraction and the step × rank schedule grid."""
     if not plan.stages:
         return []
-    info = plan.options.get("pipeline", {})
+    info = plan.pipeline
     sched = plan_schedule(plan)
     lines = [f"pipeline: {len(plan.stages)} stages on pp={plan.degrees.get('pp')} ranks, {plan.microbatches} "
-             f"microbatches of {info.get('microbatch_size', '?')} samples, schedule {plan.schedule}, "
-             f"bubble {100 * info.get('bubble_fraction', 0.0):.1f}%, schedule critical path "
-             f"{_ms(info.get('pipeline_time', 0.0))} (+ gradient sync + optimizer = step {_ms(plan.step_time)})",
+             f"microbatches of {info.microbatch_size if info else '?'} samples, schedule {plan.schedule}, "
+             f"bubble {100 * (info.bubble_fraction if info else 0.0):.1f}%, schedule critical path "
+             f"{_ms(info.pipeline_time if info else 0.0)} (+ gradient sync + optimizer = step {_ms(plan.step_time)})",
              f"  {'stage':<6} {'ranks':<14} {'layers':<28} {'fwd/mb':>11} {'bwd/mb':>11} {'p2p':>11} {'memory':>12}"]
     for s in plan.stages:
         ranks = ",".join(str(r) for r in s.ranks)

@@ -11,7 +11,8 @@ from pathlib import Path
 from autopar.context import ParallelMode
 from autopar.mesh import Mesh
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)   # 1: pipeline, grad compression etc. lived in ``options``
 
 
 class PlanError(ValueError):
@@ -81,6 +82,35 @@ class Stage:
 
 
 @dataclass
+class PipelineInfo:
+    """How a pipelined plan runs: the runtime re-traces at ``microbatch_size`` and checks the fingerprint."""
+
+    microbatch_size: int
+    microbatch_fingerprint: str
+    virtual_stages: int = 1
+    bubble_fraction: float = 0.0
+    pipeline_time: float = 0.0       # predicted schedule critical path (seconds), before grad sync + optimizer
+    sub_mesh: list[int] = field(default_factory=list)   # the mesh inside one stage (the full mesh minus pp)
+
+
+@dataclass
+class AutotuneTrial:
+    """One measured candidate of autotuning (``measured`` None: it failed or did not run)."""
+
+    label: str
+    predicted: float
+    measured: float | None = None
+    steps: int = 0
+    error: str = ""
+    chosen: bool = False
+
+
+# options keys of format 1 that became typed Plan fields
+_MOVED_OPTIONS = ("grad_compression", "optimizer", "memory_budget", "optimizer_time", "grad_sync_overhead",
+                  "candidate", "axis_shares", "autotune_timing")
+
+
+@dataclass
 class Plan:
     mode: ParallelMode
     mesh: Mesh
@@ -101,9 +131,19 @@ class Plan:
     solver_status: str = ""
     alternatives: list[Alternative] = field(default_factory=list)
     unknown_ops: dict[str, str] = field(default_factory=dict)
-    options: dict = field(default_factory=dict)
     fingerprint: str = ""
     collective_list: list[Collective] = field(default_factory=list)
+    pipeline: PipelineInfo | None = None         # set when degrees["pp"] > 1
+    grad_compression: str | None = None          # dtype gradients are all-reduced in ("bf16", "fp16")
+    optimizer: str = "adamw"                     # the optimizer the step time was costed for
+    memory_budget: float | None = None           # bytes per device the plan was fitted to
+    optimizer_time: float | None = None          # predicted optimizer seconds on the fullest rank
+    grad_sync_overhead: float = 0.0              # seconds of the last gradient bucket (not overlapped)
+    candidate: str = ""                          # which search candidate this is, e.g. "DDP layout"
+    axis_shares: dict = field(default_factory=dict)   # mesh axis -> {"dp"|"tp"|"none": share of work}
+    autotune: list[AutotuneTrial] = field(default_factory=list)
+    autotune_timing: str = ""
+    options: dict = field(default_factory=dict)  # free-form solver diagnostics; nothing downstream reads them
 
     # ---- queries ---------------------------------------------------------------------
     def collectives(self, rank: int = 0) -> list[Collective]:
@@ -159,7 +199,7 @@ class Plan:
     def from_dict(cls, d: dict) -> "Plan":
         d = dict(d)
         version = d.pop("format_version", None)
-        if version != FORMAT_VERSION:
+        if version not in _READABLE_VERSIONS:
             raise ValueError(f"plan format version {version} is not supported (expected {FORMAT_VERSION}); "
                              "make the plan again with this autopar version")
         d["mode"] = ParallelMode.parse(d["mode"])
@@ -169,6 +209,11 @@ class Plan:
         d["alternatives"] = [Alternative(**a) for a in d["alternatives"]]
         d["stages"] = [Stage(**s) for s in d["stages"]]
         d["collective_list"] = [Collective(**c) for c in d["collective_list"]]
+        if version == 1:
+            _upgrade_v1(d)
+        if d.get("pipeline") is not None:
+            d["pipeline"] = PipelineInfo(**d["pipeline"])
+        d["autotune"] = [AutotuneTrial(**t) for t in d.get("autotune", [])]
         return cls(**d)
 
     @classmethod
@@ -191,3 +236,15 @@ class Plan:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_dict() == other.to_dict()
+
+
+def _upgrade_v1(d: dict) -> None:
+    """Format 1 kept the fields the runtime and report read in ``options``: move them to their fields."""
+    options = dict(d.get("options", {}))
+    for key in _MOVED_OPTIONS:
+        if key in options:
+            d[key] = options.pop(key)
+    d["pipeline"] = options.pop("pipeline", None)
+    d["autotune"] = [{k: t[k] for k in ("label", "predicted", "measured", "steps", "error", "chosen") if k in t}
+                     for t in options.pop("autotune", [])]
+    d["options"] = options

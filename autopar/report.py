@@ -85,27 +85,27 @@ def render(plan) -> str:
                      "that repeats the work on an axis only where every plan does):")
         lines.append(f"  {'degrees':<28} {'microbatches':<20} {'step time':>12} {'of it optim':>12} {'memory':>12}  "
                      "fits  note")
-        opt = plan.options.get("optimizer_time", 0.0)
+        opt = plan.optimizer_time or 0.0
         lines.append(f"  {_deg(plan.degrees):<28} {_mb(plan.microbatches, plan.schedule):<20} {_ms(plan.step_time):>12} "
                      f"{_ms(opt):>12} {_gb(max(plan.memory_per_device or [0])):>12}  yes   chosen"
-                     + (f" ({plan.options['candidate']})" if plan.options.get("candidate") else ""))
+                     + (f" ({plan.candidate})" if plan.candidate else ""))
         for a in plan.alternatives[:10]:
             lines.append(f"  {_deg(a.degrees):<28} {_mb(a.microbatches, a.schedule) if a.fits else '-':<20} "
                          f"{_ms(a.step_time) if a.fits else '-':>12} {_ms(a.optimizer_time) if a.fits else '-':>12} "
                          f"{_gb(a.memory) if a.fits else '-':>12}  {'yes' if a.fits else 'no ':<4}  {a.note}"
                          + (f"; repeats work on {'+'.join(a.redundant_axes)}" if a.redundant_axes else ""))
-    trials = plan.options.get("autotune")
+    trials = plan.autotune
     if trials:
         lines.append("")
         lines.append("measured on the ranks (autotune_top_k): the fastest measured of the best predicted wins; "
-                     f"timed {plan.options.get('autotune_timing', 'interleaved')}")
+                     f"timed {plan.autotune_timing or 'interleaved'}")
         lines.append(f"  {'plan':<44} {'predicted':>12} {'measured':>12} {'steps':>6}")
         for t in trials:
-            measured = _ms(t["measured"]) if t["measured"] is not None else "failed"
-            note = "  chosen" if t["chosen"] else ""
-            lines.append(f"  {t['label']:<44} {_ms(t['predicted']):>12} {measured:>12} {t.get('steps', 0):>6}{note}")
-            if t["error"]:
-                lines.append(f"      not built: {t['error']}")
+            measured = _ms(t.measured) if t.measured is not None else "failed"
+            note = "  chosen" if t.chosen else ""
+            lines.append(f"  {t.label:<44} {_ms(t.predicted):>12} {measured:>12} {t.steps:>6}{note}")
+            if t.error:
+                lines.append(f"      not built: {t.error}")
     return "\n".join(lines)
 
 
@@ -113,7 +113,7 @@ def _redundant_lines(plan) -> list[str]:
     size = dict(zip(plan.mesh.axis_names, plan.mesh.shape))
     out = []
     for a in plan.redundant_axes():
-        shares = plan.options.get("axis_shares", {}).get(a, {})
+        shares = plan.axis_shares.get(a, {})
         split = 1.0 - shares.get("none", 1.0)
         what = (f"only {split * 100:.2g}% of the compute (FLOPs) is split on it — every rank on it repeats the rest"
                 if split > 0 else "no op is split on it — every rank on it repeats the same work")

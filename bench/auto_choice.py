@@ -20,6 +20,7 @@ the file is missing; ``autopar.cost_models.calibrate``) instead of the "cpu" pre
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -33,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 import autopar  # noqa: E402
 from autopar.autotune import layout_key, plan_label  # noqa: E402
 from autopar.context import ParallelMode  # noqa: E402
-from autopar.graph.retrace import retrace_batch  # noqa: E402
+from autopar.graph.retrace import Retracer  # noqa: E402
 from autopar.runtime.launch import RankPool  # noqa: E402
 from autopar.solver.pipeline_search import optimizer_time, pipeline_candidates, plan_pipeline  # noqa: E402
 from autopar.solver.search import PlanOptions, ddp_candidate, candidate_meshes, solve_on_mesh  # noqa: E402
@@ -74,23 +75,23 @@ def considered_plans(name: str, opts: PlanOptions) -> tuple[list, int]:
     factory, loss_fn, x, y = _inputs(name)
     model = factory()
     traced = trace(model, (x,), loss_fn, y)
-    traced.meta["retrace"] = functools.partial(retrace_batch, model, (x,), loss_fn, y)
+    retracer = Retracer(model, (x,), loss_fn, y)
     mesh = autopar.Mesh(WORLD)
     plans = []
     for cand in pipeline_candidates(traced, mesh, ParallelMode.AUTO, {})[0]:
         try:
-            plans.append(plan_pipeline(traced, cand, ParallelMode.AUTO, opts, {}, {}))
+            plans.append(plan_pipeline(traced, cand, ParallelMode.AUTO, opts, {}, {}, retracer))
         except ValueError:
             continue
     for m in candidate_meshes(mesh):
         plans.append(solve_on_mesh(traced, m, ParallelMode.AUTO, opts, {}, {}))
     plans += ddp_candidate(traced, mesh, opts, [])          # DATA mode's plan, one of AUTO's candidates
     for p in plans:
-        p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
+        p.optimizer_time = optimizer_time(p, opts.optimizer)
     chosen = min(range(len(plans)), key=lambda i: plans[i].step_time)
     pure_tp = solve_on_mesh(traced, autopar.Mesh((WORLD,), axis_names=("tp",)), ParallelMode.AUTO, opts, {}, {})
     if layout_key(pure_tp) not in {layout_key(p) for p in plans}:     # one plan under two mesh names is timed once
-        pure_tp.options["optimizer_time"] = optimizer_time(pure_tp, opts.optimizer)
+        pure_tp.optimizer_time = optimizer_time(pure_tp, opts.optimizer)
         plans.append(pure_tp)
     return plans, chosen
 
@@ -138,7 +139,7 @@ def _autotuned(rank: int, name: str, top_k: int | None, steps: int | None) -> tu
                                  example_target=y, mode="auto")
     finally:
         autopar.reset_auto_parallel_context()
-    return plan_label(pm.plan), pm.plan.options.get("autotune", [])
+    return plan_label(pm.plan), [dataclasses.asdict(t) for t in pm.plan.autotune]
 
 
 def main(argv=None) -> int:

@@ -39,19 +39,19 @@ def test_autotune_times_the_best_predicted_plans_and_trains_like_one_device():
     results = run_ranks(4, _autotune_job)
     plans = [autopar.Plan.from_json(r["plan"]) for r in results]
     assert len({p.to_json() for p in plans}) == 1, "every rank must choose the same plan"
-    trials = plans[0].options["autotune"]
-    assert len(trials) == 3 and sum(t["chosen"] for t in trials) == 1
-    chosen = next(t for t in trials if t["chosen"])
-    fastest = min(t["measured"] for t in trials if t["measured"] is not None)
-    assert chosen["measured"] <= (1 + TIE) * fastest
-    assert all(t["measured"] > (1 + TIE) * fastest for t in trials[:trials.index(chosen)]), \
+    trials = plans[0].autotune
+    assert len(trials) == 3 and sum(t.chosen for t in trials) == 1
+    chosen = next(t for t in trials if t.chosen)
+    fastest = min(t.measured for t in trials if t.measured is not None)
+    assert chosen.measured <= (1 + TIE) * fastest
+    assert all(t.measured > (1 + TIE) * fastest for t in trials[:trials.index(chosen)]), \
         "a better predicted plan within the tie margin must win"
-    assert all(t["measured"] > 0 and t["predicted"] > 0 for t in trials)
-    raced = [t for t in trials if t["steps"] == 2 + 2 * 2]     # the 2 fastest and close calls: 2 steps, 4 more
-    assert all(t["steps"] in (2, 6) for t in trials) and len(raced) >= 2
-    assert len({t["label"] for t in trials}) == 3
+    assert all(t.measured > 0 and t.predicted > 0 for t in trials)
+    raced = [t for t in trials if t.steps == 2 + 2 * 2]     # the 2 fastest and close calls: 2 steps, 4 more
+    assert all(t.steps in (2, 6) for t in trials) and len(raced) >= 2
+    assert len({t.label for t in trials}) == 3
     assert "measured on the ranks" in plans[0].report()
-    assert plans[0].options["autotune_timing"] == "interleaved"
+    assert plans[0].autotune_timing == "interleaved"
     for r in results:
         assert_same_training(ref, r, what="autotuned AUTO")
 
@@ -87,10 +87,10 @@ def test_autotune_times_one_plan_at_a_time_when_the_copies_exceed_memory():
     ref = reference_run(MODEL, F.cross_entropy, x, y)
     results = run_ranks(4, _one_at_a_time_job)
     plan = autopar.Plan.from_json(results[0]["plan"])
-    assert plan.options["autotune_timing"].startswith("one plan at a time")
-    assert len(plan.options["autotune"]) == 3
-    assert all(t["measured"] is not None and t["steps"] in (1, 3) for t in plan.options["autotune"])
-    assert sum(t["steps"] == 3 for t in plan.options["autotune"]) >= 2
+    assert plan.autotune_timing.startswith("one plan at a time")
+    assert len(plan.autotune) == 3
+    assert all(t.measured is not None and t.steps in (1, 3) for t in plan.autotune)
+    assert sum(t.steps == 3 for t in plan.autotune) >= 2
     assert "one plan at a time" in plan.report()
     for r in results:
         assert_same_training(ref, r, what="autotuned AUTO, one plan at a time")
@@ -98,13 +98,14 @@ def test_autotune_times_one_plan_at_a_time_when_the_copies_exceed_memory():
 
 def _plans(top_k):
     from autopar.api import _plan_traced
+    from autopar.graph.retrace import Retracer
     from autopar.trace import trace
 
     x, y = make_batch("vector", 8, d_in=D_IN)
     torch.manual_seed(0)
     model = MODEL()
-    return _plan_traced(model, trace(model, (x,), F.cross_entropy, y), autopar.Mesh(4), autopar.ParallelMode.AUTO,
-                        top_k)
+    return _plan_traced(model, trace(model, (x,), F.cross_entropy, y), Retracer(model, (x,), F.cross_entropy, y),
+                        autopar.Mesh(4), autopar.ParallelMode.AUTO, top_k)
 
 
 def test_shortlist_keeps_plans_within_the_slack_and_one_per_layout():
@@ -176,12 +177,12 @@ def test_a_plan_that_cannot_be_built_is_listed_with_its_reason_and_warned_about(
     with pytest.warns(RuntimeWarning, match=rf"autotune: plan {re.escape(plan_label(broken))} could not be built "
                                             r"and was not timed: KeyError: 'submod_3' \(test_autotune.py:\d+ in build\) on rank 0"):
         chosen = choose(plans, MODEL(), build, (x,), y, steps=1, slack=1e9)
-    trials = chosen.options["autotune"]
-    failed = [t for t in trials if t["error"]]
-    assert [t["label"] for t in failed] == [plan_label(broken)] and failed[0]["measured"] is None
-    assert failed[0]["error"].startswith("KeyError: 'submod_3' (test_autotune.py:")
+    trials = chosen.autotune
+    failed = [t for t in trials if t.error]
+    assert [t.label for t in failed] == [plan_label(broken)] and failed[0].measured is None
+    assert failed[0].error.startswith("KeyError: 'submod_3' (test_autotune.py:")
     assert chosen is not broken
-    assert f"not built: {failed[0]['error']}" in chosen.report()
+    assert f"not built: {failed[0].error}" in chosen.report()
 
 
 def _fails_on_rank_1_job(rank):
@@ -194,7 +195,7 @@ def _fails_on_rank_1_job(rank):
 
     x, y = make_batch("vector", 8, d_in=32)
     chosen = choose(plans, MODEL(), build, (x,), y, steps=1, slack=1e9)
-    return [t["error"] for t in chosen.options["autotune"]]
+    return [t.error for t in chosen.autotune]
 
 
 def test_a_plan_that_fails_on_one_rank_is_dropped_on_all_with_that_ranks_reason():

@@ -89,7 +89,7 @@ def test_report_shows_schedule_grid_bubble_and_stage_table(tmp_path):
                  schedule="1f1b", microbatches=4)
     text = plan.report()
     assert "bubble" in text and "1F0" in text and "0B3" in text and "stage  ranks" in text
-    assert plan.options["pipeline"]["bubble_fraction"] > 0
+    assert plan.pipeline.bubble_fraction > 0
     pytest.importorskip("matplotlib")
     path = tmp_path / "timeline.png"
     plan.save_timeline(path)

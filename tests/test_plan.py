@@ -29,7 +29,7 @@ def test_json_round_trip_is_identical(tmp_path):
     loaded = autopar.Plan.load(tmp_path / "p.json")
     assert loaded == plan
     assert loaded.mode == autopar.ParallelMode.AUTO and loaded.mesh == plan.mesh
-    assert json.loads(plan.to_json())["format_version"] == 1
+    assert json.loads(plan.to_json())["format_version"] == 2
 
 
 def test_public_plan_fields():
@@ -111,7 +111,7 @@ def test_gradient_sync_is_costed_as_bucketed_all_reduces():
     assert total < GRAD_BUCKET_BYTES
     device = plan.mesh.spec().shared_by(4)
     one_all_reduce = axis_collective_time("all_reduce", total, device, 4)
-    charged = sum(c.time for c in sync) + plan.options["grad_sync_overhead"]
+    charged = sum(c.time for c in sync) + plan.grad_sync_overhead
     assert abs(charged - one_all_reduce) <= 1e-4 * one_all_reduce
 
 
@@ -123,7 +123,7 @@ def test_auto_considers_ddps_layout():
     plan = autopar.plan(MLP(), autopar.Mesh(4), example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y,
                         mode="auto")
     notes = [a.note for a in plan.alternatives if a.fits] + [
-        "mesh dp=4 (DDP layout)" if plan.options.get("candidate") else "mesh " + str(plan.mesh.axis_names)]
+        "mesh dp=4 (DDP layout)" if plan.candidate else "mesh " + str(plan.mesh.axis_names)]
     ddp = [n for n in notes if "DDP layout" in n]
     assert len(ddp) == 1, notes
     assert plan.mode == autopar.ParallelMode.AUTO

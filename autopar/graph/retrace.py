@@ -3,6 +3,7 @@ tells whether a plan was made for a traced graph."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -21,17 +22,29 @@ def graph_fingerprint(gm: fx.GraphModule) -> str:
     return h.hexdigest()[:16]
 
 
-def microbatch_trace(traced, batch: int):
+@dataclass(frozen=True)
+class Retracer:
+    """What re-tracing the training step at another batch size needs; ``retracer(batch)`` -> Traced."""
+
+    model: object
+    example_inputs: object
+    loss_fn: object = None
+    example_target: object = None
+
+    def __call__(self, batch: int):
+        return retrace_batch(self.model, self.example_inputs, self.loss_fn, self.example_target, batch)
+
+
+def microbatch_trace(traced, batch: int, retracer: Retracer | None):
     """The training step traced with every input and the target cut to ``batch`` rows (cached)."""
     cache = traced.meta.setdefault("microbatch_traces", {})
     if batch == traced.batch_size:
         return traced
     if batch not in cache:
-        retrace = traced.meta.get("retrace")
-        if retrace is None:
+        if retracer is None:
             raise ValueError("pipeline planning needs to re-trace the model at the microbatch shape; "
-                             "call autopar.plan()/parallelize() (they attach the tracer)")
-        mb = retrace(batch)
+                             "pass a Retracer (autopar.plan()/parallelize() make one)")
+        mb = retracer(batch)
         mark_chunk_hints(mb.gm)
         cache[batch] = mb
     return cache[batch]

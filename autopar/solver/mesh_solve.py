@@ -215,9 +215,9 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 memory_per_device=[float(sol.memory)] * mesh.size, memory_breakdown=_breakdown(built, sol, traced),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
-                options={"grad_compression": opts.grad_compression, "optimizer": opts.optimizer,
-                         "precision": opts.precision, "memory_budget": budget,
-                         "solver_vars": sol.num_vars, "grad_sync_overhead": last_bucket, "axis_shares": shares},
+                grad_compression=opts.grad_compression, optimizer=opts.optimizer, memory_budget=budget,
+                grad_sync_overhead=last_bucket, axis_shares=shares,
+                options={"precision": opts.precision, "solver_vars": sol.num_vars},
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
 
 

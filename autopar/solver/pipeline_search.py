@@ -22,7 +22,7 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
        (DP over cut points, memory incl. the schedule's in-flight activations).
            step(m, schedule) = simulate(schedule).critical_path + max_r sum_{u on rank r} (sync_u + opt_u)
        (``plan.step_time``, like a non-pipelined plan's, includes the optimizer step; the fullest
-       rank's optimizer time is kept as ``plan.options["optimizer_time"]``).
+       rank's optimizer time is kept as ``plan.optimizer_time``).
        The best (m, schedule) (ties: less memory) is re-solved at its own microbatch shape (exact decisions), then
        re-partitioned with the exact profile.
 
@@ -41,9 +41,9 @@ from autopar.cost_models.compute import node_cost, optimizer_step_time, total_fl
 from autopar.cost_models.devices import axis_link
 from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved, training_state_bytes_per_param
 from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
-from autopar.graph.retrace import graph_fingerprint, microbatch_trace
+from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.mesh import Mesh
-from autopar.plan import Plan, PlanError, Stage
+from autopar.plan import PipelineInfo, Plan, PlanError, Stage
 from autopar.plan_specs import PlanSpecs
 from autopar.sharding.placements import Replicate, parse_spec, shard_factor
 from autopar.sharding.strategy import tensor_inputs
@@ -281,7 +281,8 @@ def _check_tags(part: PipelinePartition, cand: PipelineCandidate, units, gm) -> 
                                        f"{stage}; tag the first layer of every stage")
 
 
-def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, param_ann: dict, input_ann: dict) -> Plan:
+def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, param_ann: dict, input_ann: dict,
+                  retracer: Retracer | None = None) -> Plan:
     """The best pipeline plan for one (pp, sub-mesh) candidate (module docstring)."""
     batch = traced.batch_size
     dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
@@ -301,7 +302,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     link = (link_spec.bandwidth, link_spec.latency)
 
     def solve(m):
-        mb = microbatch_trace(traced, batch // m)
+        mb = microbatch_trace(traced, batch // m, retracer)
         sub_plan = solve_on_mesh(mb, cand.sub, mode, free, param_ann, input_ann, per_node)
         units_m, unit_of = assign_units(mb.gm)
         return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, device, opts)
@@ -331,9 +332,9 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     mb, sub_plan, units_m, unit_of, costs_m = solved[m]
     part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule, budget, link, fixed)
     _check_tags(part, cand, units_m, mb.gm)
-    step += sub_plan.options.get("grad_sync_overhead", 0.0)
+    step += sub_plan.grad_sync_overhead
     plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
-    plan.options["optimizer_time"] = opt
+    plan.optimizer_time = opt
     return plan
 
 
@@ -359,26 +360,27 @@ def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: Pipelin
         stages.append(Stage(s, nodes, [u.name for u in units[sp.layers[0]:sp.layers[1]]], ranks,
                             sp.fwd + sp.bwd, sp.memory, sp.fwd, sp.bwd, sp.send_time))
     memory = [part.rank_memory[r // per_pp] for r in range(full.size)]
-    options = dict(sub_plan.options)
-    options["memory_budget"] = budget
-    options["pipeline"] = {"virtual_stages": part.virtual_stages, "bubble_fraction": part.bubble_fraction,
-                           "microbatch_size": mb.batch_size, "microbatch_fingerprint": graph_fingerprint(mb.gm),
-                           "pipeline_time": part.step_time, "sub_mesh": list(cand.sub.shape)}
+    info = PipelineInfo(microbatch_size=mb.batch_size, microbatch_fingerprint=graph_fingerprint(mb.gm),
+                        virtual_stages=part.virtual_stages, bubble_fraction=part.bubble_fraction,
+                        pipeline_time=part.step_time, sub_mesh=list(cand.sub.shape))
     return Plan(mode=mode, mesh=full, degrees={**sub_plan.degrees, "pp": pp},
                 axis_roles={full.axis_names[0]: "pp", **sub_plan.axis_roles}, nodes=sub_plan.nodes,
                 params=sub_plan.params, inputs={k: _with_pp(v) for k, v in sub_plan.inputs.items()},
                 outputs={k: _with_pp(v) for k, v in sub_plan.outputs.items()}, microbatches=part.microbatches,
                 schedule=part.schedule, stages=stages, step_time=step, flops=total_flops(traced.gm),
                 memory_per_device=memory, solver_status=sub_plan.solver_status, unknown_ops=sub_plan.unknown_ops,
-                options=options, fingerprint=graph_fingerprint(traced.gm), collective_list=sub_plan.collective_list)
+                options=dict(sub_plan.options), fingerprint=graph_fingerprint(traced.gm),
+                collective_list=sub_plan.collective_list, pipeline=info, grad_compression=sub_plan.grad_compression,
+                optimizer=sub_plan.optimizer, memory_budget=budget, grad_sync_overhead=sub_plan.grad_sync_overhead,
+                axis_shares=sub_plan.axis_shares)
 
 
 # ---- the search entry -------------------------------------------------------------------
 
 def optimizer_time(plan: Plan, optimizer: str = "adamw") -> float:
     """Seconds of one optimizer step over the parameters one rank holds (the fullest stage)."""
-    if "optimizer_time" in plan.options:
-        return plan.options["optimizer_time"]
+    if plan.optimizer_time is not None:
+        return plan.optimizer_time
     mesh = plan.mesh
     params = [d for d in plan.params.values() if d.kind == "parameter"]
     numel = sum(math.prod(d.shape) / shard_factor(parse_spec(d.spec), mesh.shape) for d in params)
@@ -386,8 +388,10 @@ def optimizer_time(plan: Plan, optimizer: str = "adamw") -> float:
     return optimizer_step_time(numel, device, len(params), optimizer)
 
 
-def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict):
-    """(plans, failures [(note, error)], forced) for every pipeline candidate of the request."""
+def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict,
+                   retracer: Retracer | None = None):
+    """(plans, failures [(note, error)], forced) for every pipeline candidate of the request; ``retracer``
+    re-traces the step at a microbatch shape."""
     from autopar.solver.annotations import ANNOTATIONS, resolve_stages
 
     tags = resolve_stages(model, ANNOTATIONS) if mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO) else {}
@@ -410,7 +414,7 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
             failures.append((note, f"{num_units} layers < {cand.pp} stages"))
             continue
         try:
-            plans.append(plan_pipeline(traced, cand, mode, opts, param_ann, input_ann))
+            plans.append(plan_pipeline(traced, cand, mode, opts, param_ann, input_ann, retracer))
         except (PipelineRequestError, ValueError) as err:
             if forced and len(cands) == 1:
                 raise PlanError(str(err)) from None

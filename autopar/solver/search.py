@@ -13,6 +13,7 @@ import time
 
 from autopar.context import ParallelMode
 from autopar.graph.chunk_hints import mark_chunk_hints
+from autopar.graph.retrace import Retracer
 from autopar.mesh import Mesh
 from autopar.plan import Alternative, Plan, PlanError
 from autopar.sharding.placements import R
@@ -36,12 +37,13 @@ def candidate_meshes(mesh: Mesh) -> list[Mesh]:
 
 
 def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
-               input_ann: dict, top_k: int = 1) -> list[Plan]:
+               input_ann: dict, top_k: int = 1, retracer: Retracer | None = None) -> list[Plan]:
     """The ``top_k`` best predicted plans that fit memory, best first; each lists the others (and
-    the candidates that failed) as its ``alternatives``."""
+    the candidates that failed) as its ``alternatives``. Pipeline candidates need ``retracer``."""
     t0 = time.perf_counter()
     mark_chunk_hints(traced.gm)
-    pipe_plans, pipe_failures, pipeline_only = pipeline_plans(traced, model, mesh, mode, opts, param_ann, input_ann)
+    pipe_plans, pipe_failures, pipeline_only = pipeline_plans(traced, model, mesh, mode, opts, param_ann, input_ann,
+                                                                     retracer)
     meshes = [] if pipeline_only else candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
     plans, failures = list(pipe_plans), []
     for m in meshes:
@@ -55,7 +57,7 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
         m, err = failures[0]
         raise PlanError(f"no plan fits memory on {m}: {err}") from None
     for p in plans:
-        p.options["optimizer_time"] = optimizer_time(p, opts.optimizer)
+        p.optimizer_time = optimizer_time(p, opts.optimizer)
     plans.sort(key=rank_key)
     chosen = [p for p in plans if not p.redundant_axes()] or plans   # none that wastes an axis while one does not
     failed = [Alternative({}, math.inf, math.inf, False, f"mesh {m.shape}: {e}") for m, e in failures]
@@ -65,8 +67,8 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     for best in chosen[:max(1, top_k)]:
         best.alternatives = [Alternative(p.degrees, p.step_time, max(p.memory_per_device), True,
                                          "mesh " + " × ".join(f"{n}={s}" for n, s in zip(p.mesh.axis_names, p.mesh.shape))
-                                         + (f" ({p.options['candidate']})" if p.options.get("candidate") else ""),
-                                         p.microbatches, p.schedule, p.options["optimizer_time"], p.redundant_axes())
+                                         + (f" ({p.candidate})" if p.candidate else ""),
+                                         p.microbatches, p.schedule, p.optimizer_time, p.redundant_axes())
                              for p in plans if p is not best] + failed
         best.solve_time = elapsed
     return chosen[:max(1, top_k)]
@@ -89,7 +91,7 @@ def ddp_candidate(traced, mesh: Mesh, opts: PlanOptions, failures: list) -> list
         failures.append((m, err))
         return []
     plan.mode = ParallelMode.AUTO
-    plan.options["candidate"] = "DDP layout"
+    plan.candidate = "DDP layout"
     return [plan]
 
 
