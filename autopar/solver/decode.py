@@ -55,6 +55,60 @@ class ChosenSpecs:
         return list(o) if o and isinstance(o[0], tuple) else [o]
 
 
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def local_collectives(node: fx.Node, st, mesh_shape, needs_grad: bool) -> list[tuple]:
+    """``(kind, bytes, axis, phase)`` of what the local implementation ``st.local`` names runs
+    (``collectives/local_ops.py``, one call per axis, in its order): the batch-split loss sums the
+    target count; the vocab-split loss all-reduces each row's max, then its (sum-exp, target
+    logit) pair, then the count over the batch axes; synced batch norm sums the mean's and the
+    variance's per-channel sums, and their gradients backward. Embedding and mean run none."""
+    roles: dict[str, list[int]] = {}
+    for ax, loc in enumerate(st.local):
+        if loc and mesh_shape[ax] > 1:
+            roles.setdefault(loc.split(":")[1], []).append(ax)
+    family = next((loc.split(":")[0] for loc in st.local if loc), "")
+    out: list[tuple] = []
+    if family == "loss":
+        val = node.meta.get("val")
+        size = _itemsize(val.dtype) if val is not None else 4
+        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+        target = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+        rows = (target.numel() if target is not None else 0) / shard_factor(st.inputs[1], mesh_shape)
+        for ax in roles.get("vocab", []):
+            out.append(("all_reduce", rows * size, ax, "fwd"))
+        for ax in roles.get("vocab", []):
+            out.append(("all_reduce", 2 * rows * size, ax, "fwd"))
+        if reduction == 1:
+            out += [("all_reduce", size, ax, "fwd") for ax in roles.get("batch", [])]
+    elif family == "batch_norm":
+        val = tensor_inputs(node)[0].meta["val"]
+        nbytes = val.shape[1] * _itemsize(val.dtype)
+        sync = roles.get("sync", [])
+        out += [("all_reduce", nbytes, ax, "fwd") for _ in range(2) for ax in sync]
+        if needs_grad:
+            out += [("all_reduce", nbytes, ax, "bwd") for _ in range(2) for ax in sync]
+    return out
+
+
+def loss_report_collectives(gm: fx.GraphModule, outputs: dict, axis_names: tuple, traced) -> list[Collective]:
+    """``ParallelModule.step`` returns the global loss: a Partial loss is summed over each of its
+    Partial axes (``_global_loss``) after backward."""
+    from autopar.sharding.placements import parse_spec, Partial
+
+    node = loss_output(gm, traced)
+    spec = outputs.get("loss")
+    if node is None or not spec:
+        return []
+    size = _itemsize(node.meta["val"].dtype)
+    return [Collective("all_reduce", size, [axis_names[a]], "fwd", "", 0.0)
+            for a, p in enumerate(parse_spec(spec)) if isinstance(p, Partial)]
+
+
 def loss_output(gm: fx.GraphModule, traced) -> fx.Node | None:
     if traced.loss_index is None:
         return None
@@ -135,11 +189,8 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
             shared_f.add(key)
             collectives.append(Collective("all_reduce", int(nbytes), [axis_names[ax]], "bwd", name,
                                           c.comm("all_reduce", nbytes, ax)))
-        for ax, loc in enumerate(st.local):
-            if loc and loc.startswith(("loss", "batch_norm")):
-                kinds = 2 if loc == "loss:vocab" or loc.startswith("batch_norm") else 1
-                for _ in range(kinds):
-                    collectives.append(Collective("all_reduce", 0, [axis_names[ax]], "fwd", name, 0.0))
+        for kind, nbytes, ax, phase in local_collectives(node, st, c.mesh_shape, node in need):
+            collectives.append(Collective(kind, int(nbytes), [axis_names[ax]], phase, name, c.comm(kind, nbytes, ax)))
     params = {}
     for ph, pname in traced.params.items():
         if ph not in chosen:
