@@ -32,7 +32,7 @@ import autopar
 import autopar.pipeline_module
 import autopar.runtime.grad_sync
 from conftest import run_ranks
-from examples.models import GPT, MLP, lm_loss
+from examples.models import CNN, GPT, MLP, lm_loss
 from oracle import make_batch
 
 SMALL_GPT = functools.partial(GPT, qkv_bias=False, layers=2, hidden=32)
@@ -60,6 +60,9 @@ def _job(rank, kind):
     if kind == "mlp":
         x, y = make_batch("vector", 8)
         model, loss_fn, mesh, mode = MLP(), F.cross_entropy, autopar.Mesh(4), "auto"
+    elif kind == "cnn":     # synced batch norm: 2 all-reduces forward, 2 backward per BatchNorm
+        x, y = make_batch("image", 8)
+        model, loss_fn, mesh, mode = CNN(), F.cross_entropy, autopar.Mesh(4), "data"
     else:
         x, y = make_batch("tokens", 8)
         model, loss_fn = SMALL_GPT(), lm_loss
@@ -133,7 +136,7 @@ def _compare(results, what, skip=()):
 
 
 def test_data_parallel_list_is_what_runs():
-    for kind in ("mlp", "data"):
+    for kind in ("mlp", "cnn", "data"):
         _compare(run_ranks(4, _job, kind), kind)
 
 
