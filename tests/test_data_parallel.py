@@ -207,14 +207,17 @@ def _loss_job(rank, binary):
 @pytest.mark.parametrize("binary", [False, True], ids=["mse", "bce"])
 def test_data_mode_is_pure_data_parallelism(binary):
     """Weights are used whole, the only collectives are the gradient all-reduces (one per
-    parameter), and elementwise losses average over the global batch."""
+    parameter) and the loss report, and elementwise losses average over the global batch."""
     x, y = _regression_data(binary)
     loss = F.binary_cross_entropy_with_logits if binary else F.mse_loss
     ref = reference_run(ResidualMLP, loss, x, y)
     r = run_ranks(4, _loss_job, binary)[0]
     assert_same_training(ref, r, what="data")
     plan = autopar.Plan.from_json(r["plan"])
-    assert sorted((c.kind, c.phase) for c in plan.collectives(0)) == [("all_reduce", "bwd")] * 4
+    colls = plan.collectives(0)
+    assert sorted((c.kind, c.phase) for c in colls if c.node) == [("all_reduce", "bwd")] * 4
+    # and step()'s report of the global loss: one scalar summed over the batch axis
+    assert [(c.kind, c.bytes, c.phase) for c in colls if not c.node] == [("all_reduce", 4, "fwd")]
 
 
 def _ddp_adamw_job(rank, n):

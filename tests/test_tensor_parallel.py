@@ -123,14 +123,24 @@ def _megatron_job(rank, fused, memory_gb, mode):
     pmodel.step(x, target=y)
     for p in pmodel.parameters():
         p.grad = None
+    import autopar.runtime.grad_sync as gs
+    from test_collective_list import _MarkSync
+
+    synced: set = set()
     with autopar.count_collectives() as counter:
-        loss = pmodel.step(x, target=y)
+        gs.COUNTER = _MarkSync(counter, synced)
+        try:
+            loss = pmodel.step(x, target=y)
+        finally:
+            gs.COUNTER = counter
     ref = F.mse_loss(model(x), y).item()
     params = {d.placeholder for d in pmodel.plan.params.values()}
-    return {"calls": [c for c in counter.calls if c[2] == "tp"], "params": {k: v.spec for k, v in pmodel.plan.params.items()},
+    sync = [c for i, c in enumerate(counter.calls) if i in synced]
+    return {"calls": [c for i, c in enumerate(counter.calls) if c[2] == "tp" and i not in synced],
+            "params": {k: v.spec for k, v in pmodel.plan.params.items()},
             "loss": float(loss), "ref": ref, "code": pmodel.code, "step_time": pmodel.plan.step_time,
             "planned": [(c.kind, c.phase) for c in pmodel.plan.collectives(rank) if c.node not in params],
-            "grad_sync": [c for c in counter.calls if c[2] in ("dp", "grad")]}
+            "grad_sync": sync}
 
 
 def _megatron_cap(fused: bool) -> float:

@@ -17,7 +17,8 @@ local_slice            R -> S                     all_gather
 to_partial             R -> P (rank 0 keeps)      identity
 =====================  =========================  ===============================
 
-Every call is counted in ``COUNTER`` (kind, bytes, axis) so tests can check what ran.
+Every call is counted in ``COUNTER`` (kind, bytes, axis, phase) so tests can check what ran;
+bytes are the collective's full size (an all-gather's output), as ``plan.collectives`` lists them.
 """
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ class CommCounter:
     calls: list = field(default_factory=list)
     enabled: bool = False
 
-    def record(self, kind: str, t: torch.Tensor, axis: str, phase: str) -> None:
+    def record(self, kind: str, t: torch.Tensor, axis: str, phase: str, parts: int = 1) -> None:
+        """Bytes are the collective's full size, as the plan lists them (``step_bytes``): an
+        all-gather of ``parts`` pieces counts its output, ``t`` being one rank's piece."""
         if self.enabled:
-            self.calls.append((kind, t.numel() * t.element_size(), axis, phase))
+            self.calls.append((kind, t.numel() * t.element_size() * parts, axis, phase))
 
     def summary(self) -> Counter:
         return Counter((k, a, ph) for k, _, a, ph in self.calls)
@@ -77,7 +80,7 @@ def _ag(t: torch.Tensor, dim: int, chunks: int, ax, phase: str) -> torch.Tensor:
         return t.clone()
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(ax.size)]
-    COUNTER.record("all_gather", t, ax.name, phase)
+    COUNTER.record("all_gather", t, ax.name, phase, ax.size)
     dist.all_gather(parts, t, group=ax.group)
     if chunks == 1:
         return torch.cat(parts, dim)

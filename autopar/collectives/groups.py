@@ -59,4 +59,18 @@ def axis_groups(mesh) -> dict[str, AxisGroup]:
     dm = mesh.device_mesh()
     _DM_CACHE[key] = dm
     coords = mesh.coords(dist.get_rank())
-    return {n: AxisGroup(n, dm.get_group(n), s, c) for n, s, c in zip(mesh.axis_names, mesh.shape, coords)}
+    groups = {n: AxisGroup(n, dm.get_group(n), s, c) for n, s, c in zip(mesh.axis_names, mesh.shape, coords)}
+    for g in groups.values():
+        _NAMES[id(g.group)] = g.name
+    _NAMES[id(dist.group.WORLD)] = "+".join(mesh.axis_names)
+    return groups
+
+
+_NAMES: dict[int, str] = {}
+
+
+def group_name(group, default: str) -> str:
+    """The mesh axis (or ``"a+b"``: axes) a process group spans, for counting collectives."""
+    if group is None:
+        group = dist.group.WORLD
+    return _NAMES.get(id(group), default)

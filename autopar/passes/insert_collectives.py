@@ -19,7 +19,7 @@ from autopar.plan_specs import PlanSpecs
 from autopar.sharding.candidates import is_dropped
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.sharding.placements import Replicate
-from autopar.sharding.redistribute import redistribute_steps
+from autopar.sharding.edge import EdgeCollectives, edge_collectives
 from autopar.sharding.strategy import tensor_inputs
 
 _STEP_FN = {"all_gather": comm.all_gather, "all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter,
@@ -30,25 +30,18 @@ def _split_axes(out_specs) -> set[int]:
     return {a for o in out_specs for a, p in enumerate(o) if not isinstance(p, Replicate)}
 
 
-def _emit_steps(graph: fx.Graph, value: fx.Node, steps, axis_names, fuse_axes: set[int],
-                pgrad_axes: set[int] = frozenset()) -> tuple[fx.Node, set[int]]:
-    """Emit redistribution steps; an all-gather on an axis in ``fuse_axes`` whose result is
-    used split gets reduce-scatter backward; on ``pgrad_axes`` local steps keep partial
-    gradients. Returns the node and the axes fused."""
-    fused = set()
-    last_gather = {st.axis: i for i, st in enumerate(steps) if st.kind == "all_gather"}
-    for i, st in enumerate(steps):
+def _emit_steps(graph: fx.Graph, value: fx.Node, edge: EdgeCollectives, axis_names) -> fx.Node:
+    """Emit one use's redistribution as ``edge`` (``sharding/edge.py``) decides it: an all-gather
+    in ``edge.fused`` gets reduce-scatter backward; on ``edge.pgrad`` local steps keep partial
+    gradients; then the grad_all_reduces (Megatron's f) and partial_grads."""
+    for i, st in enumerate(edge.steps):
         name = axis_names[st.axis]
         if st.kind == "all_gather":
-            rs = st.axis in fuse_axes and last_gather[st.axis] == i and not any(
-                s.axis == st.axis for s in steps[i + 1:])
-            fn = comm.all_gather_rs if rs else comm.all_gather
-            if rs:
-                fused.add(st.axis)
+            fn = comm.all_gather_rs if i in edge.fused else comm.all_gather
             value = graph.call_function(fn, (value, st.dim, name, st.chunks))
-        elif st.kind == "local_slice" and st.axis in pgrad_axes:
+        elif st.kind == "local_slice" and st.axis in edge.pgrad:
             value = graph.call_function(comm.local_slice_pgrad, (value, st.dim, name, st.chunks))
-        elif st.kind == "to_partial" and st.axis in pgrad_axes:
+        elif st.kind == "to_partial" and st.axis in edge.pgrad:
             value = graph.call_function(comm.to_partial_pgrad, (value, name))
         elif st.kind in ("reduce_scatter", "local_slice"):
             value = graph.call_function(_STEP_FN[st.kind], (value, st.dim, name, st.chunks))
@@ -56,7 +49,11 @@ def _emit_steps(graph: fx.Graph, value: fx.Node, steps, axis_names, fuse_axes: s
             value = graph.call_function(comm.all_to_all, (value, st.dim, st.dst_dim, name))
         else:
             value = graph.call_function(_STEP_FN[st.kind], (value, name))
-    return value, fused
+    for a in edge.grad_sum:
+        value = graph.call_function(comm.grad_all_reduce, (value, axis_names[a]))
+    for a in edge.once:
+        value = graph.call_function(comm.partial_grad, (value, axis_names[a]))
+    return value
 
 
 def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: tuple, param_placeholders: set[str],
@@ -69,7 +66,7 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
             _check_local(node, plan.nodes[node.name], axis_names)
     rule = grad_sync_rule(graph, trainable_params(graph, param_placeholders, loss_node(graph, loss_index)), specs,
                           len(axis_names))
-    cache: dict = {}  # (value, spec, f axes, once axes, pgrad axes) -> node: consumers needing the same share it
+    cache: dict = {}  # (value, edge) -> node: consumers needing the same collectives share them
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is operator.getitem:
             continue
@@ -89,18 +86,11 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
         new_inputs = []
         with graph.inserting_before(node):
             for i, src in enumerate(ins):
-                have, want = specs.spec(src), need[i]
-                f_axes = {a for a in split if isinstance(want[a], Replicate)} - rule.partial_axes(src)
-                pgrad = set(rule.exit_axes(src, node))
-                once = {a for a in pgrad if isinstance(want[a], Replicate) and a not in split}
-                key = (src, want, frozenset(f_axes), frozenset(once), frozenset(pgrad))
+                edge = edge_collectives(specs.spec(src), need[i], split, rule.partial_axes(src),
+                                        rule.exit_axes(src, node))
+                key = (src, edge)
                 if key not in cache:
-                    value, fused = _emit_steps(graph, src, redistribute_steps(have, want), axis_names, f_axes, pgrad)
-                    for a in sorted(f_axes - fused):
-                        value = graph.call_function(comm.grad_all_reduce, (value, axis_names[a]))
-                    for a in sorted(once):
-                        value = graph.call_function(comm.partial_grad, (value, axis_names[a]))
-                    cache[key] = value
+                    cache[key] = _emit_steps(graph, src, edge, axis_names)
                 new_inputs.append(cache[key])
         _replace_tensor_inputs(node, new_inputs)
         _apply_local(gm, node, decision, axis_names, mesh_shape, specs)

@@ -25,11 +25,12 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.collectives.comm import COUNTER
+from autopar.collectives.groups import group_name
 
 
 def _sum_hook(group, bucket):
     buf = bucket.buffer()
-    COUNTER.record("all_reduce", buf, "dp", "bwd")
+    COUNTER.record("all_reduce", buf, group_name(group, "dp"), "bwd")
     return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
@@ -37,7 +38,7 @@ def _compress_hook(dtype):
     def hook(group, bucket):
         buf = bucket.buffer()
         low = buf.to(dtype)
-        COUNTER.record("all_reduce", low, "dp", "bwd")
+        COUNTER.record("all_reduce", low, group_name(group, "dp"), "bwd")
         fut = dist.all_reduce(low, group=group, async_op=True).get_future()
 
         def back(f):
@@ -72,7 +73,7 @@ def add_axis_sync_hooks(param: torch.nn.Parameter, groups: list, acc: "Accumulat
         if not acc.syncing:
             return
         for g in groups:
-            COUNTER.record("all_reduce", p.grad, "grad", "bwd")
+            COUNTER.record("all_reduce", p.grad, group_name(g, "grad"), "bwd")
             dist.all_reduce(p.grad, group=g)
     param.register_post_accumulate_grad_hook(hook)
 

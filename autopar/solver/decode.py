@@ -11,27 +11,15 @@ from autopar.cost_models.compute import grad_nodes
 from autopar.plan import Collective, NodeDecision, ParamDecision
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
-from autopar.sharding.placements import Replicate, shard_factor, spec_str
-from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
+from autopar.sharding.placements import shard_factor, spec_str
+from autopar.sharding.edge import edge_collectives, fused_gathers  # noqa: F401  (fused_gathers: re-exported)
+from autopar.sharding.redistribute import step_bytes
 from autopar.sharding.strategy import tensor_inputs
-from autopar.solver.problem import BuiltProblem, Costing, grad_sync_inputs, split_axes, tensor_bytes
+from autopar.solver.problem import BuiltProblem, Costing, split_axes, tensor_bytes
 
 
 def _spec_out(st, idx):
     return st.output if idx is None else st.output[idx]
-
-
-def fused_gathers(steps, f_axes: set[int]) -> set[int]:
-    """Indices of the all-gather steps whose backward is a reduce-scatter (Megatron-SP): the last
-    gather on an axis of ``f_axes`` (where the consumer runs split, so the gradient of its
-    replicated input must be summed) with no later step on that axis; as ``insert_collectives``
-    emits them."""
-    out = set()
-    for ax in f_axes:
-        gathers = [j for j, s in enumerate(steps) if s.kind == "all_gather" and s.axis == ax]
-        if gathers and not any(s.axis == ax for s in steps[gathers[-1] + 1:]):
-            out.add(gathers[-1])
-    return out
 
 
 class ChosenSpecs:
@@ -55,6 +43,60 @@ class ChosenSpecs:
         return list(o) if o and isinstance(o[0], tuple) else [o]
 
 
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def local_collectives(node: fx.Node, st, mesh_shape, needs_grad: bool) -> list[tuple]:
+    """``(kind, bytes, axis, phase)`` of what the local implementation ``st.local`` names runs
+    (``collectives/local_ops.py``, one call per axis, in its order): the batch-split loss sums the
+    target count; the vocab-split loss all-reduces each row's max, then its (sum-exp, target
+    logit) pair, then the count over the batch axes; synced batch norm sums the mean's and the
+    variance's per-channel sums, and their gradients backward. Embedding and mean run none."""
+    roles: dict[str, list[int]] = {}
+    for ax, loc in enumerate(st.local):
+        if loc and mesh_shape[ax] > 1:
+            roles.setdefault(loc.split(":")[1], []).append(ax)
+    family = next((loc.split(":")[0] for loc in st.local if loc), "")
+    out: list[tuple] = []
+    if family == "loss":
+        val = node.meta.get("val")
+        size = _itemsize(val.dtype) if val is not None else 4
+        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+        target = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+        rows = (target.numel() if target is not None else 0) / shard_factor(st.inputs[1], mesh_shape)
+        for ax in roles.get("vocab", []):
+            out.append(("all_reduce", rows * size, ax, "fwd"))
+        for ax in roles.get("vocab", []):
+            out.append(("all_reduce", 2 * rows * size, ax, "fwd"))
+        if reduction == 1:
+            out += [("all_reduce", size, ax, "fwd") for ax in roles.get("batch", [])]
+    elif family == "batch_norm":
+        val = tensor_inputs(node)[0].meta["val"]
+        nbytes = val.shape[1] * _itemsize(val.dtype)
+        sync = roles.get("sync", [])
+        out += [("all_reduce", nbytes, ax, "fwd") for _ in range(2) for ax in sync]
+        if needs_grad:
+            out += [("all_reduce", nbytes, ax, "bwd") for _ in range(2) for ax in sync]
+    return out
+
+
+def loss_report_collectives(gm: fx.GraphModule, outputs: dict, axis_names: tuple, traced) -> list[Collective]:
+    """``ParallelModule.step`` returns the global loss: a Partial loss is summed over each of its
+    Partial axes (``_global_loss``) after backward."""
+    from autopar.sharding.placements import parse_spec, Partial
+
+    node = loss_output(gm, traced)
+    spec = outputs.get("loss")
+    if node is None or not spec:
+        return []
+    size = _itemsize(node.meta["val"].dtype)
+    return [Collective("all_reduce", size, [axis_names[a]], "fwd", "", 0.0)
+            for a, p in enumerate(parse_spec(spec)) if isinstance(p, Partial)]
+
+
 def loss_output(gm: fx.GraphModule, traced) -> fx.Node | None:
     if traced.loss_index is None:
         return None
@@ -68,7 +110,6 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
     chosen = {n: cands.strategies[n][choice[i]] for i, n in enumerate(built.names)}
     by_name = {n.name: n for n in gm.graph.nodes}
     nodes, collectives = {}, []
-    shared_f: set = set()
     emitted: set = set()
     need = grad_nodes(gm.graph)      # values that get a gradient: only they run backward collectives
     rule = grad_sync_rule(gm.graph, trainable_params(gm.graph, set(traced.params), loss_output(gm, traced)),
@@ -97,49 +138,35 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
                                    time=float(p.nodes[v].compute[choice[v]]), options=options)
         ins = tensor_inputs(node)
         split = split_axes(st)
-        fused_inputs: set[tuple[int, int]] = set()
         for i, a in enumerate(ins):
             src, idx = producer(a)
             if src.name not in chosen:
                 continue
-            have, want = _spec_out(chosen[src.name], idx), st.inputs[i]
-            f_axes = {ax for ax in split if isinstance(want[ax], Replicate)} - rule.partial_axes(a)  # summed later
-            steps = redistribute_steps(have, want)
-            fused = fused_gathers(steps, f_axes)
-            fused_inputs |= {(i, steps[j].axis) for j in fused}
-            key = (src.name, idx, spec_str(want), frozenset(f_axes))
-            if key in emitted:       # consumers needing the same redistribution share it
+            have = _spec_out(chosen[src.name], idx)
+            edge = edge_collectives(have, st.inputs[i], split, rule.partial_axes(a), rule.exit_axes(a, node))
+            key = (src.name, idx, edge)
+            if key in emitted:       # consumers needing the same collectives share them
                 continue
             emitted.add(key)
             local = tensor_bytes(src, idx) / shard_factor(have, c.mesh_shape)
-            for j, step in enumerate(steps):
+            for j, step in enumerate(edge.steps):
                 moved, after = step_bytes(step, local, c.mesh_shape)
-                if step.communicates:
-                    collectives.append(Collective(step.kind, int(moved), [axis_names[step.axis]], "fwd", name,
-                                                  c.comm(step.kind, moved, step.axis)))
-                bwd = None if src not in need else "reduce_scatter" if j in fused else backward_kind(step.kind)
-                if bwd and bwd != "local_slice":
+                fwd = edge.forward(j)
+                if fwd:
+                    collectives.append(Collective(fwd, int(moved), [axis_names[step.axis]], "fwd", name,
+                                                  c.comm(fwd, moved, step.axis)))
+                bwd = edge.backward(j) if a in need else None
+                if bwd:
                     collectives.append(Collective(bwd, int(moved), [axis_names[step.axis]], "bwd", name,
                                                   c.comm(bwd, moved, step.axis)))
                 local = after
-        for i, ax in grad_sync_inputs(st):
-            if (i, ax) in fused_inputs or ins[i] not in need:  # the all-gather's reduce-scatter backward sums this gradient
-                continue
-            src, idx = producer(ins[i])
-            nbytes = tensor_bytes(ins[i]) / shard_factor(st.inputs[i], c.mesh_shape)
-            if ax in rule.partial_axes(ins[i]):     # a parameter's partial gradient, summed after backward
-                continue
-            key = (src.name, idx, st.inputs[i], ax)
-            if key in shared_f:
-                continue
-            shared_f.add(key)
-            collectives.append(Collective("all_reduce", int(nbytes), [axis_names[ax]], "bwd", name,
-                                          c.comm("all_reduce", nbytes, ax)))
-        for ax, loc in enumerate(st.local):
-            if loc and loc.startswith(("loss", "batch_norm")):
-                kinds = 2 if loc == "loss:vocab" or loc.startswith("batch_norm") else 1
-                for _ in range(kinds):
-                    collectives.append(Collective("all_reduce", 0, [axis_names[ax]], "fwd", name, 0.0))
+            if a in need:            # Megatron's f: the activation gradient summed over the axis
+                nbytes = tensor_bytes(a) / shard_factor(st.inputs[i], c.mesh_shape)
+                for ax in edge.grad_sum:
+                    collectives.append(Collective("all_reduce", int(nbytes), [axis_names[ax]], "bwd", name,
+                                                  c.comm("all_reduce", nbytes, ax)))
+        for kind, nbytes, ax, phase in local_collectives(node, st, c.mesh_shape, node in need):
+            collectives.append(Collective(kind, int(nbytes), [axis_names[ax]], phase, name, c.comm(kind, nbytes, ax)))
     params = {}
     for ph, pname in traced.params.items():
         if ph not in chosen:

@@ -19,7 +19,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Plan, PlanError
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard
-from autopar.solver.decode import decode, output_specs
+from autopar.solver.decode import decode, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import solve_intra_op
 from autopar.solver.problem import Costing, build_problem, grad_sync_overhead
@@ -205,6 +205,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     sol = solve_intra_op(built.problem)
     nodes, params, inputs, colls = decode(traced.gm, cands, built, sol.choice, costing, mesh.axis_names, traced)
     outputs = output_specs(traced.gm, nodes, params, inputs, traced)
+    colls += loss_report_collectives(traced.gm, outputs, mesh.axis_names, traced)
     last_bucket = grad_sync_overhead(costing, [(mesh.axis_names.index(a), c.bytes) for c in colls
                                                if c.node in traced.params for a in c.axes])
     shares = axis_shares(traced.gm, nodes, inputs, mesh.axis_names, mesh.shape)

@@ -1,0 +1,167 @@
+"""The plan's collective list is what one training step runs, per rank (issue 12, check 2).
+
+Each job plans, runs one warm-up step, then counts one step with ``count_collectives()`` and
+compares it with ``plan.collectives(rank)``. How the two lists are compared:
+
+* Every collective is keyed by ``(kind, axis, phase)``; a plan entry over several axes counts
+  once per axis (the runtime sums over one axis at a time).
+* **Bytes**: the total bytes per key must be equal — gradient sync included.
+* **Count**: the multiset of keys must be equal, *except for gradient sync* (the sums of
+  parameter gradients after backward: DDP's buckets, the post-accumulate hooks, the flat
+  per-axis sums and the tied-embedding sums of a pipeline). The plan lists gradient sync as one
+  all-reduce per parameter and axis; the runtime packs many parameters into one DDP bucket or
+  one flat buffer, so how many calls run depends on the bucket size, not on the plan. Gradient
+  sync is compared by bytes only (summed per axis). On the runtime side, it is what
+  ``runtime/grad_sync.py`` (DDP's hook, the hooks, the flat sums) and ``pipeline_module.py``
+  (tied-embedding sums) record; on the plan side, the entries whose node is a parameter
+  placeholder. A runtime call over a flattened group of several axes (label ``"a+b"``) counts
+  once per axis, as a plan entry over several axes does.
+* Bytes are a collective's full size (an all-gather's output), as ``step_bytes`` lists them.
+* A pipeline plan lists one microbatch's activation collectives: each is counted once per
+  microbatch. Sends/receives and the tied-embedding sum over "pp" are not in the plan yet
+  (``PIPELINE_GAP``; strict xfail below).
+"""
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import autopar
+import autopar.pipeline_module
+import autopar.runtime.grad_sync
+from conftest import run_ranks
+from examples.models import CNN, GPT, MLP, lm_loss
+from oracle import make_batch
+
+SMALL_GPT = functools.partial(GPT, qkv_bias=False, layers=2, hidden=32)
+SYNC_LABELS = ("dp", "grad")
+# Not in the plan's list yet: a pipeline's activation/gradient sends and receives, and the
+# all-reduce over "pp" that keeps a tied embedding's copies on the first and last stage equal.
+PIPELINE_GAP = ("send", "recv", ("all_reduce", "pp"))
+
+
+class _MarkSync:
+    """Stands in for ``COUNTER`` in the modules that sum gradients after backward
+    (``runtime/grad_sync.py``, ``pipeline_module.py``): marks the calls they record."""
+
+    def __init__(self, counter, marks: set):
+        self.counter, self.marks = counter, marks
+
+    def record(self, kind, t, axis, phase):
+        if self.counter.enabled:
+            self.marks.add(len(self.counter.calls))
+        self.counter.record(kind, t, axis, phase)
+
+
+def _job(rank, kind):
+    torch.manual_seed(0)
+    if kind == "mlp":
+        x, y = make_batch("vector", 8)
+        model, loss_fn, mesh, mode = MLP(), F.cross_entropy, autopar.Mesh(4), "auto"
+    elif kind == "cnn":     # synced batch norm: 2 all-reduces forward, 2 backward per BatchNorm
+        x, y = make_batch("image", 8)
+        model, loss_fn, mesh, mode = CNN(), F.cross_entropy, autopar.Mesh(4), "data"
+    else:
+        x, y = make_batch("tokens", 8)
+        model, loss_fn = SMALL_GPT(), lm_loss
+        if kind == "data":
+            mesh, mode = autopar.Mesh(4), "auto"
+        elif kind in ("tp_semi", "tp_auto"):
+            mesh, mode = autopar.Mesh(2, axis_names=("tp",), device="a100-80gb"), kind.replace("tp_", "")
+            if kind == "tp_semi":
+                mode = "semi_auto"
+                autopar.shard({f"blocks.*.{n}": ColwiseParallel() for n in ("fc1",)}
+                              | {f"blocks.*.{n}": RowwiseParallel() for n in ("proj", "fc2")}, axis="tp")
+                autopar.shard("blocks.*.qkv", weight={"tp": autopar.Shard(0, 3)})
+            else:
+                probe = autopar.plan(SMALL_GPT(), mesh, example_inputs=(x,), loss_fn=loss_fn, example_target=y,
+                                     mode="stand_alone")
+                cap = 0.6 * max(probe.memory_per_device) / 2 ** 30
+                mesh = autopar.Mesh(2, axis_names=("tp",), device="a100-80gb", memory_gb=cap)
+        elif kind == "pp":
+            autopar.set_auto_parallel_context(schedule="1f1b", microbatches=2)
+            mesh, mode = autopar.Mesh(2, axis_names=("pp",)), "auto"
+        else:
+            autopar.set_auto_parallel_context(schedule="1f1b", microbatches=2)
+            mesh, mode = autopar.Mesh((2, 2, 2), axis_names=("pp", "dp", "tp")), "auto"
+    pmodel = autopar.parallelize(model, mesh, example_inputs=(x,), loss_fn=loss_fn, example_target=y, mode=mode)
+    pmodel.step(x, target=y)
+    for p in pmodel.parameters():
+        p.grad = None
+    synced: set = set()
+    mods = [autopar.runtime.grad_sync, autopar.pipeline_module]
+    with autopar.count_collectives() as counter:
+        for m in mods:
+            m.COUNTER = _MarkSync(counter, synced)
+        try:
+            pmodel.step(x, target=y)
+        finally:
+            for m in mods:
+                m.COUNTER = counter
+    plan = pmodel.plan
+    placeholders = {d.placeholder for d in plan.params.values()}
+    names = plan.mesh.axis_names
+    ran = []
+    for i, (k, nbytes, ax, ph) in enumerate(counter.calls):
+        sync = i in synced
+        assert ax not in SYNC_LABELS or ax in names, f"gradient sync over an unnamed group: {ax}"
+        ran += [(k, nbytes, a, ph, sync) for a in ax.split("+")]
+    # a pipeline plan lists one microbatch's activation collectives: each runs once per microbatch
+    times = {n: plan.microbatches if plan.stages else 1 for n in plan.nodes}
+    planned = [(c.kind, c.bytes, a, c.phase, c.node in placeholders)
+               for c in plan.collectives(rank) for a in c.axes for _ in range(times.get(c.node, 1))]
+    return {"ran": ran, "planned": planned, "degrees": plan.degrees,
+            "params": {k: v.spec for k, v in plan.params.items()}}
+
+
+def _compare(results, what, skip=()):
+    for rank, r in enumerate(results):
+        r = {k: [c for c in r[k] if (c[0], c[2]) not in skip and c[0] not in skip] for k in ("planned", "ran")}
+        def counts(xs):
+            return Counter((k, a, ph) for k, _, a, ph, sync in xs if not sync)
+
+        def nbytes(xs):
+            out = Counter()
+            for k, b, a, ph, _ in xs:
+                out[(k, a, ph)] += b
+            return out
+        assert counts(r["planned"]) == counts(r["ran"]), (
+            f"{what} rank {rank}: collectives (not gradient sync) planned {sorted(counts(r['planned']).items())} "
+            f"ran {sorted(counts(r['ran']).items())}")
+        assert nbytes(r["planned"]) == nbytes(r["ran"]), (
+            f"{what} rank {rank}: bytes planned {sorted(nbytes(r['planned']).items())} "
+            f"ran {sorted(nbytes(r['ran']).items())}")
+
+
+def test_data_parallel_list_is_what_runs():
+    for kind in ("mlp", "cnn", "data"):
+        _compare(run_ranks(4, _job, kind), kind)
+
+
+def test_tensor_parallel_list_is_what_runs():
+    for kind in ("tp_semi", "tp_auto"):
+        results = run_ranks(2, _job, kind)
+        _compare(results, kind)
+    assert any("S(" in s for s in results[0]["params"].values())
+
+
+def test_pipeline_list_is_what_runs():
+    """Except what the plan does not list yet (``PIPELINE_GAP``, checked in the xfail test below)."""
+    _compare(run_ranks(2, _job, "pp"), "pp", skip=PIPELINE_GAP)
+
+
+def test_3d_list_is_what_runs():
+    results = run_ranks(8, _job, "3d")
+    assert results[0]["degrees"]["pp"] == 2
+    _compare(results, "3d", skip=PIPELINE_GAP)
+
+
+@pytest.mark.xfail(strict=True, reason="plan.collectives(rank) lists no pipeline sends/recvs and no "
+                   "tied-embedding sums over 'pp' yet (plan.py / solver/pipeline_search.py)")
+def test_pipeline_p2p_and_tied_sums_are_listed():
+    _compare(run_ranks(2, _job, "pp"), "pp")
