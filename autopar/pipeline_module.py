@@ -156,7 +156,7 @@ class PipelineModule(ParallelModule):
 
     # ---- inputs --------------------------------------------------------------------------------
     def _microbatches(self, inputs, target, local_batch: bool) -> list[tuple[list, object]]:
-        meta, m, mesh_shape = self._traced_meta, self.plan.microbatches, self.plan.mesh.shape
+        meta, m = self._traced_meta, self.plan.microbatches
         if len(inputs) != len(meta["inputs"]):
             raise ValueError(f"the model was planned with {len(meta['inputs'])} input(s) but got {len(inputs)}")
         tph = self._target_placeholder()

@@ -284,7 +284,7 @@ def test_plan_lists_exactly_the_collectives_a_sequence_split_input_runs():
 def test_fused_gathers_are_the_last_gather_on_a_summed_axis():
     """The all-gathers whose backward becomes a reduce-scatter, as insert_collectives emits them."""
     from autopar.sharding.redistribute import Step
-    from autopar.solver.decode import fused_gathers
+    from autopar.sharding.edge import fused_gathers
 
     gather0, gather1 = Step("all_gather", 0, 1, 1), Step("all_gather", 1, 0, 1)
     assert fused_gathers([gather0, gather1], {0, 1}) == {0, 1}

@@ -12,7 +12,7 @@ from autopar.plan import Collective, NodeDecision, ParamDecision
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.sharding.placements import shard_factor, spec_str
-from autopar.sharding.edge import edge_collectives, fused_gathers  # noqa: F401  (fused_gathers: re-exported)
+from autopar.sharding.edge import edge_collectives
 from autopar.sharding.redistribute import step_bytes
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.problem import BuiltProblem, Costing, split_axes, tensor_bytes

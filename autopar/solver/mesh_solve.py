@@ -37,7 +37,6 @@ class PlanOptions:
 
 
 def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, input_ann: dict) -> dict:
-    k = mesh.ndim
     allowed: dict[str, list[int]] = {}
 
     def only(name, pred):
