@@ -9,19 +9,15 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.collectives.groups import AxisGroup, axis_groups
+from autopar.build_module import build_parallel_module
 from autopar.context import ParallelMode, get_auto_parallel_context
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer, graph_fingerprint
 from autopar.mesh import Mesh
 from autopar.parallel_module import ParallelModule
-from autopar.passes.insert_collectives import insert_collectives
-from autopar.passes.localize_shapes import localize_shapes
 from autopar.plan import Plan, PlanError
-from autopar.runtime.grad_sync import (Accumulation, add_axis_sync_hooks, broadcast_state, grads_by_axes, sum_grads,
-                                       wrap_ddp)
+from autopar.runtime.grad_sync import broadcast_state
 from autopar.runtime.launch import init_from_env
-from autopar.runtime.program import RankProgram, placeholder_slot
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
 from autopar.solver.search import PlanOptions, make_plans
 from autopar.trace import Traced, trace
@@ -145,84 +141,6 @@ def _graph_copy(traced: Traced) -> Traced:
     """``traced`` with its own copy of the graph (building a module rewrites the graph in place)."""
     return dataclasses.replace(traced, gm=fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph)),
                                meta=dict(traced.meta))
-
-
-def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
-    fwd = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    out = next(n for n in fwd.graph.nodes if n.op == "output")
-    out.args = (tuple(out.args[0][i] for i in traced.output_leaves),)
-    fwd.graph.eliminate_dead_code()
-    fwd.recompile()
-    return fwd
-
-
-def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
-                          retracer: Retracer | None = None) -> ParallelModule:
-    """This rank's module for ``the_plan``; a pipelined plan re-traces at its microbatch shape with ``retracer``."""
-    if the_plan.degrees.get("pp", 1) > 1:
-        from autopar.pipeline_module import build_pipeline_module
-
-        return build_pipeline_module(model, traced, the_plan, retracer)
-    mesh = the_plan.mesh
-    if dist.is_initialized():
-        axes = axis_groups(mesh)
-        coords = mesh.coords(dist.get_rank())
-    else:
-        axes = {n: AxisGroup(n, None, 1, 0) for n in mesh.axis_names}
-        coords = tuple(0 for _ in mesh.shape)
-    gm = traced.gm
-    params_by_ph = {d.placeholder: (name, d) for name, d in the_plan.params.items()}
-    gm, param_sync = insert_collectives(gm, the_plan, mesh.axis_names, mesh.shape, set(traced.params),
-                                          traced.loss_index)
-    gm = localize_shapes(gm, the_plan, mesh.shape)
-    fwd = _forward_graph(gm, traced)
-    params, buffers = {}, {}
-    state = dict(model.state_dict(keep_vars=True))
-    named_p = dict(model.named_parameters(remove_duplicate=False))
-    named_b = dict(model.named_buffers(remove_duplicate=False))
-    slots = [placeholder_slot(node.name, traced, params_by_ph, named_p, named_b, coords, mesh.shape, params, buffers)
-             for node in gm.graph.nodes if node.op == "placeholder"]
-    program = RankProgram(gm, fwd, slots, params, buffers, axes)
-    sync = {traced.params[ph]: tuple(sorted(a, key=mesh.axis_names.index)) for ph, a in param_sync.items()}
-    named = dict(program.named_parameters())
-    groups = {n: g.group for n, g in axes.items()}
-    acc = Accumulation(list(named.values()), lambda: sum_grads(grads_by_axes(named, sync), groups))
-    ddp = _grad_sync(program, the_plan, sync, axes, mesh, acc)
-    used = {a for d in the_plan.params.values() for a in d.aliases}
-    extra = {k: v.detach().clone() for k, v in state.items() if k not in used}
-    return ParallelModule(program, the_plan, traced, axes, coords, ddp, extra, list(state), acc)
-
-
-def _grad_sync(program: RankProgram, the_plan: Plan, sync: dict, axes, mesh: Mesh, acc: Accumulation):
-    """DDP over the most common sync axes; hooks for the rest."""
-    if not dist.is_initialized() or mesh.size == 1:
-        return None
-    by_name = {name: set(a) for name, a in sync.items()}
-    weight: dict[frozenset, int] = {}
-    for name, ax in by_name.items():
-        weight[frozenset(ax)] = weight.get(frozenset(ax), 0) + program.local_tensor(name).numel()
-    main = max(weight, key=weight.get) if weight else frozenset()
-    ignore, ddp = [], None
-    for name, p in program.named_parameters():
-        ax = by_name.get(name, set())
-        if not main or not main <= ax:
-            ignore.append(name)
-            extra = ax
-        else:
-            extra = ax - main
-        if extra:
-            add_axis_sync_hooks(p, [axes[a].group for a in sorted(extra, key=mesh.axis_names.index)], acc)
-    if main:
-        if len(main) == mesh.ndim:
-            group = dist.group.WORLD
-        elif len(main) == 1:
-            group = axes[next(iter(main))].group
-        else:
-            dm = mesh.device_mesh()
-            group = dm[tuple(a for a in mesh.axis_names if a in main)]._flatten().get_group()
-        ignore += [name for name, _ in program.named_buffers()]
-        ddp = wrap_ddp(program, group, ignore, the_plan.grad_compression)
-    return ddp
 
 
 __all__ = ["plan", "parallelize"]

@@ -17,7 +17,7 @@ LAYERS = [
     ("collectives", {"collectives"}),
     ("passes", {"passes"}),
     ("runtime", {"runtime"}),
-    ("modules", {"parallel_module", "pipeline_module", "autotune"}),
+    ("modules", {"parallel_module", "pipeline_module", "autotune", "build_module"}),
     ("entry", {"api", "cli", ""}),
 ]
 

@@ -201,3 +201,38 @@ def _flush_before_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_pre_hook(_flush_before_optimizer_step)
+
+
+def setup_grad_sync(program: torch.nn.Module, sync: dict, axes: dict, mesh, acc: Accumulation,
+                    compression: str | None = None):
+    """Sum each parameter's gradient over its axes (``sync``: name -> axes): DDP's reducer over the
+    axis set that holds the most elements, post-accumulate hooks for the others. Returns the DDP
+    wrapper (None when nothing is summed through it)."""
+    if not dist.is_initialized() or mesh.size == 1:
+        return None
+    by_name = {name: set(a) for name, a in sync.items()}
+    weight: dict[frozenset, int] = {}
+    for name, ax in by_name.items():
+        weight[frozenset(ax)] = weight.get(frozenset(ax), 0) + program.local_tensor(name).numel()
+    main = max(weight, key=weight.get) if weight else frozenset()
+    ignore, ddp = [], None
+    for name, p in program.named_parameters():
+        ax = by_name.get(name, set())
+        if not main or not main <= ax:
+            ignore.append(name)
+            extra = ax
+        else:
+            extra = ax - main
+        if extra:
+            add_axis_sync_hooks(p, [axes[a].group for a in sorted(extra, key=mesh.axis_names.index)], acc)
+    if main:
+        if len(main) == mesh.ndim:
+            group = dist.group.WORLD
+        elif len(main) == 1:
+            group = axes[next(iter(main))].group
+        else:
+            dm = mesh.device_mesh()
+            group = dm[tuple(a for a in mesh.axis_names if a in main)]._flatten().get_group()
+        ignore += [name for name, _ in program.named_buffers()]
+        ddp = wrap_ddp(program, group, ignore, compression)
+    return ddp

@@ -1,0 +1,64 @@
+"""Build this rank's module from a Plan: the pipelined module for a plan with stages, else the
+per-rank program (collectives inserted, shapes localized) with its gradient sync."""
+from __future__ import annotations
+
+import copy
+
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.collectives.groups import AxisGroup, axis_groups
+from autopar.graph.retrace import Retracer
+from autopar.parallel_module import ParallelModule
+from autopar.passes.insert_collectives import insert_collectives
+from autopar.passes.localize_shapes import localize_shapes
+from autopar.pipeline_module import build_pipeline_module
+from autopar.plan import Plan
+from autopar.runtime.grad_sync import Accumulation, grads_by_axes, setup_grad_sync, sum_grads
+from autopar.runtime.program import RankProgram, placeholder_slot
+from autopar.trace import Traced
+
+
+def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
+    fwd = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    out = next(n for n in fwd.graph.nodes if n.op == "output")
+    out.args = (tuple(out.args[0][i] for i in traced.output_leaves),)
+    fwd.graph.eliminate_dead_code()
+    fwd.recompile()
+    return fwd
+
+
+def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
+                          retracer: Retracer | None = None) -> ParallelModule:
+    """This rank's module for ``the_plan``; a pipelined plan re-traces at its microbatch shape with ``retracer``."""
+    if the_plan.degrees.get("pp", 1) > 1:
+        return build_pipeline_module(model, traced, the_plan, retracer)
+    mesh = the_plan.mesh
+    if dist.is_initialized():
+        axes = axis_groups(mesh)
+        coords = mesh.coords(dist.get_rank())
+    else:
+        axes = {n: AxisGroup(n, None, 1, 0) for n in mesh.axis_names}
+        coords = tuple(0 for _ in mesh.shape)
+    gm = traced.gm
+    params_by_ph = {d.placeholder: (name, d) for name, d in the_plan.params.items()}
+    gm, param_sync = insert_collectives(gm, the_plan, mesh.axis_names, mesh.shape, set(traced.params),
+                                          traced.loss_index)
+    gm = localize_shapes(gm, the_plan, mesh.shape)
+    fwd = _forward_graph(gm, traced)
+    params, buffers = {}, {}
+    state = dict(model.state_dict(keep_vars=True))
+    named_p = dict(model.named_parameters(remove_duplicate=False))
+    named_b = dict(model.named_buffers(remove_duplicate=False))
+    slots = [placeholder_slot(node.name, traced, params_by_ph, named_p, named_b, coords, mesh.shape, params, buffers)
+             for node in gm.graph.nodes if node.op == "placeholder"]
+    program = RankProgram(gm, fwd, slots, params, buffers, axes)
+    sync = {traced.params[ph]: tuple(sorted(a, key=mesh.axis_names.index)) for ph, a in param_sync.items()}
+    named = dict(program.named_parameters())
+    groups = {n: g.group for n, g in axes.items()}
+    acc = Accumulation(list(named.values()), lambda: sum_grads(grads_by_axes(named, sync), groups))
+    ddp = setup_grad_sync(program, sync, axes, mesh, acc, the_plan.grad_compression)
+    used = {a for d in the_plan.params.values() for a in d.aliases}
+    extra = {k: v.detach().clone() for k, v in state.items() if k not in used}
+    return ParallelModule(program, the_plan, traced, axes, coords, ddp, extra, list(state), acc)
