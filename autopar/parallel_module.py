@@ -124,10 +124,11 @@ class ParallelModule(nn.Module):
         with self._ddp.no_sync() if quiet else contextlib.nullcontext():
             outs = runner(*xs, target=tgt)
             loss = outs[meta["loss_index"]]
+            report = self._start_global_loss(loss)      # the loss report overlaps backward
             loss.backward()
         if acc is not None:
             acc.after_backward()
-        return self._global_loss(loss.detach())
+        return self._finish_global_loss(*report)
 
     def no_sync(self):
         """Steps in this block keep their gradients local (no communication), like DDP's
@@ -140,13 +141,26 @@ class ParallelModule(nn.Module):
         if self._acc is not None:
             self._acc.flush()
 
-    def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+    def _partial_loss_axes(self) -> list[str]:
         spec = parse_spec(self.plan.outputs.get("loss", "[" + ",".join("R" for _ in self.plan.mesh.shape) + "]"))
+        return [self.plan.mesh.axis_names[a] for a, p in enumerate(spec) if isinstance(p, Partial)]
+
+    def _start_global_loss(self, loss: torch.Tensor):
+        """Start summing the loss over its first Partial axis; (value, work, remaining axes)."""
+        axes = self._partial_loss_axes()
+        if not axes:
+            return loss.detach(), None, []
         with bound_axes(self._axes):
-            for a, p in enumerate(spec):
-                if isinstance(p, Partial):
-                    loss = comm.all_reduce_value(loss, self.plan.mesh.axis_names[a])
-        return loss
+            value, work = comm.all_reduce_value_start(loss, axes[0])
+        return value, work, axes[1:]
+
+    def _finish_global_loss(self, value: torch.Tensor, work, rest: list[str]) -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        with bound_axes(self._axes):
+            for name in rest:
+                value = comm.all_reduce_value(value, name)
+        return value
 
     def forward(self, *inputs, local_batch: bool = False):
         """Forward only: the model's output, in the structure the model returns, each tensor gathered in full."""

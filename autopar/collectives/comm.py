@@ -266,6 +266,18 @@ def partial_grad(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _PartialGrad.apply(x, axis)
 
 
+def all_reduce_value_start(x: torch.Tensor, axis: str):
+    """Start a non-differentiable sum of a detached tensor over the axis; returns (result, work):
+    ``work.wait()`` (when work is not None) before reading the result. Lets a step's loss report
+    travel while backward runs."""
+    ax = _axis(axis)
+    t = x.detach().contiguous().clone()
+    if ax.size == 1:
+        return t, None
+    COUNTER.record("all_reduce", t, ax.name, "fwd")
+    return t, dist.all_reduce(t, group=ax.group, async_op=True)
+
+
 def all_reduce_value(x: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:
     """Non-differentiable all-reduce (sum or max) of a detached tensor."""
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}

@@ -85,7 +85,7 @@ def local_collectives(node: fx.Node, st, mesh_shape, needs_grad: bool) -> list[t
 
 def loss_report_collectives(gm: fx.GraphModule, outputs: dict, axis_names: tuple, traced) -> list[Collective]:
     """``ParallelModule.step`` returns the global loss: a Partial loss is summed over each of its
-    Partial axes (``_global_loss``) after backward."""
+    Partial axes (``ParallelModule._start_global_loss``), overlapped with backward."""
     from autopar.sharding.placements import parse_spec, Partial
 
     node = loss_output(gm, traced)
