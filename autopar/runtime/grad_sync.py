@@ -96,26 +96,21 @@ def broadcast_state(model: torch.nn.Module, bucket_mb: float = 25.0) -> None:
     ranks whose models were initialised differently (no common seed) then train one model."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    tensors = [t for t in list(model.parameters()) + list(model.buffers())]
-    seen, unique = set(), []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            unique.append(t)
-    limit = int(bucket_mb * 2 ** 20)
-    bucket, size = [], 0
-    for t in unique + [None]:
-        if t is None or (bucket and (size + t.numel() * t.element_size() > limit or t.dtype != bucket[0].dtype)):
-            if bucket:
-                flat = _flatten_dense_tensors([b.detach() for b in bucket])
-                dist.broadcast(flat, src=0)
-                with torch.no_grad():
-                    for b, new in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                        b.copy_(new)
-            bucket, size = [], 0
-        if t is not None:
-            bucket.append(t)
-            size += t.numel() * t.element_size()
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in [*model.parameters(), *model.buffers()]:      # parameters() already skips tied copies
+        nbytes = t.numel() * t.element_size()
+        if not buckets or size + nbytes > bucket_mb * 2 ** 20 or t.dtype != buckets[-1][0].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    for bucket in buckets:
+        flat = _flatten_dense_tensors([b.detach() for b in bucket])
+        dist.broadcast(flat, src=0)
+        with torch.no_grad():
+            for b, new in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                b.copy_(new)
 
 
 def grads_by_axes(params: dict[str, torch.nn.Parameter], sync: dict[str, tuple]) -> dict[tuple, list]:
@@ -163,8 +158,7 @@ class Accumulation:
             return
         for p in self._params:
             if p.grad is not None:
-                g = p.grad.detach().clone()     # DDP's gradient may be a view of its bucket
-                self._held[id(p)] = g if id(p) not in self._held else self._held[id(p)] + g
+                self._held[id(p)] = p.grad.detach().clone()     # DDP's gradient may be a view of its bucket
                 p.grad = None
 
     def after_backward(self) -> None:
