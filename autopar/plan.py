@@ -93,6 +93,64 @@ class PipelineInfo:
     sub_mesh: list[int] = field(default_factory=list)   # the mesh inside one stage (the full mesh minus pp)
 
 
+_RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class MemoryOptions:
+    """What a plan uses to fit memory, besides splitting (``plan.memory_options``).
+
+    ``mixed_precision``: None (the model's own dtype) or "bf16": bf16 compute on bf16 working
+    copies of fp32 master weights, fp32 optimizer state; gradients reduced in ``reduce_dtype``
+    ("fp32" or "bf16"). ``accumulation``: the global batch runs as this many microbatches one
+    after another, gradients summed locally and synced once (1: none; not with a pipeline).
+    ``zero``: 0-3, ZeRO stage on the data-parallel axes (1 optimizer state sharded, 2 + gradients
+    reduce-scattered, 3 + parameters gathered before use). ``recompute``: "none", "selective"
+    (attention core), "full", or {layer name: one of those} for a per-layer choice."""
+
+    mixed_precision: str | None = None
+    reduce_dtype: str = "fp32"
+    accumulation: int = 1
+    zero: int = 0
+    recompute: str | dict = "none"
+
+    def __post_init__(self):
+        if self.mixed_precision not in (None, "bf16"):
+            raise PlanError(f"mixed_precision={self.mixed_precision!r} is not supported; use None or 'bf16'")
+        if self.reduce_dtype not in ("fp32", "bf16"):
+            raise PlanError(f"reduce_dtype={self.reduce_dtype!r} is not supported; use 'fp32' or 'bf16'")
+        if not isinstance(self.accumulation, int) or self.accumulation < 1:
+            raise PlanError(f"accumulation={self.accumulation!r} must be a positive int (1: no accumulation)")
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"zero={self.zero!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+        choices = self.recompute.values() if isinstance(self.recompute, dict) else [self.recompute]
+        bad = [c for c in choices if c not in _RECOMPUTE]
+        if bad:
+            raise PlanError(f"recompute={bad[0]!r} is not known; use one of {', '.join(_RECOMPUTE)} "
+                            "(or a {layer name: choice} mapping)")
+
+    def recompute_for(self, layer: str) -> str:
+        """The recomputation chosen for ``layer`` ("none" for a layer the mapping leaves out)."""
+        return self.recompute.get(layer, "none") if isinstance(self.recompute, dict) else self.recompute
+
+    def summary(self) -> str:
+        """One line for reports, e.g. "bf16 (reduce fp32), ZeRO-1, accumulation 4, recompute full"."""
+        parts = []
+        if self.mixed_precision:
+            parts.append(f"{self.mixed_precision} (reduce {self.reduce_dtype})")
+        if self.zero:
+            parts.append(f"ZeRO-{self.zero}")
+        if self.accumulation > 1:
+            parts.append(f"accumulation {self.accumulation}")
+        if isinstance(self.recompute, dict):
+            used = sorted({v for v in self.recompute.values() if v != "none"})
+            if used:
+                parts.append("recompute " + "/".join(used) + f" on {sum(v != 'none' for v in self.recompute.values())} layers")
+        elif self.recompute != "none":
+            parts.append(f"recompute {self.recompute}")
+        return ", ".join(parts) or "none"
+
+
 @dataclass
 class AutotuneTrial:
     """One measured candidate of autotuning (``measured`` None: it failed or did not run)."""
@@ -134,6 +192,7 @@ class Plan:
     fingerprint: str = ""
     collective_list: list[Collective] = field(default_factory=list)
     pipeline: PipelineInfo | None = None         # set when degrees["pp"] > 1
+    memory_options: MemoryOptions = field(default_factory=MemoryOptions)
     grad_compression: str | None = None          # dtype gradients are all-reduced in ("bf16", "fp16")
     optimizer: str = "adamw"                     # the optimizer the step time was costed for
     memory_budget: float | None = None           # bytes per device the plan was fitted to
@@ -214,6 +273,7 @@ class Plan:
         if d.get("pipeline") is not None:
             d["pipeline"] = PipelineInfo(**d["pipeline"])
         d["autotune"] = [AutotuneTrial(**t) for t in d.get("autotune", [])]
+        d["memory_options"] = MemoryOptions(**d.get("memory_options", {}))
         return cls(**d)
 
     @classmethod
