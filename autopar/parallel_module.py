@@ -13,7 +13,7 @@ from autopar.collectives import comm
 from autopar.collectives.groups import bound_axes
 from autopar.plan import PlanError
 from autopar.runtime.program import RankProgram
-from autopar.sharding.placements import Partial, Replicate, Shard, parse_spec, shard_factor
+from autopar.sharding.placements import Partial, Replicate, Shard, replicated, shard_factor
 from autopar.sharding.redistribute import redistribute_steps
 from autopar.sharding.shard_params import assemble, local_piece
 
@@ -62,7 +62,7 @@ class ParallelModule(nn.Module):
 
     def _batch_axes(self) -> list[int]:
         inputs = self._traced_meta["inputs"]
-        spec = parse_spec(self.plan.inputs[inputs[0]]) if inputs and inputs[0] in self.plan.inputs else ()
+        spec = self.plan.inputs[inputs[0]] if inputs and inputs[0] in self.plan.inputs else ()
         return [a for a, p in enumerate(spec) if p == Shard(0)]
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -88,10 +88,10 @@ class ParallelModule(nn.Module):
         known = set(self._traced_meta["inputs"])
         return next((k for k in self.plan.inputs if k not in known), None)
 
-    def _localize(self, x, spec_text, global_shape, what, local_batch, mesh_shape):
+    def _localize(self, x, spec, global_shape, what, local_batch, mesh_shape):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{what} must be a tensor, got {type(x).__name__}")
-        spec = parse_spec(spec_text) if spec_text else tuple(Replicate() for _ in mesh_shape)
+        spec = spec or replicated(len(mesh_shape))
         if local_batch:
             dp = math.prod(mesh_shape[a] for a, p in enumerate(spec) if p == Shard(0))
             expect = (global_shape[0] // dp,) + tuple(global_shape[1:]) if global_shape else ()
@@ -142,7 +142,7 @@ class ParallelModule(nn.Module):
             self._acc.flush()
 
     def _partial_loss_axes(self) -> list[str]:
-        spec = parse_spec(self.plan.outputs.get("loss", "[" + ",".join("R" for _ in self.plan.mesh.shape) + "]"))
+        spec = self.plan.outputs.get("loss") or replicated(len(self.plan.mesh.shape))
         return [self.plan.mesh.axis_names[a] for a, p in enumerate(spec) if isinstance(p, Partial)]
 
     def _start_global_loss(self, loss: torch.Tensor):
@@ -168,7 +168,7 @@ class ParallelModule(nn.Module):
         leaves = self.program(*xs, target=None, forward_only=True)
         names = self.plan.mesh.axis_names
         with bound_axes(self._axes):
-            full = [_to_replicate(x, parse_spec(spec), names) if isinstance(x, torch.Tensor) and spec else x
+            full = [_to_replicate(x, spec, names) if isinstance(x, torch.Tensor) and spec else x
                     for x, spec in zip(leaves, self._output_specs(len(leaves)))]
         return tree_unflatten(full, self._traced_meta["output_tree"])
 
@@ -207,7 +207,7 @@ class ParallelModule(nn.Module):
     def _replicas(self, name: str) -> float:
         """How many ranks hold the same piece of parameter ``name``."""
         world = self.plan.mesh.size
-        spec = parse_spec(self.plan.params[name].spec) if name in self.plan.params else ()
+        spec = self.plan.params[name].spec if name in self.plan.params else ()
         return world / shard_factor(spec, self.plan.mesh.shape) if spec else world
 
     def _trainable(self, name: str) -> bool:
@@ -235,7 +235,7 @@ class ParallelModule(nn.Module):
         for name, d in self.plan.params.items():
             if d.kind == "constant" or all(a in self._extra_state for a in d.aliases):
                 continue     # a tensor no stage holds (unused) keeps its initial value
-            full = self._gather(name, self._local(name), parse_spec(d.spec))
+            full = self._gather(name, self._local(name), d.spec)
             for alias in d.aliases:
                 out[alias] = full
         for k, v in self._extra_state.items():
@@ -253,7 +253,7 @@ class ParallelModule(nn.Module):
                 continue
             p = self._local(name)
             g = None if p is None else (p.grad if p.grad is not None else torch.zeros_like(p))
-            out[name] = self._gather(name, g, parse_spec(d.spec))
+            out[name] = self._gather(name, g, d.spec)
         return out
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -265,7 +265,7 @@ class ParallelModule(nn.Module):
             key = next((a for a in d.aliases if a in state), None)
             if key is None:
                 raise KeyError(f"state dict has no entry for {name!r} (or its aliases {d.aliases})")
-            piece = local_piece(state[key], parse_spec(d.spec), self._coords, mesh.shape)
+            piece = local_piece(state[key], d.spec, self._coords, mesh.shape)
             with torch.no_grad():
                 self.program.local_tensor(name).copy_(piece)
 

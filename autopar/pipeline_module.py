@@ -34,7 +34,7 @@ from autopar.runtime.grad_sync import Accumulation, grads_by_axes, sum_grads
 from autopar.runtime.pipeline import PipelineExecutor, StageCall
 from autopar.runtime.program import ParamTree, placeholder_slot
 from autopar.schedule import build_schedule
-from autopar.sharding.placements import Partial, local_shape, parse_spec, shard_factor
+from autopar.sharding.placements import Partial, local_shape, replicated, shard_factor
 from autopar.sharding.shard_params import assemble
 
 
@@ -200,7 +200,7 @@ class PipelineModule(ParallelModule):
         mesh = self.plan.mesh
         last = self._is_last()
         if last:
-            spec = parse_spec(self.plan.outputs.get("loss", "[" + ",".join("R" for _ in mesh.shape) + "]"))
+            spec = self.plan.outputs.get("loss") or replicated(len(mesh.shape))
             with bound_axes(self._axes):
                 for a, p in enumerate(spec):
                     if isinstance(p, Partial):
@@ -248,7 +248,7 @@ class PipelineModule(ParallelModule):
         mesh = self.plan.mesh
         if self._is_last():
             with bound_axes(self._axes), torch.no_grad():
-                parts = [_to_replicate(p, parse_spec(spec), mesh.axis_names) if spec else p for p in pieces]
+                parts = [_to_replicate(p, spec, mesh.axis_names) if spec else p for p in pieces]
             if not val.dim() and len(parts) > 1:
                 raise ValueError(f"output leaf {j} of the pipelined model is a scalar: it cannot be rebuilt from "
                                  f"{len(parts)} microbatches; return per-example values or plan one microbatch")
@@ -266,7 +266,7 @@ class PipelineModule(ParallelModule):
     # ---- gradients and state -----------------------------------------------------------------
     def _replicas(self, name: str) -> int:
         """Ranks holding the same piece: its shard's replicas in each stage that owns ``name``."""
-        spec = parse_spec(self.plan.params[name].spec)
+        spec = self.plan.params[name].spec
         return len(self._owners.get(name, [0])) * self._per_pp // shard_factor(spec, self.plan.mesh.shape)
 
     def _gather(self, name: str, local: torch.Tensor | None, spec) -> torch.Tensor:

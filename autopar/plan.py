@@ -5,11 +5,12 @@ Everything here is JSON-serialisable; ``Plan.from_json(plan.to_json()) == plan``
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from autopar.context import ParallelMode
 from autopar.mesh import Mesh
+from autopar.sharding.placements import Spec, as_spec
 
 FORMAT_VERSION = 2
 _READABLE_VERSIONS = (1, 2)   # 1: pipeline, grad compression etc. lived in ``options``
@@ -19,14 +20,45 @@ class PlanError(ValueError):
     """The request cannot be planned as asked, or a plan does not fit the graph; the message says what to change."""
 
 
+def _specs(value):
+    """A Spec, or a list of Specs (None for a non-tensor leaf) from their objects or strings."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [None if v is None else as_spec(v) for v in value]
+    return as_spec(value)
+
+
+def _json_specs(value):
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [None if v is None else str(v) for v in value]
+    return str(value)
+
+
+class _Specced:
+    """Fields named in ``_SPEC_FIELDS`` hold Specs: strings and tuples given to them (by a
+    constructor, a hand edit or JSON) become Specs on assignment."""
+
+    _SPEC_FIELDS: tuple = ()
+
+    def __setattr__(self, name, value):
+        if name in self._SPEC_FIELDS:
+            value = [as_spec(v) for v in value] if name == "inputs" else _specs(value)
+        object.__setattr__(self, name, value)
+
+
 @dataclass
-class NodeDecision:
+class NodeDecision(_Specced):
     """The strategy chosen for one op."""
+
+    _SPEC_FIELDS = ("inputs", "output")
 
     op: str
     strategy: str
-    inputs: list[str]            # spec per tensor input, e.g. "[S(0),R]"
-    output: object               # spec string, or list of them for multi-output ops
+    inputs: list[Spec]           # spec per tensor input, e.g. [S(0),R]
+    output: object               # Spec, or a list of them for multi-output ops
     local: list                  # per axis: local implementation name or None
     module: str = ""
     time: float = 0.0            # predicted seconds (compute + own collectives), fwd+bwd
@@ -34,8 +66,10 @@ class NodeDecision:
 
 
 @dataclass
-class ParamDecision:
-    spec: str
+class ParamDecision(_Specced):
+    _SPEC_FIELDS = ("spec",)
+
+    spec: Spec
     shape: list[int]
     dtype: str
     placeholder: str
@@ -176,8 +210,8 @@ class Plan:
     axis_roles: dict[str, str] = field(default_factory=dict)   # mesh axis -> "dp" | "tp" | "pp" | "none"
     nodes: dict[str, NodeDecision] = field(default_factory=dict)
     params: dict[str, ParamDecision] = field(default_factory=dict)
-    inputs: dict[str, str] = field(default_factory=dict)       # input placeholder -> spec
-    outputs: dict[str, object] = field(default_factory=dict)   # "loss" -> spec; "output" -> spec per leaf
+    inputs: dict[str, Spec] = field(default_factory=dict)      # input placeholder -> spec
+    outputs: dict[str, object] = field(default_factory=dict)   # "loss" -> Spec; "output" -> Spec per leaf
     microbatches: int = 1
     schedule: str = "none"
     stages: list[Stage] = field(default_factory=list)
@@ -225,7 +259,7 @@ class Plan:
         specs = self.outputs.get("output")
         if specs is None:
             return []
-        return [specs] if isinstance(specs, str) else list(specs)
+        return [specs] if isinstance(specs, Spec) else list(specs)
 
     def explain(self, name: str) -> str:
         from autopar.report import explain
@@ -245,7 +279,13 @@ class Plan:
 
     # ---- JSON ------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = asdict(self)
+        """JSON-ready: placements written as strings ("[S(0),R]")."""
+        d = asdict(replace(self, nodes={}, params={}, inputs={}, outputs={}))
+        d["nodes"] = {k: {**asdict(replace(v, inputs=[], output=None)), "inputs": [str(s) for s in v.inputs],
+                          "output": _json_specs(v.output)} for k, v in self.nodes.items()}
+        d["params"] = {k: {**asdict(replace(v, spec=None)), "spec": str(v.spec)} for k, v in self.params.items()}
+        d["inputs"] = {k: str(v) for k, v in self.inputs.items()}
+        d["outputs"] = {k: _json_specs(v) for k, v in self.outputs.items()}
         d["mode"] = self.mode.value
         d["mesh"] = self.mesh.to_dict()
         d["format_version"] = FORMAT_VERSION
@@ -267,6 +307,8 @@ class Plan:
         d["params"] = {k: ParamDecision(**v) for k, v in d["params"].items()}
         d["alternatives"] = [Alternative(**a) for a in d["alternatives"]]
         d["stages"] = [Stage(**s) for s in d["stages"]]
+        d["inputs"] = {k: as_spec(v) for k, v in d["inputs"].items()}
+        d["outputs"] = {k: _specs(v) for k, v in d["outputs"].items()}
         d["collective_list"] = [Collective(**c) for c in d["collective_list"]]
         if version == 1:
             _upgrade_v1(d)

@@ -116,7 +116,7 @@ def _job(rank, kind):
     planned = [(c.kind, c.bytes, a, c.phase, c.node in placeholders)
                for c in plan.collectives(rank) for a in c.axes for _ in range(times.get(c.node, 1))]
     return {"ran": ran, "planned": planned, "degrees": plan.degrees,
-            "params": {k: v.spec for k, v in plan.params.items()}}
+            "params": {k: str(v.spec) for k, v in plan.params.items()}}
 
 
 def _compare(results, what, skip=()):

@@ -6,7 +6,6 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.collectives.groups import AxisGroup, bound_axes
-from autopar.sharding.placements import parse_spec
 from autopar.sharding.shard_params import local_piece
 
 
@@ -28,7 +27,7 @@ def placeholder_slot(ph: str, traced, decisions: dict, named_params: dict, named
         name, d = decisions[ph]
         is_param = ph in traced.params
         full = (named_params if is_param else named_buffers).get(name)
-        piece = local_piece(full.detach(), parse_spec(d.spec), coords, mesh_shape).clone()
+        piece = local_piece(full.detach(), d.spec, coords, mesh_shape).clone()
         if is_param:
             piece.requires_grad_(full.requires_grad and piece.is_floating_point())
         (params if is_param else buffers)[name] = piece

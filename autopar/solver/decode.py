@@ -11,7 +11,7 @@ from autopar.cost_models.compute import grad_nodes
 from autopar.plan import Collective, NodeDecision, ParamDecision
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
-from autopar.sharding.placements import shard_factor, spec_str
+from autopar.sharding.placements import Partial, Spec, shard_factor
 from autopar.sharding.edge import edge_collectives
 from autopar.sharding.redistribute import step_bytes
 from autopar.sharding.strategy import tensor_inputs
@@ -86,15 +86,13 @@ def local_collectives(node: fx.Node, st, mesh_shape, needs_grad: bool) -> list[t
 def loss_report_collectives(gm: fx.GraphModule, outputs: dict, axis_names: tuple, traced) -> list[Collective]:
     """``ParallelModule.step`` returns the global loss: a Partial loss is summed over each of its
     Partial axes (``ParallelModule._start_global_loss``), overlapped with backward."""
-    from autopar.sharding.placements import parse_spec, Partial
-
     node = loss_output(gm, traced)
     spec = outputs.get("loss")
     if node is None or not spec:
         return []
     size = _itemsize(node.meta["val"].dtype)
     return [Collective("all_reduce", size, [axis_names[a]], "fwd", "", 0.0)
-            for a, p in enumerate(parse_spec(spec)) if isinstance(p, Partial)]
+            for a, p in enumerate(spec) if isinstance(p, Partial)]
 
 
 def loss_output(gm: fx.GraphModule, traced) -> fx.Node | None:
@@ -132,8 +130,8 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
             totals = totals + e.cost[:, choice[e.dst]]
         order = np.argsort(totals)[:6]
         options = [[cands.strategies[name][int(i)].describe(), float(totals[i])] for i in order]
-        out = [spec_str(o) for o in st.output] if st.output and isinstance(st.output[0], tuple) else spec_str(st.output)
-        nodes[name] = NodeDecision(op=str(node.target), strategy=st.name, inputs=[spec_str(s) for s in st.inputs],
+        out = [Spec(o) for o in st.output] if st.output and isinstance(st.output[0], tuple) else Spec(st.output)
+        nodes[name] = NodeDecision(op=str(node.target), strategy=st.name, inputs=[Spec(s) for s in st.inputs],
                                    output=out, local=list(st.local), module=node.meta.get("module_path", ""),
                                    time=float(p.nodes[v].compute[choice[v]]), options=options)
         ins = tensor_inputs(node)
@@ -173,7 +171,7 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
             continue
         val = by_name[ph].meta["val"]
         sync = sorted((axis_names[a] for a in rule.param_axes.get(ph, ())), key=axis_names.index)
-        params[pname] = ParamDecision(spec_str(chosen[ph].output), list(val.shape), str(val.dtype).replace("torch.", ""),
+        params[pname] = ParamDecision(Spec(chosen[ph].output), list(val.shape), str(val.dtype).replace("torch.", ""),
                                       ph, list(traced.aliases.get(pname, [pname])), sync, "parameter",
                                       ph in rule.trainable)
         if sync:
@@ -184,9 +182,9 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
         if ph in chosen:
             val = by_name[ph].meta["val"]
             kind = "buffer" if ph in traced.buffers else "constant"
-            params[bname] = ParamDecision(spec_str(chosen[ph].output), list(val.shape),
+            params[bname] = ParamDecision(Spec(chosen[ph].output), list(val.shape),
                                           str(val.dtype).replace("torch.", ""), ph, [bname], [], kind)
-    inputs = {ph: spec_str(chosen[ph].output) for ph in traced.inputs + ([traced.target] if traced.target else [])
+    inputs = {ph: Spec(chosen[ph].output) for ph in traced.inputs + ([traced.target] if traced.target else [])
               if ph in chosen}
     return nodes, params, inputs, collectives
 

@@ -45,7 +45,7 @@ from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.mesh import Mesh
 from autopar.plan import PipelineInfo, Plan, PlanError, Stage
 from autopar.plan_specs import PlanSpecs
-from autopar.sharding.placements import Replicate, parse_spec, shard_factor
+from autopar.sharding.placements import R, Replicate, Spec, shard_factor
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.inter_op import LayerProfile, PipelinePartition, partition_stages
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
@@ -85,12 +85,12 @@ class PipelineRequestError(ValueError):
 def _moved_param_sync(node, d, traced, costing: Costing, mesh_shape) -> float:
     """Gradient all-reduce of parameter inputs that the node's cost includes but runs once per step."""
     outs = d.output if isinstance(d.output, list) else [d.output]
-    split = {a for o in outs for a, p in enumerate(parse_spec(o)) if not isinstance(p, Replicate)}
+    split = {a for o in outs for a, p in enumerate(o) if not isinstance(p, Replicate)}
     t = 0.0
     for i, inp in enumerate(tensor_inputs(node)):
         if inp.op != "placeholder" or inp.name not in traced.params or i >= len(d.inputs):
             continue
-        spec = parse_spec(d.inputs[i])
+        spec = d.inputs[i]
         for a in split:
             if isinstance(spec[a], Replicate):
                 t += costing.grad_sync(tensor_bytes(inp) / shard_factor(spec, mesh_shape), a)
@@ -114,7 +114,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
         elif not (c.kind == "all_reduce" and c.phase == "bwd") and c.phase in ("fwd", "bwd"):
             coll_time[c.node] = coll_time.get(c.node, 0.0) + c.time
     state = training_state_bytes_per_param(opts.optimizer, opts.precision)
-    param_spec = {d.placeholder: parse_spec(d.spec) for d in plan.params.values()}
+    param_spec = {d.placeholder: d.spec for d in plan.params.values()}
     cuts = crossing_values(gm, unit_of, len(units))
     seen_saved: set[str] = set()
     profiles, launches, syncs, steps = [], [], [], []
@@ -339,9 +339,10 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
 
 
 def _with_pp(spec):
+    """The sub-mesh's spec on the full mesh: replicated over the pipeline axis (axis 0) in front."""
     if isinstance(spec, list):
         return [_with_pp(s) for s in spec]
-    return "[R," + spec[1:] if spec and spec != "[]" else spec
+    return Spec((R,) + tuple(spec)) if spec else spec
 
 
 def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: PipelinePartition, step: float, units,
@@ -383,7 +384,7 @@ def optimizer_time(plan: Plan, optimizer: str = "adamw") -> float:
         return plan.optimizer_time
     mesh = plan.mesh
     params = [d for d in plan.params.values() if d.kind == "parameter"]
-    numel = sum(math.prod(d.shape) / shard_factor(parse_spec(d.spec), mesh.shape) for d in params)
+    numel = sum(math.prod(d.shape) / shard_factor(d.spec, mesh.shape) for d in params)
     device = mesh.spec().shared_by(min(mesh.size, mesh.gpus_per_node or mesh.size))
     return optimizer_step_time(numel, device, len(params), optimizer)
 
