@@ -17,7 +17,7 @@ from autopar.pipeline_module import build_pipeline_module
 from autopar.plan import Plan
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, setup_grad_sync, sum_grads
 from autopar.runtime.program import RankProgram, placeholder_slot
-from autopar.trace import Traced
+from autopar.trace import Traced, compute_dtype
 
 
 def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
@@ -53,7 +53,7 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
     named_b = dict(model.named_buffers(remove_duplicate=False))
     slots = [placeholder_slot(node.name, traced, params_by_ph, named_p, named_b, coords, mesh.shape, params, buffers)
              for node in gm.graph.nodes if node.op == "placeholder"]
-    program = RankProgram(gm, fwd, slots, params, buffers, axes)
+    program = RankProgram(gm, fwd, slots, params, buffers, axes, compute_dtype(the_plan.memory_options.mixed_precision))
     sync = {traced.params[ph]: tuple(sorted(a, key=mesh.axis_names.index)) for ph, a in param_sync.items()}
     named = dict(program.named_parameters())
     groups = {n: g.group for n, g in axes.items()}

@@ -146,8 +146,9 @@ class ParallelModule(nn.Module):
         return [self.plan.mesh.axis_names[a] for a, p in enumerate(spec) if isinstance(p, Partial)]
 
     def _start_global_loss(self, loss: torch.Tensor):
-        """Start summing the loss over its first Partial axis; (value, work, remaining axes)."""
+        """Start summing the loss (in fp32) over its first Partial axis; (value, work, remaining axes)."""
         axes = self._partial_loss_axes()
+        loss = loss.detach().float()
         if not axes:
             return loss.detach(), None, []
         with bound_axes(self._axes):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_unflatten
 
+from autopar.trace import compute_dtype
 from autopar.collectives import comm
 from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import AxisGroup, axis_groups, bound_axes
@@ -103,7 +104,7 @@ def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) ->
                  for ph in g.placeholders]
         keep = list(mb.output_leaves) if g.results else []
         calls[s] = StageCall(g, forward_only(g, keep), slots)
-    program = PipelineProgram(params, buffers)
+    program = PipelineProgram(params, buffers, compute_dtype(plan.memory_options.mixed_precision))
     schedule = build_schedule(plan.schedule, pp, plan.microbatches, info.virtual_stages)
     my_sub = my_rank % per_pp
 
@@ -168,7 +169,7 @@ class PipelineModule(ParallelModule):
         if target is not None:
             tgt = self._split(target, self.plan.inputs.get(tph), meta["target_shape"], self._mb_target_shape,
                               "target", local_batch)
-        return [([xs[i] for xs in per_input], tgt[i]) for i in range(m)]
+        return [([self.program.cast_input(xs[i]) for xs in per_input], tgt[i]) for i in range(m)]
 
     def _split(self, x, spec_text, global_shape, mb_shape, what, local_batch):
         if not isinstance(x, torch.Tensor):
@@ -189,11 +190,12 @@ class PipelineModule(ParallelModule):
             raise ValueError("step() needs target= (the model was planned with a loss_fn and example_target)")
         mbs = self._microbatches(inputs, target, local_batch)
         self._acc.before_backward()
-        losses = self._executor.run(self.program.local_tensor, mbs, 1.0 / self.plan.microbatches)
+        self.program.new_step()
+        losses = self._executor.run(self.program.compute_tensor, mbs, 1.0 / self.plan.microbatches)
         if self._acc.syncing:
             self._sync_grads()
         self._acc.after_backward()
-        total = torch.stack(losses).sum() / self.plan.microbatches if losses else torch.zeros(())
+        total = torch.stack(losses).float().sum() / self.plan.microbatches if losses else torch.zeros(())
         return self._pipeline_loss(total)
 
     def _pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -235,7 +237,8 @@ class PipelineModule(ParallelModule):
         """Forward only: the model's output on every rank, in the structure the model returns; each tensor
         leaf is gathered in full and its microbatches concatenated along dim 0."""
         mbs = self._microbatches(inputs, None, local_batch)
-        outs = self._executor.run(self.program.local_tensor, mbs, 1.0, train=False)
+        self.program.new_step()
+        outs = self._executor.run(self.program.compute_tensor, mbs, 1.0, train=False)
         specs = self._output_specs(len(self._out_meta))
         full = [self._output_leaf(j, val, spec, [o[j] for o in outs]) for j, (val, spec)
                 in enumerate(zip(self._out_meta, specs))]

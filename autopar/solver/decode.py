@@ -171,7 +171,8 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
             continue
         val = by_name[ph].meta["val"]
         sync = sorted((axis_names[a] for a in rule.param_axes.get(ph, ())), key=axis_names.index)
-        params[pname] = ParamDecision(Spec(chosen[ph].output), list(val.shape), str(val.dtype).replace("torch.", ""),
+        dtype = traced.meta.get("stored_dtypes", {}).get(pname, val.dtype)
+        params[pname] = ParamDecision(Spec(chosen[ph].output), list(val.shape), str(dtype).replace("torch.", ""),
                                       ph, list(traced.aliases.get(pname, [pname])), sync, "parameter",
                                       ph in rule.trainable)
         if sync:

@@ -373,6 +373,7 @@ def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: Pipelin
                 options=dict(sub_plan.options), fingerprint=graph_fingerprint(traced.gm),
                 collective_list=sub_plan.collective_list, pipeline=info, grad_compression=sub_plan.grad_compression,
                 optimizer=sub_plan.optimizer, memory_budget=budget, grad_sync_overhead=sub_plan.grad_sync_overhead,
+                memory_options=sub_plan.memory_options,
                 axis_shares=sub_plan.axis_shares)
 
 
