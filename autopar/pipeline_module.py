@@ -101,11 +101,12 @@ def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) ->
     params, buffers, calls = {}, {}, {}
     for s in mine:
         g = graphs[s]
-        apply_recompute(g.gm, recompute)
         slots = [placeholder_slot(ph, mb, by_ph, named_p, named_b, coords, mesh.shape, params, buffers)
                  for ph in g.placeholders]
         keep = list(mb.output_leaves) if g.results else []
-        calls[s] = StageCall(g, forward_only(g, keep), slots)
+        fwd = forward_only(g, keep)                 # inference: no recomputation
+        apply_recompute(g.gm, recompute)
+        calls[s] = StageCall(g, fwd, slots)
     program = PipelineProgram(params, buffers)
     schedule = build_schedule(plan.schedule, pp, plan.microbatches, info.virtual_stages)
     my_sub = my_rank % per_pp
