@@ -18,7 +18,8 @@ time a gradient needs one of them the region's forward runs again:
 * Collectives inside a region (tensor-parallel all-reduces, gathers) run again in backward. Every
   rank runs the same program, and autograd visits the same nodes in the same order on every
   rank, so the recomputed collectives match across ranks. The axes bound during the forward
-  (``collectives.groups.bound_axes``) are re-bound for the recomputation.
+  (``collectives.groups.bound_axes``) are re-bound for the recomputation, and
+  ``count_collectives`` records the re-run ones with phase "recompute".
 * Under ``torch.no_grad()`` (forward-only, evaluation) a region just runs.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import bound_axes, current_axes
 from autopar.graph.recompute_regions import Region, choices_for, find_regions, layer_names, unknown_layers
 from autopar.plan import PlanError
@@ -41,8 +43,19 @@ class _Run:
 
     def __init__(self, body: fx.GraphModule, axes):
         self.body, self.axes = body, axes
+        self.runs = 0
 
     def __call__(self, *args):
+        self.runs += 1
+        if self.runs == 1:
+            return self._body(args)
+        previous, COUNTER.phase_override = COUNTER.phase_override, "recompute"   # counted apart from the forward
+        try:
+            return self._body(args)
+        finally:
+            COUNTER.phase_override = previous
+
+    def _body(self, args):
         if self.axes is None:
             return self.body(*args)
         with bound_axes(self.axes):
