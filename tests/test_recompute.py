@@ -241,3 +241,39 @@ def test_forward_only_and_eval_run_regions_plainly():
     with torch.no_grad():
         assert torch.allclose(pm(x), model(x), atol=1e-6)
     assert "recompute_blocks_0 = self.recompute_blocks_0(" in pm.code
+
+
+class _PeekBlock(torch.nn.Module):
+    """Attention whose probabilities are also used outside the core, before ``P @ V`` runs."""
+
+    def __init__(self, h=16):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        att = torch.nn.functional.dropout((q @ k.transpose(-2, -1)).softmax(-1), 0.2, self.training)
+        peek = att.mean(-1, keepdim=True)
+        return x + self.out(att @ v) * peek
+
+
+class _Peek(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_PeekBlock() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum(-1)
+
+
+def test_a_region_output_used_before_the_regions_end_is_reordered():
+    x, y = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(2)), torch.randn(4, 8)
+    loss = torch.nn.functional.mse_loss
+    plan = autopar.plan(_Peek(), autopar.Mesh(1), example_inputs=(x,), loss_fn=loss, example_target=y,
+                        mode="stand_alone")
+    runs = [parallel_run(0, _Peek, loss, x, y, autopar.Mesh(1), None, plan=_with(plan, c), steps=2)
+            for c in ("none", "selective", "full")]
+    for r in runs[1:]:
+        assert_same_training(runs[0], r, rtol=1e-6)
