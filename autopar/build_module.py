@@ -13,6 +13,7 @@ from autopar.graph.retrace import Retracer
 from autopar.parallel_module import ParallelModule
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.localize_shapes import localize_shapes
+from autopar.passes.recompute import apply_recompute, recompute_choices
 from autopar.pipeline_module import build_pipeline_module
 from autopar.plan import Plan
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, setup_grad_sync, sum_grads
@@ -46,6 +47,7 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
     gm, param_sync = insert_collectives(gm, the_plan, mesh.axis_names, mesh.shape, set(traced.params),
                                           traced.loss_index)
     gm = localize_shapes(gm, the_plan, mesh.shape)
+    apply_recompute(gm, recompute_choices(gm, the_plan.memory_options.recompute))
     fwd = _forward_graph(gm, traced)
     params, buffers = {}, {}
     state = dict(model.state_dict(keep_vars=True))

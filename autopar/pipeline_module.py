@@ -64,6 +64,7 @@ def _tie_groups(owners: dict[str, list[int]], per_pp: int, my_rank: int) -> dict
 def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) -> "PipelineModule":
     from autopar.passes.insert_collectives import insert_collectives
     from autopar.passes.localize_shapes import localize_shapes
+    from autopar.passes.recompute import apply_recompute, recompute_choices
 
     info = plan.pipeline
     if info is None:
@@ -82,6 +83,7 @@ def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) ->
     gm, param_sync = insert_collectives(mb.gm, plan, mesh.axis_names, mesh.shape, set(mb.params),
                                           mb.loss_index)
     gm = localize_shapes(gm, plan, mesh.shape)
+    recompute = recompute_choices(gm, plan.memory_options.recompute)
     stage_of = {n: st.index for st in plan.stages for n in st.nodes}
     graphs, transfers = split_stages(gm, stage_of, len(plan.stages), plan, mesh.shape)
     mine = [st.index for st in plan.stages if my_rank in st.ranks]
@@ -103,7 +105,9 @@ def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) ->
         slots = [placeholder_slot(ph, mb, by_ph, named_p, named_b, coords, mesh.shape, params, buffers)
                  for ph in g.placeholders]
         keep = list(mb.output_leaves) if g.results else []
-        calls[s] = StageCall(g, forward_only(g, keep), slots)
+        fwd = forward_only(g, keep)                 # inference: no recomputation
+        apply_recompute(g.gm, recompute)
+        calls[s] = StageCall(g, fwd, slots)
     program = PipelineProgram(params, buffers, compute_dtype(plan.memory_options.mixed_precision))
     schedule = build_schedule(plan.schedule, pp, plan.microbatches, info.virtual_stages)
     my_sub = my_rank % per_pp
