@@ -81,12 +81,13 @@ class ParamDecision(_Specced):
 
 @dataclass
 class Collective:
-    kind: str
+    kind: str                    # "all_reduce", "all_gather", ..., "send", "recv" (pipeline p2p)
     bytes: int
     axes: list[str]
     phase: str                   # "fwd", "bwd" or "step"
     node: str = ""
     time: float = 0.0
+    stages: list[int] = field(default_factory=list)   # pipeline: the stages whose ranks run it (empty: by node)
 
 
 @dataclass
@@ -240,13 +241,20 @@ class Plan:
 
     # ---- queries ---------------------------------------------------------------------
     def collectives(self, rank: int = 0) -> list[Collective]:
-        """What one training step runs on ``rank``: kind, bytes, mesh axes, phase."""
+        """What one training step runs on ``rank``: kind, bytes, mesh axes, phase.
+
+        A pipelined plan lists one microbatch's activation collectives (entries whose node is an
+        op of ``self.nodes`` run once per microbatch), including the sends and receives between
+        stages; an entry naming ``stages`` runs on the ranks that hold one of them (once per rank),
+        any other on the ranks holding its node's stage."""
         if not self.stages:
             return list(self.collective_list)
         held = [s for s in self.stages if rank in s.ranks] or self.stages[:1]   # interleaved: several
         names = {n for s in held for n in s.nodes}
+        mine = {s.index for s in held}
         return [c for c in self.collective_list
-                if not c.node or c.node in names or c.node not in self.nodes or c.phase == "step"]
+                if (mine.intersection(c.stages) if c.stages else
+                    not c.node or c.node in names or c.node not in self.nodes or c.phase == "step")]
 
     def redundant_axes(self) -> list[str]:
         """Mesh axes (size > 1) on which no op is split: every rank on such an axis repeats the same work."""

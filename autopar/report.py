@@ -57,15 +57,16 @@ def render(plan) -> str:
             break
     lines.append("")
     colls = plan.collectives(0)
-    lines.append(f"collectives per step on rank 0: {len(colls)}")
     agg = Counter()
     size = Counter()
     t = Counter()
-    for c in colls:
+    for c in colls:     # a pipeline lists one microbatch's activation collectives (sends/receives too)
+        times = plan.microbatches if plan.stages and c.node in plan.nodes else 1
         key = (c.kind, "+".join(c.axes), c.phase)
-        agg[key] += 1
-        size[key] += c.bytes
-        t[key] += c.time
+        agg[key] += times
+        size[key] += c.bytes * times
+        t[key] += c.time * times
+    lines.append(f"collectives per step on rank 0: {sum(agg.values())}")
     for key, n in sorted(agg.items()):
         lines.append(f"  {key[0]:<15} axis {key[1]:<6} {key[2]:<4} ×{n:<4} {_gb(size[key]):>12}  {_ms(t[key])}")
     if plan.unknown_ops:
