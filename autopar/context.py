@@ -46,6 +46,8 @@ _DEFAULTS: dict[str, Any] = {
     "mixed_precision": None,       # None (the model's dtypes) or "bf16": bf16 compute, fp32 master weights
     "memory_budget_gb": None,
     "microbatches": None,
+    "recompute": None,             # None (AUTO/SEMI_AUTO pick when memory needs it), "none", "selective"
+                                   # (attention core), "full" (each layer) or {layer name: one of those}
     "accumulation": None,          # None (AUTO/SEMI_AUTO pick when memory needs it) or k: run the global
                                    # batch as k microbatches one after another, gradients synced once
     "schedule": None,
@@ -85,6 +87,12 @@ def set_auto_parallel_context(**kwargs) -> None:
             raise ValueError(f"unknown auto-parallel context key {key!r}; known keys: {sorted(_DEFAULTS)}")
         if key == "parallel_mode":
             value = ParallelMode.parse(value)
+        if key == "recompute" and value is not None:
+            bad = [v for v in (value.values() if isinstance(value, dict) else [value])
+                   if v not in ("none", "selective", "full")]
+            if bad:
+                raise ValueError(f"recompute must be None, 'none', 'selective', 'full' or a {{layer: one of those}} "
+                                 f"mapping, got {bad[0]!r}")
         if key == "accumulation" and value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"accumulation must be None or a positive int, got {value!r}")
         if key == "mixed_precision" and value not in (None, "bf16"):

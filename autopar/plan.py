@@ -101,6 +101,7 @@ class Alternative:
     schedule: str = "none"
     optimizer_time: float = 0.0  # predicted optimizer-step seconds (part of step_time)
     redundant_axes: list[str] = field(default_factory=list)   # mesh axes on which every rank repeats the work
+    memory_options: str = "none"  # MemoryOptions.summary() of the candidate
 
 
 @dataclass

@@ -86,15 +86,17 @@ def render(plan) -> str:
         lines.append("why this plan — alternatives considered (least step time that fits memory wins; a plan "
                      "that repeats the work on an axis only where every plan does):")
         lines.append(f"  {'degrees':<28} {'microbatches':<20} {'step time':>12} {'of it optim':>12} {'memory':>12}  "
-                     "fits  note")
+                     f"{'memory options':<24}  fits  note")
         opt = plan.optimizer_time or 0.0
         lines.append(f"  {_deg(plan.degrees):<28} {_mb(plan.microbatches, plan.schedule):<20} {_ms(plan.step_time):>12} "
-                     f"{_ms(opt):>12} {_gb(max(plan.memory_per_device or [0])):>12}  yes   chosen"
+                     f"{_ms(opt):>12} {_gb(max(plan.memory_per_device or [0])):>12}  "
+                     f"{plan.memory_options.summary():<24}  yes   chosen"
                      + (f" ({plan.candidate})" if plan.candidate else ""))
         for a in plan.alternatives[:10]:
             lines.append(f"  {_deg(a.degrees):<28} {_mb(a.microbatches, a.schedule) if a.fits else '-':<20} "
                          f"{_ms(a.step_time) if a.fits else '-':>12} {_ms(a.optimizer_time) if a.fits else '-':>12} "
-                         f"{_gb(a.memory) if a.fits else '-':>12}  {'yes' if a.fits else 'no ':<4}  {a.note}"
+                         f"{_gb(a.memory) if a.fits else '-':>12}  {a.memory_options if a.fits else '-':<24}  "
+                         f"{'yes' if a.fits else 'no ':<4}  {a.note}"
                          + (f"; repeats work on {'+'.join(a.redundant_axes)}" if a.redundant_axes else ""))
     trials = plan.autotune
     if trials:

@@ -26,8 +26,10 @@ def _capped_mesh() -> autopar.Mesh:
 
 
 def test_auto_picks_the_smallest_accumulation_that_fits():
+    """With recomputation ruled out, accumulation is the only lever."""
     x, y = make_batch("tokens", BATCH)
     mesh = _capped_mesh()
+    autopar.set_auto_parallel_context(recompute="none")
     plan = autopar.plan(MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="auto")
     k = plan.memory_options.accumulation
     assert k > 1 and plan.accumulation_trace.size == BATCH // k
@@ -45,6 +47,7 @@ def _job(rank, name, micro):
     x, y = make_batch("tokens", BATCH)
     if name == "auto":
         mesh = _capped_mesh()
+        autopar.set_auto_parallel_context(recompute="none")
     else:
         autopar.set_auto_parallel_context(accumulation=4 if name == "data" else 2)
         mesh = autopar.Mesh(2, axis_names=("tp",)) if name == "tp" else autopar.Mesh(2)

@@ -153,3 +153,30 @@ def layer_options(gm, device: DeviceSpec | None = None, *, dropout_mask_bytes: i
             c = recompute_cost(graph, {layer: kind}, dropout_mask_bytes=dropout_mask_bytes, node_seconds=seconds)
             out[layer][kind] = c.layers[layer]
     return out
+
+
+def saved_activations_after(gm, recompute: str | dict, dropout_mask_bytes: int | None = 1
+                            ) -> tuple[dict[str, int], frozenset[str]]:
+    """``memory.saved_activations`` under a recompute choice, and the names of the nodes whose
+    forward runs again: storages saved only inside regions are dropped, each region's
+    non-parameter inputs are kept (``saved_after`` of the module docstring, per owning node)."""
+    graph = _graph(gm)
+    regions = find_regions(graph, choices_for(graph, recompute))
+    inside = frozenset(name for r in regions for name in r.nodes)
+    params = _param_keys(graph)
+    result: dict[str, int] = {}
+    seen: set = set()
+    for node, items in _saved_by_node(graph, dropout_mask_bytes).items():
+        if node.name in inside:
+            continue
+        for key, name, nbytes in items:
+            if key not in seen:
+                seen.add(key)
+                result[name] = nbytes
+    for r in regions:
+        for a in _region_inputs(graph, r):
+            key, nbytes = _storage(a)
+            if key not in params and key not in seen:
+                seen.add(key)
+                result[a.name] = result.get(a.name, 0) + nbytes
+    return result, inside

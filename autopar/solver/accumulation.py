@@ -18,6 +18,24 @@ from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.plan import MicrobatchTrace, Plan, PlanError
 
 
+def memory_choices(batch: int, mode: ParallelMode, accumulation: int | None,
+                   recompute) -> tuple[list[int], list]:
+    """(the accumulation k to try, ascending; the recomputation choices to try, cheapest first).
+
+    Both levers trade time for memory and neither dominates: accumulation k re-runs the per-step
+    overheads k times, recomputation re-runs a layer's forward. The search finds, for each
+    recompute choice r, the smallest k that fits (``k_r``; ``T`` grows with k) and keeps the
+    fastest of those frontier points. Since more recomputation only pays if it fits at a smaller
+    k, choice r is tried only below the previous choices' ``k_r``. A user-fixed value is the only
+    one tried; modes other than AUTO/SEMI_AUTO do not recompute unless told to."""
+    ks, _ = accumulation_ladder(batch, mode, accumulation)
+    if recompute is not None:
+        return ks, [recompute]
+    if mode not in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO):
+        return ks, ["none"]
+    return ks, ["none", "selective", "full"]
+
+
 def accumulation_ladder(batch: int, mode: ParallelMode, forced: int | None) -> tuple[list[int], bool]:
     """(the k to try in order, whether the user fixed k)."""
     if forced is not None:

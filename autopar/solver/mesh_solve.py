@@ -36,6 +36,7 @@ class PlanOptions:
     microbatches: int | None = None
     schedule: str | None = None
     accumulation: int | None = None  # microbatches run one after another (None: AUTO/SEMI_AUTO pick when needed)
+    recompute: str | dict | None = None   # activation recomputation (None: AUTO/SEMI_AUTO pick when needed)
 
 
 def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, input_ann: dict) -> dict:
@@ -197,7 +198,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     device = device.shared_by(per_node)  # CPU ranks beyond the core count share the cores
     cands = build_candidates(traced.gm, mesh.shape)
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
-    costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers))
+    costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers),
+                      recompute=opts.recompute or "none")
     names = dict(traced.params)
     names.update(traced.buffers)
     ties = tie_groups(find_layers(traced.gm, names))
@@ -221,7 +223,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 grad_sync_overhead=last_bucket, axis_shares=shares,
                 options={"precision": opts.precision, "solver_vars": sol.num_vars},
                 memory_options=MemoryOptions(mixed_precision=opts.mixed_precision,
-                                             reduce_dtype="bf16" if opts.grad_compression == "bf16" else "fp32"),
+                                             reduce_dtype="bf16" if opts.grad_compression == "bf16" else "fp32",
+                                             recompute=opts.recompute or "none"),
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
 
 

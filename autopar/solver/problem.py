@@ -30,6 +30,7 @@ from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time,
                                          work_signature)
 from autopar.cost_models.memory import saved_activations, training_state_bytes_per_param
+from autopar.cost_models.recompute import saved_activations_after
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.local_impls import local_collectives
 from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
@@ -49,6 +50,7 @@ class Costing:
     optimizer: str = "adamw"
     precision: str = "fp32"
     frozen_buffers: set = field(default_factory=set)   # placeholders that must never be redistributed
+    recompute: str | dict = "none"  # activation recomputation: its forward runs again, its saves are dropped
     _redistribution: dict = field(default_factory=dict, repr=False)  # (src, dst, bytes) -> seconds
     _edges: dict = field(default_factory=dict, repr=False)           # edge tables of repeated layers
 
@@ -157,7 +159,9 @@ def _local_impl_time(node: fx.Node, st: Strategy, c: Costing) -> float:
 
 
 def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dict[str, int],
-               traced_params: set[str]) -> tuple[np.ndarray, np.ndarray]:
+               traced_params: set[str], recomputed: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Per strategy: seconds (compute, own collectives, gradient sync; + the forward again when
+    ``recomputed``) and the bytes the node keeps (training state, or saved activations)."""
     k = len(strategies)
     compute, memory = np.zeros(k), np.zeros(k)
     if node.op == "placeholder":
@@ -174,7 +178,8 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
     ins = tensor_inputs(node)
     act = saved.get(node.name, 0)
     for s, st in enumerate(strategies):
-        compute[s] = split_cost(node, base, st, ins, c).time_total
+        cost = split_cost(node, base, st, ins, c)
+        compute[s] = cost.time_total + (cost.time_fwd if recomputed else 0.0)
         for i, a in grad_sync_inputs(st):
             if ins[i] not in need:
                 continue
@@ -190,7 +195,7 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
 
 
 def cost_key(node: fx.Node, strategies: list[Strategy], saved: dict[str, int], traced_params: set[str],
-             need: frozenset) -> tuple:
+             need: frozenset, recomputed: bool = False) -> tuple:
     """Everything ``node_costs`` reads: two nodes with equal keys cost the same under every strategy
     (the op and its argument signature, which inputs are parameters, need gradients and how many
     consumers share them, the saved-activation bytes, the strategies)."""
@@ -200,7 +205,7 @@ def cost_key(node: fx.Node, strategies: list[Strategy], saved: dict[str, int], t
         return ("placeholder", node.name in traced_params, shape, tuple(strategies))
     ins = tuple((a.name in traced_params, a in need, len(a.users)) for a in tensor_inputs(node))
     return (node.op, node.target, work_signature(node, need), node in need, ins, saved.get(node.name, 0),
-            tuple(strategies))
+            tuple(strategies), recomputed)
 
 
 @dataclass
@@ -215,16 +220,20 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
                   memory_budget: float | None = None, time_limit_s: float = 10.0) -> BuiltProblem:
     """``params``: placeholder names of parameters (their memory counts training state)."""
     allowed = allowed or {}
-    saved = saved_activations(gm, dropout_mask_bytes=1 if getattr(c.device, "name", "") != "cpu" else None)
+    mask = 1 if getattr(c.device, "name", "") != "cpu" else None
+    if c.recompute == "none":
+        saved, again = saved_activations(gm, dropout_mask_bytes=mask), frozenset()
+    else:
+        saved, again = saved_activations_after(gm, c.recompute, dropout_mask_bytes=mask)
     names = list(cands.strategies)
     index = {n: i for i, n in enumerate(names)}
     by_name = {n.name: n for n in gm.graph.nodes}
     need = grad_nodes(gm.graph)
     nodes, memo = [], {}
     for n in names:
-        key = cost_key(by_name[n], cands.strategies[n], saved, params, need)
+        key = cost_key(by_name[n], cands.strategies[n], saved, params, need, n in again)
         if key not in memo:         # repeated layers: one costing per distinct op, shapes and strategies
-            memo[key] = node_costs(by_name[n], cands.strategies[n], c, saved, params)
+            memo[key] = node_costs(by_name[n], cands.strategies[n], c, saved, params, n in again)
         comp, mem = memo[key]
         nodes.append(NodeChoices(n, comp.copy(), mem.copy(), allowed.get(n)))
     edges = []

@@ -8,6 +8,7 @@ every mode.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -17,7 +18,7 @@ from autopar.graph.retrace import Retracer
 from autopar.mesh import Mesh
 from autopar.plan import Alternative, Plan, PlanError
 from autopar.sharding.placements import R
-from autopar.solver.accumulation import accumulated, accumulation_ladder, microbatch_traced
+from autopar.solver.accumulation import accumulated, memory_choices, microbatch_traced
 from autopar.solver.intra_op import InfeasibleError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
@@ -43,21 +44,28 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     the candidates that failed) as its ``alternatives``. Pipeline candidates need ``retracer``."""
     t0 = time.perf_counter()
     mark_chunk_hints(traced.gm)
-    ladder, forced = accumulation_ladder(traced.batch_size, mode, opts.accumulation)
-    if forced and ladder[0] > 1 and ("pp" in mesh.axis_names or opts.microbatches or opts.schedule):
-        raise PlanError(f"accumulation={ladder[0]} runs microbatches one after another without a pipeline, but this "
+    ks, choices = memory_choices(traced.batch_size, mode, opts.accumulation, opts.recompute)
+    if opts.accumulation and ks[0] > 1 and ("pp" in mesh.axis_names or opts.microbatches or opts.schedule):
+        raise PlanError(f"accumulation={ks[0]} runs microbatches one after another without a pipeline, but this "
                         "request asks for a pipeline (a 'pp' mesh axis, microbatches or schedule): a pipeline already "
                         "runs the batch as microbatches, so set microbatches= instead of accumulation")
     plans, failures, pipe_failures = [], [], []
-    for k in ladder:
-        mb = microbatch_traced(traced, k, retracer)
-        got, failed, pipe_failed = _candidates(mb, model, mesh, mode, opts, param_ann, input_ann, retracer,
-                                               pipelines=k == 1)
-        plans += [accumulated(p, k, traced, mb) for p in got]
-        failures += [(m, e if k == 1 else f"accumulation {k}: {e}") for m, e in failed]
-        pipe_failures += pipe_failed
-        if plans:
-            break
+    below = len(ks)                 # try only k below the smallest k that fitted with less recomputation
+    for rc in choices:
+        for i, k in enumerate(ks[:below]):
+            mb = microbatch_traced(traced, k, retracer)
+            got, failed, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=rc),
+                                                   param_ann, input_ann, retracer,
+                                                   pipelines=k == 1 and (rc == "none" or opts.recompute is not None))
+            plans += [accumulated(p, k, traced, mb) for p in got]
+            note = ", ".join(([f"accumulation {k}"] if k > 1 else []) + ([f"recompute {rc}"] if rc != "none" else []))
+            failures += [(m, f"{note}: {e}" if note else e) for m, e in failed]
+            pipe_failures += pipe_failed
+            if got:
+                below = i
+                break
+        if below == 0:
+            break                   # fits at the smallest k: more recomputation only costs time
     if not plans:
         m, err = failures[0]
         raise PlanError(f"no plan fits memory on {m}: {err}") from None
@@ -73,7 +81,8 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
         best.alternatives = [Alternative(p.degrees, p.step_time, max(p.memory_per_device), True,
                                          "mesh " + " × ".join(f"{n}={s}" for n, s in zip(p.mesh.axis_names, p.mesh.shape))
                                          + (f" ({p.candidate})" if p.candidate else ""),
-                                         p.microbatches, p.schedule, p.optimizer_time, p.redundant_axes())
+                                         p.microbatches, p.schedule, p.optimizer_time, p.redundant_axes(),
+                                         p.memory_options.summary())
                              for p in plans if p is not best] + failed
         best.solve_time = elapsed
     return chosen[:max(1, top_k)]

@@ -1,0 +1,91 @@
+"""Recomputation as a plan choice (``plan.memory_options.recompute``): AUTO/SEMI_AUTO try "none",
+then "selective", then "full" at each accumulation k while nothing fits the memory cap; a user can
+fix it (``set_auto_parallel_context(recompute=...)``)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import autopar
+from conftest import run_ranks
+from examples.models import GPT, lm_loss
+from oracle import assert_same_training, make_batch, parallel_run, reference_run
+
+MODEL = functools.partial(GPT, qkv_bias=False, layers=2, hidden=32)
+BATCH = 16
+
+
+def _capped_mesh(frac: float) -> autopar.Mesh:
+    """A 2-device data-parallel mesh whose cap holds the training state and ``frac`` of the activations."""
+    x, y = make_batch("tokens", BATCH)
+    probe = autopar.plan(MODEL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                         mode="data")
+    b = probe.memory_breakdown
+    cap = b["params+grads+optimizer"] + frac * b["activations"]
+    return autopar.Mesh(2, axis_names=("dp",), memory_gb=cap / 2**30)
+
+
+def test_auto_picks_recomputation_when_the_activations_do_not_fit():
+    x, y = make_batch("tokens", BATCH)
+    mesh = _capped_mesh(0.45)
+    plan = autopar.plan(MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="auto")
+    assert plan.memory_options.recompute in ("selective", "full"), plan.memory_options
+    assert max(plan.memory_per_device) <= mesh.memory_gb * 2**30
+    assert f"recompute {plan.memory_options.recompute}" in plan.report()
+    free = autopar.plan(MODEL(), autopar.Mesh(2, axis_names=("dp",)), example_inputs=(x,), loss_fn=lm_loss,
+                        example_target=y, mode="auto")
+    assert free.memory_options.recompute == "none", "without a cap nothing needs recomputation"
+    assert plan.step_time > free.step_time, "the recomputed forward costs time"
+    assert plan.memory_breakdown["activations"] < free.memory_breakdown["activations"]
+    assert autopar.Plan.from_json(plan.to_json()) == plan
+
+
+def test_user_fixed_recompute_is_planned_in_every_mode():
+    x, y = make_batch("tokens", BATCH)
+    plain = autopar.plan(MODEL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                         mode="data")
+    autopar.set_auto_parallel_context(recompute="full")
+    plan = autopar.plan(MODEL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                        mode="data")
+    assert plan.memory_options.recompute == "full"
+    assert plan.memory_breakdown["activations"] < plain.memory_breakdown["activations"]
+    assert plan.step_time > plain.step_time
+
+
+def _job(rank):
+    x, y = make_batch("tokens", BATCH)
+    return parallel_run(rank, MODEL, lm_loss, x, y, _capped_mesh(0.45), "auto", steps=2)
+
+
+def test_auto_picked_recomputation_trains_like_one_device():
+    x, y = make_batch("tokens", BATCH)
+    ref = reference_run(MODEL, lm_loss, x, y, steps=2)
+    for r in run_ranks(2, _job):
+        plan = autopar.Plan.from_json(r["plan"])
+        assert plan.memory_options.recompute != "none", plan.memory_options
+        assert_same_training(ref, r, what=f"auto {plan.memory_options.summary()}")
+
+
+@pytest.mark.parametrize("value", ["some", {"blocks.0": "all"}, 1])
+def test_bad_recompute_setting_is_refused(value):
+    with pytest.raises(ValueError, match=r"recompute must be None, 'none', 'selective', 'full' or a \{layer"):
+        autopar.set_auto_parallel_context(recompute=value)
+
+
+def test_the_fastest_of_accumulation_and_recomputation_wins():
+    """Under a cap that neither lever alone meets at k = 1 without recomputation, the search keeps,
+    for each recompute choice, the smallest accumulation that fits, and picks the fastest."""
+    x, y = make_batch("tokens", BATCH)
+    mesh = _capped_mesh(0.3)
+    plan = autopar.plan(MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="auto")
+    fits = [a for a in plan.alternatives if a.fits]
+    assert all(plan.step_time <= a.step_time for a in fits)
+    options = {plan.memory_options.summary()} | {a.memory_options for a in fits}
+    assert any("accumulation" in o for o in options) and any("recompute" in o for o in options), options
+    report = plan.report()
+    assert "memory options" in report and plan.memory_options.summary() in report
+    for rc in ("none", "full"):
+        autopar.set_auto_parallel_context(recompute=rc)
+        forced = autopar.plan(MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="auto")
+        assert forced.step_time >= plan.step_time
