@@ -60,6 +60,22 @@ def training_state_bytes_per_param(optimizer: str = "adamw", precision: str = "f
     return 2 * weight_bytes_per_param(precision) + optimizer_state_bytes(1, optimizer, precision)
 
 
+def training_state_bytes(numel: float, dtype: torch.dtype | None, optimizer: str = "adamw",
+                         precision: str = "fp32") -> float:
+    """Weights + gradients + optimizer states of ``numel`` parameters stored as ``dtype``.
+
+    ``precision`` "fp32" means no mixed precision: the model trains in its own dtype, so a
+    bf16/fp16 model keeps bf16 weights, bf16 gradients and AdamW moments of the parameter's dtype
+    (``torch.zeros_like(p)``): ``numel * size * (2 + states)`` (AdamW bf16: 8 bytes, not 16).
+    Mixed precision ("bf16"/"fp16"/"mixed") keeps fp32 masters and fp32 states:
+    :func:`training_state_bytes_per_param`."""
+    opt, prec = _check(optimizer, precision)
+    if prec == "fp32" and dtype is not None and dtype.is_floating_point and dtype != torch.float32:
+        size = torch.empty((), dtype=dtype).element_size()
+        return numel * size * (2 + _STATE_BYTES[opt] // 4)
+    return numel * training_state_bytes_per_param(optimizer, precision)
+
+
 def _graph(gm: fx.GraphModule | fx.Graph) -> fx.Graph:
     return gm.graph if isinstance(gm, fx.GraphModule) else gm
 
@@ -441,6 +457,27 @@ def saved_activations(gm: fx.GraphModule | fx.Graph, dropout_mask_bytes: int | N
                 seen.add(key)
                 result[name] = nbytes
     return result
+
+
+def saved_bytes_by_node(gm: fx.GraphModule | fx.Graph,
+                        dropout_mask_bytes: int | None = 1) -> dict[str, tuple[int, int]]:
+    """node name -> (bytes of saved graph storages charged to it, bytes of the tensors it makes
+    and saves itself), each storage once: a graph storage is charged to the node named as in
+    :func:`saved_activations` (so it splits like that node's output), an :class:`Internal`
+    (log-probabilities of a cross-entropy, layer-norm statistics, attention logsumexp, dropout
+    masks) to the op that creates it (it splits like that op's input)."""
+    graph = _graph(gm)
+    out: dict[str, list[int]] = {}
+    seen: set = set()
+    for node, items in _saved_by_node(graph, dropout_mask_bytes).items():
+        for key, name, nbytes in items:
+            if key in seen:
+                continue
+            seen.add(key)
+            internal = isinstance(key, tuple) and key[:1] == ("internal",)
+            owner = node.name if internal else name
+            out.setdefault(owner, [0, 0])[1 if internal else 0] += nbytes
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def dropout_mask_bytes_for(device_name: str) -> int | None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from autopar.context import ParallelMode
 from autopar.cost_models.compute import node_cost, optimizer_step_time, total_flops
 from autopar.cost_models.devices import axis_link
-from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved, training_state_bytes_per_param
+from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved, training_state_bytes
 from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.mesh import Mesh
@@ -113,7 +113,6 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             sync_time[c.node] = sync_time.get(c.node, 0.0) + c.time
         elif not (c.kind == "all_reduce" and c.phase == "bwd") and c.phase in ("fwd", "bwd"):
             coll_time[c.node] = coll_time.get(c.node, 0.0) + c.time
-    state = training_state_bytes_per_param(opts.optimizer, opts.precision)
     param_spec = {d.placeholder: parse_spec(d.spec) for d in plan.params.values()}
     cuts = crossing_values(gm, unit_of, len(units))
     seen_saved: set[str] = set()
@@ -130,14 +129,18 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             total_base += base.time_total
             launch += base.launch_fwd + base.launch_bwd
             time += d.time - _moved_param_sync(node, d, traced, costing, shape) + coll_time.get(name, 0.0)
-            out_spec = specs.spec(node, 0 if isinstance(d.output, list) else None)
+            out_shard = max(1, shard_factor(specs.spec(node, 0 if isinstance(d.output, list) else None), shape))
+            in_shard = shard_factor(parse_spec(d.inputs[0]), shape) if d.inputs and isinstance(d.inputs[0], str) else 1
             for saved_name, nbytes in saved.get(name, []):
                 if saved_name not in seen_saved:
                     seen_saved.add(saved_name)
-                    act += nbytes / max(1, shard_factor(out_spec, shape))
+                    # a tensor the op makes itself ("node.label": log-probs, statistics) splits like its input
+                    internal = saved_name not in by_name
+                    act += nbytes / (max(out_shard, in_shard) if internal else out_shard)
             params |= {i.name for i in tensor_inputs(node) if i.op == "placeholder" and i.name in traced.params}
         share = fwd_base / total_base if total_base else 1 / 3
-        pbytes = sum(by_name[p].meta["val"].numel() * state / shard_factor(param_spec[p], shape)
+        pbytes = sum(training_state_bytes(by_name[p].meta["val"].numel(), by_name[p].meta["val"].dtype,
+                                          opts.optimizer, opts.precision) / shard_factor(param_spec[p], shape)
                      for p in params if p in param_spec)
         nxt = unit.index + 1
         out = sum(tensor_bytes(v) / shard_factor(specs.spec(v), shape) for v in cuts[nxt]) if nxt < len(units) else 0.0

@@ -6,8 +6,11 @@ node cost c[v,s]   = (compute(v) - launches) / work_split(s) + launches   (``spl
                        (Megatron's ``f``; for parameters this is the gradient sync)
                      + the small collectives of s's local implementation (vocab-parallel
                        loss, synced batch-norm statistics)
-node memory m[v,s] = parameters: numel · training-state bytes/param / shard factor
-                     activations saved for backward / shard factor of the output
+node memory m[v,s] = parameters: training-state bytes (weights, grads, optimizer; in the
+                       parameter's dtype unless mixed precision) / shard factor
+                     saved graph tensors charged to v / shard factor of v's output
+                     + tensors v makes and saves itself (log-probs, statistics, masks)
+                       / shard factor of v's first input or output, the larger
 edge cost R[u,v]   = redistribution of u's output spec into v's required input spec,
                      forward collectives plus their conjugates in backward  (``_edge_cost``)
 
@@ -29,7 +32,7 @@ import torch.fx as fx
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time,
                                          work_signature)
-from autopar.cost_models.memory import saved_activations, training_state_bytes_per_param
+from autopar.cost_models.memory import saved_bytes_by_node, training_state_bytes
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
 from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
@@ -165,14 +168,14 @@ def _local_impl_time(node: fx.Node, st: Strategy, c: Costing) -> float:
     return t
 
 
-def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dict[str, int],
+def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dict,
                traced_params: set[str]) -> tuple[np.ndarray, np.ndarray]:
     k = len(strategies)
     compute, memory = np.zeros(k), np.zeros(k)
     if node.op == "placeholder":
         if node.name in traced_params:
             v = node.meta["val"]
-            state = v.numel() * training_state_bytes_per_param(c.optimizer, c.precision)
+            state = training_state_bytes(v.numel(), v.dtype, c.optimizer, c.precision)
             for s, st in enumerate(strategies):
                 shards = shard_factor(st.output, c.mesh_shape)
                 memory[s] = state / shards
@@ -181,7 +184,7 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
     base = node_cost(node, c.device)
     need = grad_nodes(node.graph)
     ins = tensor_inputs(node)
-    act = saved.get(node.name, 0)
+    act, internal = _saved_pair(saved, node.name)
     for s, st in enumerate(strategies):
         compute[s] = split_cost(node, base, st, ins, c).time_total
         for i, a in grad_sync_inputs(st):
@@ -193,12 +196,20 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
             sync = c.grad_sync(nbytes, a) if ins[i].name in traced_params else c.comm("all_reduce", nbytes, a)
             compute[s] += sync / max(1, len(ins[i].users))
         compute[s] += _local_impl_time(node, st, c)
-        outs = _outs(st)
-        memory[s] = act / max(1, shard_factor(outs[0], c.mesh_shape))
+        out_shard = max(1, shard_factor(_outs(st)[0], c.mesh_shape))
+        in_shard = shard_factor(st.inputs[0], c.mesh_shape) if st.inputs else 1
+        memory[s] = act / out_shard + internal / max(out_shard, in_shard)
     return compute, memory
 
 
-def cost_key(node: fx.Node, strategies: list[Strategy], saved: dict[str, int], traced_params: set[str],
+def _saved_pair(saved: dict, name: str) -> tuple[int, int]:
+    """(graph storages charged to ``name``, tensors it saves itself) from ``saved_bytes_by_node``
+    (a plain ``saved_activations`` dict reads as graph storages only)."""
+    v = saved.get(name, 0)
+    return v if isinstance(v, tuple) else (v, 0)
+
+
+def cost_key(node: fx.Node, strategies: list[Strategy], saved: dict, traced_params: set[str],
              need: frozenset) -> tuple:
     """Everything ``node_costs`` reads: two nodes with equal keys cost the same under every strategy
     (the op and its argument signature, which inputs are parameters, need gradients and how many
@@ -208,7 +219,7 @@ def cost_key(node: fx.Node, strategies: list[Strategy], saved: dict[str, int], t
         shape = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
         return ("placeholder", node.name in traced_params, shape, tuple(strategies))
     ins = tuple((a.name in traced_params, a in need, len(a.users)) for a in tensor_inputs(node))
-    return (node.op, node.target, work_signature(node, need), node in need, ins, saved.get(node.name, 0),
+    return (node.op, node.target, work_signature(node, need), node in need, ins, _saved_pair(saved, node.name),
             tuple(strategies))
 
 
@@ -224,7 +235,7 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
                   memory_budget: float | None = None, time_limit_s: float = 10.0) -> BuiltProblem:
     """``params``: placeholder names of parameters (their memory counts training state)."""
     allowed = allowed or {}
-    saved = saved_activations(gm, dropout_mask_bytes=1 if getattr(c.device, "name", "") != "cpu" else None)
+    saved = saved_bytes_by_node(gm, dropout_mask_bytes=1 if getattr(c.device, "name", "") != "cpu" else None)
     names = list(cands.strategies)
     index = {n: i for i, n in enumerate(names)}
     by_name = {n.name: n for n in gm.graph.nodes}
