@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from autopar.context import ParallelMode
 from autopar.cost_models.compute import node_cost, optimizer_step_time, total_flops
 from autopar.cost_models.devices import axis_link
-from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved, training_state_bytes
+from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved_storages, training_state_bytes
 from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.mesh import Mesh
@@ -103,9 +103,9 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
     costing = Costing(shape, device, opts.optimizer, opts.precision)
     specs = PlanSpecs(plan, len(shape))
     by_name = {n.name: n for n in gm.graph.nodes}
-    saved: dict[str, list[tuple[str, int]]] = {}
-    for node_name, name, nbytes in iter_saved(gm, dropout_mask_bytes_for(device.name)):
-        saved.setdefault(node_name, []).append((name, nbytes))
+    saved: dict[str, list[tuple[object, int, bool]]] = {}
+    for node_name, key, nbytes, internal in iter_saved_storages(gm, dropout_mask_bytes_for(device.name)):
+        saved.setdefault(node_name, []).append((key, nbytes, internal))
     coll_time: dict[str, float] = {}
     sync_time: dict[str, float] = {}
     for c in plan.collective_list:
@@ -115,7 +115,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             coll_time[c.node] = coll_time.get(c.node, 0.0) + c.time
     param_spec = {d.placeholder: parse_spec(d.spec) for d in plan.params.values()}
     cuts = crossing_values(gm, unit_of, len(units))
-    seen_saved: set[str] = set()
+    seen_saved: set = set()     # storage keys: views of one storage (q, k, v of one projection) count once
     profiles, launches, syncs, steps = [], [], [], []
     for unit in units:
         time = fwd_base = total_base = launch = act = 0.0
@@ -131,11 +131,10 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             time += d.time - _moved_param_sync(node, d, traced, costing, shape) + coll_time.get(name, 0.0)
             out_shard = max(1, shard_factor(specs.spec(node, 0 if isinstance(d.output, list) else None), shape))
             in_shard = shard_factor(parse_spec(d.inputs[0]), shape) if d.inputs and isinstance(d.inputs[0], str) else 1
-            for saved_name, nbytes in saved.get(name, []):
-                if saved_name not in seen_saved:
-                    seen_saved.add(saved_name)
-                    # a tensor the op makes itself ("node.label": log-probs, statistics) splits like its input
-                    internal = saved_name not in by_name
+            for key, nbytes, internal in saved.get(name, []):
+                if key not in seen_saved:
+                    seen_saved.add(key)
+                    # a tensor the op makes itself (log-probs, statistics) splits like its input
                     act += nbytes / (max(out_shard, in_shard) if internal else out_shard)
             params |= {i.name for i in tensor_inputs(node) if i.op == "placeholder" and i.name in traced.params}
         share = fwd_base / total_base if total_base else 1 / 3
