@@ -419,6 +419,11 @@ def _saved_items(node: fx.Node, mask_bytes: int | None) -> list:
     return [s for s in rule(node) if isinstance(s, Internal) or isinstance(_val(s), torch.Tensor)]
 
 
+def saves_input(node: fx.Node, arg: fx.Node, dropout_mask_bytes: int | None = 1) -> bool:
+    """Whether ``node`` keeps its input ``arg`` (as given to it) for backward."""
+    return any(s is arg for s in _saved_items(node, dropout_mask_bytes))
+
+
 def _param_keys(graph: fx.Graph) -> set:
     return {_storage(n)[0] for n in graph.nodes if n.op in ("placeholder", "get_attr") and is_parameter(n)}
 

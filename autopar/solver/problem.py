@@ -32,7 +32,7 @@ import torch.fx as fx
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time,
                                          work_signature)
-from autopar.cost_models.memory import saved_bytes_by_node, training_state_bytes
+from autopar.cost_models.memory import saved_bytes_by_node, saves_input, training_state_bytes
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
 from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
@@ -262,6 +262,34 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     prob = IntraOpProblem(nodes, edges, memory_budget, ties_idx, time_limit_s)
     prob.hint = feasible_hint(prob)
     return BuiltProblem(prob, names, index)
+
+
+def resharded_param_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],
+                          c: Costing, params: set[str]) -> float:
+    """Bytes of parameters that ops use in another placement than the stored one and keep for
+    backward: the gathered copy (a tied lm-head weight all-gathered for a batch-split matmul) is
+    an activation the node memory cannot see (it depends on the parameter's choice and the
+    consumer's, an edge). One copy per (parameter, placement): the pass emits one per spec.
+    Added to the plan's predicted memory after the solve (the budget constraint does not see it)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    mask = 1 if getattr(c.device, "name", "") != "cpu" else None
+    need = grad_nodes(gm.graph)
+    seen, total = set(), 0.0
+    for name in built.names:
+        node = by_name[name]
+        if node.op != "call_function" or node not in need:
+            continue
+        st = cands.strategies[name][choice[built.index[name]]]
+        for i, a in enumerate(tensor_inputs(node)):
+            if a.name not in params or a.name not in built.index or i >= len(st.inputs):
+                continue
+            stored = cands.strategies[a.name][choice[built.index[a.name]]].output
+            spec = st.inputs[i]
+            if spec == stored or (a.name, spec) in seen or not saves_input(node, a, mask):
+                continue
+            seen.add((a.name, spec))
+            total += tensor_bytes(a) / shard_factor(spec, c.mesh_shape)
+    return total
 
 
 def feasible_hint(p: IntraOpProblem) -> list[int]:
