@@ -102,7 +102,7 @@ def _run_cuda(cases: list[Case], single: bool) -> list[dict]:
         else:
             print(f"skip {case.name!r}: needs {case.world} GPUs, this machine has {gpus} (try --single)")
             continue
-        rows.append(_row(name, results, time.perf_counter() - t0))
+        rows.append(_row(name, results, time.perf_counter() - t0, key="peak"))
     return rows
 
 
@@ -134,10 +134,12 @@ def _nccl_entry(rank: int, world: int, rdzv: str, name: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _row(name: str, results: list[dict], seconds: float) -> dict:
-    """The fullest rank (largest measured total) stands for the case."""
+def _row(name: str, results: list[dict], seconds: float, key: str = "total") -> dict:
+    """The fullest rank (largest measured total) stands for the case; ``key`` picks the prediction
+    compared: "total" (state + saved activations, the CPU count) or "peak" (+ transient workspace,
+    what max_memory_allocated sees)."""
     r = max(results, key=lambda r: r["measured"]["total"])
-    pred, meas = r["predicted"]["total"], r["measured"]["total"]
+    pred, meas = r["predicted"][key], r["measured"]["total"]
     return {"case": name, "rank": r["rank"], "predicted": pred, "measured": meas, "ratio": pred / meas,
             "detail": r, "seconds": seconds}
 
@@ -147,7 +149,11 @@ def print_table(rows: list[dict], what: str) -> None:
     for row in rows:
         m = row["detail"]["measured"]
         extra = ""
-        if "state" in m:
+        if "before_step" in m:
+            p = row["detail"]["predicted"]
+            extra = (f"  (exact count: state {m['state'] / GB:.4f} + saved {m['activations'] / GB:.4f}; predicted "
+                     f"state+saved {p['total'] / GB:.4f} + transient {p.get('transient', 0) / GB:.4f})")
+        elif "state" in m:
             extra = (f"  state {m['state'] / GB:.4f} + acts {m['activations'] / GB:.4f}"
                      f" vs pred acts {row['detail']['predicted'].get('activations', float('nan')) / GB:.4f}")
         print(f"{row['case']:32s} {row['rank']:4d} {row['predicted'] / GB:13.4f} {row['measured'] / GB:12.4f} "
@@ -159,8 +165,10 @@ def main(argv=None) -> None:
     ap.add_argument("-k", default="", help="run the cases whose name contains this")
     ap.add_argument("--cuda", action="store_true", help="measure torch.cuda.max_memory_allocated on GPUs")
     ap.add_argument("--single", action="store_true", help="--cuda: every case on one GPU (per-device batch)")
+    ap.add_argument("--preset", default="h100", help="--cuda: the device preset planning assumes (default h100)")
     args = ap.parse_args(argv)
-    cases = [c for c in CASES.values() if args.k in c.name]
+    os.environ["AUTOPAR_BENCH_PRESET"] = args.preset
+    cases = [c for c in CASES.values() if args.k in c.name and (args.cuda or not c.gpu_only)]
     if not cases:
         sys.exit(f"no case matches {args.k!r}; cases: {', '.join(CASES)}")
     if args.cuda:

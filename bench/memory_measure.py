@@ -169,10 +169,12 @@ def measure_step(pmodel, optimizer, inputs: tuple, target, steps: int = 1) -> Me
 
 
 def predicted(plan, rank: int) -> dict:
-    """The plan's prediction for ``rank``: total bytes and the breakdown it gives."""
-    out = {"total": float(plan.memory_per_device[rank])}
-    out.update({k: float(v) for k, v in (plan.memory_breakdown or {}).items()})
-    return out
+    """The plan's prediction for ``rank``: ``peak`` (``memory_per_device[rank]``, what
+    ``torch.cuda.max_memory_allocated`` measures), ``total`` (the peak less the ``transient``
+    workspace: what the CPU count measures) and the breakdown the plan gives."""
+    breakdown = {k: float(v) for k, v in (plan.memory_breakdown or {}).items()}
+    peak = float(plan.memory_per_device[rank])
+    return {"peak": peak, "total": peak - breakdown.get("transient", 0.0), **breakdown}
 
 
 def gb(nbytes: float) -> float:
@@ -197,6 +199,7 @@ class Case:
     context: tuple = ()             # (key, value) pairs for autopar.set_auto_parallel_context
     memory_options: tuple = ()      # (field, value) pairs of plan.memory_options
     optimizer: str = "adamw"
+    gpu_only: bool = False          # too big for the CPU count (``bench/memory_accuracy.py --cuda`` runs it)
 
     @property
     def world(self) -> int:
@@ -216,11 +219,13 @@ def _models():
         "gpt": functools.partial(GPT, vocab=2048, hidden=128, heads=4, layers=2, seq=64),
         "gpt_large": functools.partial(GPT, vocab=4096, hidden=256, heads=8, layers=4, seq=128),
         "llama": functools.partial(Llama, vocab=2048, hidden=128, heads=4, layers=2, seq=64, ffn=256),
+        "gpt2": functools.partial(GPT, vocab=50257, hidden=768, heads=12, layers=12, seq=1024),          # 124M
+        "gpt_1.3b": functools.partial(GPT, vocab=50257, hidden=2048, heads=16, layers=24, seq=1024),
     }
 
 
-_SEQ = {"gpt": 64, "gpt_large": 128, "llama": 64}
-_VOCAB = {"gpt": 2048, "gpt_large": 4096, "llama": 2048}
+_SEQ = {"gpt": 64, "gpt_large": 128, "llama": 64, "gpt2": 1024, "gpt_1.3b": 1024}
+_VOCAB = {"gpt": 2048, "gpt_large": 4096, "llama": 2048, "gpt2": 50257, "gpt_1.3b": 50257}
 
 CASES = {c.name: c for c in [
     Case("gpt dp2 fp32", "gpt", 8, (2,), mode="data"),
@@ -230,6 +235,11 @@ CASES = {c.name: c for c in [
     Case("gpt pp2 1f1b m4", "gpt", 8, (2,), ("pp",), context=(("schedule", "1f1b"), ("microbatches", 4))),
     Case("gpt pp2 gpipe m4", "gpt", 8, (2,), ("pp",), context=(("schedule", "gpipe"), ("microbatches", 4))),
     Case("gpt-large dp2 fp32", "gpt_large", 8, (2,), mode="data"),
+    # one GPU, GPT-2 124M / 1.3B at batch 8 x 1024 (the issue's H100 data points)
+    Case("gpt2-124m bf16 1gpu", "gpt2", 8, (1,), mode="data", dtype="bf16", gpu_only=True),
+    Case("gpt2-124m fp32 1gpu", "gpt2", 8, (1,), mode="data", gpu_only=True),
+    Case("gpt-1.3b bf16 1gpu", "gpt_1.3b", 8, (1,), mode="data", dtype="bf16", gpu_only=True),
+    Case("gpt-1.3b fp32 1gpu", "gpt_1.3b", 8, (1,), mode="data", gpu_only=True),
     # later, one line each, e.g.:
     # Case("gpt dp2 bf16 mixed", "gpt", 8, (2,), mode="data", memory_options=(("mixed_precision", "bf16"),)),
     # Case("gpt dp2 zero3", "gpt", 8, (2,), mode="data", memory_options=(("zero", 3),)),
@@ -245,8 +255,11 @@ def case_batch(case: Case):
     return x, y
 
 
-def build_case(case: Case, device: str = "cpu"):
-    """(pmodel, optimizer, x, y) on this rank (call on every rank of ``case.world``)."""
+def build_case(case: Case, device: str = "cpu", preset: str | None = None):
+    """(pmodel, optimizer, x, y) on this rank (call on every rank of ``case.world``); ``preset``:
+    the mesh's device preset for planning (default "cpu" on CPU, else $AUTOPAR_BENCH_PRESET or h100)."""
+    import os
+
     import dataclasses
 
     import autopar
@@ -261,7 +274,8 @@ def build_case(case: Case, device: str = "cpu"):
         model = model.to(torch.bfloat16)
     model = model.to(device)
     x, y = (t.to(device) for t in case_batch(case))
-    mesh = autopar.Mesh(case.mesh, axis_names=case.axes) if case.axes else autopar.Mesh(case.mesh)
+    preset = preset or ("cpu" if device == "cpu" else os.environ.get("AUTOPAR_BENCH_PRESET", "h100"))
+    mesh = autopar.Mesh(case.mesh, axis_names=case.axes, device=preset)
     kw = {}
     if case.memory_options:
         plan = autopar.plan(model, mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode=case.mode)

@@ -409,6 +409,11 @@ def _storage(node: fx.Node) -> tuple[object, int]:
     return ("node", node.name), size
 
 
+def storage_key(node: fx.Node) -> object:
+    """A key equal for nodes whose values share one storage (views of one base)."""
+    return _storage(node)[0]
+
+
 def _saved_items(node: fx.Node, mask_bytes: int | None) -> list:
     if node.op != "call_function" or node not in grad_nodes(node.graph):
         return []

@@ -22,7 +22,8 @@ from autopar.sharding.placements import R, Replicate, Shard
 from autopar.solver.decode import decode, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import solve_intra_op
-from autopar.solver.problem import Costing, build_problem, grad_sync_overhead, resharded_param_bytes
+from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
+                                    transient_bytes)
 
 
 @dataclass
@@ -203,6 +204,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
     sol = solve_intra_op(built.problem)
     gathered = resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, set(traced.params))
+    transient = transient_bytes(traced.gm, cands, built, sol.choice, costing, set(traced.params))
     nodes, params, inputs, colls = decode(traced.gm, cands, built, sol.choice, costing, mesh.axis_names, traced)
     outputs = output_specs(traced.gm, nodes, params, inputs, traced)
     colls += loss_report_collectives(traced.gm, outputs, mesh.axis_names, traced)
@@ -213,8 +215,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     return Plan(mode=mode, mesh=mesh, degrees=degrees_of(roles, mesh.axis_names, mesh.shape), axis_roles=roles,
                 nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
-                memory_per_device=[float(sol.memory) + gathered] * mesh.size,
-                memory_breakdown=_breakdown(built, sol, traced, gathered),
+                memory_per_device=[float(sol.memory) + gathered + transient] * mesh.size,
+                memory_breakdown=_breakdown(built, sol, traced, gathered, transient),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 grad_compression=opts.grad_compression, optimizer=opts.optimizer, memory_budget=budget,
@@ -223,10 +225,11 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
 
 
-def _breakdown(built, sol, traced, gathered: float = 0.0) -> dict:
+def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0) -> dict:
     """Peak bytes per device: parameter training state vs activations kept for backward
     (``gathered``: parameters kept in a placement other than the stored one, see
-    ``resharded_param_bytes``)."""
+    ``resharded_param_bytes``; ``transient``: the largest op's gradients in backward,
+    ``transient_bytes``)."""
     state = acts = 0.0
     for i, name in enumerate(built.names):
         mem = float(built.problem.nodes[i].memory[sol.choice[i]])
@@ -237,4 +240,5 @@ def _breakdown(built, sol, traced, gathered: float = 0.0) -> dict:
     out = {"params+grads+optimizer": state, "activations": acts}
     if gathered:
         out["gathered parameters"] = gathered
+    out["transient"] = transient
     return out

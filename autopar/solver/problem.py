@@ -32,7 +32,7 @@ import torch.fx as fx
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time,
                                          work_signature)
-from autopar.cost_models.memory import saved_bytes_by_node, saves_input, training_state_bytes
+from autopar.cost_models.memory import saved_bytes_by_node, saves_input, storage_key, training_state_bytes
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
 from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
@@ -290,6 +290,36 @@ def resharded_param_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltPro
             seen.add((a.name, spec))
             total += tensor_bytes(a) / shard_factor(spec, c.mesh_shape)
     return total
+
+
+def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],
+                    c: Costing, params: set[str]) -> float:
+    """Workspace above the saved activations at the step's peak: the largest, over ops that need
+    a gradient, of the local gradients live while the op's backward runs -- its output's and its
+    non-parameter inputs' (each storage once: a view's gradient is a view) plus one per tensor the
+    op makes and saves itself (a cross-entropy's log-probabilities have a gradient of their own:
+    the loss's backward holds two logits-sized gradients next to the saved log-probabilities,
+    which for a GPT is the largest op of the step). Not in the ILP (a max, not a sum): added to
+    the plan's predicted memory after the solve."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    saved = saved_bytes_by_node(gm, dropout_mask_bytes=1 if getattr(c.device, "name", "") != "cpu" else None)
+    need = grad_nodes(gm.graph)
+    peak = 0.0
+    for name in built.names:
+        node = by_name[name]
+        if node.op != "call_function" or node not in need:
+            continue
+        st = cands.strategies[name][choice[built.index[name]]]
+        out_shard = max(1, shard_factor(_outs(st)[0], c.mesh_shape))
+        in_shard = shard_factor(st.inputs[0], c.mesh_shape) if st.inputs else 1
+        live = {storage_key(node): tensor_bytes(node, 0 if isinstance(node.meta.get("val"), (tuple, list)) else None)
+                / out_shard}
+        for i, a in enumerate(tensor_inputs(node)):
+            if a in need and a.name not in params and i < len(st.inputs):
+                live.setdefault(storage_key(a), tensor_bytes(a) / max(1, shard_factor(st.inputs[i], c.mesh_shape)))
+        internal = _saved_pair(saved, name)[1] / max(out_shard, in_shard)
+        peak = max(peak, sum(live.values()) + internal)
+    return peak
 
 
 def feasible_hint(p: IntraOpProblem) -> list[int]:
