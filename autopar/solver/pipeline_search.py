@@ -336,8 +336,25 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     _check_tags(part, cand, units_m, mb.gm)
     step += sub_plan.grad_sync_overhead
     plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
+    _stage_memory(plan, part, costs_m, sub_plan)
     plan.optimizer_time = opt
     return plan
+
+
+def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_plan: Plan) -> None:
+    """Per rank: the partition's state + in-flight saved activations, plus the sub-plan's gathered
+    parameters and backward workspace ('transient': its largest op, the loss for a language model,
+    so an overestimate for stages without it). ``memory_breakdown`` is the fullest rank's."""
+    sub = sub_plan.memory_breakdown or {}
+    extra = sub.get("gathered parameters", 0.0) + sub.get("transient", 0.0)
+    plan.memory_per_device = [m + extra for m in plan.memory_per_device]
+    fullest = max(range(len(part.rank_memory)), key=lambda r: part.rank_memory[r])
+    state = sum(sum(p.param_bytes for p in costs.profiles[a:b])
+                for (a, b), r in ((st.layers, st.rank) for st in part.stages) if r == fullest)
+    plan.memory_breakdown = {"params+grads+optimizer": state, "activations": part.rank_memory[fullest] - state}
+    for key in ("gathered parameters", "transient"):
+        if key in sub:
+            plan.memory_breakdown[key] = sub[key]
 
 
 def _with_pp(spec):
