@@ -50,16 +50,16 @@ def _cuda_job(rank: int, name: str, single: bool) -> dict:
     peak = torch.cuda.max_memory_allocated()
     if dist.is_initialized():
         dist.barrier()
-    return {"case": case.name, "rank": rank, "measured": {"total": peak, "before_step": base,
-                                                          **count.as_dict()},
+    return {"case": case.name, "rank": rank, "measured": {**count.as_dict(), "total": peak, "before_step": base},
             "predicted": predicted(pmodel.plan, rank)}
 
 
 def _single(case: Case) -> Case:
     """The case on one device: the same model and per-device batch, mesh (1,)."""
     dp = case.mesh[0] if case.mode == "data" or (case.axes and case.axes[0] == "dp") else 1
+    # stand_alone: on a 1-device mesh "data" mode still inserts size-1 collectives that copy
     return dataclasses.replace(case, name=case.name + " [1 GPU]", batch=case.batch // dp, mesh=(1,), axes=None,
-                               mode="data", context=tuple(c for c in case.context if c[0] != "microbatches"))
+                               mode="stand_alone", context=tuple(c for c in case.context if c[0] != "microbatches"))
 
 
 def _run_cpu(cases: list[Case]) -> list[dict]:
@@ -94,7 +94,7 @@ def _run_cuda(cases: list[Case], single: bool) -> list[dict]:
     for case in cases:
         t0 = time.perf_counter()
         if single or case.world == 1:
-            results = [_cuda_job(0, case.name, True)]
+            results = [_cuda_job(0, case.name, case.world > 1)]
             name = results[0]["case"]
         elif case.world <= gpus:
             results = _launch_nccl(case)
@@ -151,7 +151,7 @@ def print_table(rows: list[dict], what: str) -> None:
         extra = ""
         if "before_step" in m:
             p = row["detail"]["predicted"]
-            extra = (f"  (exact count: state {m['state'] / GB:.4f} + saved {m['activations'] / GB:.4f}; predicted "
+            extra = (f"  (count: state {m['state'] / GB:.4f} + saved {m['activations'] / GB:.4f}; predicted "
                      f"state+saved {p['total'] / GB:.4f} + transient {p.get('transient', 0) / GB:.4f})")
         elif "state" in m:
             extra = (f"  state {m['state'] / GB:.4f} + acts {m['activations'] / GB:.4f}"

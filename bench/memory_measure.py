@@ -236,10 +236,10 @@ CASES = {c.name: c for c in [
     Case("gpt pp2 gpipe m4", "gpt", 8, (2,), ("pp",), context=(("schedule", "gpipe"), ("microbatches", 4))),
     Case("gpt-large dp2 fp32", "gpt_large", 8, (2,), mode="data"),
     # one GPU, GPT-2 124M / 1.3B at batch 8 x 1024 (the H100 data points)
-    Case("gpt2-124m bf16 1gpu", "gpt2", 8, (1,), mode="data", dtype="bf16", gpu_only=True),
-    Case("gpt2-124m fp32 1gpu", "gpt2", 8, (1,), mode="data", gpu_only=True),
-    Case("gpt-1.3b bf16 1gpu", "gpt_1.3b", 8, (1,), mode="data", dtype="bf16", gpu_only=True),
-    Case("gpt-1.3b fp32 1gpu", "gpt_1.3b", 8, (1,), mode="data", gpu_only=True),
+    Case("gpt2-124m bf16 1gpu", "gpt2", 8, (1,), mode="stand_alone", dtype="bf16", gpu_only=True),
+    Case("gpt2-124m fp32 1gpu", "gpt2", 8, (1,), mode="stand_alone", gpu_only=True),
+    Case("gpt-1.3b bf16 1gpu", "gpt_1.3b", 8, (1,), mode="stand_alone", dtype="bf16", gpu_only=True),
+    Case("gpt-1.3b fp32 1gpu", "gpt_1.3b", 8, (1,), mode="stand_alone", gpu_only=True),
     # later, one line each, e.g.:
     # Case("gpt dp2 bf16 mixed", "gpt", 8, (2,), mode="data", memory_options=(("mixed_precision", "bf16"),)),
     # Case("gpt dp2 zero3", "gpt", 8, (2,), mode="data", memory_options=(("zero", 3),)),
