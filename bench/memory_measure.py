@@ -19,8 +19,10 @@ rank, every storage once):
 op saves (freed as soon as their consumer runs), the gradients flowing through backward (the
 workspace of one op at a time), received pipeline buffers, communication buffers and the
 allocator's rounding/fragmentation. ``torch.cuda.max_memory_allocated`` (``bench/memory_accuracy.py
---cuda``) sees those too; the CPU count is what the plan's ``memory_per_device`` models
-(state + saved activations).
+--cuda``) sees those too. The plan's ``memory_per_device`` is its predicted peak: state + saved
+activations + gathered parameters + the largest op's backward gradients (``transient`` in
+``memory_breakdown``); the CPU count is compared with the peak less ``transient``
+(:func:`predicted` gives both).
 
 Counting ``params``/``grads``/``optimizer`` exactly means they are *measured*, not inferred from a
 formula: a bf16 model's AdamW moments are bf16 (``torch.zeros_like(p)``), a fp32 model's fp32.
