@@ -96,8 +96,7 @@ class SavedTensorMeter:
         self.peak = 0
         self.describe: dict = {}        # storage key -> (shape, dtype) of its first saved view
         self.at_peak: dict = {}         # key -> (bytes, shape, dtype) live at the peak (``debug``)
-        self.debug = False
-        self.cdata: dict = {}
+        self.debug = False              # keep ``at_peak``: what is live at the peak, to find what a model misses
 
     def _release(self, key):
         self.refs[key] -= 1
@@ -112,10 +111,6 @@ class SavedTensorMeter:
         key, nbytes = _key(t)
         if key in self.exclude or nbytes == 0:
             return handle
-        cdata = t.untyped_storage()._cdata
-        if self.debug and key in self.refs and self.cdata.get(key) != cdata:
-            print("COLLISION", key, tuple(t.shape), self.describe.get(key))
-        self.cdata[key] = cdata
         if key not in self.refs:
             self.refs[key] = 0
             self.sizes[key] = nbytes
@@ -185,8 +180,10 @@ def gb(nbytes: float) -> float:
 
 # ---- the cases -----------------------------------------------------------------------------
 # A case is one line: model, batch, mesh, mode, dtype and autopar context. A new memory option
-# (mixed precision, ZeRO, recomputation: ``plan.memory_options``) is a case whose ``context`` (or
-# ``memory_options``, applied to the plan before building) sets it.
+# (mixed precision, ZeRO, recomputation: ``plan.memory_options``) is a case whose ``context`` sets
+# it when it is a planning input (the prediction then accounts for it), or whose
+# ``memory_options`` are written into the plan before building (the plan's memory_per_device must
+# then be recomputed for them, or the comparison tests a stale prediction).
 
 
 @dataclass(frozen=True)
