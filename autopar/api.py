@@ -27,11 +27,20 @@ def _mode(mode) -> ParallelMode:
     return ParallelMode.parse(mode if mode is not None else get_auto_parallel_context()["parallel_mode"])
 
 
-def _options() -> PlanOptions:
+def _mixed_precision(value):
+    """The call's ``mixed_precision``, else the context's (None, "bf16")."""
+    mp = get_auto_parallel_context()["mixed_precision"] if value is None else value
+    if mp not in (None, "bf16"):
+        raise ValueError(f"mixed_precision must be None or 'bf16', got {mp!r}")
+    return mp
+
+
+def _options(mixed_precision=None) -> PlanOptions:
     ctx = get_auto_parallel_context()
     return PlanOptions(grad_compression=ctx["grad_compression"], memory_budget_gb=ctx["memory_budget_gb"],
                        time_limit_s=ctx["solver_time_limit"], microbatches=ctx["microbatches"],
-                       schedule=ctx["schedule"])
+                       schedule=ctx["schedule"], mixed_precision=mixed_precision, accumulation=ctx["accumulation"],
+                       precision="mixed" if mixed_precision else "fp32")
 
 
 def _check_mesh(mesh) -> Mesh:
@@ -43,29 +52,36 @@ def _check_mesh(mesh) -> Mesh:
 
 
 def _plan_traced(model, traced: Traced, retracer: Retracer, mesh: Mesh, mode: ParallelMode,
-                 top_k: int = 1) -> list[Plan]:
+                 top_k: int = 1, mixed_precision=None) -> list[Plan]:
     """The ``top_k`` best predicted plans, best first."""
     if mode == ParallelMode.HYBRID:
         raise PlanError("HYBRID mode applies a complete plan: pass plan=<Plan or path to plan JSON>")
     param_ann = resolve_params(model, ANNOTATIONS) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     input_ann = dict(ANNOTATIONS.inputs) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
-    return make_plans(traced, model, mesh, mode, _options(), param_ann, input_ann, top_k, retracer)
+    return make_plans(traced, model, mesh, mode, _options(mixed_precision), param_ann, input_ann, top_k, retracer)
 
 
-def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None) -> Plan:
-    """Plan only: no processes or devices needed; the model may live on the meta device."""
+def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None,
+         mixed_precision=None) -> Plan:
+    """Plan only: no processes or devices needed; the model may live on the meta device.
+    ``mixed_precision="bf16"``: bf16 compute on working copies of fp32 master weights."""
     mesh = _check_mesh(mesh)
     mode = _mode(mode)
-    traced = trace(model, example_inputs, loss_fn, example_target)
-    retracer = Retracer(model, example_inputs, loss_fn, example_target)
-    return _plan_traced(model, traced, retracer, mesh, mode)[0]
+    mp = _mixed_precision(mixed_precision)
+    traced = trace(model, example_inputs, loss_fn, example_target, mp)
+    retracer = Retracer(model, example_inputs, loss_fn, example_target, mp)
+    return _plan_traced(model, traced, retracer, mesh, mode, mixed_precision=mp)[0]
 
 
-def _load_plan(plan, traced: Traced, mesh: Mesh) -> Plan:
+def _read_plan(plan) -> Plan:
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an autopar.Plan or a path to a plan JSON, got {type(plan).__name__}")
+    return plan
+
+
+def _check_plan(plan: Plan, traced: Traced, mesh: Mesh) -> Plan:
     if plan.mesh.size != mesh.size:   # AUTO may re-factor a mesh and pipelines add size-1 axes: count devices
         raise PlanError(f"the given plan was made for mesh {plan.mesh!r} ({plan.mesh.size} devices) but parallelize() "
                         f"got mesh {mesh!r} ({mesh.size} devices); apply it on a mesh of {plan.mesh.size} devices, or "
@@ -86,8 +102,10 @@ def _broadcast_plans(plans: list[Plan] | None) -> list[Plan]:
 
 
 def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None,
-                plan=None) -> ParallelModule:
-    """Plan (on rank 0, shared with every rank) and build this rank's ParallelModule."""
+                plan=None, mixed_precision=None) -> ParallelModule:
+    """Plan (on rank 0, shared with every rank) and build this rank's ParallelModule.
+    ``mixed_precision="bf16"``: bf16 compute on working copies of fp32 master weights (a given
+    ``plan`` brings its own ``memory_options.mixed_precision``)."""
     mesh = _check_mesh(mesh)
     mode = _mode(mode) if plan is None or mode is not None else ParallelMode.HYBRID
     if any(p.is_meta for p in model.parameters()):
@@ -103,18 +121,26 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
         raise RuntimeError(f"mesh {mesh!r} has {mesh.size} devices but torch.distributed is not initialized: run "
                            "under torchrun or autopar.launch (or use a Mesh(1))")
     broadcast_state(model)           # one model on every rank, whatever each rank's seed was
-    traced = trace(model, example_inputs, loss_fn, example_target)
-    retracer = Retracer(model, example_inputs, loss_fn, example_target)
+    given = _read_plan(plan) if plan is not None else None
+    mp = _mixed_precision(mixed_precision)
+    if given is not None:
+        if mixed_precision is not None and mixed_precision != given.memory_options.mixed_precision:
+            raise PlanError(f"parallelize(mixed_precision={mixed_precision!r}) but the given plan was made with "
+                            f"mixed_precision={given.memory_options.mixed_precision!r}; drop the keyword or make a "
+                            "new plan with it")
+        mp = given.memory_options.mixed_precision
+    traced = trace(model, example_inputs, loss_fn, example_target, mp)
+    retracer = Retracer(model, example_inputs, loss_fn, example_target, mp)
     mark_chunk_hints(traced.gm)      # every rank's graph, whether it plans or receives the plan
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if plan is not None:
-        the_plan = _load_plan(plan, traced, mesh)
+    if given is not None:
+        the_plan = _check_plan(given, traced, mesh)
     else:
         err, plans = None, None
         top_k = get_auto_parallel_context()["autotune_top_k"] if mode == ParallelMode.AUTO and mesh.size > 1 else 1
         if rank == 0:
             try:
-                plans = _plan_traced(model, traced, retracer, mesh, mode, max(1, top_k))
+                plans = _plan_traced(model, traced, retracer, mesh, mode, max(1, top_k), mp)
             except Exception as e:  # noqa: BLE001 - re-raised on every rank below
                 err = e
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -9,15 +9,16 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.collectives.groups import AxisGroup, axis_groups
-from autopar.graph.retrace import Retracer
+from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.parallel_module import ParallelModule
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.localize_shapes import localize_shapes
+from autopar.passes.recompute import apply_recompute, recompute_choices
 from autopar.pipeline_module import build_pipeline_module
-from autopar.plan import Plan
+from autopar.plan import Plan, PlanError
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, setup_grad_sync, sum_grads
 from autopar.runtime.program import RankProgram, placeholder_slot
-from autopar.trace import Traced
+from autopar.trace import Traced, compute_dtype
 
 
 def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
@@ -34,6 +35,9 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
     """This rank's module for ``the_plan``; a pipelined plan re-traces at its microbatch shape with ``retracer``."""
     if the_plan.degrees.get("pp", 1) > 1:
         return build_pipeline_module(model, traced, the_plan, retracer)
+    full = traced
+    if the_plan.memory_options.accumulation > 1:
+        traced = _accumulation_graph(traced, the_plan, retracer)
     mesh = the_plan.mesh
     if dist.is_initialized():
         axes = axis_groups(mesh)
@@ -46,6 +50,7 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
     gm, param_sync = insert_collectives(gm, the_plan, mesh.axis_names, mesh.shape, set(traced.params),
                                           traced.loss_index)
     gm = localize_shapes(gm, the_plan, mesh.shape)
+    apply_recompute(gm, recompute_choices(gm, the_plan.memory_options.recompute))
     fwd = _forward_graph(gm, traced)
     params, buffers = {}, {}
     state = dict(model.state_dict(keep_vars=True))
@@ -53,7 +58,7 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
     named_b = dict(model.named_buffers(remove_duplicate=False))
     slots = [placeholder_slot(node.name, traced, params_by_ph, named_p, named_b, coords, mesh.shape, params, buffers)
              for node in gm.graph.nodes if node.op == "placeholder"]
-    program = RankProgram(gm, fwd, slots, params, buffers, axes)
+    program = RankProgram(gm, fwd, slots, params, buffers, axes, compute_dtype(the_plan.memory_options.mixed_precision))
     sync = {traced.params[ph]: tuple(sorted(a, key=mesh.axis_names.index)) for ph, a in param_sync.items()}
     named = dict(program.named_parameters())
     groups = {n: g.group for n, g in axes.items()}
@@ -61,4 +66,21 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
     ddp = setup_grad_sync(program, sync, axes, mesh, acc, the_plan.grad_compression)
     used = {a for d in the_plan.params.values() for a in d.aliases}
     extra = {k: v.detach().clone() for k, v in state.items() if k not in used}
-    return ParallelModule(program, the_plan, traced, axes, coords, ddp, extra, list(state), acc)
+    return ParallelModule(program, the_plan, full, axes, coords, ddp, extra, list(state), acc,
+                          microbatch=traced if traced is not full else None)
+
+
+def _accumulation_graph(traced: Traced, the_plan: Plan, retracer: Retracer | None) -> Traced:
+    """The step re-traced at the microbatch the plan was solved on (fingerprint checked)."""
+    info = the_plan.accumulation_trace
+    if info is None:
+        raise PlanError("the plan has memory_options.accumulation > 1 but no accumulation_trace; make a new plan")
+    if retracer is None:
+        raise PlanError("a plan with gradient accumulation re-traces the model at its microbatch; build it "
+                        "through autopar.parallelize()")
+    mb = microbatch_trace(traced, info.size, retracer)
+    if graph_fingerprint(mb.gm) != info.fingerprint:
+        raise PlanError(f"the plan's microbatch graph does not match this model traced at {info.size} rows; make a "
+                        "new plan for this model")
+    traced.meta.get("microbatch_traces", {}).pop(info.size, None)
+    return mb

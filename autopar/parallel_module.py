@@ -7,13 +7,13 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.collectives import comm
 from autopar.collectives.groups import bound_axes
 from autopar.plan import PlanError
 from autopar.runtime.program import RankProgram
-from autopar.sharding.placements import Partial, Replicate, Shard, parse_spec, shard_factor
+from autopar.sharding.placements import Partial, Replicate, Shard, replicated, shard_factor
 from autopar.sharding.redistribute import redistribute_steps
 from autopar.sharding.shard_params import assemble, local_piece
 
@@ -22,13 +22,15 @@ class ParallelModule(nn.Module):
     """This rank's part of the model: ``step`` trains, ``forward`` infers, both on the global batch."""
 
     def __init__(self, program: RankProgram, plan, traced, axes, coords, ddp=None, extra_state=None,
-                 state_keys=None, accumulation=None):
+                 state_keys=None, accumulation=None, microbatch=None):
+        """``microbatch``: the step traced at the plan's accumulation microbatch, which ``program``
+        runs ``plan.memory_options.accumulation`` times per step (None: no accumulation)."""
         super().__init__()
         self.program = program
         self.plan = plan
-        self._traced_meta = {"inputs": list(traced.inputs), "input_shapes": list(traced.input_shapes),
-                             "target_shape": traced.target_shape, "loss_index": traced.loss_index,
-                             "has_loss": traced.has_loss, "output_tree": traced.output_tree}
+        self._global_meta = _meta(traced)
+        self._traced_meta = _meta(microbatch if microbatch is not None else traced)
+        self._chunks = plan.memory_options.accumulation if microbatch is not None else 1
         self._axes = axes
         self._coords = coords
         object.__setattr__(self, "_ddp", ddp)
@@ -62,7 +64,7 @@ class ParallelModule(nn.Module):
 
     def _batch_axes(self) -> list[int]:
         inputs = self._traced_meta["inputs"]
-        spec = parse_spec(self.plan.inputs[inputs[0]]) if inputs and inputs[0] in self.plan.inputs else ()
+        spec = self.plan.inputs[inputs[0]] if inputs and inputs[0] in self.plan.inputs else ()
         return [a for a, p in enumerate(spec) if p == Shard(0)]
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -88,10 +90,10 @@ class ParallelModule(nn.Module):
         known = set(self._traced_meta["inputs"])
         return next((k for k in self.plan.inputs if k not in known), None)
 
-    def _localize(self, x, spec_text, global_shape, what, local_batch, mesh_shape):
+    def _localize(self, x, spec, global_shape, what, local_batch, mesh_shape):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{what} must be a tensor, got {type(x).__name__}")
-        spec = parse_spec(spec_text) if spec_text else tuple(Replicate() for _ in mesh_shape)
+        spec = spec or replicated(len(mesh_shape))
         if local_batch:
             dp = math.prod(mesh_shape[a] for a, p in enumerate(spec) if p == Shard(0))
             expect = (global_shape[0] // dp,) + tuple(global_shape[1:]) if global_shape else ()
@@ -107,8 +109,39 @@ class ParallelModule(nn.Module):
         return local_piece(x, spec, self._coords, mesh_shape).contiguous()
 
     # ---- running -------------------------------------------------------------------------
+    def _accumulation_chunks(self, inputs, target, local_batch: bool) -> list[tuple]:
+        """The global batch (or this rank's part) cut into the plan's k microbatches along dim 0."""
+        k, meta = self._chunks, self._global_meta
+        if len(inputs) != len(meta["inputs"]):
+            raise ValueError(f"the model was planned with {len(meta['inputs'])} input(s) but got {len(inputs)}")
+        for i, (x, shape) in enumerate(zip(inputs, meta["input_shapes"])):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+            if not local_batch and tuple(x.shape) != tuple(shape):
+                raise ValueError(f"input {i} has shape {list(x.shape)} but the model was planned for the global shape "
+                                 f"{list(shape)} (run as {k} accumulated microbatches); pass the global batch, or "
+                                 "re-plan with example inputs of the new shape")
+            if x.shape[0] % k:
+                raise ValueError(f"input {i} has {x.shape[0]} rows, which the plan's {k} accumulation microbatches "
+                                 "do not divide")
+        parts = [x.chunk(k, 0) for x in inputs]
+        targets = target.chunk(k, 0) if target is not None else [None] * k
+        return [(tuple(p[j] for p in parts), targets[j]) for j in range(k)]
+
     def step(self, *inputs, target=None, local_batch: bool = False) -> torch.Tensor:
-        """Forward + backward on this rank's part of the global batch; returns the global mean loss."""
+        """Forward + backward on this rank's part of the global batch; returns the global mean loss.
+        A plan with accumulation k runs it as k microbatches one after another (each loss scaled by
+        1/k, gradients summed locally and synced once, with the last)."""
+        if self._chunks == 1:
+            return self._step(inputs, target, local_batch)
+        chunks = self._accumulation_chunks(inputs, target, local_batch)
+        losses = []
+        for j, (xs, t) in enumerate(chunks):
+            with self.no_sync() if j < len(chunks) - 1 else contextlib.nullcontext():
+                losses.append(self._step(xs, t, local_batch, 1.0 / len(chunks)))
+        return torch.stack(losses).mean()
+
+    def _step(self, inputs, target, local_batch: bool, scale: float = 1.0) -> torch.Tensor:
         meta = self._traced_meta
         if not meta["has_loss"]:
             raise ValueError("step() needs a loss: pass loss_fn= and example_target= to parallelize, "
@@ -125,7 +158,7 @@ class ParallelModule(nn.Module):
             outs = runner(*xs, target=tgt)
             loss = outs[meta["loss_index"]]
             report = self._start_global_loss(loss)      # the loss report overlaps backward
-            loss.backward()
+            (loss * scale if scale != 1.0 else loss).backward()
         if acc is not None:
             acc.after_backward()
         return self._finish_global_loss(*report)
@@ -142,12 +175,13 @@ class ParallelModule(nn.Module):
             self._acc.flush()
 
     def _partial_loss_axes(self) -> list[str]:
-        spec = parse_spec(self.plan.outputs.get("loss", "[" + ",".join("R" for _ in self.plan.mesh.shape) + "]"))
+        spec = self.plan.outputs.get("loss") or replicated(len(self.plan.mesh.shape))
         return [self.plan.mesh.axis_names[a] for a, p in enumerate(spec) if isinstance(p, Partial)]
 
     def _start_global_loss(self, loss: torch.Tensor):
-        """Start summing the loss over its first Partial axis; (value, work, remaining axes)."""
+        """Start summing the loss (in fp32) over its first Partial axis; (value, work, remaining axes)."""
         axes = self._partial_loss_axes()
+        loss = loss.detach().float()
         if not axes:
             return loss.detach(), None, []
         with bound_axes(self._axes):
@@ -163,12 +197,21 @@ class ParallelModule(nn.Module):
         return value
 
     def forward(self, *inputs, local_batch: bool = False):
-        """Forward only: the model's output, in the structure the model returns, each tensor gathered in full."""
+        """Forward only: the model's output, in the structure the model returns, each tensor gathered in full
+        (with accumulation, the microbatches' outputs joined along dim 0)."""
+        if self._chunks > 1:
+            outs = [tree_flatten(self._forward(xs, local_batch))[0]
+                    for xs, _ in self._accumulation_chunks(inputs, None, local_batch)]
+            return tree_unflatten([_join(j, [o[j] for o in outs]) for j in range(len(outs[0]))],
+                                  self._traced_meta["output_tree"])
+        return self._forward(inputs, local_batch)
+
+    def _forward(self, inputs, local_batch: bool):
         xs, _ = self._local_inputs(inputs, None, local_batch)
         leaves = self.program(*xs, target=None, forward_only=True)
         names = self.plan.mesh.axis_names
         with bound_axes(self._axes):
-            full = [_to_replicate(x, parse_spec(spec), names) if isinstance(x, torch.Tensor) and spec else x
+            full = [_to_replicate(x, spec, names) if isinstance(x, torch.Tensor) and spec else x
                     for x, spec in zip(leaves, self._output_specs(len(leaves)))]
         return tree_unflatten(full, self._traced_meta["output_tree"])
 
@@ -207,7 +250,7 @@ class ParallelModule(nn.Module):
     def _replicas(self, name: str) -> float:
         """How many ranks hold the same piece of parameter ``name``."""
         world = self.plan.mesh.size
-        spec = parse_spec(self.plan.params[name].spec) if name in self.plan.params else ()
+        spec = self.plan.params[name].spec if name in self.plan.params else ()
         return world / shard_factor(spec, self.plan.mesh.shape) if spec else world
 
     def _trainable(self, name: str) -> bool:
@@ -235,7 +278,7 @@ class ParallelModule(nn.Module):
         for name, d in self.plan.params.items():
             if d.kind == "constant" or all(a in self._extra_state for a in d.aliases):
                 continue     # a tensor no stage holds (unused) keeps its initial value
-            full = self._gather(name, self._local(name), parse_spec(d.spec))
+            full = self._gather(name, self._local(name), d.spec)
             for alias in d.aliases:
                 out[alias] = full
         for k, v in self._extra_state.items():
@@ -253,7 +296,7 @@ class ParallelModule(nn.Module):
                 continue
             p = self._local(name)
             g = None if p is None else (p.grad if p.grad is not None else torch.zeros_like(p))
-            out[name] = self._gather(name, g, parse_spec(d.spec))
+            out[name] = self._gather(name, g, d.spec)
         return out
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -265,7 +308,7 @@ class ParallelModule(nn.Module):
             key = next((a for a in d.aliases if a in state), None)
             if key is None:
                 raise KeyError(f"state dict has no entry for {name!r} (or its aliases {d.aliases})")
-            piece = local_piece(state[key], parse_spec(d.spec), self._coords, mesh.shape)
+            piece = local_piece(state[key], d.spec, self._coords, mesh.shape)
             with torch.no_grad():
                 self.program.local_tensor(name).copy_(piece)
 
@@ -279,6 +322,22 @@ class ParallelModule(nn.Module):
         from autopar.runtime.checkpoint import load_checkpoint
 
         load_checkpoint(self, path, optimizer)
+
+
+def _meta(traced) -> dict:
+    return {"inputs": list(traced.inputs), "input_shapes": list(traced.input_shapes),
+            "target_shape": traced.target_shape, "loss_index": traced.loss_index,
+            "has_loss": traced.has_loss, "output_tree": traced.output_tree}
+
+
+def _join(j: int, parts: list):
+    """Output leaf ``j`` of every accumulation microbatch joined along dim 0 (the batch)."""
+    if not isinstance(parts[0], torch.Tensor):
+        return parts[0]
+    if not parts[0].dim():
+        raise ValueError(f"output leaf {j} is a scalar: it cannot be rebuilt from {len(parts)} accumulation "
+                         "microbatches; return per-example values or plan without accumulation")
+    return torch.cat(parts, 0)
 
 
 def _to_replicate(x: torch.Tensor, spec, axis_names) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_unflatten
 
+from autopar.trace import compute_dtype
 from autopar.collectives import comm
 from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import AxisGroup, axis_groups, bound_axes
@@ -34,7 +35,7 @@ from autopar.runtime.grad_sync import Accumulation, grads_by_axes, sum_grads
 from autopar.runtime.pipeline import PipelineExecutor, StageCall
 from autopar.runtime.program import ParamTree, placeholder_slot
 from autopar.schedule import build_schedule
-from autopar.sharding.placements import Partial, local_shape, parse_spec, shard_factor
+from autopar.sharding.placements import Partial, local_shape, replicated, shard_factor
 from autopar.sharding.shard_params import assemble
 
 
@@ -63,6 +64,7 @@ def _tie_groups(owners: dict[str, list[int]], per_pp: int, my_rank: int) -> dict
 def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) -> "PipelineModule":
     from autopar.passes.insert_collectives import insert_collectives
     from autopar.passes.localize_shapes import localize_shapes
+    from autopar.passes.recompute import apply_recompute, recompute_choices
 
     info = plan.pipeline
     if info is None:
@@ -81,6 +83,7 @@ def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) ->
     gm, param_sync = insert_collectives(mb.gm, plan, mesh.axis_names, mesh.shape, set(mb.params),
                                           mb.loss_index)
     gm = localize_shapes(gm, plan, mesh.shape)
+    recompute = recompute_choices(gm, plan.memory_options.recompute)
     stage_of = {n: st.index for st in plan.stages for n in st.nodes}
     graphs, transfers = split_stages(gm, stage_of, len(plan.stages), plan, mesh.shape)
     mine = [st.index for st in plan.stages if my_rank in st.ranks]
@@ -102,8 +105,10 @@ def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) ->
         slots = [placeholder_slot(ph, mb, by_ph, named_p, named_b, coords, mesh.shape, params, buffers)
                  for ph in g.placeholders]
         keep = list(mb.output_leaves) if g.results else []
-        calls[s] = StageCall(g, forward_only(g, keep), slots)
-    program = PipelineProgram(params, buffers)
+        fwd = forward_only(g, keep)                 # inference: no recomputation
+        apply_recompute(g.gm, recompute)
+        calls[s] = StageCall(g, fwd, slots)
+    program = PipelineProgram(params, buffers, compute_dtype(plan.memory_options.mixed_precision))
     schedule = build_schedule(plan.schedule, pp, plan.microbatches, info.virtual_stages)
     my_sub = my_rank % per_pp
 
@@ -168,7 +173,7 @@ class PipelineModule(ParallelModule):
         if target is not None:
             tgt = self._split(target, self.plan.inputs.get(tph), meta["target_shape"], self._mb_target_shape,
                               "target", local_batch)
-        return [([xs[i] for xs in per_input], tgt[i]) for i in range(m)]
+        return [([self.program.cast_input(xs[i]) for xs in per_input], tgt[i]) for i in range(m)]
 
     def _split(self, x, spec_text, global_shape, mb_shape, what, local_batch):
         if not isinstance(x, torch.Tensor):
@@ -189,18 +194,19 @@ class PipelineModule(ParallelModule):
             raise ValueError("step() needs target= (the model was planned with a loss_fn and example_target)")
         mbs = self._microbatches(inputs, target, local_batch)
         self._acc.before_backward()
-        losses = self._executor.run(self.program.local_tensor, mbs, 1.0 / self.plan.microbatches)
+        self.program.new_step()
+        losses = self._executor.run(self.program.compute_tensor, mbs, 1.0 / self.plan.microbatches)
         if self._acc.syncing:
             self._sync_grads()
         self._acc.after_backward()
-        total = torch.stack(losses).sum() / self.plan.microbatches if losses else torch.zeros(())
+        total = torch.stack(losses).float().sum() / self.plan.microbatches if losses else torch.zeros(())
         return self._pipeline_loss(total)
 
     def _pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
         mesh = self.plan.mesh
         last = self._is_last()
         if last:
-            spec = parse_spec(self.plan.outputs.get("loss", "[" + ",".join("R" for _ in mesh.shape) + "]"))
+            spec = self.plan.outputs.get("loss") or replicated(len(mesh.shape))
             with bound_axes(self._axes):
                 for a, p in enumerate(spec):
                     if isinstance(p, Partial):
@@ -235,7 +241,8 @@ class PipelineModule(ParallelModule):
         """Forward only: the model's output on every rank, in the structure the model returns; each tensor
         leaf is gathered in full and its microbatches concatenated along dim 0."""
         mbs = self._microbatches(inputs, None, local_batch)
-        outs = self._executor.run(self.program.local_tensor, mbs, 1.0, train=False)
+        self.program.new_step()
+        outs = self._executor.run(self.program.compute_tensor, mbs, 1.0, train=False)
         specs = self._output_specs(len(self._out_meta))
         full = [self._output_leaf(j, val, spec, [o[j] for o in outs]) for j, (val, spec)
                 in enumerate(zip(self._out_meta, specs))]
@@ -248,7 +255,7 @@ class PipelineModule(ParallelModule):
         mesh = self.plan.mesh
         if self._is_last():
             with bound_axes(self._axes), torch.no_grad():
-                parts = [_to_replicate(p, parse_spec(spec), mesh.axis_names) if spec else p for p in pieces]
+                parts = [_to_replicate(p, spec, mesh.axis_names) if spec else p for p in pieces]
             if not val.dim() and len(parts) > 1:
                 raise ValueError(f"output leaf {j} of the pipelined model is a scalar: it cannot be rebuilt from "
                                  f"{len(parts)} microbatches; return per-example values or plan one microbatch")
@@ -266,7 +273,7 @@ class PipelineModule(ParallelModule):
     # ---- gradients and state -----------------------------------------------------------------
     def _replicas(self, name: str) -> int:
         """Ranks holding the same piece: its shard's replicas in each stage that owns ``name``."""
-        spec = parse_spec(self.plan.params[name].spec)
+        spec = self.plan.params[name].spec
         return len(self._owners.get(name, [0])) * self._per_pp // shard_factor(spec, self.plan.mesh.shape)
 
     def _gather(self, name: str, local: torch.Tensor | None, spec) -> torch.Tensor:

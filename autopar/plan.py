@@ -5,11 +5,12 @@ Everything here is JSON-serialisable; ``Plan.from_json(plan.to_json()) == plan``
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from autopar.context import ParallelMode
 from autopar.mesh import Mesh
+from autopar.sharding.placements import Spec, as_spec
 
 FORMAT_VERSION = 2
 _READABLE_VERSIONS = (1, 2)   # 1: pipeline, grad compression etc. lived in ``options``
@@ -19,14 +20,45 @@ class PlanError(ValueError):
     """The request cannot be planned as asked, or a plan does not fit the graph; the message says what to change."""
 
 
+def _specs(value):
+    """A Spec, or a list of Specs (None for a non-tensor leaf) from their objects or strings."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [None if v is None else as_spec(v) for v in value]
+    return as_spec(value)
+
+
+def _json_specs(value):
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [None if v is None else str(v) for v in value]
+    return str(value)
+
+
+class _Specced:
+    """Fields named in ``_SPEC_FIELDS`` hold Specs: strings and tuples given to them (by a
+    constructor, a hand edit or JSON) become Specs on assignment."""
+
+    _SPEC_FIELDS: tuple = ()
+
+    def __setattr__(self, name, value):
+        if name in self._SPEC_FIELDS:
+            value = [as_spec(v) for v in value] if name == "inputs" else _specs(value)
+        object.__setattr__(self, name, value)
+
+
 @dataclass
-class NodeDecision:
+class NodeDecision(_Specced):
     """The strategy chosen for one op."""
+
+    _SPEC_FIELDS = ("inputs", "output")
 
     op: str
     strategy: str
-    inputs: list[str]            # spec per tensor input, e.g. "[S(0),R]"
-    output: object               # spec string, or list of them for multi-output ops
+    inputs: list[Spec]           # spec per tensor input, e.g. [S(0),R]
+    output: object               # Spec, or a list of them for multi-output ops
     local: list                  # per axis: local implementation name or None
     module: str = ""
     time: float = 0.0            # predicted seconds (compute + own collectives), fwd+bwd
@@ -34,8 +66,10 @@ class NodeDecision:
 
 
 @dataclass
-class ParamDecision:
-    spec: str
+class ParamDecision(_Specced):
+    _SPEC_FIELDS = ("spec",)
+
+    spec: Spec
     shape: list[int]
     dtype: str
     placeholder: str
@@ -47,12 +81,13 @@ class ParamDecision:
 
 @dataclass
 class Collective:
-    kind: str
+    kind: str                    # "all_reduce", "all_gather", ..., "send", "recv" (pipeline p2p)
     bytes: int
     axes: list[str]
     phase: str                   # "fwd", "bwd" or "step"
     node: str = ""
     time: float = 0.0
+    stages: list[int] = field(default_factory=list)   # pipeline: the stages whose ranks run it (empty: by node)
 
 
 @dataclass
@@ -152,6 +187,15 @@ class MemoryOptions:
 
 
 @dataclass
+class MicrobatchTrace:
+    """The graph a plan with ``memory_options.accumulation`` > 1 was solved on: the step traced at
+    ``size`` rows (the runtime re-traces at it and checks the fingerprint)."""
+
+    size: int
+    fingerprint: str
+
+
+@dataclass
 class AutotuneTrial:
     """One measured candidate of autotuning (``measured`` None: it failed or did not run)."""
 
@@ -176,8 +220,8 @@ class Plan:
     axis_roles: dict[str, str] = field(default_factory=dict)   # mesh axis -> "dp" | "tp" | "pp" | "none"
     nodes: dict[str, NodeDecision] = field(default_factory=dict)
     params: dict[str, ParamDecision] = field(default_factory=dict)
-    inputs: dict[str, str] = field(default_factory=dict)       # input placeholder -> spec
-    outputs: dict[str, object] = field(default_factory=dict)   # "loss" -> spec; "output" -> spec per leaf
+    inputs: dict[str, Spec] = field(default_factory=dict)      # input placeholder -> spec
+    outputs: dict[str, object] = field(default_factory=dict)   # "loss" -> Spec; "output" -> Spec per leaf
     microbatches: int = 1
     schedule: str = "none"
     stages: list[Stage] = field(default_factory=list)
@@ -193,6 +237,7 @@ class Plan:
     collective_list: list[Collective] = field(default_factory=list)
     pipeline: PipelineInfo | None = None         # set when degrees["pp"] > 1
     memory_options: MemoryOptions = field(default_factory=MemoryOptions)
+    accumulation_trace: MicrobatchTrace | None = None   # set when memory_options.accumulation > 1
     grad_compression: str | None = None          # dtype gradients are all-reduced in ("bf16", "fp16")
     optimizer: str = "adamw"                     # the optimizer the step time was costed for
     memory_budget: float | None = None           # bytes per device the plan was fitted to
@@ -206,13 +251,30 @@ class Plan:
 
     # ---- queries ---------------------------------------------------------------------
     def collectives(self, rank: int = 0) -> list[Collective]:
-        """What one training step runs on ``rank``: kind, bytes, mesh axes, phase."""
+        """What one training step runs on ``rank``: kind, bytes, mesh axes, phase.
+
+        A pipelined plan lists one microbatch's activation collectives (entries whose node is an
+        op of ``self.nodes`` run once per microbatch), including the sends and receives between
+        stages; an entry naming ``stages`` runs on the ranks that hold one of them (once per rank),
+        any other on the ranks holding its node's stage."""
         if not self.stages:
             return list(self.collective_list)
         held = [s for s in self.stages if rank in s.ranks] or self.stages[:1]   # interleaved: several
         names = {n for s in held for n in s.nodes}
+        mine = {s.index for s in held}
         return [c for c in self.collective_list
-                if not c.node or c.node in names or c.node not in self.nodes or c.phase == "step"]
+                if (mine.intersection(c.stages) if c.stages else
+                    not c.node or c.node in names or c.node not in self.nodes or c.phase == "step")]
+
+    def runs_per_step(self, c: Collective) -> int:
+        """How many times one step runs entry ``c``: a pipeline's activation collectives once per
+        microbatch; with accumulation k, everything but the gradient sync k times."""
+        if self.stages:
+            return self.microbatches if c.node in self.nodes else 1
+        k = self.memory_options.accumulation
+        if k > 1 and c.node not in {d.placeholder for d in self.params.values()}:
+            return k
+        return 1
 
     def redundant_axes(self) -> list[str]:
         """Mesh axes (size > 1) on which no op is split: every rank on such an axis repeats the same work."""
@@ -225,7 +287,7 @@ class Plan:
         specs = self.outputs.get("output")
         if specs is None:
             return []
-        return [specs] if isinstance(specs, str) else list(specs)
+        return [specs] if isinstance(specs, Spec) else list(specs)
 
     def explain(self, name: str) -> str:
         from autopar.report import explain
@@ -245,7 +307,13 @@ class Plan:
 
     # ---- JSON ------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = asdict(self)
+        """JSON-ready: placements written as strings ("[S(0),R]")."""
+        d = asdict(replace(self, nodes={}, params={}, inputs={}, outputs={}))
+        d["nodes"] = {k: {**asdict(replace(v, inputs=[], output=None)), "inputs": [str(s) for s in v.inputs],
+                          "output": _json_specs(v.output)} for k, v in self.nodes.items()}
+        d["params"] = {k: {**asdict(replace(v, spec=None)), "spec": str(v.spec)} for k, v in self.params.items()}
+        d["inputs"] = {k: str(v) for k, v in self.inputs.items()}
+        d["outputs"] = {k: _json_specs(v) for k, v in self.outputs.items()}
         d["mode"] = self.mode.value
         d["mesh"] = self.mesh.to_dict()
         d["format_version"] = FORMAT_VERSION
@@ -267,6 +335,8 @@ class Plan:
         d["params"] = {k: ParamDecision(**v) for k, v in d["params"].items()}
         d["alternatives"] = [Alternative(**a) for a in d["alternatives"]]
         d["stages"] = [Stage(**s) for s in d["stages"]]
+        d["inputs"] = {k: as_spec(v) for k, v in d["inputs"].items()}
+        d["outputs"] = {k: _specs(v) for k, v in d["outputs"].items()}
         d["collective_list"] = [Collective(**c) for c in d["collective_list"]]
         if version == 1:
             _upgrade_v1(d)
@@ -274,6 +344,8 @@ class Plan:
             d["pipeline"] = PipelineInfo(**d["pipeline"])
         d["autotune"] = [AutotuneTrial(**t) for t in d.get("autotune", [])]
         d["memory_options"] = MemoryOptions(**d.get("memory_options", {}))
+        if d.get("accumulation_trace") is not None:
+            d["accumulation_trace"] = MicrobatchTrace(**d["accumulation_trace"])
         return cls(**d)
 
     @classmethod

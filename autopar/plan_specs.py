@@ -6,7 +6,7 @@ import operator
 import torch.fx as fx
 
 from autopar.plan import PlanError
-from autopar.sharding.placements import R, parse_spec
+from autopar.sharding.placements import replicated
 
 
 class PlanSpecs:
@@ -15,8 +15,8 @@ class PlanSpecs:
     def __init__(self, plan, mesh_ndim: int):
         self.plan = plan
         self.k = mesh_ndim
-        self.by_placeholder = {p.placeholder: parse_spec(p.spec) for p in plan.params.values()}
-        self.by_placeholder.update({k: parse_spec(v) for k, v in plan.inputs.items()})
+        self.by_placeholder = {p.placeholder: p.spec for p in plan.params.values()}
+        self.by_placeholder.update(plan.inputs)
         self._same_as: dict[str, fx.Node] = {}
 
     def same_as(self, new: fx.Node, old: fx.Node) -> None:
@@ -31,7 +31,7 @@ class PlanSpecs:
         if node.name in self._same_as:
             return self.spec(self._same_as[node.name], index)
         if node.op == "placeholder":
-            return self.by_placeholder.get(node.name, tuple(R for _ in range(self.k)))
+            return self.by_placeholder.get(node.name, replicated(self.k))
         if node.op == "call_function" and node.target is operator.getitem:
             return self.spec(node.args[0], node.args[1])
         d = self.plan.nodes.get(node.name)
@@ -39,12 +39,12 @@ class PlanSpecs:
             raise PlanError(f"the plan has no placement for {node.name} ({node.target}); the plan does not "
                              "match this graph, make a new one")
         if isinstance(d.output, list):
-            return parse_spec(d.output[index if index is not None else 0])
-        return parse_spec(d.output)
+            return d.output[index if index is not None else 0]
+        return d.output
 
     def input_specs(self, node: fx.Node) -> list:
-        return [parse_spec(s) for s in self.plan.nodes[node.name].inputs]
+        return list(self.plan.nodes[node.name].inputs)
 
     def output_specs(self, node: fx.Node) -> list:
         d = self.plan.nodes[node.name]
-        return [parse_spec(s) for s in d.output] if isinstance(d.output, list) else [parse_spec(d.output)]
+        return list(d.output) if isinstance(d.output, list) else [d.output]

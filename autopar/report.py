@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from autopar.sharding.placements import Shard, parse_spec
+from autopar.sharding.placements import Shard
 
 
 def _gb(b: float) -> str:
@@ -21,6 +21,7 @@ def render(plan) -> str:
              f"degrees: dp={plan.degrees.get('dp', 1)} tp={plan.degrees.get('tp', 1)} pp={plan.degrees.get('pp', 1)}"
              f"   microbatches={plan.microbatches} schedule={plan.schedule}",
              *_redundant_lines(plan),
+             f"memory options: {plan.memory_options.summary()}",
              f"predicted step time: {_ms(plan.step_time)}   FLOPs/step: {plan.flops:.3e}   "
              f"peak memory/device: {_gb(max(plan.memory_per_device or [0]))}",
              f"solver: {plan.solver_status} in {plan.solve_time:.2f}s", ""]
@@ -49,22 +50,23 @@ def render(plan) -> str:
         lines.append(f"  {pat}" + (f"   (×{count}, like {mod})" if count > 1 else ""))
         for name, d in items:
             op = d.op.replace("aten.", "").replace(".default", "")
-            out = d.output if isinstance(d.output, str) else ",".join(d.output)
+            out = ",".join(str(o) for o in d.output) if isinstance(d.output, list) else str(d.output)
             lines.append(f"    {name:<28} {op:<30} {d.strategy:<14} {out:<14} {_ms(d.time)}")
         if len(printed) >= 80:
             lines.append("  ... more modules (see plan.nodes)")
             break
     lines.append("")
     colls = plan.collectives(0)
-    lines.append(f"collectives per step on rank 0: {len(colls)}")
     agg = Counter()
     size = Counter()
     t = Counter()
-    for c in colls:
+    for c in colls:     # a pipeline lists one microbatch's activation collectives (sends/receives too)
+        times = plan.runs_per_step(c)
         key = (c.kind, "+".join(c.axes), c.phase)
-        agg[key] += 1
-        size[key] += c.bytes
-        t[key] += c.time
+        agg[key] += times
+        size[key] += c.bytes * times
+        t[key] += c.time * times
+    lines.append(f"collectives per step on rank 0: {sum(agg.values())}")
     for key, n in sorted(agg.items()):
         lines.append(f"  {key[0]:<15} axis {key[1]:<6} {key[2]:<4} ×{n:<4} {_gb(size[key]):>12}  {_ms(t[key])}")
     if plan.unknown_ops:
@@ -117,7 +119,7 @@ def _redundant_lines(plan) -> list[str]:
         split = 1.0 - shares.get("none", 1.0)
         what = (f"only {split * 100:.2g}% of the compute (FLOPs) is split on it — every rank on it repeats the rest"
                 if split > 0 else "no op is split on it — every rank on it repeats the same work")
-        stored = any(d.kind == "parameter" and isinstance(parse_spec(d.spec)[plan.mesh.axis_index(a)], Shard)
+        stored = any(d.kind == "parameter" and isinstance(d.spec[plan.mesh.axis_index(a)], Shard)
                      for d in plan.params.values())
         out.append(f"axis {a} (size {size[a]}): {what}"
                    + (" (parameters are stored split on it: that saves memory only)" if stored else ""))
@@ -147,7 +149,7 @@ def explain(plan, name: str) -> str:
         raise KeyError(f"no node or parameter named {name!r} in the plan; nodes look like {list(plan.nodes)[:5]}")
     d = plan.nodes[name]
     lines = [f"{name} ({d.op}, module {d.module or '<root>'}): chose {d.strategy}",
-             f"  inputs {d.inputs} -> output {d.output}",
+             f"  inputs {', '.join(map(str, d.inputs))} -> output {d.output}",
              "  options (strategy: own time + resharding with the chosen neighbours):"]
     for desc, cost in d.options:
         lines.append(f"    {cost * 1e3:10.4f} ms  {desc}")

@@ -7,6 +7,7 @@ whose names map back to ``model.state_dict()`` keys (tied parameters recognised)
 """
 from __future__ import annotations
 
+import copy
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -131,11 +132,51 @@ def _canonical_params(model: nn.Module) -> tuple[dict[int, str], dict[str, list[
     return canon, aliases
 
 
-def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None) -> Traced:
-    """Trace ``model`` (and ``loss_fn(model(*inputs), target)``) to an aten-level graph."""
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16}
+
+
+def compute_dtype(mixed_precision: str | None) -> torch.dtype | None:
+    """The dtype a mixed-precision policy computes in (None: the model's own dtypes)."""
+    if mixed_precision is None:
+        return None
+    if mixed_precision not in _COMPUTE_DTYPES:
+        raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None or "
+                         f"{', '.join(repr(k) for k in _COMPUTE_DTYPES)}")
+    return _COMPUTE_DTYPES[mixed_precision]
+
+
+def cast_floating(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype`` when both are floating point (a differentiable cast), else ``t``."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+
+
+def working_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A meta-device clone of ``model`` whose floating parameters are in ``dtype`` (buffers keep
+    theirs): what a mixed-precision step computes with, for tracing only (no weights copied)."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else None),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
+          mixed_precision: str | None = None) -> Traced:
+    """Trace ``model`` (and ``loss_fn(model(*inputs), target)``) to an aten-level graph; with
+    ``mixed_precision`` ("bf16"), the step as it runs on bf16 working copies of the parameters,
+    floating inputs cast to bf16 (FSDP2's MixedPrecisionPolicy: param_dtype, cast_forward_inputs)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     inputs = _check_inputs(example_inputs, loss_fn, example_target)
+    dtype = compute_dtype(mixed_precision)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    stored = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
+    if dtype is not None:
+        model = working_copy(model, dtype)
+        inputs = tuple(cast_floating(x.to("meta"), dtype) for x in inputs)
+        example_target = example_target.to("meta") if example_target is not None else None
     args = inputs + ((example_target,) if loss_fn is not None else ())
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta:
@@ -148,7 +189,12 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None) -
         raise
     except Exception as err:  # noqa: BLE001 - every failure is reported with its location
         raise _explain_failure(err, model) from err
-    return _from_exported(ep, model, inputs, example_target, loss_fn is not None)
+    traced = _from_exported(ep, model, inputs, example_target, loss_fn is not None)
+    if dtype is not None:
+        traced.meta["mixed_precision"] = mixed_precision
+        traced.meta["stored_dtypes"] = stored      # the masters' dtypes (the graph sees the working copies')
+        _retarget_device(traced.gm, device)
+    return traced
 
 
 def _from_exported(ep, model, inputs, example_target, has_loss) -> Traced:
@@ -200,6 +246,17 @@ def _from_exported(ep, model, inputs, example_target, has_loss) -> Traced:
                   input_shapes=[tuple(t.shape) for t in inputs],
                   target_shape=tuple(example_target.shape) if example_target is not None else None,
                   has_loss=loss_index is not None)
+
+
+def _retarget_device(gm: fx.GraphModule, device: torch.device) -> None:
+    """Tensors a graph makes itself (arange, full, ...) on ``device`` instead of the meta device the
+    working copy was traced on."""
+    if device.type == "meta":
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.kwargs.get("device") == torch.device("meta"):
+            node.kwargs = {**node.kwargs, "device": device}
+    gm.recompile()
 
 
 def _merge_tied(gm: fx.GraphModule, params: dict[str, str]) -> None:

@@ -234,6 +234,7 @@ CASES = {c.name: c for c in [
     Case("gpt pp2 1f1b m4", "gpt", 8, (2,), ("pp",), context=(("schedule", "1f1b"), ("microbatches", 4))),
     Case("gpt pp2 gpipe m4", "gpt", 8, (2,), ("pp",), context=(("schedule", "gpipe"), ("microbatches", 4))),
     Case("gpt-large dp2 fp32", "gpt_large", 8, (2,), mode="data"),
+    Case("gpt dp2 accumulation 2", "gpt", 8, (2,), mode="data", context=(("accumulation", 2),)),
     # one GPU, GPT-2 124M / 1.3B at batch 8 x 1024 (the H100 data points)
     Case("gpt2-124m bf16 1gpu", "gpt2", 8, (1,), mode="stand_alone", dtype="bf16", gpu_only=True),
     Case("gpt2-124m fp32 1gpu", "gpt2", 8, (1,), mode="stand_alone", gpu_only=True),

@@ -92,8 +92,10 @@ def reference_run(model_fn, loss_fn, x, y, steps: int = STEPS, lr: float | None 
 
 
 def parallel_run(rank, model_fn, loss_fn, x, y, mesh, mode, steps: int = STEPS, lr: float | None = None,
-                 eps: float = 1e-8, setup=None, optim: str = "sgd", micro: int = 1, clip: float | None = None, **kw):
-    """The same training through autopar on every rank (planned for one micro-batch's shape)."""
+                 eps: float = 1e-8, setup=None, optim: str = "sgd", micro: int = 1, clip: float | None = None,
+                 inspect=None, **kw):
+    """The same training through autopar on every rank (planned for one micro-batch's shape);
+    ``inspect(pmodel)``, called after training, adds what it returns as ``out["inspect"]``."""
     torch.manual_seed(0)
     model = model_fn()
     if setup is not None:
@@ -106,6 +108,8 @@ def parallel_run(rank, model_fn, loss_fn, x, y, mesh, mode, steps: int = STEPS, 
     out = _train(lambda m: pmodel.step(xs[m], target=ys[m]), pmodel.full_state_dict, pmodel.full_grad_dict, opt,
                  steps, micro, clip_fn)
     out["degrees"] = pmodel.plan.degrees
+    if inspect is not None:
+        out["inspect"] = inspect(pmodel)
     out["plan"] = pmodel.plan.to_json()
     out["optim"] = optim
     return out

@@ -18,15 +18,14 @@ compares it with ``plan.collectives(rank)``. How the two lists are compared:
   once per axis, as a plan entry over several axes does.
 * Bytes are a collective's full size (an all-gather's output), as ``step_bytes`` lists them.
 * A pipeline plan lists one microbatch's activation collectives: each is counted once per
-  microbatch. Sends/receives and the tied-embedding sum over "pp" are not in the plan yet
-  (``PIPELINE_GAP``; strict xfail below).
+  microbatch, the sends and receives of activations and their gradients between stages
+  included. The tied-embedding sum over "pp" is gradient sync (its node is the placeholder).
 """
 from __future__ import annotations
 
 import functools
 from collections import Counter
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -40,9 +39,6 @@ from oracle import make_batch
 
 SMALL_GPT = functools.partial(GPT, qkv_bias=False, layers=2, hidden=32)
 SYNC_LABELS = ("dp", "grad")
-# Not in the plan's list yet: a pipeline's activation/gradient sends and receives, and the
-# all-reduce over "pp" that keeps a tied embedding's copies on the first and last stage equal.
-PIPELINE_GAP = ("send", "recv", ("all_reduce", "pp"))
 
 
 class _MarkSync:
@@ -71,6 +67,11 @@ def _job(rank, kind):
         model, loss_fn = SMALL_GPT(), lm_loss
         if kind == "data":
             mesh, mode = autopar.Mesh(4), "auto"
+        elif kind == "accumulation":     # 2 microbatches one after another on a (dp, tp) plan: the sync runs once
+            autopar.set_auto_parallel_context(accumulation=2)
+            mesh, mode = autopar.Mesh((2, 2), axis_names=("dp", "tp")), "semi_auto"
+            autopar.shard("blocks.*.fc1", weight={"tp": autopar.Shard(0)})
+            autopar.shard("blocks.*.fc2", weight={"tp": autopar.Shard(1)})
         elif kind in ("tp_semi", "tp_auto"):
             mesh, mode = autopar.Mesh(2, axis_names=("tp",), device="a100-80gb"), kind.replace("tp_", "")
             if kind == "tp_semi":
@@ -85,6 +86,10 @@ def _job(rank, kind):
                 mesh = autopar.Mesh(2, axis_names=("tp",), device="a100-80gb", memory_gb=cap)
         elif kind == "pp":
             autopar.set_auto_parallel_context(schedule="1f1b", microbatches=2)
+            mesh, mode = autopar.Mesh(2, axis_names=("pp",)), "auto"
+        elif kind == "interleaved":     # 4 stages on 2 ranks: each rank holds two
+            model = GPT(qkv_bias=False, layers=4, hidden=32)
+            autopar.set_auto_parallel_context(schedule="interleaved_1f1b", microbatches=2)
             mesh, mode = autopar.Mesh(2, axis_names=("pp",)), "auto"
         else:
             autopar.set_auto_parallel_context(schedule="1f1b", microbatches=2)
@@ -111,17 +116,16 @@ def _job(rank, kind):
         sync = i in synced
         assert ax not in SYNC_LABELS or ax in names, f"gradient sync over an unnamed group: {ax}"
         ran += [(k, nbytes, a, ph, sync) for a in ax.split("+")]
-    # a pipeline plan lists one microbatch's activation collectives: each runs once per microbatch
-    times = {n: plan.microbatches if plan.stages else 1 for n in plan.nodes}
+    # a pipeline (accumulation) plan lists one microbatch's activation collectives: each runs once per microbatch
     planned = [(c.kind, c.bytes, a, c.phase, c.node in placeholders)
-               for c in plan.collectives(rank) for a in c.axes for _ in range(times.get(c.node, 1))]
+               for c in plan.collectives(rank) for a in c.axes for _ in range(plan.runs_per_step(c))]
     return {"ran": ran, "planned": planned, "degrees": plan.degrees,
-            "params": {k: v.spec for k, v in plan.params.items()}}
+            "params": {k: str(v.spec) for k, v in plan.params.items()}, "stages": len(plan.stages),
+            "accumulation": plan.memory_options.accumulation}
 
 
-def _compare(results, what, skip=()):
+def _compare(results, what):
     for rank, r in enumerate(results):
-        r = {k: [c for c in r[k] if (c[0], c[2]) not in skip and c[0] not in skip] for k in ("planned", "ran")}
         def counts(xs):
             return Counter((k, a, ph) for k, _, a, ph, sync in xs if not sync)
 
@@ -150,18 +154,33 @@ def test_tensor_parallel_list_is_what_runs():
     assert any("S(" in s for s in results[0]["params"].values())
 
 
-def test_pipeline_list_is_what_runs():
-    """Except what the plan does not list yet (``PIPELINE_GAP``, checked in the xfail test below)."""
-    _compare(run_ranks(2, _job, "pp"), "pp", skip=PIPELINE_GAP)
+def test_accumulation_list_is_what_runs():
+    results = run_ranks(4, _job, "accumulation")
+    assert results[0]["params"]["blocks.0.fc1.weight"] == "[R,S(0)]"
+    assert results[0]["accumulation"] == 2
+    _compare(results, "accumulation")
 
 
 def test_3d_list_is_what_runs():
     results = run_ranks(8, _job, "3d")
     assert results[0]["degrees"]["pp"] == 2
-    _compare(results, "3d", skip=PIPELINE_GAP)
+    _compare(results, "3d")
 
 
-@pytest.mark.xfail(strict=True, reason="plan.collectives(rank) lists no pipeline sends/recvs and no "
-                   "tied-embedding sums over 'pp' yet (plan.py / solver/pipeline_search.py)")
-def test_pipeline_p2p_and_tied_sums_are_listed():
-    _compare(run_ranks(2, _job, "pp"), "pp")
+def test_interleaved_list_is_what_runs():
+    """Each rank holds two of the four stages: it lists the transfers of both."""
+    results = run_ranks(2, _job, "interleaved")
+    assert results[0]["stages"] == 4
+    _compare(results, "interleaved")
+
+
+def test_pipeline_list_is_what_runs():
+    """Sends/receives and tied sums are listed per rank: the first stage sends activations forward and receives their gradients; the last the
+    reverse; both sum the tied embedding's gradient over "pp" (gradient sync)."""
+    first, last = run_ranks(2, _job, "pp")
+
+    def keys(r):
+        return {(k, a, ph, sync) for k, _, a, ph, sync in r["planned"] if a == "pp"}
+    assert keys(first) == {("send", "pp", "fwd", False), ("recv", "pp", "bwd", False), ("all_reduce", "pp", "bwd", True)}
+    assert keys(last) == {("recv", "pp", "fwd", False), ("send", "pp", "bwd", False), ("all_reduce", "pp", "bwd", True)}
+    _compare([first, last], "pp")

@@ -45,7 +45,7 @@ def test_semi_auto_batch_gathered_over_dp_is_not_data_parallel():
     plan = autopar.plan(MLP(), autopar.Mesh((2, 2), axis_names=("dp", "tp"), device=A100), example_inputs=(x,),
                         loss_fn=F.cross_entropy, example_target=y, mode="semi_auto")
     first = next(iter(plan.nodes.values()))
-    assert plan.inputs["args_0"] == "[S(0),R]" and first.inputs[0] == "[R,R]", "the batch must be gathered over dp"
+    assert str(plan.inputs["args_0"]) == "[S(0),R]" and str(first.inputs[0]) == "[R,R]", "the batch must be gathered over dp"
     assert plan.degrees == {"dp": 1, "tp": 2, "pp": 1}
     assert plan.axis_roles == {"dp": "none", "tp": "tp"}
     report = plan.report()

@@ -36,12 +36,13 @@ from autopar.collectives.groups import axis as _axis
 class CommCounter:
     calls: list = field(default_factory=list)
     enabled: bool = False
+    phase_override: str | None = None    # "recompute" while a checkpointed region re-runs in backward
 
     def record(self, kind: str, t: torch.Tensor, axis: str, phase: str, parts: int = 1) -> None:
         """Bytes are the collective's full size, as the plan lists them (``step_bytes``): an
         all-gather of ``parts`` pieces counts its output, ``t`` being one rank's piece."""
         if self.enabled:
-            self.calls.append((kind, t.numel() * t.element_size() * parts, axis, phase))
+            self.calls.append((kind, t.numel() * t.element_size() * parts, axis, self.phase_override or phase))
 
     def summary(self) -> Counter:
         return Counter((k, a, ph) for k, _, a, ph in self.calls)

@@ -48,6 +48,12 @@ def axis(name: str) -> AxisGroup:
         raise RuntimeError(f"mesh axis {name!r} is not bound; bound axes: {sorted(stack[-1])}") from None
 
 
+def current_axes() -> dict[str, AxisGroup] | None:
+    """The axes bound now (None outside a ParallelModule's forward); recomputation re-binds them."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
 _DM_CACHE: dict = {}
 
 

@@ -4,7 +4,9 @@ Per parameter (bytes), ``training_state_bytes_per_param``::
 
     precision   weights  grads  fp32 master  states (sgd / sgd_momentum / adam(w))
     fp32        4        4      0            0 / 4 / 8        -> adam: 16
-    bf16|fp16   2        2      4            0 / 4 / 8        -> adam: 16 (mixed precision)
+    bf16|fp16   2        2      4            0 / 4 / 8        -> adam: 16 (bf16 weights and grads)
+    mixed       2        4      4            0 / 4 / 8        -> adam: 18 (autopar's mixed_precision="bf16":
+                                                                 fp32 master + fp32 grad, bf16 working copy)
 
 Activations saved for backward come from a registry ``{aten op: rule(node) -> [saved]}``
 (``SAVE_RULES``); a saved item is a graph node (its whole storage is kept: views of one
@@ -31,6 +33,7 @@ aten = torch.ops.aten
 
 _STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "adam": 8, "adamw": 8}
 _WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "mixed": 2}
+_GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "mixed": 4}
 
 
 def _check(optimizer: str, precision: str) -> tuple[str, str]:
@@ -56,8 +59,9 @@ def optimizer_state_bytes(numel: int, optimizer: str = "adamw", precision: str =
 
 
 def training_state_bytes_per_param(optimizer: str = "adamw", precision: str = "fp32") -> int:
-    """Weights + gradients + optimizer memory per parameter (Adam mixed precision: 16)."""
-    return 2 * weight_bytes_per_param(precision) + optimizer_state_bytes(1, optimizer, precision)
+    """Weights + gradients + optimizer memory per parameter (Adam: fp32 16, mixed precision 18)."""
+    prec = _check(optimizer, precision)[1]
+    return _WEIGHT_BYTES[prec] + _GRAD_BYTES[prec] + optimizer_state_bytes(1, optimizer, precision)
 
 
 def training_state_bytes(numel: float, dtype: torch.dtype | None, optimizer: str = "adamw",

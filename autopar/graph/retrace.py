@@ -30,9 +30,11 @@ class Retracer:
     example_inputs: object
     loss_fn: object = None
     example_target: object = None
+    mixed_precision: str | None = None
 
     def __call__(self, batch: int):
-        return retrace_batch(self.model, self.example_inputs, self.loss_fn, self.example_target, batch)
+        return retrace_batch(self.model, self.example_inputs, self.loss_fn, self.example_target, batch,
+                             self.mixed_precision)
 
 
 def microbatch_trace(traced, batch: int, retracer: Retracer | None):
@@ -50,8 +52,8 @@ def microbatch_trace(traced, batch: int, retracer: Retracer | None):
     return cache[batch]
 
 
-def retrace_batch(model, example_inputs, loss_fn, example_target, batch: int):
+def retrace_batch(model, example_inputs, loss_fn, example_target, batch: int, mixed_precision: str | None = None):
     """Trace ``model`` (+ loss) on the first ``batch`` rows of the example inputs and target."""
     inputs = (example_inputs,) if not isinstance(example_inputs, (tuple, list)) else tuple(example_inputs)
     target = example_target[:batch] if example_target is not None else None
-    return trace(model, tuple(x[:batch] for x in inputs), loss_fn, target)
+    return trace(model, tuple(x[:batch] for x in inputs), loss_fn, target, mixed_precision)

@@ -6,8 +6,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.collectives.groups import AxisGroup, bound_axes
-from autopar.sharding.placements import parse_spec
 from autopar.sharding.shard_params import local_piece
+from autopar.trace import cast_floating
 
 
 def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
@@ -28,7 +28,7 @@ def placeholder_slot(ph: str, traced, decisions: dict, named_params: dict, named
         name, d = decisions[ph]
         is_param = ph in traced.params
         full = (named_params if is_param else named_buffers).get(name)
-        piece = local_piece(full.detach(), parse_spec(d.spec), coords, mesh_shape).clone()
+        piece = local_piece(full.detach(), d.spec, coords, mesh_shape).clone()
         if is_param:
             piece.requires_grad_(full.requires_grad and piece.is_floating_point())
         (params if is_param else buffers)[name] = piece
@@ -58,10 +58,18 @@ def fill_slots(slots, tensor_of, inputs, target) -> list:
 
 class ParamTree(nn.Module):
     """This rank's pieces of parameters and buffers, registered under the model's own names; a
-    parameter piece keeps the model parameter's ``requires_grad`` (frozen stays frozen)."""
+    parameter piece keeps the model parameter's ``requires_grad`` (frozen stays frozen).
 
-    def __init__(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
+    With a ``compute_dtype`` (mixed precision) the registered parameters are the fp32 masters and
+    the graphs get ``compute_tensor(name)``: a differentiable cast, made once per step (autograd
+    returns its gradient to the master in fp32)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                 compute_dtype: torch.dtype | None = None):
         super().__init__()
+        self._compute_dtype = compute_dtype
+        self._working: dict[str, torch.Tensor] = {}
+        self._param_names = frozenset(params)
         for name, t in params.items():
             mod, leaf = _owner(self, name)
             mod.register_parameter(leaf, nn.Parameter(t, requires_grad=t.requires_grad))
@@ -72,6 +80,22 @@ class ParamTree(nn.Module):
     def local_tensor(self, name: str) -> torch.Tensor:
         mod, leaf = _owner(self, name)
         return getattr(mod, leaf)
+
+    def compute_tensor(self, name: str) -> torch.Tensor:
+        """What the graphs compute with: the parameter, or its working copy in the compute dtype."""
+        t = self.local_tensor(name)
+        if self._compute_dtype is None or name not in self._param_names:
+            return t
+        if name not in self._working:
+            self._working[name] = cast_floating(t, self._compute_dtype)
+        return self._working[name]
+
+    def cast_input(self, x):
+        return cast_floating(x, self._compute_dtype) if isinstance(x, torch.Tensor) else x
+
+    def new_step(self) -> None:
+        """Drop the working copies (the masters may have changed since)."""
+        self._working = {}
 
     def has(self, name: str) -> bool:
         try:
@@ -85,15 +109,17 @@ class RankProgram(ParamTree):
     """Calls the per-rank graph with this rank's parameters (named like the original model)."""
 
     def __init__(self, gm: fx.GraphModule, forward_gm: fx.GraphModule, slots: list[tuple[str, object]],
-                 params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], axes: dict[str, AxisGroup]):
-        super().__init__(params, buffers)
+                 params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], axes: dict[str, AxisGroup],
+                 compute_dtype: torch.dtype | None = None):
+        super().__init__(params, buffers, compute_dtype)
         self._autopar_graph = gm
         self._autopar_forward = forward_gm
         self._slots = slots          # per placeholder: ("param", name) | ("buffer", name) | ("const", t) | ("input", i) | ("target", None)
         self._axes = axes
 
     def forward(self, *inputs, target=None, forward_only: bool = False):
-        args = fill_slots(self._slots, self.local_tensor, inputs, target)
+        self.new_step()
+        args = fill_slots(self._slots, self.compute_tensor, [self.cast_input(x) for x in inputs], target)
         with bound_axes(self._axes):
             gm = self._autopar_forward if forward_only else self._autopar_graph
             return gm(*args)

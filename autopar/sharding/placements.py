@@ -39,7 +39,20 @@ class Partial:
 
 
 Placement = Union[Shard, Replicate, Partial]
-Spec = tuple  # tuple[Placement, ...], one per mesh axis
+
+
+class Spec(tuple):
+    """One placement per mesh axis (axis 0 first); a tuple that prints as ``[S(0),R]``.
+
+    Plans hold Specs in memory; the string form is only for JSON and reports."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return "[" + ",".join(str(p) for p in self) + "]"
+
+    def __repr__(self) -> str:
+        return f"Spec({str(self)!r})"
 
 R = Replicate()
 P = Partial()
@@ -58,12 +71,31 @@ def parse_placement(text: str) -> Placement:
     raise ValueError(f"cannot parse placement {text!r}; expected R, P, S(dim) or S(dim,chunks)")
 
 
-def spec_str(spec: Spec) -> str:
+def spec_str(spec) -> str:
     return "[" + ",".join(str(p) for p in spec) + "]"
 
 
+def as_spec(value) -> Spec:
+    """A Spec from a Spec, a tuple/list of placements, or its string form ("[S(0),R]")."""
+    if isinstance(value, Spec):
+        return value
+    if isinstance(value, str):
+        return parse_spec(value)
+    if isinstance(value, (tuple, list)) and all(isinstance(p, (Shard, Replicate, Partial)) for p in value):
+        return Spec(value)
+    raise TypeError(f"{value!r} is not a placement spec; expected e.g. \"[S(0),R]\" or (Shard(0), Replicate())")
+
+
+def replicated(ndim: int) -> Spec:
+    """``[R,...,R]`` over a mesh of ``ndim`` axes."""
+    return Spec((R,) * ndim)
+
+
 def parse_spec(text: str) -> Spec:
-    inner = text.strip()[1:-1]
+    t = text.strip()
+    if not (t.startswith("[") and t.endswith("]")):
+        raise ValueError(f"cannot parse placement spec {text!r}; expected e.g. \"[S(0),R]\" (one placement per mesh axis)")
+    inner = t[1:-1]
     out, depth, cur = [], 0, ""
     for ch in inner:
         if ch == "," and depth == 0:
@@ -75,12 +107,12 @@ def parse_spec(text: str) -> Spec:
         cur += ch
     if cur:
         out.append(parse_placement(cur))
-    return tuple(out)
+    return Spec(out)
 
 
 def normalize_dim(spec: Spec, ndim: int) -> Spec:
     """Make every Shard dim non-negative for a tensor of rank ``ndim``."""
-    return tuple(Shard(p.dim % ndim, p.chunks) if isinstance(p, Shard) and ndim else p for p in spec)
+    return type(spec)(Shard(p.dim % ndim, p.chunks) if isinstance(p, Shard) and ndim else p for p in spec)
 
 
 def from_torch(placement) -> Placement:

@@ -11,8 +11,9 @@ from autopar.cost_models.compute import grad_nodes
 from autopar.plan import Collective, NodeDecision, ParamDecision
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
-from autopar.sharding.placements import shard_factor, spec_str
+from autopar.sharding.placements import Partial, Spec, shard_factor
 from autopar.sharding.edge import edge_collectives
+from autopar.sharding.local_impls import local_collectives
 from autopar.sharding.redistribute import step_bytes
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.problem import BuiltProblem, Costing, split_axes, tensor_bytes
@@ -49,52 +50,16 @@ def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def local_collectives(node: fx.Node, st, mesh_shape, needs_grad: bool) -> list[tuple]:
-    """``(kind, bytes, axis, phase)`` of what the local implementation ``st.local`` names runs
-    (``collectives/local_ops.py``, one call per axis, in its order): the batch-split loss sums the
-    target count; the vocab-split loss all-reduces each row's max, then its (sum-exp, target
-    logit) pair, then the count over the batch axes; synced batch norm sums the mean's and the
-    variance's per-channel sums, and their gradients backward. Embedding and mean run none."""
-    roles: dict[str, list[int]] = {}
-    for ax, loc in enumerate(st.local):
-        if loc and mesh_shape[ax] > 1:
-            roles.setdefault(loc.split(":")[1], []).append(ax)
-    family = next((loc.split(":")[0] for loc in st.local if loc), "")
-    out: list[tuple] = []
-    if family == "loss":
-        val = node.meta.get("val")
-        size = _itemsize(val.dtype) if val is not None else 4
-        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
-        target = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
-        rows = (target.numel() if target is not None else 0) / shard_factor(st.inputs[1], mesh_shape)
-        for ax in roles.get("vocab", []):
-            out.append(("all_reduce", rows * size, ax, "fwd"))
-        for ax in roles.get("vocab", []):
-            out.append(("all_reduce", 2 * rows * size, ax, "fwd"))
-        if reduction == 1:
-            out += [("all_reduce", size, ax, "fwd") for ax in roles.get("batch", [])]
-    elif family == "batch_norm":
-        val = tensor_inputs(node)[0].meta["val"]
-        nbytes = val.shape[1] * _itemsize(val.dtype)
-        sync = roles.get("sync", [])
-        out += [("all_reduce", nbytes, ax, "fwd") for _ in range(2) for ax in sync]
-        if needs_grad:
-            out += [("all_reduce", nbytes, ax, "bwd") for _ in range(2) for ax in sync]
-    return out
-
-
 def loss_report_collectives(gm: fx.GraphModule, outputs: dict, axis_names: tuple, traced) -> list[Collective]:
     """``ParallelModule.step`` returns the global loss: a Partial loss is summed over each of its
     Partial axes (``ParallelModule._start_global_loss``), overlapped with backward."""
-    from autopar.sharding.placements import parse_spec, Partial
-
     node = loss_output(gm, traced)
     spec = outputs.get("loss")
     if node is None or not spec:
         return []
     size = _itemsize(node.meta["val"].dtype)
     return [Collective("all_reduce", size, [axis_names[a]], "fwd", "", 0.0)
-            for a, p in enumerate(parse_spec(spec)) if isinstance(p, Partial)]
+            for a, p in enumerate(spec) if isinstance(p, Partial)]
 
 
 def loss_output(gm: fx.GraphModule, traced) -> fx.Node | None:
@@ -132,8 +97,8 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
             totals = totals + e.cost[:, choice[e.dst]]
         order = np.argsort(totals)[:6]
         options = [[cands.strategies[name][int(i)].describe(), float(totals[i])] for i in order]
-        out = [spec_str(o) for o in st.output] if st.output and isinstance(st.output[0], tuple) else spec_str(st.output)
-        nodes[name] = NodeDecision(op=str(node.target), strategy=st.name, inputs=[spec_str(s) for s in st.inputs],
+        out = [Spec(o) for o in st.output] if st.output and isinstance(st.output[0], tuple) else Spec(st.output)
+        nodes[name] = NodeDecision(op=str(node.target), strategy=st.name, inputs=[Spec(s) for s in st.inputs],
                                    output=out, local=list(st.local), module=node.meta.get("module_path", ""),
                                    time=float(p.nodes[v].compute[choice[v]]), options=options)
         ins = tensor_inputs(node)
@@ -165,7 +130,7 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
                 for ax in edge.grad_sum:
                     collectives.append(Collective("all_reduce", int(nbytes), [axis_names[ax]], "bwd", name,
                                                   c.comm("all_reduce", nbytes, ax)))
-        for kind, nbytes, ax, phase in local_collectives(node, st, c.mesh_shape, node in need):
+        for kind, nbytes, ax, phase in local_collectives(node, st, c.mesh_shape):
             collectives.append(Collective(kind, int(nbytes), [axis_names[ax]], phase, name, c.comm(kind, nbytes, ax)))
     params = {}
     for ph, pname in traced.params.items():
@@ -173,7 +138,8 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
             continue
         val = by_name[ph].meta["val"]
         sync = sorted((axis_names[a] for a in rule.param_axes.get(ph, ())), key=axis_names.index)
-        params[pname] = ParamDecision(spec_str(chosen[ph].output), list(val.shape), str(val.dtype).replace("torch.", ""),
+        dtype = traced.meta.get("stored_dtypes", {}).get(pname, val.dtype)
+        params[pname] = ParamDecision(Spec(chosen[ph].output), list(val.shape), str(dtype).replace("torch.", ""),
                                       ph, list(traced.aliases.get(pname, [pname])), sync, "parameter",
                                       ph in rule.trainable)
         if sync:
@@ -184,9 +150,9 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
         if ph in chosen:
             val = by_name[ph].meta["val"]
             kind = "buffer" if ph in traced.buffers else "constant"
-            params[bname] = ParamDecision(spec_str(chosen[ph].output), list(val.shape),
+            params[bname] = ParamDecision(Spec(chosen[ph].output), list(val.shape),
                                           str(val.dtype).replace("torch.", ""), ph, [bname], [], kind)
-    inputs = {ph: spec_str(chosen[ph].output) for ph in traced.inputs + ([traced.target] if traced.target else [])
+    inputs = {ph: Spec(chosen[ph].output) for ph in traced.inputs + ([traced.target] if traced.target else [])
               if ph in chosen}
     return nodes, params, inputs, collectives
 

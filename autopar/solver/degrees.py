@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from autopar.cost_models.compute import node_work
 from autopar.sharding.candidates import producer
-from autopar.sharding.placements import Replicate, Shard, parse_spec
+from autopar.sharding.placements import Replicate, Shard
 from autopar.sharding.strategy import tensor_inputs
 
 DP, TP, NONE = "dp", "tp", "none"
@@ -35,7 +35,7 @@ DP, TP, NONE = "dp", "tp", "none"
 
 def _outs(decision) -> list:
     out = decision.output
-    return [parse_spec(o) for o in out] if isinstance(out, list) else [parse_spec(out)]
+    return list(out) if isinstance(out, list) else [out]
 
 
 def _ndim(node: fx.Node, idx) -> int:
@@ -52,8 +52,8 @@ def _axis_shares(gm: fx.GraphModule, nodes: dict, inputs: dict, a: int) -> dict[
     """Weight of the batch-split ops ("dp"), of the ops split otherwise ("tp") and of the ops not
     split ("none") on mesh axis ``a``."""
     carries: dict[tuple, int] = {}
-    for ph, text in inputs.items():
-        p = parse_spec(text)[a]
+    for ph, spec in inputs.items():
+        p = spec[a]
         if isinstance(p, Shard) and p.dim == 0:
             carries[(ph, None)] = 0
     shares = {DP: 0.0, TP: 0.0, NONE: 0.0}
@@ -63,7 +63,7 @@ def _axis_shares(gm: fx.GraphModule, nodes: dict, inputs: dict, a: int) -> dict[
             continue
         work = node_work(node)
         weight = max(1.0, work.flops_fwd + work.flops_bwd)
-        ins, outs = [parse_spec(s) for s in d.inputs], _outs(d)
+        ins, outs = list(d.inputs), _outs(d)
         if all(isinstance(s[a], Replicate) for s in ins + outs if s):
             shares[NONE] += weight
             continue

@@ -16,7 +16,7 @@ from autopar.cost_models.compute import total_flops
 from autopar.graph.layers import find_layers, tie_groups
 from autopar.graph.retrace import graph_fingerprint
 from autopar.mesh import Mesh
-from autopar.plan import Plan, PlanError
+from autopar.plan import MemoryOptions, Plan, PlanError
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard
 from autopar.solver.decode import decode, loss_report_collectives, output_specs
@@ -29,12 +29,14 @@ from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, 
 @dataclass
 class PlanOptions:
     optimizer: str = "adamw"
-    precision: str = "fp32"
+    precision: str = "fp32"          # what the training state is costed in ("mixed": fp32 master + bf16 copy)
     grad_compression: str | None = None
+    mixed_precision: str | None = None
     memory_budget_gb: float | None = None
     time_limit_s: float = 10.0
     microbatches: int | None = None
     schedule: str | None = None
+    accumulation: int | None = None  # microbatches run one after another (None: AUTO/SEMI_AUTO pick when needed)
 
 
 def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, input_ann: dict) -> dict:
@@ -222,6 +224,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 grad_compression=opts.grad_compression, optimizer=opts.optimizer, memory_budget=budget,
                 grad_sync_overhead=last_bucket, axis_shares=shares,
                 options={"precision": opts.precision, "solver_vars": sol.num_vars},
+                memory_options=MemoryOptions(mixed_precision=opts.mixed_precision,
+                                             reduce_dtype="bf16" if opts.grad_compression == "bf16" else "fp32"),
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
 
 

@@ -42,10 +42,11 @@ from autopar.cost_models.devices import axis_link
 from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved_storages, training_state_bytes
 from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
+from autopar.graph.stage_cuts import assign_stages, stage_placeholders, stage_transfers
 from autopar.mesh import Mesh
-from autopar.plan import PipelineInfo, Plan, PlanError, Stage
+from autopar.plan import Collective, PipelineInfo, Plan, PlanError, Stage
 from autopar.plan_specs import PlanSpecs
-from autopar.sharding.placements import Replicate, parse_spec, shard_factor
+from autopar.sharding.placements import R, Replicate, Spec, local_shape, shard_factor
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.inter_op import LayerProfile, PipelinePartition, partition_stages
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
@@ -85,12 +86,12 @@ class PipelineRequestError(ValueError):
 def _moved_param_sync(node, d, traced, costing: Costing, mesh_shape) -> float:
     """Gradient all-reduce of parameter inputs that the node's cost includes but runs once per step."""
     outs = d.output if isinstance(d.output, list) else [d.output]
-    split = {a for o in outs for a, p in enumerate(parse_spec(o)) if not isinstance(p, Replicate)}
+    split = {a for o in outs for a, p in enumerate(o) if not isinstance(p, Replicate)}
     t = 0.0
     for i, inp in enumerate(tensor_inputs(node)):
         if inp.op != "placeholder" or inp.name not in traced.params or i >= len(d.inputs):
             continue
-        spec = parse_spec(d.inputs[i])
+        spec = d.inputs[i]
         for a in split:
             if isinstance(spec[a], Replicate):
                 t += costing.grad_sync(tensor_bytes(inp) / shard_factor(spec, mesh_shape), a)
@@ -113,7 +114,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             sync_time[c.node] = sync_time.get(c.node, 0.0) + c.time
         elif not (c.kind == "all_reduce" and c.phase == "bwd") and c.phase in ("fwd", "bwd"):
             coll_time[c.node] = coll_time.get(c.node, 0.0) + c.time
-    param_spec = {d.placeholder: parse_spec(d.spec) for d in plan.params.values()}
+    param_spec = {d.placeholder: d.spec for d in plan.params.values()}
     cuts = crossing_values(gm, unit_of, len(units))
     seen_saved: set = set()     # storage keys: views of one storage (q, k, v of one projection) count once
     profiles, launches, syncs, steps = [], [], [], []
@@ -130,7 +131,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             launch += base.launch_fwd + base.launch_bwd
             time += d.time - _moved_param_sync(node, d, traced, costing, shape) + coll_time.get(name, 0.0)
             out_shard = max(1, shard_factor(specs.spec(node, 0 if isinstance(d.output, list) else None), shape))
-            in_shard = shard_factor(parse_spec(d.inputs[0]), shape) if d.inputs and isinstance(d.inputs[0], str) else 1
+            in_shard = shard_factor(d.inputs[0], shape) if d.inputs and d.inputs[0] else 1
             for key, nbytes, internal in saved.get(name, []):
                 if key not in seen_saved:
                     seen_saved.add(key)
@@ -336,6 +337,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     _check_tags(part, cand, units_m, mb.gm)
     step += sub_plan.grad_sync_overhead
     plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
+    plan.collective_list = pipeline_collectives(mb.gm, plan, link)
     _stage_memory(plan, part, costs_m, sub_plan)
     plan.optimizer_time = opt
     return plan
@@ -358,9 +360,10 @@ def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_pla
 
 
 def _with_pp(spec):
+    """The sub-mesh's spec on the full mesh: replicated over the pipeline axis (axis 0) in front."""
     if isinstance(spec, list):
         return [_with_pp(s) for s in spec]
-    return "[R," + spec[1:] if spec and spec != "[]" else spec
+    return Spec((R,) + tuple(spec)) if spec else spec
 
 
 def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: PipelinePartition, step: float, units,
@@ -391,7 +394,69 @@ def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: Pipelin
                 options=dict(sub_plan.options), fingerprint=graph_fingerprint(traced.gm),
                 collective_list=sub_plan.collective_list, pipeline=info, grad_compression=sub_plan.grad_compression,
                 optimizer=sub_plan.optimizer, memory_budget=budget, grad_sync_overhead=sub_plan.grad_sync_overhead,
+                memory_options=sub_plan.memory_options,
                 axis_shares=sub_plan.axis_shares)
+
+
+def pipeline_collectives(gm, plan: Plan, link: tuple[float, float]) -> list[Collective]:
+    """``plan.collective_list`` (the intra-op plan's, one microbatch) with what pipelining adds,
+    from the same stage cuts the runtime splits the graph at (``graph/stage_cuts.py``):
+
+    * per transfer ``t`` between stages on different ranks, per microbatch: forward, a send on
+      ``t.src`` and a receive on ``t.dst``; backward (floating values), the gradient back
+      (a send on ``t.dst``, a receive on ``t.src``); ``t``'s local bytes each, over the pp axis;
+    * per trainable parameter used on stages of several pp ranks (a tied embedding), once per
+      step: the all-reduce of its gradient over them (``PipelineModule._sync_grads``);
+    * a parameter's per-step gradient sum runs on the stages that use it, the loss report on the
+      last stage (``stages``; ``plan.collectives(rank)`` keeps a rank's own).
+
+    ``gm`` is the plan's microbatch graph; every op has a stage, so it is not changed."""
+    n = len(plan.stages)
+    stage_of = {name: st.index for st in plan.stages for name in st.nodes}
+    stages = assign_stages(gm, stage_of, n)
+    specs = PlanSpecs(plan, len(plan.mesh.shape))
+    pp_axis, per_pp = plan.mesh.axis_names[0], plan.mesh.size // plan.mesh.shape[0]
+    bandwidth, latency = link
+
+    def coord(stage: int) -> int:
+        return plan.stages[stage].ranks[0] // per_pp
+
+    by_name = {node.name: node for node in gm.graph.nodes}
+    uses: dict[str, list[int]] = {}
+    for s in range(n):
+        for ph in sorted(node.name for node in stage_placeholders(gm, stages, s, s == n - 1)):
+            uses.setdefault(ph, []).append(s)
+    out = []
+    for c in plan.collective_list:
+        if c.stages:
+            pass
+        elif c.node in uses:                    # a parameter's gradient sum: on the stages using it
+            c = replace(c, stages=list(uses[c.node]))
+        elif not c.node:                        # the loss report: the last stage holds the loss
+            c = replace(c, stages=[n - 1])
+        out.append(c)
+    for t in stage_transfers(gm, stages, n, specs, plan.mesh.shape):
+        if coord(t.src) == coord(t.dst):        # one rank holds both (interleaved): handed over in memory
+            continue
+        node = t.value if t.value in plan.nodes else by_name[t.value].args[0].name   # getitem: its tuple op
+        nbytes, time = t.nbytes, latency + t.nbytes / bandwidth
+        out += [Collective("send", nbytes, [pp_axis], "fwd", node, time, [t.src]),
+                Collective("recv", nbytes, [pp_axis], "fwd", node, time, [t.dst])]
+        if t.floating:
+            out += [Collective("send", nbytes, [pp_axis], "bwd", node, time, [t.dst]),
+                    Collective("recv", nbytes, [pp_axis], "bwd", node, time, [t.src])]
+    for name in sorted(plan.params):
+        d = plan.params[name]
+        on = uses.get(d.placeholder, [])
+        k = len({coord(s) for s in on})
+        if d.kind != "parameter" or not d.trainable or k < 2:
+            continue
+        val = by_name[d.placeholder].meta["val"]
+        nbytes = math.prod(local_shape(tuple(val.shape), specs.spec(by_name[d.placeholder]), plan.mesh.shape))
+        nbytes *= val.element_size()
+        time = 2 * (k - 1) * latency + 2 * (k - 1) / k * nbytes / bandwidth
+        out.append(Collective("all_reduce", int(nbytes), [pp_axis], "bwd", d.placeholder, time, list(on)))
+    return out
 
 
 # ---- the search entry -------------------------------------------------------------------
@@ -402,7 +467,7 @@ def optimizer_time(plan: Plan, optimizer: str = "adamw") -> float:
         return plan.optimizer_time
     mesh = plan.mesh
     params = [d for d in plan.params.values() if d.kind == "parameter"]
-    numel = sum(math.prod(d.shape) / shard_factor(parse_spec(d.spec), mesh.shape) for d in params)
+    numel = sum(math.prod(d.shape) / shard_factor(d.spec, mesh.shape) for d in params)
     device = mesh.spec().shared_by(min(mesh.size, mesh.gpus_per_node or mesh.size))
     return optimizer_step_time(numel, device, len(params), optimizer)
 
@@ -443,5 +508,5 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
     return plans, failures, forced
 
 
-__all__ = ["pipeline_plans", "plan_pipeline", "unit_profiles",
+__all__ = ["pipeline_plans", "plan_pipeline", "pipeline_collectives", "unit_profiles",
            "optimizer_time"]
