@@ -4,7 +4,7 @@ import torch
 
 from autopar.cost_models.compute import grad_nodes
 from autopar.cost_models.devices import get_device
-from autopar.cost_models.memory import saved_activations
+from autopar.cost_models.memory import saved_bytes_by_node
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.rules import axis_options, has_rule
 from autopar.sharding.strategy import _combinations, out_shapes, replicate_all, shape_of, tensor_inputs
@@ -27,7 +27,7 @@ def test_memoised_node_costs_equal_costing_every_node():
     cands = build_candidates(tr.gm, MESH)
     costing = Costing(MESH, get_device("a100-80gb"), "adamw", "fp32", frozen_buffers=set(tr.buffers))
     built = build_problem(tr.gm, cands, costing, set(tr.params))
-    saved = saved_activations(tr.gm, dropout_mask_bytes=1)
+    saved = saved_bytes_by_node(tr.gm, dropout_mask_bytes=1)
     by_name = {n.name: n for n in tr.gm.graph.nodes}
     need = grad_nodes(tr.gm.graph)
     keys = set()

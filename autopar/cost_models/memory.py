@@ -64,6 +64,22 @@ def training_state_bytes_per_param(optimizer: str = "adamw", precision: str = "f
     return _WEIGHT_BYTES[prec] + _GRAD_BYTES[prec] + optimizer_state_bytes(1, optimizer, precision)
 
 
+def training_state_bytes(numel: float, dtype: torch.dtype | None, optimizer: str = "adamw",
+                         precision: str = "fp32") -> float:
+    """Weights + gradients + optimizer states of ``numel`` parameters stored as ``dtype``.
+
+    ``precision`` "fp32" means no mixed precision: the model trains in its own dtype, so a
+    bf16/fp16 model keeps bf16 weights, bf16 gradients and AdamW moments of the parameter's dtype
+    (``torch.zeros_like(p)``): ``numel * size * (2 + states)`` (AdamW bf16: 8 bytes, not 16).
+    Mixed precision ("bf16"/"fp16"/"mixed") keeps fp32 masters and fp32 states:
+    :func:`training_state_bytes_per_param`."""
+    opt, prec = _check(optimizer, precision)
+    if prec == "fp32" and dtype is not None and dtype.is_floating_point and dtype != torch.float32:
+        size = torch.empty((), dtype=dtype).element_size()
+        return numel * size * (2 + _STATE_BYTES[opt] // 4)
+    return numel * training_state_bytes_per_param(optimizer, precision)
+
+
 def _graph(gm: fx.GraphModule | fx.Graph) -> fx.Graph:
     return gm.graph if isinstance(gm, fx.GraphModule) else gm
 
@@ -397,6 +413,11 @@ def _storage(node: fx.Node) -> tuple[object, int]:
     return ("node", node.name), size
 
 
+def storage_key(node: fx.Node) -> object:
+    """A key equal for nodes whose values share one storage (views of one base)."""
+    return _storage(node)[0]
+
+
 def _saved_items(node: fx.Node, mask_bytes: int | None) -> list:
     if node.op != "call_function" or node not in grad_nodes(node.graph):
         return []
@@ -405,6 +426,11 @@ def _saved_items(node: fx.Node, mask_bytes: int | None) -> list:
     else:
         rule = SAVE_RULES.get(node.target, _default_rule)
     return [s for s in rule(node) if isinstance(s, Internal) or isinstance(_val(s), torch.Tensor)]
+
+
+def saves_input(node: fx.Node, arg: fx.Node, dropout_mask_bytes: int | None = 1) -> bool:
+    """Whether ``node`` keeps its input ``arg`` (as given to it) for backward."""
+    return any(s is arg for s in _saved_items(node, dropout_mask_bytes))
 
 
 def _param_keys(graph: fx.Graph) -> set:
@@ -445,6 +471,27 @@ def saved_activations(gm: fx.GraphModule | fx.Graph, dropout_mask_bytes: int | N
                 seen.add(key)
                 result[name] = nbytes
     return result
+
+
+def saved_bytes_by_node(gm: fx.GraphModule | fx.Graph,
+                        dropout_mask_bytes: int | None = 1) -> dict[str, tuple[int, int]]:
+    """node name -> (bytes of saved graph storages charged to it, bytes of the tensors it makes
+    and saves itself), each storage once: a graph storage is charged to the node named as in
+    :func:`saved_activations` (so it splits like that node's output), an :class:`Internal`
+    (log-probabilities of a cross-entropy, layer-norm statistics, attention logsumexp, dropout
+    masks) to the op that creates it (it splits like that op's input)."""
+    graph = _graph(gm)
+    out: dict[str, list[int]] = {}
+    seen: set = set()
+    for node, items in _saved_by_node(graph, dropout_mask_bytes).items():
+        for key, name, nbytes in items:
+            if key in seen:
+                continue
+            seen.add(key)
+            internal = isinstance(key, tuple) and key[:1] == ("internal",)
+            owner = node.name if internal else name
+            out.setdefault(owner, [0, 0])[1 if internal else 0] += nbytes
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def dropout_mask_bytes_for(device_name: str) -> int | None:
@@ -567,6 +614,15 @@ def inflight_microbatches(schedule: str, num_stages: int, stage: int, microbatch
     if kind in ("1f1b", "interleaved_1f1b", "interleaved"):
         return min(num_stages - stage, microbatches)
     raise ValueError(f"unknown schedule {schedule!r}; known: none, gpipe, 1f1b, interleaved_1f1b")
+
+
+def iter_saved_storages(gm: fx.GraphModule | fx.Graph,
+                        dropout_mask_bytes: int | None = 1) -> Iterable[tuple[str, object, int, bool]]:
+    """(saving node, storage key, bytes, internal) for every tensor a node saves: the key is the
+    same for every view of one storage (q, k, v split from one projection count once)."""
+    for node, items in _saved_by_node(_graph(gm), dropout_mask_bytes).items():
+        for key, _, nbytes in items:
+            yield node.name, key, nbytes, isinstance(key, tuple) and key[:1] == ("internal",)
 
 
 def iter_saved(gm: fx.GraphModule | fx.Graph, dropout_mask_bytes: int | None = 1) -> Iterable[tuple[str, str, int]]:

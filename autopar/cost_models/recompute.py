@@ -155,16 +155,16 @@ def layer_options(gm, device: DeviceSpec | None = None, *, dropout_mask_bytes: i
     return out
 
 
-def saved_activations_after(gm, recompute: str | dict, dropout_mask_bytes: int | None = 1
-                            ) -> tuple[dict[str, int], frozenset[str]]:
-    """``memory.saved_activations`` under a recompute choice, and the names of the nodes whose
-    forward runs again: storages saved only inside regions are dropped, each region's
-    non-parameter inputs are kept (``saved_after`` of the module docstring, per owning node)."""
+def saved_bytes_after(gm, recompute: str | dict, dropout_mask_bytes: int | None = 1
+                      ) -> tuple[dict[str, tuple[int, int]], frozenset[str]]:
+    """``memory.saved_bytes_by_node`` under a recompute choice, and the names of the nodes whose
+    forward runs again: what nodes inside regions save is dropped, each region's non-parameter
+    inputs are kept (``saved_after`` of the module docstring, charged to the input's node)."""
     graph = _graph(gm)
     regions = find_regions(graph, choices_for(graph, recompute))
     inside = frozenset(name for r in regions for name in r.nodes)
     params = _param_keys(graph)
-    result: dict[str, int] = {}
+    out: dict[str, list[int]] = {}
     seen: set = set()
     for node, items in _saved_by_node(graph, dropout_mask_bytes).items():
         if node.name in inside:
@@ -172,11 +172,12 @@ def saved_activations_after(gm, recompute: str | dict, dropout_mask_bytes: int |
         for key, name, nbytes in items:
             if key not in seen:
                 seen.add(key)
-                result[name] = nbytes
+                internal = isinstance(key, tuple) and key[:1] == ("internal",)
+                out.setdefault(node.name if internal else name, [0, 0])[1 if internal else 0] += nbytes
     for r in regions:
         for a in _region_inputs(graph, r):
             key, nbytes = _storage(a)
             if key not in params and key not in seen:
                 seen.add(key)
-                result[a.name] = result.get(a.name, 0) + nbytes
-    return result, inside
+                out.setdefault(a.name, [0, 0])[0] += nbytes
+    return {k: (v[0], v[1]) for k, v in out.items()}, inside

@@ -7,6 +7,7 @@ both call it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -21,8 +22,9 @@ from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard
 from autopar.solver.decode import decode, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
-from autopar.solver.intra_op import solve_intra_op
-from autopar.solver.problem import Costing, build_problem, grad_sync_overhead
+from autopar.solver.intra_op import InfeasibleError, solve_intra_op
+from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
+                                    transient_bytes)
 
 
 @dataclass
@@ -205,7 +207,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     ties = tie_groups(find_layers(traced.gm, names))
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
     built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
-    sol = solve_intra_op(built.problem)
+    sol, gathered, transient = _solve_within(traced, cands, built, costing, budget)
     nodes, params, inputs, colls = decode(traced.gm, cands, built, sol.choice, costing, mesh.axis_names, traced)
     outputs = output_specs(traced.gm, nodes, params, inputs, traced)
     colls += loss_report_collectives(traced.gm, outputs, mesh.axis_names, traced)
@@ -216,7 +218,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     return Plan(mode=mode, mesh=mesh, degrees=degrees_of(roles, mesh.axis_names, mesh.shape), axis_roles=roles,
                 nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
-                memory_per_device=[float(sol.memory)] * mesh.size, memory_breakdown=_breakdown(built, sol, traced),
+                memory_per_device=[float(sol.memory) + gathered + transient] * mesh.size,
+                memory_breakdown=_breakdown(built, sol, traced, gathered, transient),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 grad_compression=opts.grad_compression, optimizer=opts.optimizer, memory_budget=budget,
@@ -228,8 +231,33 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
 
 
-def _breakdown(built, sol, traced) -> dict:
-    """Peak bytes per device: parameter training state vs activations kept for backward."""
+def _solve_within(traced, cands, built, costing: Costing, budget: float, tries: int = 3):
+    """Solve, then add what the ILP's per-node memory does not see (parameters gathered into
+    another placement, the largest op's backward transients); while the sum exceeds ``budget``,
+    solve again with the budget lowered by that extra."""
+    params = set(traced.params)
+    problem = built.problem
+    for _ in range(tries):
+        sol = solve_intra_op(problem)
+        gathered = resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
+        transient = transient_bytes(traced.gm, cands, built, sol.choice, costing, params)
+        if sol.memory + gathered + transient <= budget:
+            break
+        problem = dataclasses.replace(built.problem, memory_budget=budget - gathered - transient)
+    else:
+        raise InfeasibleError(
+            f"no strategy assignment fits the memory budget of {budget / 2**30:.3f} GiB ({budget:.4g} B): the best "
+            f"found keeps {sol.memory:.4g} B of state and activations plus {gathered:.4g} B of gathered parameters "
+            f"and {transient:.4g} B of backward transients. Use more devices, pipeline parallelism, activation "
+            "checkpointing or optimizer-state sharding, or raise the budget")
+    return sol, gathered, transient
+
+
+def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0) -> dict:
+    """Peak bytes per device: parameter training state vs activations kept for backward
+    (``gathered``: parameters kept in a placement other than the stored one, see
+    ``resharded_param_bytes``; ``transient``: the largest op's gradients in backward,
+    ``transient_bytes``)."""
     state = acts = 0.0
     for i, name in enumerate(built.names):
         mem = float(built.problem.nodes[i].memory[sol.choice[i]])
@@ -237,4 +265,8 @@ def _breakdown(built, sol, traced) -> dict:
             state += mem
         else:
             acts += mem
-    return {"params+grads+optimizer": state, "activations": acts}
+    out = {"params+grads+optimizer": state, "activations": acts}
+    if gathered:
+        out["gathered parameters"] = gathered
+    out["transient"] = transient
+    return out

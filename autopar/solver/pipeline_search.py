@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from autopar.context import ParallelMode
 from autopar.cost_models.compute import node_cost, optimizer_step_time, total_flops
 from autopar.cost_models.devices import axis_link
-from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved, training_state_bytes_per_param
+from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved_storages, training_state_bytes
 from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.graph.stage_cuts import assign_stages, stage_placeholders, stage_transfers
@@ -104,9 +104,9 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
     costing = Costing(shape, device, opts.optimizer, opts.precision)
     specs = PlanSpecs(plan, len(shape))
     by_name = {n.name: n for n in gm.graph.nodes}
-    saved: dict[str, list[tuple[str, int]]] = {}
-    for node_name, name, nbytes in iter_saved(gm, dropout_mask_bytes_for(device.name)):
-        saved.setdefault(node_name, []).append((name, nbytes))
+    saved: dict[str, list[tuple[object, int, bool]]] = {}
+    for node_name, key, nbytes, internal in iter_saved_storages(gm, dropout_mask_bytes_for(device.name)):
+        saved.setdefault(node_name, []).append((key, nbytes, internal))
     coll_time: dict[str, float] = {}
     sync_time: dict[str, float] = {}
     for c in plan.collective_list:
@@ -114,10 +114,9 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             sync_time[c.node] = sync_time.get(c.node, 0.0) + c.time
         elif not (c.kind == "all_reduce" and c.phase == "bwd") and c.phase in ("fwd", "bwd"):
             coll_time[c.node] = coll_time.get(c.node, 0.0) + c.time
-    state = training_state_bytes_per_param(opts.optimizer, opts.precision)
     param_spec = {d.placeholder: d.spec for d in plan.params.values()}
     cuts = crossing_values(gm, unit_of, len(units))
-    seen_saved: set[str] = set()
+    seen_saved: set = set()     # storage keys: views of one storage (q, k, v of one projection) count once
     profiles, launches, syncs, steps = [], [], [], []
     for unit in units:
         time = fwd_base = total_base = launch = act = 0.0
@@ -131,14 +130,17 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             total_base += base.time_total
             launch += base.launch_fwd + base.launch_bwd
             time += d.time - _moved_param_sync(node, d, traced, costing, shape) + coll_time.get(name, 0.0)
-            out_spec = specs.spec(node, 0 if isinstance(d.output, list) else None)
-            for saved_name, nbytes in saved.get(name, []):
-                if saved_name not in seen_saved:
-                    seen_saved.add(saved_name)
-                    act += nbytes / max(1, shard_factor(out_spec, shape))
+            out_shard = max(1, shard_factor(specs.spec(node, 0 if isinstance(d.output, list) else None), shape))
+            in_shard = shard_factor(d.inputs[0], shape) if d.inputs and d.inputs[0] else 1
+            for key, nbytes, internal in saved.get(name, []):
+                if key not in seen_saved:
+                    seen_saved.add(key)
+                    # a tensor the op makes itself (log-probs, statistics) splits like its input
+                    act += nbytes / (max(out_shard, in_shard) if internal else out_shard)
             params |= {i.name for i in tensor_inputs(node) if i.op == "placeholder" and i.name in traced.params}
         share = fwd_base / total_base if total_base else 1 / 3
-        pbytes = sum(by_name[p].meta["val"].numel() * state / shard_factor(param_spec[p], shape)
+        pbytes = sum(training_state_bytes(by_name[p].meta["val"].numel(), by_name[p].meta["val"].dtype,
+                                          opts.optimizer, opts.precision) / shard_factor(param_spec[p], shape)
                      for p in params if p in param_spec)
         nxt = unit.index + 1
         out = sum(tensor_bytes(v) / shard_factor(specs.spec(v), shape) for v in cuts[nxt]) if nxt < len(units) else 0.0
@@ -336,8 +338,25 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     step += sub_plan.grad_sync_overhead
     plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
     plan.collective_list = pipeline_collectives(mb.gm, plan, link)
+    _stage_memory(plan, part, costs_m, sub_plan)
     plan.optimizer_time = opt
     return plan
+
+
+def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_plan: Plan) -> None:
+    """Per rank: the partition's state + in-flight saved activations, plus the sub-plan's gathered
+    parameters and backward workspace ('transient': its largest op, the loss for a language model,
+    so an overestimate for stages without it). ``memory_breakdown`` is the fullest rank's."""
+    sub = sub_plan.memory_breakdown or {}
+    extra = sub.get("gathered parameters", 0.0) + sub.get("transient", 0.0)
+    plan.memory_per_device = [m + extra for m in plan.memory_per_device]
+    fullest = max(range(len(part.rank_memory)), key=lambda r: part.rank_memory[r])
+    state = sum(sum(p.param_bytes for p in costs.profiles[a:b])
+                for (a, b), r in ((st.layers, st.rank) for st in part.stages) if r == fullest)
+    plan.memory_breakdown = {"params+grads+optimizer": state, "activations": part.rank_memory[fullest] - state}
+    for key in ("gathered parameters", "transient"):
+        if key in sub:
+            plan.memory_breakdown[key] = sub[key]
 
 
 def _with_pp(spec):

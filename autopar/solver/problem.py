@@ -6,8 +6,11 @@ node cost c[v,s]   = (compute(v) - launches) / work_split(s) + launches   (``spl
                        (Megatron's ``f``; for parameters this is the gradient sync)
                      + the small collectives of s's local implementation (vocab-parallel
                        loss, synced batch-norm statistics)
-node memory m[v,s] = parameters: numel · training-state bytes/param / shard factor
-                     activations saved for backward / shard factor of the output
+node memory m[v,s] = parameters: training-state bytes (weights, grads, optimizer; in the
+                       parameter's dtype unless mixed precision) / shard factor
+                     saved graph tensors charged to v / shard factor of v's output
+                     + tensors v makes and saves itself (log-probs, statistics, masks)
+                       / shard factor of v's first input or output, the larger
 edge cost R[u,v]   = redistribution of u's output spec into v's required input spec,
                      forward collectives plus their conjugates in backward  (``_edge_cost``)
 
@@ -29,8 +32,8 @@ import torch.fx as fx
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time,
                                          work_signature)
-from autopar.cost_models.memory import saved_activations, training_state_bytes_per_param
-from autopar.cost_models.recompute import saved_activations_after
+from autopar.cost_models.memory import saved_bytes_by_node, saves_input, storage_key, training_state_bytes
+from autopar.cost_models.recompute import saved_bytes_after
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.local_impls import local_collectives
 from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
@@ -158,7 +161,7 @@ def _local_impl_time(node: fx.Node, st: Strategy, c: Costing) -> float:
     return sum(c.comm(kind, nbytes, ax) for kind, nbytes, ax, _ in local_collectives(node, st, c.mesh_shape))
 
 
-def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dict[str, int],
+def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dict,
                traced_params: set[str], recomputed: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per strategy: seconds (compute, own collectives, gradient sync; + the forward again when
     ``recomputed``) and the bytes the node keeps (training state, or saved activations)."""
@@ -167,7 +170,7 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
     if node.op == "placeholder":
         if node.name in traced_params:
             v = node.meta["val"]
-            state = v.numel() * training_state_bytes_per_param(c.optimizer, c.precision)
+            state = training_state_bytes(v.numel(), v.dtype, c.optimizer, c.precision)
             for s, st in enumerate(strategies):
                 shards = shard_factor(st.output, c.mesh_shape)
                 memory[s] = state / shards
@@ -176,7 +179,7 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
     base = node_cost(node, c.device)
     need = grad_nodes(node.graph)
     ins = tensor_inputs(node)
-    act = saved.get(node.name, 0)
+    act, internal = _saved_pair(saved, node.name)
     for s, st in enumerate(strategies):
         cost = split_cost(node, base, st, ins, c)
         compute[s] = cost.time_total + (cost.time_fwd if recomputed else 0.0)
@@ -189,12 +192,20 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
             sync = c.grad_sync(nbytes, a) if ins[i].name in traced_params else c.comm("all_reduce", nbytes, a)
             compute[s] += sync / max(1, len(ins[i].users))
         compute[s] += _local_impl_time(node, st, c)
-        outs = _outs(st)
-        memory[s] = act / max(1, shard_factor(outs[0], c.mesh_shape))
+        out_shard = max(1, shard_factor(_outs(st)[0], c.mesh_shape))
+        in_shard = shard_factor(st.inputs[0], c.mesh_shape) if st.inputs else 1
+        memory[s] = act / out_shard + internal / max(out_shard, in_shard)
     return compute, memory
 
 
-def cost_key(node: fx.Node, strategies: list[Strategy], saved: dict[str, int], traced_params: set[str],
+def _saved_pair(saved: dict, name: str) -> tuple[int, int]:
+    """(graph storages charged to ``name``, tensors it saves itself) from ``saved_bytes_by_node``
+    (a plain ``saved_activations`` dict reads as graph storages only)."""
+    v = saved.get(name, 0)
+    return v if isinstance(v, tuple) else (v, 0)
+
+
+def cost_key(node: fx.Node, strategies: list[Strategy], saved: dict, traced_params: set[str],
              need: frozenset, recomputed: bool = False) -> tuple:
     """Everything ``node_costs`` reads: two nodes with equal keys cost the same under every strategy
     (the op and its argument signature, which inputs are parameters, need gradients and how many
@@ -204,7 +215,7 @@ def cost_key(node: fx.Node, strategies: list[Strategy], saved: dict[str, int], t
         shape = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
         return ("placeholder", node.name in traced_params, shape, tuple(strategies))
     ins = tuple((a.name in traced_params, a in need, len(a.users)) for a in tensor_inputs(node))
-    return (node.op, node.target, work_signature(node, need), node in need, ins, saved.get(node.name, 0),
+    return (node.op, node.target, work_signature(node, need), node in need, ins, _saved_pair(saved, node.name),
             tuple(strategies), recomputed)
 
 
@@ -222,9 +233,9 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     allowed = allowed or {}
     mask = 1 if getattr(c.device, "name", "") != "cpu" else None
     if c.recompute == "none":
-        saved, again = saved_activations(gm, dropout_mask_bytes=mask), frozenset()
+        saved, again = saved_bytes_by_node(gm, dropout_mask_bytes=mask), frozenset()
     else:
-        saved, again = saved_activations_after(gm, c.recompute, dropout_mask_bytes=mask)
+        saved, again = saved_bytes_after(gm, c.recompute, dropout_mask_bytes=mask)
     names = list(cands.strategies)
     index = {n: i for i, n in enumerate(names)}
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -251,6 +262,64 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     prob = IntraOpProblem(nodes, edges, memory_budget, ties_idx, time_limit_s)
     prob.hint = feasible_hint(prob)
     return BuiltProblem(prob, names, index)
+
+
+def resharded_param_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],
+                          c: Costing, params: set[str]) -> float:
+    """Bytes of parameters that ops use in another placement than the stored one and keep for
+    backward: the gathered copy (a tied lm-head weight all-gathered for a batch-split matmul) is
+    an activation the node memory cannot see (it depends on the parameter's choice and the
+    consumer's, an edge). One copy per (parameter, placement): the pass emits one per spec.
+    Added to the plan's predicted memory after the solve (the budget constraint does not see it)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    mask = 1 if getattr(c.device, "name", "") != "cpu" else None
+    need = grad_nodes(gm.graph)
+    seen, total = set(), 0.0
+    for name in built.names:
+        node = by_name[name]
+        if node.op != "call_function" or node not in need:
+            continue
+        st = cands.strategies[name][choice[built.index[name]]]
+        for i, a in enumerate(tensor_inputs(node)):
+            if a.name not in params or a.name not in built.index or i >= len(st.inputs):
+                continue
+            stored = cands.strategies[a.name][choice[built.index[a.name]]].output
+            spec = st.inputs[i]
+            if spec == stored or (a.name, spec) in seen or not saves_input(node, a, mask):
+                continue
+            seen.add((a.name, spec))
+            total += tensor_bytes(a) / shard_factor(spec, c.mesh_shape)
+    return total
+
+
+def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],
+                    c: Costing, params: set[str]) -> float:
+    """Workspace above the saved activations at the step's peak: the largest, over ops that need
+    a gradient, of the local gradients live while the op's backward runs -- its output's and its
+    non-parameter inputs' (each storage once: a view's gradient is a view) plus one per tensor the
+    op makes and saves itself (a cross-entropy's log-probabilities have a gradient of their own:
+    the loss's backward holds two logits-sized gradients next to the saved log-probabilities,
+    which for a GPT is the largest op of the step). Not in the ILP (a max, not a sum): added to
+    the plan's predicted memory after the solve."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    saved = saved_bytes_by_node(gm, dropout_mask_bytes=1 if getattr(c.device, "name", "") != "cpu" else None)
+    need = grad_nodes(gm.graph)
+    peak = 0.0
+    for name in built.names:
+        node = by_name[name]
+        if node.op != "call_function" or node not in need:
+            continue
+        st = cands.strategies[name][choice[built.index[name]]]
+        out_shard = max(1, shard_factor(_outs(st)[0], c.mesh_shape))
+        in_shard = shard_factor(st.inputs[0], c.mesh_shape) if st.inputs else 1
+        live = {storage_key(node): tensor_bytes(node, 0 if isinstance(node.meta.get("val"), (tuple, list)) else None)
+                / out_shard}
+        for i, a in enumerate(tensor_inputs(node)):
+            if a in need and a.name not in params and i < len(st.inputs):
+                live.setdefault(storage_key(a), tensor_bytes(a) / max(1, shard_factor(st.inputs[i], c.mesh_shape)))
+        internal = _saved_pair(saved, name)[1] / max(out_shard, in_shard)
+        peak = max(peak, sum(live.values()) + internal)
+    return peak
 
 
 def feasible_hint(p: IntraOpProblem) -> list[int]:

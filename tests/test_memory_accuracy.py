@@ -1,0 +1,39 @@
+"""Memory model accuracy: the plan's predicted bytes per device (``plan.memory_per_device``)
+within 10 % of the exact count on every rank: parameters, gradients and optimizer state after a
+step plus the peak of the tensors autograd saves for backward (``bench/memory_measure.py``;
+``bench/memory_accuracy.py`` prints the table, ``--cuda`` measures max_memory_allocated)."""
+from __future__ import annotations
+
+import pytest
+
+from bench.memory_measure import GB, run_case
+from conftest import run_ranks
+
+TOLERANCE = 0.10
+CASES = ["gpt dp2 fp32", "gpt dp2 bf16 params", "gpt tp2 fp32", "gpt pp2 1f1b m4", "gpt pp2 gpipe m4",
+         "gpt-large dp2 fp32", "gpt dp2 accumulation 2", "llama dp2xtp2 fp32"]
+
+
+def _explain(r: dict) -> str:
+    m, p = r["measured"], r["predicted"]
+    parts = [f"rank {r['rank']}: predicted {p['total'] / GB * 1e3:.3f} MB vs measured {m['total'] / GB * 1e3:.3f} MB "
+             f"(ratio {p['total'] / m['total']:.3f})",
+             f"measured: params {m['params'] / 1e6:.3f} + grads {m['grads'] / 1e6:.3f} + optimizer "
+             f"{m['optimizer'] / 1e6:.3f} + saved activations (peak) {m['activations'] / 1e6:.3f} MB"]
+    rest = {k: v for k, v in p.items() if k != "total"}
+    if rest:
+        parts.append("predicted: " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in rest.items()))
+    parts.append(f"plan: {r['plan']}")
+    return "\n  ".join(parts)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_predicted_memory_within_10_percent_of_measured(name):
+    from bench.memory_measure import CASES as ALL
+
+    results = run_ranks(ALL[name].world, run_case, name)
+    bad = [r for r in results
+           if abs(r["predicted"]["total"] / r["measured"]["total"] - 1) > TOLERANCE]
+    if bad:
+        pytest.fail(f"{name}: predicted memory off by more than {TOLERANCE:.0%}:\n  "
+                    + "\n  ".join(_explain(r) for r in bad), pytrace=False)
