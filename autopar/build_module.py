@@ -18,6 +18,7 @@ from autopar.pipeline_module import build_pipeline_module
 from autopar.plan import Plan
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, setup_grad_sync, sum_grads
 from autopar.runtime.program import RankProgram, placeholder_slot
+from autopar.runtime.zero import ZeroSync, check_zero_supported
 from autopar.trace import Traced, compute_dtype
 
 
@@ -33,7 +34,9 @@ def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
 def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
                           retracer: Retracer | None = None) -> ParallelModule:
     """This rank's module for ``the_plan``; a pipelined plan re-traces at its microbatch shape with ``retracer``."""
-    if the_plan.degrees.get("pp", 1) > 1:
+    pipelined = the_plan.degrees.get("pp", 1) > 1
+    check_zero_supported(the_plan, pipelined)
+    if pipelined:
         return build_pipeline_module(model, traced, the_plan, retracer)
     mesh = the_plan.mesh
     if dist.is_initialized():
@@ -59,8 +62,15 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
     sync = {traced.params[ph]: tuple(sorted(a, key=mesh.axis_names.index)) for ph, a in param_sync.items()}
     named = dict(program.named_parameters())
     groups = {n: g.group for n, g in axes.items()}
-    acc = Accumulation(list(named.values()), lambda: sum_grads(grads_by_axes(named, sync), groups))
-    ddp = setup_grad_sync(program, sync, axes, mesh, acc, the_plan.grad_compression)
+    zero = the_plan.memory_options.zero
+    if zero and dist.is_initialized() and mesh.size > 1:
+        # ZeRO: every summed parameter is sharded over its sync axes (runtime/zero.py); no DDP
+        acc, ddp = ZeroSync(program, sync, axes, mesh, zero, the_plan.grad_compression), None
+    else:
+        zero = 0
+        acc = Accumulation(list(named.values()), lambda: sum_grads(grads_by_axes(named, sync), groups))
+        ddp = setup_grad_sync(program, sync, axes, mesh, acc, the_plan.grad_compression)
     used = {a for d in the_plan.params.values() for a in d.aliases}
     extra = {k: v.detach().clone() for k, v in state.items() if k not in used}
-    return ParallelModule(program, the_plan, traced, axes, coords, ddp, extra, list(state), acc)
+    return ParallelModule(program, the_plan, traced, axes, coords, ddp, extra, list(state), acc,
+                          zero=acc if zero else None)

@@ -1,0 +1,282 @@
+"""ZeRO stages 1 and 2 on the data-parallel axes of a per-rank program (``plan.memory_options.zero``).
+
+A parameter's data-parallel axes are the axes its gradient is summed over (``ParamDecision.grad_sync``):
+every rank of that axis set holds the same piece of it, so the set can share the work of updating it.
+
+Layout (FSDP2's, per parameter): the working piece (what the program computes with) is flattened,
+zero-padded to a multiple of ``d`` (the size of the axis set) and cut into ``d`` equal chunks of
+``c = ceil(n / d)`` elements; rank ``i`` of the set owns chunk ``i`` as a 1-D ``nn.Parameter``, the
+*shard*, registered under the parameter's own name. ``pmodel.parameters()`` yields the shards (and
+the parameters that have no data-parallel axis), so an optimizer built on them holds 1/d of the state.
+
+One step, for the parameters of one axis set, in buckets of ``bucket_mb`` (same order on every rank):
+
+* backward leaves each rank's *local* (partial) gradient on the working parameters — no DDP;
+* after a synced backward (not inside ``no_sync``) one reduce-scatter per bucket sums the working
+  gradients over the set and leaves each rank its chunk, added to the shard's ``.grad``.
+  The input is the ``(d, C)`` matrix whose column block ``j`` is parameter ``j``'s padded gradient
+  viewed ``(d, c_j)``, so row ``i`` (rank ``i``'s output) is the concatenation of its chunks.
+  Stage 1 then zeroes the working gradients (full-size buffers kept, as DeepSpeed's stage 1);
+  stage 2 frees them (``.grad = None``): between steps a rank holds only its gradient shard;
+* the optimizer steps on the shards; a global optimizer step post-hook all-gathers the updated
+  shards (``(C,)`` → ``(d, C)``) back into the working parameters.
+
+Gradient accumulation is exact without setting anything aside: local gradients of ``no_sync``
+steps add up in the working gradients and the next synced step (or ``flush``, run by the optimizer
+step pre-hook, ``clip_grad_norm_`` and ``full_grad_dict``) reduce-scatters their sum; sums of
+earlier synced steps add up in the shards' gradients. Communication per step equals DDP's
+all-reduce (reduce-scatter + all-gather, the ZeRO paper's 2Ψ); ``cost_models/zero.py`` prices it.
+
+ZeRO-3 (parameters sharded between uses) is not implemented here: ``check_zero_supported`` refuses it.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from autopar.collectives.comm import COUNTER
+from autopar.plan import PlanError
+from autopar.runtime.program import _owner
+
+BUCKET_MB = 25.0
+
+
+def check_zero_supported(plan, pipelined: bool) -> None:
+    """Raise a PlanError for a ZeRO stage this runtime cannot run (ZeRO-3; any stage with a pipeline)."""
+    zero = plan.memory_options.zero
+    if zero == 3:
+        raise PlanError("memory_options.zero=3 (parameters sharded between uses) is not supported yet; "
+                        "use zero=2 (optimizer state and gradients sharded) or zero=1")
+    if zero and pipelined:
+        raise PlanError(f"memory_options.zero={zero} is not supported with a pipeline (pp > 1) yet; "
+                        "use zero=0 for pipelined plans")
+
+
+def axes_group(axes: tuple[str, ...], groups: dict, mesh):
+    """The process group spanning the mesh axes ``axes`` (``groups``: axis -> AxisGroup)."""
+    if len(axes) == mesh.ndim:
+        return dist.group.WORLD
+    if len(axes) == 1:
+        return groups[axes[0]].group
+    dm = mesh.device_mesh()
+    return dm[tuple(a for a in mesh.axis_names if a in axes)]._flatten().get_group()
+
+
+class _Sharded:
+    """One parameter: its working piece, this rank's shard, its element count and chunk size."""
+
+    def __init__(self, name: str, working: nn.Parameter, d: int, index: int):
+        self.name, self.working = name, working
+        self.n = working.numel()
+        self.c = math.ceil(self.n / d) if self.n else 0
+        lo, hi = index * self.c, (index + 1) * self.c
+        # a chunk inside the parameter is a view of it (no copy; the optimizer updates it in place);
+        # only a chunk reaching into the padding is a copy
+        self.aliased = hi <= self.n and working.is_contiguous()
+        if self.aliased:
+            piece = working.detach().view(-1)[lo:hi]
+        else:
+            piece = F.pad(working.detach().reshape(-1), (0, self.c * d - self.n))[lo:hi].clone()
+        self.shard = nn.Parameter(piece, requires_grad=working.requires_grad)
+
+
+class _AxisSet:
+    """The parameters sharded over one set of axes, in name order, cut into buckets."""
+
+    def __init__(self, axes: tuple[str, ...], group, label: str, params: list[tuple[str, nn.Parameter]],
+                 bucket_mb: float):
+        self.axes, self.group, self.label = axes, group, label
+        self.d = dist.get_world_size(group)
+        self.index = dist.get_rank(group)
+        self.params = [_Sharded(n, p, self.d, self.index) for n, p in params]
+        self.buckets: list[list[_Sharded]] = []
+        size = 0
+        for sp in self.params:
+            nbytes = sp.c * self.d * sp.working.element_size()
+            if not self.buckets or size + nbytes > bucket_mb * 2 ** 20 or \
+                    sp.working.dtype != self.buckets[-1][0].working.dtype:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(sp)
+            size += nbytes
+
+
+class ZeroSync:
+    """ZeRO-1/2 gradient sync and parameter update of one per-rank program (module docstring).
+
+    Duck-types ``runtime.grad_sync.Accumulation`` (``no_sync``, ``before_backward``,
+    ``after_backward``, ``flush``, ``syncing``) so ``ParallelModule.step`` drives it unchanged.
+    ``sync``: parameter name -> its data-parallel axes (mesh order); ``groups``: axis -> AxisGroup."""
+
+    def __init__(self, program: nn.Module, sync: dict[str, tuple], groups: dict, mesh, stage: int,
+                 compression: str | None = None, bucket_mb: float = BUCKET_MB):
+        if stage not in (1, 2):
+            raise PlanError(f"ZeroSync runs ZeRO stages 1 and 2, not {stage}")
+        self.stage = stage
+        self._wire = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compression)
+        named = dict(program.named_parameters())
+        by_axes: dict[tuple, list] = {}
+        for name in sorted(sync):                   # sorted: the same order on every rank
+            p, axes = named.get(name), tuple(sync[name])
+            if p is not None and axes and p.requires_grad:
+                by_axes.setdefault(axes, []).append((name, p))
+        order = sorted(by_axes, key=lambda ax: [mesh.axis_names.index(a) for a in ax])
+        self.sets = [_AxisSet(ax, axes_group(ax, groups, mesh), "+".join(ax), by_axes[ax], bucket_mb)
+                     for ax in order]
+        self.sharded = {sp.name: (s, sp) for s in self.sets for sp in s.params}
+        self._shard_ids = {id(sp.shard) for _, sp in self.sharded.values()}
+        # what pmodel.parameters() yields: shards under the parameters' names, other parameters as they are
+        self.params = nn.Module()
+        for name, p in named.items():
+            mod, leaf = _owner(self.params, name)
+            mod.register_parameter(leaf, self.sharded[name][1].shard if name in self.sharded else p)
+        self.syncing = True
+        self.local = False          # working gradients hold local parts of no_sync steps
+        _LIVE.add(self)
+
+    # ---- Accumulation's interface ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
+    def before_backward(self) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        if self.syncing:
+            self.reduce_scatter()
+        else:
+            self.local = True
+
+    def flush(self) -> None:
+        if self.local:
+            self.reduce_scatter()
+
+    def owns_any(self, tensors) -> bool:
+        return any(id(t) in self._shard_ids for t in tensors)
+
+    # ---- collectives ------------------------------------------------------------------------------
+    def reduce_scatter(self) -> None:
+        """Sum the working gradients over each axis set; each rank adds its chunk to its shard's grad."""
+        for s in self.sets:
+            for bucket in s.buckets:
+                self._reduce_scatter_bucket(s, bucket)
+        self.local = False
+
+    def _reduce_scatter_bucket(self, s: _AxisSet, bucket: list[_Sharded]) -> None:
+        cols = []
+        for sp in bucket:
+            g = sp.working.grad
+            flat = g.detach().reshape(-1) if g is not None else sp.working.new_zeros(sp.n)
+            cols.append(F.pad(flat, (0, sp.c * s.d - sp.n)).view(s.d, sp.c))
+        inp = torch.cat(cols, dim=1).reshape(-1)
+        dtype = inp.dtype
+        if self._wire is not None:
+            inp = inp.to(self._wire)
+        out = inp.new_empty(inp.numel() // s.d)
+        COUNTER.record("reduce_scatter", inp, s.label, "bwd")
+        dist.reduce_scatter_single(out, inp, group=s.group)
+        out = out.to(dtype)
+        for sp, piece in zip(bucket, out.split([sp.c for sp in bucket])):
+            sh = sp.shard
+            sh.grad = piece if sh.grad is None else sh.grad.add_(piece)
+            if self.stage >= 2:
+                sp.working.grad = None
+            elif sp.working.grad is not None:
+                sp.working.grad.zero_()
+
+    @torch.no_grad()
+    def all_gather(self) -> None:
+        """Copy every rank's updated shard back into the working parameters."""
+        for s in self.sets:
+            for bucket in s.buckets:
+                inp = torch.cat([sp.shard.detach().reshape(-1) for sp in bucket])
+                out = inp.new_empty(inp.numel() * s.d)
+                COUNTER.record("all_gather", inp, s.label, "step", parts=s.d)
+                dist.all_gather_single(out, inp, group=s.group)
+                for sp, cols in zip(bucket, out.view(s.d, -1).split([sp.c for sp in bucket], dim=1)):
+                    sp.working.copy_(cols.reshape(-1)[:sp.n].view_as(sp.working))
+
+    @torch.no_grad()
+    def refresh_shards(self) -> None:
+        """Re-cut the shards from the working parameters (after loading a state dict)."""
+        for s in self.sets:
+            for sp in s.params:
+                if sp.aliased:
+                    continue
+                flat = F.pad(sp.working.reshape(-1), (0, sp.c * s.d - sp.n))
+                sp.shard.copy_(flat[s.index * sp.c:(s.index + 1) * sp.c])
+
+    # ---- gradients as ParallelModule reads them -------------------------------------------------
+    def handles(self, name: str) -> bool:
+        return name in self.sharded
+
+    def grad_pieces(self, program: nn.Module, replicas) -> list[tuple[torch.Tensor, float]]:
+        """(gradient, how many ranks hold that same piece) for every gradient this rank holds:
+        a shard's piece is held by ``replicas(name) / d`` ranks."""
+        out = []
+        for name, p in program.named_parameters():
+            if name in self.sharded:
+                s, sp = self.sharded[name]
+                if sp.shard.grad is not None:
+                    out.append((sp.shard.grad, replicas(name) / s.d))
+            elif p.grad is not None:
+                out.append((p.grad, replicas(name)))
+        return out
+
+    def local_grad(self, name: str) -> torch.Tensor:
+        """This rank's working-shape gradient of ``name`` (all-gathered over its axis set; zeros where none)."""
+        s, sp = self.sharded[name]
+        g = sp.shard.grad if sp.shard.grad is not None else torch.zeros_like(sp.shard)
+        out = g.new_empty(sp.c * s.d)
+        dist.all_gather_single(out, g.detach().contiguous(), group=s.group)
+        return out[:sp.n].view_as(sp.working).clone()
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now: parameters (working + shards), gradients (working + shards)."""
+        params = grads = 0
+        seen = set()
+        aliased = {id(sp.shard) for _, sp in self.sharded.values() if sp.aliased}
+        for t in [*(sp.working for _, sp in self.sharded.values()), *self.params.parameters()]:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if id(t) not in aliased:        # a shard that views its working parameter adds no bytes
+                params += t.numel() * t.element_size()
+            if t.grad is not None:
+                grads += t.grad.numel() * t.grad.element_size()
+        return {"params": params, "grads": grads}
+
+
+_LIVE: "weakref.WeakSet[ZeroSync]" = weakref.WeakSet()
+
+
+def _params_of(optimizer):
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _flush_before_step(optimizer, args, kwargs) -> None:
+    for z in list(_LIVE):
+        if z.local and z.owns_any(_params_of(optimizer)):
+            z.flush()
+
+
+def _gather_after_step(optimizer, args, kwargs) -> None:
+    for z in list(_LIVE):
+        if z.owns_any(_params_of(optimizer)):
+            z.all_gather()
+
+
+register_optimizer_step_pre_hook(_flush_before_step)
+register_optimizer_step_post_hook(_gather_after_step)

@@ -1,0 +1,180 @@
+"""ZeRO stages 1 and 2 (``plan.memory_options.zero``, runtime/zero.py): a DATA plan on 2 ranks and a
+(dp, tp) plan on 4 ranks forced to a stage train like one process (the oracle) with SGD and AdamW,
+with accumulation and clipping; a rank holds 1/d of the optimizer state (and, at stage 2, of the
+gradients); checkpoints round-trip; ZeRO-3 and ZeRO with a pipeline are refused clearly."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import autopar
+from conftest import run_ranks
+from examples.models import GPT, MLP, lm_loss
+from oracle import assert_same_training, make_batch, parallel_run, reference_run
+
+GPT_SMALL = functools.partial(GPT, vocab=64, hidden=32, heads=2, layers=1, seq=8, qkv_bias=False)
+CASES = {
+    "mlp": (MLP, F.cross_entropy, "vector", {}),
+    "gpt": (GPT_SMALL, lm_loss, "tokens", {"vocab": 64, "seq": 8}),
+}
+
+
+BATCH = {"dp2": 8, "dp2tp2": 64}     # at 8 samples the (dp, tp) plan leaves dp unused (degrees dp=1)
+
+
+def _with_zero(plan, zero: int):
+    return dataclasses.replace(plan, memory_options=dataclasses.replace(plan.memory_options, zero=zero))
+
+
+def _mlp_tp(model):
+    autopar.shard({"layers.0": ColwiseParallel(), "layers.1": RowwiseParallel()}, axis="tp")
+
+
+@functools.lru_cache(maxsize=None)
+def _plan_json(name: str, mesh_key: str, zero: int, micro: int) -> str:
+    """A DATA plan on 2 ranks, or a (dp=2, tp=2) Megatron MLP plan on 4, with ``zero`` forced."""
+    model_fn, loss_fn, kind, kw = CASES[name]
+    x, y = make_batch(kind, BATCH[mesh_key], **kw)
+    x, y = x[: BATCH[mesh_key] // micro], y[: BATCH[mesh_key] // micro]
+    torch.manual_seed(0)
+    model = model_fn()
+    if mesh_key == "dp2":
+        plan = autopar.plan(model, autopar.Mesh(2), example_inputs=(x,), loss_fn=loss_fn, example_target=y,
+                            mode="data")
+    else:
+        autopar.clear_annotations()
+        _mlp_tp(model)
+        mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"), device="a100-80gb")
+        plan = autopar.plan(model, mesh, example_inputs=(x,), loss_fn=loss_fn, example_target=y, mode="semi_auto")
+        autopar.clear_annotations()
+    return _with_zero(plan, zero).to_json()
+
+
+def _zero_job(rank, name, plan_json, optim, micro, clip, batch):
+    model_fn, loss_fn, kind, kw = CASES[name]
+    x, y = make_batch(kind, batch, **kw)
+    plan = autopar.Plan.from_json(plan_json)
+    return parallel_run(rank, model_fn, loss_fn, x, y, plan.mesh, None, plan=plan, optim=optim, micro=micro,
+                        clip=clip)
+
+
+RUNS = [  # (model, mesh, zero, optimizer, micro-batches, clip)
+    ("mlp", "dp2", 1, "sgd", 2, 0.5),
+    ("mlp", "dp2", 1, "adamw", 1, None),
+    ("mlp", "dp2", 2, "sgd", 1, None),
+    ("mlp", "dp2", 2, "adamw", 2, 0.5),
+    ("gpt", "dp2", 2, "sgd", 2, 1.0),       # tied embedding, layer norms, uneven chunks (padding)
+    ("gpt", "dp2", 1, "adamw", 1, 1.0),
+    ("mlp", "dp2tp2", 1, "adamw", 2, 0.5),
+    ("mlp", "dp2tp2", 2, "sgd", 2, 0.5),
+]
+
+
+@pytest.mark.parametrize("name,mesh_key,zero,optim,micro,clip", RUNS)
+def test_zero_trains_like_one_process(name, mesh_key, zero, optim, micro, clip):
+    model_fn, loss_fn, kind, kw = CASES[name]
+    x, y = make_batch(kind, BATCH[mesh_key], **kw)
+    ref = reference_run(model_fn, loss_fn, x, y, optim=optim, micro=micro, clip=clip)
+    n = 2 if mesh_key == "dp2" else 4
+    plan_json = _plan_json(name, mesh_key, zero, micro)
+    plan = autopar.Plan.from_json(plan_json)
+    dp_axis = "d0" if mesh_key == "dp2" else "dp"
+    assert all(d.grad_sync == [dp_axis] for d in plan.params.values()), "every parameter must be sharded over dp"
+    if mesh_key == "dp2tp2":
+        assert plan.degrees["dp"] == 2 and plan.degrees["tp"] == 2
+    results = run_ranks(n, _zero_job, name, plan_json, optim, micro, clip, BATCH[mesh_key])
+    for r in results:
+        assert autopar.Plan.from_json(r["plan"]).memory_options.zero == zero
+        assert_same_training(ref, r, what=f"{name} {mesh_key} zero={zero} {optim} micro={micro} clip={clip}")
+
+
+def _memory_job(rank, plan_jsons):
+    x, y = make_batch("tokens", 8, vocab=64, seq=8)
+    out = {}
+    for zero, js in plan_jsons.items():
+        torch.manual_seed(0)
+        pmodel = autopar.parallelize(GPT_SMALL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss,
+                                     example_target=y, plan=autopar.Plan.from_json(js))
+        opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+        pmodel.step(x, target=y)
+        opt.step()
+        pmodel.step(x, target=y)     # gradients held between backward and the next optimizer step
+        state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                    if isinstance(t, torch.Tensor) and t.dim() > 0)
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in pmodel.program.parameters() if p.grad is not None)
+        if pmodel._zero is not None:
+            grads = pmodel._zero.held_bytes()["grads"]
+        out[zero] = {"state": state, "grads": grads}
+    return out
+
+
+def test_optimizer_state_and_gradients_held_per_rank_are_one_over_d():
+    js = {z: _plan_json("gpt", "dp2", z, 1) for z in (0, 1, 2)}
+    for r in run_ranks(2, _memory_job, js):
+        full_state, full_grads = r[0]["state"], r[0]["grads"]
+        # chunks are padded to a multiple of d: at most d - 1 elements per tensor more than 1/d
+        for z in (1, 2):
+            assert full_state / 2 <= r[z]["state"] <= full_state / 2 + 2 * 4 * 64, (z, r)
+        assert r[1]["grads"] >= full_grads            # stage 1 keeps full-size gradient buffers
+        assert full_grads / 2 <= r[2]["grads"] <= full_grads / 2 + 4 * 64, r
+
+
+def _checkpoint_job(rank, plan_json, path):
+    x, y = make_batch("tokens", 8, vocab=64, seq=8)
+    plan = autopar.Plan.from_json(plan_json)
+
+    def build():
+        torch.manual_seed(rank + 1)      # different initial values: the load must overwrite them
+        pm = autopar.parallelize(GPT_SMALL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss,
+                                 example_target=y, plan=plan)
+        return pm, torch.optim.AdamW(pm.parameters(), lr=1e-3)
+
+    a, opt_a = build()
+    a.load_full_state_dict(a.full_state_dict())     # shards re-cut from the loaded working parameters
+    for _ in range(2):
+        a.step(x, target=y)
+        opt_a.step()
+        opt_a.zero_grad()
+    a.save(path, opt_a)
+    b, opt_b = build()
+    b.load(path, opt_b)
+    for pm, opt in ((a, opt_a), (b, opt_b)):
+        pm.step(x, target=y)
+        opt.step()
+    sa, sb = a.full_state_dict(), b.full_state_dict()
+    return max(float((sa[k] - sb[k]).abs().max()) for k in sa)
+
+
+def test_checkpoint_round_trip_keeps_sharded_optimizer_state(tmp_path):
+    for diff in run_ranks(2, _checkpoint_job, _plan_json("gpt", "dp2", 2, 1), str(tmp_path / "ckpt")):
+        assert diff == 0.0
+
+
+def _zero3_job(rank, plan_json):
+    x, y = make_batch("vector", 8)
+    try:
+        autopar.parallelize(MLP(), autopar.Mesh(2), example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y,
+                            plan=autopar.Plan.from_json(plan_json))
+    except autopar.PlanError as e:
+        return str(e)
+    return None
+
+
+def test_zero3_is_refused_with_a_clear_error():
+    js = _with_zero(autopar.Plan.from_json(_plan_json("mlp", "dp2", 0, 1)), 3).to_json()
+    for msg in run_ranks(2, _zero3_job, js):
+        assert msg is not None and "zero=3" in msg and "not supported yet" in msg
+
+
+def test_zero_with_a_pipeline_is_refused_with_a_clear_error():
+    from autopar.runtime.zero import check_zero_supported
+
+    plan = _with_zero(autopar.Plan.from_json(_plan_json("mlp", "dp2", 0, 1)), 2)
+    with pytest.raises(autopar.PlanError, match=r"zero=2 is not supported with a pipeline"):
+        check_zero_supported(plan, pipelined=True)
+    check_zero_supported(plan, pipelined=False)
