@@ -16,8 +16,10 @@ One step, for the parameters of one axis set, in buckets of ``bucket_mb`` (same 
   gradients over the set and leaves each rank its chunk, added to the shard's ``.grad``.
   The input is the ``(d, C)`` matrix whose column block ``j`` is parameter ``j``'s padded gradient
   viewed ``(d, c_j)``, so row ``i`` (rank ``i``'s output) is the concatenation of its chunks.
-  Stage 1 then zeroes the working gradients (full-size buffers kept, as DeepSpeed's stage 1);
-  stage 2 frees them (``.grad = None``): between steps a rank holds only its gradient shard;
+  Stage 1 keeps full-size working gradient buffers (as DeepSpeed's stage 1): the sum is written
+  into this rank's chunk of it, the rest zeroed, and the shard's ``.grad`` is a view of that chunk
+  (no extra bytes; a shard reaching into the padding keeps its own gradient). Stage 2 frees the
+  working gradients (``.grad = None``): between steps a rank holds only its gradient shard;
 * the optimizer steps on the shards; a global optimizer step post-hook all-gathers the updated
   shards (``(C,)`` → ``(d, C)``) back into the working parameters.
 
@@ -76,7 +78,7 @@ class _Sharded:
         self.name, self.working = name, working
         self.n = working.numel()
         self.c = math.ceil(self.n / d) if self.n else 0
-        lo, hi = index * self.c, (index + 1) * self.c
+        lo, hi = self.lo, self.hi = index * self.c, (index + 1) * self.c
         # a chunk inside the parameter is a view of it (no copy; the optimizer updates it in place);
         # only a chunk reaching into the padding is a copy
         self.aliased = hi <= self.n and working.is_contiguous()
@@ -151,13 +153,29 @@ class ZeroSync:
             self.syncing = True
 
     def before_backward(self) -> None:
-        pass
+        """Stage 1: a shard gradient the user set to None since the last backward discards the
+        working gradient it views (kept allocated, zeroed)."""
+        if self.stage != 1:
+            return
+        for _, sp in self.sharded.values():
+            if sp.aliased and sp.shard.grad is None and sp.working.grad is not None:
+                sp.working.grad.zero_()
+                self.local = False
 
     def after_backward(self) -> None:
         if self.syncing:
             self.reduce_scatter()
         else:
             self.local = True
+            self._view_chunks()
+
+    def _view_chunks(self) -> None:
+        """Stage 1: each aliased shard's gradient is its chunk of the working gradient."""
+        if self.stage != 1:
+            return
+        for _, sp in self.sharded.values():
+            if sp.aliased and sp.working.grad is not None:
+                sp.shard.grad = sp.working.grad.view(-1)[sp.lo:sp.hi]
 
     def flush(self) -> None:
         if self.local:
@@ -190,6 +208,16 @@ class ZeroSync:
         out = out.to(dtype)
         for sp, piece in zip(bucket, out.split([sp.c for sp in bucket])):
             sh = sp.shard
+            if self.stage == 1 and sp.aliased:
+                # the working gradient keeps the sum in this rank's chunk (which the next
+                # reduce-scatter adds in again: accumulation) and zeros elsewhere
+                wg = sp.working.grad
+                if wg is None:
+                    wg = sp.working.grad = torch.zeros_like(sp.working)
+                wg.zero_()
+                sh.grad = wg.view(-1)[sp.lo:sp.hi]
+                sh.grad.copy_(piece)
+                continue
             sh.grad = piece if sh.grad is None else sh.grad.add_(piece)
             if self.stage >= 2:
                 sp.working.grad = None
@@ -248,13 +276,14 @@ class ZeroSync:
         params = grads = 0
         seen = set()
         aliased = {id(sp.shard) for _, sp in self.sharded.values() if sp.aliased}
+        grad_views = aliased if self.stage == 1 else set()    # stage 1: chunks of the working gradients
         for t in [*(sp.working for _, sp in self.sharded.values()), *self.params.parameters()]:
             if id(t) in seen:
                 continue
             seen.add(id(t))
             if id(t) not in aliased:        # a shard that views its working parameter adds no bytes
                 params += t.numel() * t.element_size()
-            if t.grad is not None:
+            if t.grad is not None and id(t) not in grad_views:
                 grads += t.grad.numel() * t.grad.element_size()
         return {"params": params, "grads": grads}
 
