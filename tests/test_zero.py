@@ -179,3 +179,36 @@ def test_zero_with_a_pipeline_is_refused_with_a_clear_error():
     with pytest.raises(autopar.PlanError, match=r"zero=2 is not supported with a pipeline"):
         check_zero_supported(plan, pipelined=True)
     check_zero_supported(plan, pipelined=False)
+
+
+def _policy_job(rank, plan_jsons):
+    x, y = make_batch("tokens", 8, vocab=64, seq=8)
+    out = []
+    for js in plan_jsons:
+        torch.manual_seed(0)
+        pm = autopar.parallelize(GPT_SMALL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                                 plan=autopar.Plan.from_json(js))
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            losses.append(float(pm.step(x, target=y)))
+            opt.step()
+            opt.zero_grad()
+        out.append((losses, pm.full_state_dict()))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["bf16 compute", "bf16 on the wire"])
+def test_zero2_under_mixed_precision_and_compression_matches_zero0(policy):
+    """bf16 compute on fp32 masters (shards cut from the masters) and bf16 gradient compression
+    (the reduce-scatter runs in bf16, as DDP's hook all-reduces): ZeRO-2 trains like ZeRO-0."""
+    x, y = make_batch("tokens", 8, vocab=64, seq=8)
+    torch.manual_seed(0)
+    plan = autopar.plan(GPT_SMALL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                        mode="data", mixed_precision="bf16" if policy == "bf16 compute" else None)
+    if policy == "bf16 on the wire":
+        plan = dataclasses.replace(plan, grad_compression="bf16")
+    (a, sa), (b, sb) = run_ranks(2, _policy_job, [_with_zero(plan, z).to_json() for z in (0, 2)])[0]
+    assert a == pytest.approx(b, rel=1e-3)
+    for k in sa:
+        assert torch.allclose(sa[k], sb[k], rtol=1e-2, atol=1e-3), k
