@@ -227,6 +227,8 @@ class ParallelModule(nn.Module):
     # ---- state -------------------------------------------------------------------------------
     def _local(self, name: str) -> torch.Tensor | None:
         """This rank's piece of ``name`` (None where this rank holds none of it)."""
+        if self._zero is not None and self._zero.handles(name):
+            return self._zero.working(name)
         return self.program.local_tensor(name) if self.program.has(name) else None
 
     def _gather(self, name: str, local: torch.Tensor, spec) -> torch.Tensor:
@@ -273,12 +275,15 @@ class ParallelModule(nn.Module):
         """Load a full (unsharded) state dict: each rank keeps its pieces."""
         mesh = self.plan.mesh
         for name, d in self.plan.params.items():
-            if d.kind == "constant" or self._local(name) is None:
+            if d.kind == "constant" or not self.program.has(name):
                 continue
             key = next((a for a in d.aliases if a in state), None)
             if key is None:
                 raise KeyError(f"state dict has no entry for {name!r} (or its aliases {d.aliases})")
             piece = local_piece(state[key], d.spec, self._coords, mesh.shape)
+            if self._zero is not None and self._zero.handles(name):
+                self._zero.load_piece(name, piece)
+                continue
             with torch.no_grad():
                 self.program.local_tensor(name).copy_(piece)
         if self._zero is not None:

@@ -1,7 +1,8 @@
-"""ZeRO stages 1 and 2 (``plan.memory_options.zero``, runtime/zero.py): a DATA plan on 2 ranks and a
+"""ZeRO stages 1, 2 and 3 (``plan.memory_options.zero``, runtime/zero.py): a DATA plan on 2 ranks and a
 (dp, tp) plan on 4 ranks forced to a stage train like one process (the oracle) with SGD and AdamW,
 with accumulation and clipping; a rank holds 1/d of the optimizer state (and, at stage 2, of the
-gradients); checkpoints round-trip; ZeRO-3 and ZeRO with a pipeline are refused clearly."""
+gradients, at stage 3 also of the parameters between uses); ZeRO-3 gathers per layer and re-gathers
+in backward; checkpoints round-trip; ZeRO with a pipeline is refused clearly."""
 from __future__ import annotations
 
 import dataclasses
@@ -72,6 +73,10 @@ RUNS = [  # (model, mesh, zero, optimizer, micro-batches, clip)
     ("gpt", "dp2", 1, "adamw", 1, 1.0),
     ("mlp", "dp2tp2", 1, "adamw", 2, 0.5),
     ("mlp", "dp2tp2", 2, "sgd", 2, 0.5),
+    ("mlp", "dp2", 3, "sgd", 2, 0.5),
+    ("gpt", "dp2", 3, "adamw", 2, 1.0),
+    ("gpt", "dp2", 3, "sgd", 1, None),
+    ("mlp", "dp2tp2", 3, "adamw", 2, 0.5),
 ]
 
 
@@ -107,22 +112,28 @@ def _memory_job(rank, plan_jsons):
         state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                     if isinstance(t, torch.Tensor) and t.dim() > 0)
         grads = sum(p.grad.numel() * p.grad.element_size() for p in pmodel.program.parameters() if p.grad is not None)
+        params = sum(p.numel() * p.element_size() for p in pmodel.program.parameters())
         if pmodel._zero is not None:
-            grads = pmodel._zero.held_bytes()["grads"]
-        out[zero] = {"state": state, "grads": grads}
+            grads, params = pmodel._zero.held_bytes()["grads"], pmodel._zero.held_bytes()["params"]
+        out[zero] = {"state": state, "grads": grads, "params": params}
     return out
 
 
 def test_optimizer_state_and_gradients_held_per_rank_are_one_over_d():
-    js = {z: _plan_json("gpt", "dp2", z, 1) for z in (0, 1, 2)}
+    js = {z: _plan_json("gpt", "dp2", z, 1) for z in (0, 1, 2, 3)}
     for r in run_ranks(2, _memory_job, js):
-        full_state, full_grads = r[0]["state"], r[0]["grads"]
+        full_state, full_grads, full_params = r[0]["state"], r[0]["grads"], r[0]["params"]
         # chunks are padded to a multiple of d: at most d - 1 elements per tensor more than 1/d
-        for z in (1, 2):
+        for z in (1, 2, 3):
             assert full_state / 2 <= r[z]["state"] <= full_state / 2 + 2 * 4 * 64, (z, r)
         # stage 1 keeps full-size gradient buffers; its shards' gradients are views of them
         assert full_grads <= r[1]["grads"] <= full_grads + 4 * 64, r
-        assert full_grads / 2 <= r[2]["grads"] <= full_grads / 2 + 4 * 64, r
+        for z in (2, 3):
+            assert full_grads / 2 <= r[z]["grads"] <= full_grads / 2 + 4 * 64, (z, r)
+        # parameters: full at stages 1 and 2 (their shards view them), 1/d between uses at stage 3
+        for z in (1, 2):
+            assert full_params <= r[z]["params"] <= full_params + 4 * 64, (z, r)
+        assert full_params / 2 <= r[3]["params"] <= full_params / 2 + 4 * 64, r
 
 
 def _checkpoint_job(rank, plan_json, path):
@@ -151,25 +162,10 @@ def _checkpoint_job(rank, plan_json, path):
     return max(float((sa[k] - sb[k]).abs().max()) for k in sa)
 
 
-def test_checkpoint_round_trip_keeps_sharded_optimizer_state(tmp_path):
-    for diff in run_ranks(2, _checkpoint_job, _plan_json("gpt", "dp2", 2, 1), str(tmp_path / "ckpt")):
+@pytest.mark.parametrize("zero", [2, 3])
+def test_checkpoint_round_trip_keeps_sharded_optimizer_state(tmp_path, zero):
+    for diff in run_ranks(2, _checkpoint_job, _plan_json("gpt", "dp2", zero, 1), str(tmp_path / "ckpt")):
         assert diff == 0.0
-
-
-def _zero3_job(rank, plan_json):
-    x, y = make_batch("vector", 8)
-    try:
-        autopar.parallelize(MLP(), autopar.Mesh(2), example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y,
-                            plan=autopar.Plan.from_json(plan_json))
-    except autopar.PlanError as e:
-        return str(e)
-    return None
-
-
-def test_zero3_is_refused_with_a_clear_error():
-    js = _with_zero(autopar.Plan.from_json(_plan_json("mlp", "dp2", 0, 1)), 3).to_json()
-    for msg in run_ranks(2, _zero3_job, js):
-        assert msg is not None and "zero=3" in msg and "not supported yet" in msg
 
 
 def test_zero_with_a_pipeline_is_refused_with_a_clear_error():
@@ -198,17 +194,40 @@ def _policy_job(rank, plan_jsons):
     return out
 
 
-@pytest.mark.parametrize("policy", ["bf16 compute", "bf16 on the wire"])
-def test_zero2_under_mixed_precision_and_compression_matches_zero0(policy):
-    """bf16 compute on fp32 masters (shards cut from the masters) and bf16 gradient compression
-    (the reduce-scatter runs in bf16, as DDP's hook all-reduces): ZeRO-2 trains like ZeRO-0."""
+@pytest.mark.parametrize("zero,policy", [(2, "bf16 compute"), (2, "bf16 on the wire"), (3, "bf16 compute")])
+def test_zero_under_mixed_precision_and_compression_matches_zero0(zero, policy):
+    """bf16 compute on fp32 masters (shards cut from the masters; ZeRO-3 gathers the bf16 copies)
+    and bf16 gradient compression (the reduce-scatter runs in bf16, as DDP's hook all-reduces):
+    ZeRO trains like ZeRO-0."""
     x, y = make_batch("tokens", 8, vocab=64, seq=8)
     torch.manual_seed(0)
     plan = autopar.plan(GPT_SMALL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
                         mode="data", mixed_precision="bf16" if policy == "bf16 compute" else None)
     if policy == "bf16 on the wire":
         plan = dataclasses.replace(plan, grad_compression="bf16")
-    (a, sa), (b, sb) = run_ranks(2, _policy_job, [_with_zero(plan, z).to_json() for z in (0, 2)])[0]
+    (a, sa), (b, sb) = run_ranks(2, _policy_job, [_with_zero(plan, z).to_json() for z in (0, zero)])[0]
     assert a == pytest.approx(b, rel=1e-3)
     for k in sa:
         assert torch.allclose(sa[k], sb[k], rtol=1e-2, atol=1e-3), k
+
+
+def _zero3_collectives_job(rank, plan_json):
+    x, y = make_batch("tokens", 8, vocab=64, seq=8)
+    torch.manual_seed(0)
+    pm = autopar.parallelize(GPT_SMALL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                             plan=autopar.Plan.from_json(plan_json))
+    with autopar.count_collectives() as c:
+        pm.step(x, target=y)
+    return dict(c.summary()), [m.names for m in pm._zero.mods], pm.code
+
+
+def test_zero3_gathers_each_layer_before_use_and_again_in_backward():
+    calls, units, code = run_ranks(2, _zero3_collectives_job, _plan_json("gpt", "dp2", 3, 1))[0]
+    # units: wte (tied with the LM head), wpe, the block, ln_f: one gather each in forward, one
+    # reduce-scatter each in backward; backward re-gathers the units whose gathered weights autograd
+    # saved (all but wpe: an embedding's backward needs only the indices)
+    assert [u[0] for u in units] == ["wte.weight", "wpe.weight", "blocks.0.fc1.bias", "ln_f.bias"]
+    assert calls[("all_gather", "d0", "fwd")] == 4 and calls[("reduce_scatter", "d0", "bwd")] == 4
+    assert calls[("all_gather", "d0", "bwd")] == 3
+    assert ("all_reduce", "d0", "bwd") not in calls
+    assert code.index("zero3_gather_2") > code.index("embedding")       # gathered where first used

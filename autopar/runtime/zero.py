@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 on the data-parallel axes of a per-rank program (``plan.memory_options.zero``).
+"""ZeRO stages 1, 2 and 3 on the data-parallel axes of a per-rank program (``plan.memory_options.zero``).
 
 A parameter's data-parallel axes are the axes its gradient is summed over (``ParamDecision.grad_sync``):
 every rank of that axis set holds the same piece of it, so the set can share the work of updating it.
@@ -29,7 +29,17 @@ step pre-hook, ``clip_grad_norm_`` and ``full_grad_dict``) reduce-scatters their
 earlier synced steps add up in the shards' gradients. Communication per step equals DDP's
 all-reduce (reduce-scatter + all-gather, the ZeRO paper's 2Ψ); ``cost_models/zero.py`` prices it.
 
-ZeRO-3 (parameters sharded between uses) is not implemented here: ``check_zero_supported`` refuses it.
+ZeRO-3 (``Zero3``): the program's parameters *are* the shards. A graph pass puts a ``Zero3Gather``
+module before the first use of each layer's parameters (a layer: the name up to its first numeric
+part, "blocks.0"; else the owner module), which all-gathers them in one collective; the gathered
+tensors die after their last forward use, because tensors autograd saves from them are packed as
+tokens (saved-tensor hooks) and re-gathered in backward, once per layer (kept until that layer's
+gather backward, when every use is done; the same order on every rank, so the collectives match).
+The gather's backward reduce-scatters the layer's gradients into the shards' ``.grad``. Every
+backward reduce-scatters (``no_sync`` has nothing to hold back: the sum is linear, accumulation stays
+exact). Not done yet: prefetching the next layer's gather (they run synchronously), and tensors
+derived from a gathered parameter by a non-view op (a cast, ``contiguous``) stay saved in full.
+ZeRO with a pipeline is refused (``check_zero_supported``).
 """
 from __future__ import annotations
 
@@ -51,11 +61,8 @@ BUCKET_MB = 25.0
 
 
 def check_zero_supported(plan, pipelined: bool) -> None:
-    """Raise a PlanError for a ZeRO stage this runtime cannot run (ZeRO-3; any stage with a pipeline)."""
+    """Raise a PlanError for a ZeRO stage this runtime cannot run (any stage with a pipeline)."""
     zero = plan.memory_options.zero
-    if zero == 3:
-        raise PlanError("memory_options.zero=3 (parameters sharded between uses) is not supported yet; "
-                        "use zero=2 (optimizer state and gradients sharded) or zero=1")
     if zero and pipelined:
         raise PlanError(f"memory_options.zero={zero} is not supported with a pipeline (pp > 1) yet; "
                         "use zero=0 for pipelined plans")
@@ -76,7 +83,7 @@ class _Sharded:
 
     def __init__(self, name: str, working: nn.Parameter, d: int, index: int):
         self.name, self.working = name, working
-        self.n = working.numel()
+        self.n, self.shape = working.numel(), working.shape
         self.c = math.ceil(self.n / d) if self.n else 0
         lo, hi = self.lo, self.hi = index * self.c, (index + 1) * self.c
         # a chunk inside the parameter is a view of it (no copy; the optimizer updates it in place);
@@ -250,6 +257,13 @@ class ZeroSync:
     def handles(self, name: str) -> bool:
         return name in self.sharded
 
+    def working(self, name: str) -> torch.Tensor:
+        return self.sharded[name][1].working
+
+    @torch.no_grad()
+    def load_piece(self, name: str, piece: torch.Tensor) -> None:
+        self.sharded[name][1].working.copy_(piece)
+
     def grad_pieces(self, program: nn.Module, replicas) -> list[tuple[torch.Tensor, float]]:
         """(gradient, how many ranks hold that same piece) for every gradient this rank holds:
         a shard's piece is held by ``replicas(name) / d`` ranks."""
@@ -269,7 +283,7 @@ class ZeroSync:
         g = sp.shard.grad if sp.shard.grad is not None else torch.zeros_like(sp.shard)
         out = g.new_empty(sp.c * s.d)
         dist.all_gather_single(out, g.detach().contiguous(), group=s.group)
-        return out[:sp.n].view_as(sp.working).clone()
+        return out[:sp.n].view(sp.shape).clone()
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: parameters (working + shards), gradients (working + shards)."""
@@ -309,3 +323,236 @@ def _gather_after_step(optimizer, args, kwargs) -> None:
 
 register_optimizer_step_pre_hook(_flush_before_step)
 register_optimizer_step_post_hook(_gather_after_step)
+
+
+# ---- ZeRO-3 ---------------------------------------------------------------------------------------
+
+def _layer_key(name: str) -> str:
+    """The layer a parameter belongs to: its name up to the first numeric part ("blocks.0"),
+    else its owner module ("ln_f"): the unit gathered at once."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+class Zero3Gather(nn.Module):
+    """One layer's parameters over one axis set: ``forward(*shards)`` all-gathers them (one
+    collective) into their working shapes; their gradients are reduce-scattered back to the shards
+    in backward. Tensors autograd saves from the gathered parameters are packed as tokens
+    (``Zero3.pack``) and re-gathered in backward, once per layer: the gathered copy is kept from the
+    first unpack to this gather's backward (when every use's backward has run), then dropped."""
+
+    def __init__(self, names: list[str], label: str):
+        super().__init__()
+        self.names, self.label = list(names), label
+        self.group = None
+        self.d = 1
+        self.items: list[_Sharded] = []      # filled by Zero3.bind
+        self.live: dict[int, int] = {}       # id(gathered tensor) -> index, this forward
+        self.cache: list[torch.Tensor] | None = None
+
+    def gather(self, shards, phase: str) -> list[torch.Tensor]:
+        inp = torch.cat([s.detach().reshape(-1) for s in shards])
+        out = inp.new_empty(inp.numel() * self.d)
+        COUNTER.record("all_gather", inp, self.label, phase, parts=self.d)
+        dist.all_gather_single(out, inp, group=self.group)
+        cols = out.view(self.d, -1).split([sp.c for sp in self.items], dim=1)
+        return [c.reshape(-1)[:sp.n].view(sp.shape).clone() for c, sp in zip(cols, self.items)]
+
+    def forward(self, *shards):
+        self.dtype = shards[0].dtype            # the compute dtype (bf16 copies under mixed precision)
+        outs = _Zero3GatherFn.apply(self, *shards)
+        self.live = {id(t): (i, weakref.ref(t)) for i, t in enumerate(outs)}
+        return outs
+
+
+class _Zero3GatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mod: Zero3Gather, *shards):
+        ctx.mod = mod
+        ctx.shard_meta = [(s.shape, s.dtype) for s in shards]
+        return tuple(mod.gather(shards, "fwd"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        mod = ctx.mod
+        mod.cache = None                            # every use of this layer's parameters is done
+        cols = []
+        for g, sp, (shape, dtype) in zip(grads, mod.items, ctx.shard_meta):
+            flat = g.reshape(-1) if g is not None else torch.zeros(sp.n, dtype=dtype)
+            cols.append(F.pad(flat, (0, sp.c * mod.d - sp.n)).view(mod.d, sp.c))
+        inp = torch.cat(cols, dim=1).reshape(-1)
+        out = inp.new_empty(inp.numel() // mod.d)
+        COUNTER.record("reduce_scatter", inp, mod.label, "bwd")
+        dist.reduce_scatter_single(out, inp, group=mod.group)
+        return (None, *out.split([sp.c for sp in mod.items]))
+
+
+class Zero3:
+    """ZeRO-3 of one per-rank program: ``insert`` puts a ``Zero3Gather`` before each layer's first
+    use of its parameters in the graph (the parameters' placeholders then receive this rank's
+    shards), ``shard`` replaces the working pieces by the shards before the program is built, and
+    ``saving`` packs saved gathered tensors as tokens. No ``no_sync`` saving: each backward
+    reduce-scatters (sums are linear, so accumulation stays exact)."""
+
+    stage = 3
+
+    def __init__(self, sync: dict[str, tuple], groups: dict, mesh):
+        self._groups, self._mesh = groups, mesh
+        self.sync = {n: tuple(a) for n, a in sync.items() if a}
+        self.mods: list[Zero3Gather] = []
+        self.syncing, self.local = True, False
+        self.sets: list = []
+        self.sharded: dict = {}
+
+    def insert(self, gm, name_of_placeholder: dict[str, str]) -> None:
+        import operator
+
+        nodes = list(gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        units: dict[tuple, list] = {}
+        for node in nodes:
+            name = name_of_placeholder.get(node.name) if node.op == "placeholder" else None
+            if name in self.sync and node.users:
+                units.setdefault((self.sync[name], _layer_key(name)), []).append(node)
+        order = sorted(units, key=lambda k: min(pos[u] for ph in units[k] for u in ph.users))
+        for k, key in enumerate(order):
+            phs = sorted(units[key], key=lambda ph: name_of_placeholder[ph.name])
+            first = min((u for ph in phs for u in ph.users), key=pos.get)
+            axes = key[0]
+            mod = Zero3Gather([name_of_placeholder[ph.name] for ph in phs], "+".join(axes))
+            mod.group = axes_group(axes, self._groups, self._mesh)
+            mod.d = dist.get_world_size(mod.group)
+            target = f"zero3_gather_{k}"
+            gm.add_submodule(target, mod)
+            with gm.graph.inserting_before(first):
+                call = gm.graph.call_module(target, tuple(phs))
+                for i, ph in enumerate(phs):
+                    item = gm.graph.call_function(operator.getitem, (call, i))
+                    ph.replace_all_uses_with(item, delete_user_cb=lambda u: u is not call)
+            self.mods.append(mod)
+        gm.recompile()
+
+    def shard(self, params: dict[str, torch.Tensor]) -> None:
+        """Replace the working pieces in ``params`` (name -> tensor) by this rank's shards."""
+        for mod in self.mods:
+            index = dist.get_rank(mod.group)
+            for name in mod.names:
+                sp = _Sharded(name, nn.Parameter(params[name], requires_grad=params[name].requires_grad),
+                              mod.d, index)
+                sp.shape = params[name].shape
+                if sp.aliased:
+                    sp.shard = nn.Parameter(sp.shard.detach().clone(), requires_grad=sp.shard.requires_grad)
+                sp.aliased = False
+                params[name] = sp.shard.detach().requires_grad_(sp.shard.requires_grad)
+                mod.items.append(sp)
+
+    def bind(self, program: nn.Module) -> None:
+        """After the program registered the shards: point the records at its parameters."""
+        self.params = program
+        for mod in self.mods:
+            s = _SetView(mod)
+            for sp in mod.items:
+                sp.shard = program.local_tensor(sp.name)
+                sp.working = None
+                self.sharded[sp.name] = (s, sp)
+        self._ids = {id(sp.shard) for _, sp in self.sharded.values()}
+
+    # ---- saved tensors: tokens instead of gathered parameters -------------------------------------
+    def saving(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t):
+        base = t._base if t._base is not None else t
+        for mod in self.mods:
+            hit = mod.live.get(id(base))
+            if hit is not None and hit[1]() is base:
+                i = hit[0]
+                return ("zero3", mod, i, t.size(), t.stride(), t.storage_offset() - base.storage_offset())
+        return t
+
+    @staticmethod
+    def _unpack(packed):
+        if not (isinstance(packed, tuple) and len(packed) == 6 and packed[0] == "zero3"):
+            return packed
+        _, mod, i, size, stride, offset = packed
+        if mod.cache is None:
+            mod.cache = mod.gather([sp.shard.to(mod.dtype) for sp in mod.items], "bwd")
+        full = mod.cache[i]
+        return full.as_strided(size, stride, full.storage_offset() + offset)
+
+    # ---- Accumulation's interface (nothing is held back) --------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+
+    def before_backward(self) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        for mod in self.mods:
+            mod.live = {}
+
+    def flush(self) -> None:
+        pass
+
+    def owns_any(self, tensors) -> bool:
+        return False
+
+    def handles(self, name: str) -> bool:
+        return name in self.sharded
+
+    grad_pieces = ZeroSync.grad_pieces
+    local_grad = ZeroSync.local_grad
+
+    def working(self, name: str) -> torch.Tensor:
+        """This rank's working-shape piece of ``name`` (all-gathered over its axis set)."""
+        s, sp = self.sharded[name]
+        out = sp.shard.new_empty(sp.c * s.d)
+        dist.all_gather_single(out, sp.shard.detach().contiguous(), group=s.group)
+        return out[:sp.n].view(sp.shape).clone()
+
+    @torch.no_grad()
+    def load_piece(self, name: str, piece: torch.Tensor) -> None:
+        s, sp = self.sharded[name]
+        flat = F.pad(piece.reshape(-1).to(sp.shard.dtype), (0, sp.c * s.d - sp.n))
+        sp.shard.copy_(flat[s.index * sp.c:(s.index + 1) * sp.c])
+
+    def refresh_shards(self) -> None:
+        pass
+
+    def held_bytes(self) -> dict[str, int]:
+        params = grads = 0
+        for p in self.params.parameters():
+            params += p.numel() * p.element_size()
+            if p.grad is not None:
+                grads += p.grad.numel() * p.grad.element_size()
+        return {"params": params, "grads": grads}
+
+
+class _SetView:
+    """What ZeroSync's gradient readers need of an axis set: its group, size and this rank's index."""
+
+    def __init__(self, mod: Zero3Gather):
+        self.group, self.d = mod.group, mod.d
+        self.index = dist.get_rank(mod.group)
+
+
+class Zero3Runner(nn.Module):
+    """What ``ParallelModule.step`` calls under ZeRO-3: the program, with saved gathered parameters
+    packed as tokens (``Zero3.saving``)."""
+
+    def __init__(self, program: nn.Module, zero3: Zero3):
+        super().__init__()
+        self.program = program
+        object.__setattr__(self, "_z3", zero3)
+
+    def forward(self, *inputs, **kwargs):
+        with self._z3.saving():
+            return self.program(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
