@@ -1,4 +1,4 @@
-"""Benchmark (issue 13 part 3): autopar ZeRO-1/2 vs torch FSDP2 ``fully_shard`` and DDP.
+"""Benchmark (issue 13 part 3): autopar ZeRO-1/2/3 vs torch FSDP2 ``fully_shard`` and DDP.
 
 The same GPT (examples.models, tied embeddings) and the same global batch on N gloo CPU ranks
 (one thread each) in ONE spawned process group; per round each contender runs one training step
@@ -6,7 +6,7 @@ The same GPT (examples.models, tied embeddings) and the same global batch on N g
 
   ddp              DistributedDataParallel(model), local batch, local mean loss
   autopar-z0       autopar DATA plan (DDP's reducer inside)
-  autopar-z1/z2    the same plan forced to memory_options.zero = 1 / 2 (runtime/zero.py)
+  autopar-z1/z2/z3 the same plan forced to memory_options.zero = 1 / 2 / 3 (runtime/zero.py)
   fsdp2-reshard    fully_shard on every block and the root, reshard_after_forward=True (ZeRO-3)
   fsdp2-keep       the same with reshard_after_forward=False (ZeRO-2-like: parameters kept
                    gathered from forward to backward)
@@ -101,7 +101,7 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int) -> dict:
     # autopar: one DATA plan, forced to each ZeRO stage
     base = autopar.plan(_model(cfg), autopar.Mesh(world), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
                         mode="data")
-    for zero in (0, 1, 2):
+    for zero in (0, 1, 2, 3):
         plan = dataclasses.replace(base, memory_options=dataclasses.replace(base.memory_options, zero=zero))
         pm = autopar.parallelize(_model(cfg), autopar.Mesh(world), example_inputs=(x,), loss_fn=lm_loss,
                                  example_target=y, plan=plan)

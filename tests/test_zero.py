@@ -194,7 +194,8 @@ def _policy_job(rank, plan_jsons):
     return out
 
 
-@pytest.mark.parametrize("zero,policy", [(2, "bf16 compute"), (2, "bf16 on the wire"), (3, "bf16 compute")])
+@pytest.mark.parametrize("zero,policy", [(2, "bf16 compute"), (2, "bf16 on the wire"), (3, "bf16 compute"),
+                                         (3, "recompute full")])
 def test_zero_under_mixed_precision_and_compression_matches_zero0(zero, policy):
     """bf16 compute on fp32 masters (shards cut from the masters; ZeRO-3 gathers the bf16 copies)
     and bf16 gradient compression (the reduce-scatter runs in bf16, as DDP's hook all-reduces):
@@ -205,6 +206,8 @@ def test_zero_under_mixed_precision_and_compression_matches_zero0(zero, policy):
                         mode="data", mixed_precision="bf16" if policy == "bf16 compute" else None)
     if policy == "bf16 on the wire":
         plan = dataclasses.replace(plan, grad_compression="bf16")
+    if policy == "recompute full":      # gathered weights enter the checkpointed regions as inputs
+        plan = dataclasses.replace(plan, memory_options=dataclasses.replace(plan.memory_options, recompute="full"))
     (a, sa), (b, sb) = run_ranks(2, _policy_job, [_with_zero(plan, z).to_json() for z in (0, zero)])[0]
     assert a == pytest.approx(b, rel=1e-3)
     for k in sa:
