@@ -234,3 +234,27 @@ def test_zero3_gathers_each_layer_before_use_and_again_in_backward():
     assert calls[("all_gather", "d0", "bwd")] == 3
     assert ("all_reduce", "d0", "bwd") not in calls
     assert code.index("zero3_gather_2") > code.index("embedding")       # gathered where first used
+
+
+def _zeroed_job(rank, plan_json):
+    x, y = make_batch("tokens", 8, vocab=64, seq=8)
+    torch.manual_seed(0)
+    pm = autopar.parallelize(GPT_SMALL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                             plan=autopar.Plan.from_json(plan_json))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    with pm.no_sync():
+        pm.step(x, target=y)
+    opt.zero_grad()             # discards the no_sync step's gradient, as on one device
+    pm.step(x, target=y)
+    return pm.full_grad_dict()
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_grad_between_accumulation_steps_discards_the_local_gradients(zero):
+    x, y = make_batch("tokens", 8, vocab=64, seq=8)
+    torch.manual_seed(0)
+    model = GPT_SMALL()
+    lm_loss(model(x), y).backward()
+    for grads in run_ranks(2, _zeroed_job, _plan_json("gpt", "dp2", zero, 1)):
+        for name, p in model.named_parameters():
+            assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-6), (zero, name)

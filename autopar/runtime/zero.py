@@ -160,14 +160,20 @@ class ZeroSync:
             self.syncing = True
 
     def before_backward(self) -> None:
-        """Stage 1: a shard gradient the user set to None since the last backward discards the
-        working gradient it views (kept allocated, zeroed)."""
-        if self.stage != 1:
-            return
-        for _, sp in self.sharded.values():
-            if sp.aliased and sp.shard.grad is None and sp.working.grad is not None:
-                sp.working.grad.zero_()
-                self.local = False
+        """Gradients the user zeroed (``opt.zero_grad()``, shard ``.grad`` None) since the last
+        backward discard what the working gradients still hold of them. Stage 1: a shard's gradient
+        views its chunk of the working gradient (zeroed, kept allocated). Stage 2 inside ``no_sync``:
+        every shard got a gradient when local parts started piling up, so all of them None means
+        the user zeroed meanwhile: the local parts go too."""
+        if self.stage == 1:
+            for _, sp in self.sharded.values():
+                if sp.aliased and sp.shard.grad is None and sp.working.grad is not None:
+                    sp.working.grad.zero_()
+                    self.local = False
+        elif self.local and all(sp.shard.grad is None for _, sp in self.sharded.values()):
+            for _, sp in self.sharded.values():
+                sp.working.grad = None
+            self.local = False
 
     def after_backward(self) -> None:
         if self.syncing:
@@ -175,6 +181,10 @@ class ZeroSync:
         else:
             self.local = True
             self._view_chunks()
+            if self.stage == 2:
+                for _, sp in self.sharded.values():
+                    if sp.shard.grad is None:
+                        sp.shard.grad = torch.zeros_like(sp.shard)
 
     def _view_chunks(self) -> None:
         """Stage 1: each aliased shard's gradient is its chunk of the working gradient."""
