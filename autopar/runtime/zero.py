@@ -37,7 +37,8 @@ tokens (saved-tensor hooks) and re-gathered in backward, once per layer (kept un
 gather backward, when every use is done; the same order on every rank, so the collectives match).
 The gather's backward reduce-scatters the layer's gradients into the shards' ``.grad``. Every
 backward reduce-scatters (``no_sync`` has nothing to hold back: the sum is linear, accumulation stays
-exact). Not done yet: prefetching the next layer's gather (they run synchronously), and tensors
+exact). Each layer's forward gather starts the next layer's (async, waited for at its use).
+Not done yet: prefetching in backward (re-gathers run when first unpacked), and tensors
 derived from a gathered parameter by a non-view op (a cast, ``contiguous``) stay saved in full.
 ZeRO with a pipeline is refused (``check_zero_supported``).
 """
@@ -362,18 +363,42 @@ class Zero3Gather(nn.Module):
         self.items: list[_Sharded] = []      # filled by Zero3.bind
         self.live: dict[int, int] = {}       # id(gathered tensor) -> index, this forward
         self.cache: list[torch.Tensor] | None = None
+        self.pending = None                  # (work, output, input) of a prefetched forward gather
+        object.__setattr__(self, "next", None)      # the layer gathered after this one (prefetch)
+        object.__setattr__(self, "first", None)     # on the first layer: all layers (reset per forward)
 
-    def gather(self, shards, phase: str) -> list[torch.Tensor]:
+    def _start(self, shards, phase: str, async_op: bool):
         inp = torch.cat([s.detach().reshape(-1) for s in shards])
         out = inp.new_empty(inp.numel() * self.d)
         COUNTER.record("all_gather", inp, self.label, phase, parts=self.d)
-        dist.all_gather_single(out, inp, group=self.group)
+        work = dist.all_gather_single(out, inp, group=self.group, async_op=async_op)
+        return work, out, inp
+
+    def gather(self, shards, phase: str) -> list[torch.Tensor]:
+        if phase == "fwd" and self.pending is not None:     # prefetched while the layer before ran
+            work, out, _ = self.pending
+            self.pending = None
+            work.wait()
+        else:
+            _, out, _ = self._start(shards, phase, async_op=False)
         cols = out.view(self.d, -1).split([sp.c for sp in self.items], dim=1)
         return [c.reshape(-1)[:sp.n].view(sp.shape).clone() for c, sp in zip(cols, self.items)]
 
+    def prefetch(self, dtype) -> None:
+        """Start this layer's forward all-gather now (the shards in the compute dtype, as the
+        program's cast makes them); its forward waits for it."""
+        self.pending = self._start([sp.shard.to(dtype) for sp in self.items], "fwd", async_op=True)
+
     def forward(self, *shards):
         self.dtype = shards[0].dtype            # the compute dtype (bf16 copies under mixed precision)
+        if self.first is not None:              # a new forward: settle what an aborted one left
+            for m in self.first:
+                if m.pending is not None:
+                    m.pending[0].wait()
+                    m.pending = None
         outs = _Zero3GatherFn.apply(self, *shards)
+        if self.next is not None:
+            self.next.prefetch(self.dtype)
         self.live = {id(t): (i, weakref.ref(t)) for i, t in enumerate(outs)}
         return outs
 
@@ -443,6 +468,10 @@ class Zero3:
                     item = gm.graph.call_function(operator.getitem, (call, i))
                     ph.replace_all_uses_with(item, delete_user_cb=lambda u: u is not call)
             self.mods.append(mod)
+        for a, b in zip(self.mods, self.mods[1:]):
+            object.__setattr__(a, "next", b)
+        if self.mods:
+            object.__setattr__(self.mods[0], "first", list(self.mods))
         gm.recompile()
 
     def shard(self, params: dict[str, torch.Tensor]) -> None:
