@@ -221,11 +221,17 @@ def _zero3_collectives_job(rank, plan_json):
                              plan=autopar.Plan.from_json(plan_json))
     with autopar.count_collectives() as c:
         pm.step(x, target=y)
-    return dict(c.summary()), [m.names for m in pm._zero.mods], pm.code
+    with torch.no_grad():
+        out = pm(x)                    # forward only: the same gathers, nothing saved
+    return dict(c.summary()), [m.names for m in pm._zero.mods], pm.code, out
 
 
 def test_zero3_gathers_each_layer_before_use_and_again_in_backward():
-    calls, units, code = run_ranks(2, _zero3_collectives_job, _plan_json("gpt", "dp2", 3, 1))[0]
+    x, _ = make_batch("tokens", 8, vocab=64, seq=8)
+    torch.manual_seed(0)
+    want = GPT_SMALL()(x).detach()
+    calls, units, code, out = run_ranks(2, _zero3_collectives_job, _plan_json("gpt", "dp2", 3, 1))[0]
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
     # units: wte (tied with the LM head), wpe, the block, ln_f: one gather each in forward, one
     # reduce-scatter each in backward; backward re-gathers the units whose gathered weights autograd
     # saved (all but wpe: an embedding's backward needs only the indices)
