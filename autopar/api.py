@@ -39,7 +39,7 @@ def _options(mixed_precision=None) -> PlanOptions:
     ctx = get_auto_parallel_context()
     return PlanOptions(grad_compression=ctx["grad_compression"], memory_budget_gb=ctx["memory_budget_gb"],
                        time_limit_s=ctx["solver_time_limit"], microbatches=ctx["microbatches"],
-                       schedule=ctx["schedule"], mixed_precision=mixed_precision,
+                       schedule=ctx["schedule"], mixed_precision=mixed_precision, accumulation=ctx["accumulation"],
                        precision="mixed" if mixed_precision else "fp32")
 
 

@@ -9,13 +9,13 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.collectives.groups import AxisGroup, axis_groups
-from autopar.graph.retrace import Retracer
+from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.parallel_module import ParallelModule
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.localize_shapes import localize_shapes
 from autopar.passes.recompute import apply_recompute, recompute_choices
 from autopar.pipeline_module import build_pipeline_module
-from autopar.plan import Plan
+from autopar.plan import Plan, PlanError
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, setup_grad_sync, sum_grads
 from autopar.runtime.program import RankProgram, placeholder_slot
 from autopar.runtime.zero import Zero3, Zero3Runner, ZeroSync, check_zero_supported
@@ -38,6 +38,9 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
     check_zero_supported(the_plan, pipelined)
     if pipelined:
         return build_pipeline_module(model, traced, the_plan, retracer)
+    full = traced
+    if the_plan.memory_options.accumulation > 1:
+        traced = _accumulation_graph(traced, the_plan, retracer)
     mesh = the_plan.mesh
     if dist.is_initialized():
         axes = axis_groups(mesh)
@@ -80,5 +83,21 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
         ddp = setup_grad_sync(program, sync, axes, mesh, acc, the_plan.grad_compression)
     used = {a for d in the_plan.params.values() for a in d.aliases}
     extra = {k: v.detach().clone() for k, v in state.items() if k not in used}
-    return ParallelModule(program, the_plan, traced, axes, coords, ddp, extra, list(state), acc,
-                          zero=acc if zero else None)
+    return ParallelModule(program, the_plan, full, axes, coords, ddp, extra, list(state), acc,
+                          microbatch=traced if traced is not full else None, zero=acc if zero else None)
+
+
+def _accumulation_graph(traced: Traced, the_plan: Plan, retracer: Retracer | None) -> Traced:
+    """The step re-traced at the microbatch the plan was solved on (fingerprint checked)."""
+    info = the_plan.accumulation_trace
+    if info is None:
+        raise PlanError("the plan has memory_options.accumulation > 1 but no accumulation_trace; make a new plan")
+    if retracer is None:
+        raise PlanError("a plan with gradient accumulation re-traces the model at its microbatch; build it "
+                        "through autopar.parallelize()")
+    mb = microbatch_trace(traced, info.size, retracer)
+    if graph_fingerprint(mb.gm) != info.fingerprint:
+        raise PlanError(f"the plan's microbatch graph does not match this model traced at {info.size} rows; make a "
+                        "new plan for this model")
+    traced.meta.get("microbatch_traces", {}).pop(info.size, None)
+    return mb

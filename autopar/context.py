@@ -46,6 +46,8 @@ _DEFAULTS: dict[str, Any] = {
     "mixed_precision": None,       # None (the model's dtypes) or "bf16": bf16 compute, fp32 master weights
     "memory_budget_gb": None,
     "microbatches": None,
+    "accumulation": None,          # None (AUTO/SEMI_AUTO pick when memory needs it) or k: run the global
+                                   # batch as k microbatches one after another, gradients synced once
     "schedule": None,
     "solver_time_limit": 10.0,
     # AUTO under torch.distributed: time the k best predicted plans (those predicted within
@@ -83,6 +85,8 @@ def set_auto_parallel_context(**kwargs) -> None:
             raise ValueError(f"unknown auto-parallel context key {key!r}; known keys: {sorted(_DEFAULTS)}")
         if key == "parallel_mode":
             value = ParallelMode.parse(value)
+        if key == "accumulation" and value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"accumulation must be None or a positive int, got {value!r}")
         if key == "mixed_precision" and value not in (None, "bf16"):
             raise ValueError(f"mixed_precision must be None or 'bf16', got {value!r}")
         if key == "grad_compression" and value not in (None, "bf16", "fp16"):

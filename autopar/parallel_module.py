@@ -7,7 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.collectives import comm
 from autopar.collectives.groups import bound_axes
@@ -22,13 +22,15 @@ class ParallelModule(nn.Module):
     """This rank's part of the model: ``step`` trains, ``forward`` infers, both on the global batch."""
 
     def __init__(self, program: RankProgram, plan, traced, axes, coords, ddp=None, extra_state=None,
-                 state_keys=None, accumulation=None, zero=None):
+                 state_keys=None, accumulation=None, microbatch=None, zero=None):
+        """``microbatch``: the step traced at the plan's accumulation microbatch, which ``program``
+        runs ``plan.memory_options.accumulation`` times per step (None: no accumulation)."""
         super().__init__()
         self.program = program
         self.plan = plan
-        self._traced_meta = {"inputs": list(traced.inputs), "input_shapes": list(traced.input_shapes),
-                             "target_shape": traced.target_shape, "loss_index": traced.loss_index,
-                             "has_loss": traced.has_loss, "output_tree": traced.output_tree}
+        self._global_meta = _meta(traced)
+        self._traced_meta = _meta(microbatch if microbatch is not None else traced)
+        self._chunks = plan.memory_options.accumulation if microbatch is not None else 1
         self._axes = axes
         self._coords = coords
         object.__setattr__(self, "_ddp", ddp)
@@ -112,8 +114,39 @@ class ParallelModule(nn.Module):
         return local_piece(x, spec, self._coords, mesh_shape).contiguous()
 
     # ---- running -------------------------------------------------------------------------
+    def _accumulation_chunks(self, inputs, target, local_batch: bool) -> list[tuple]:
+        """The global batch (or this rank's part) cut into the plan's k microbatches along dim 0."""
+        k, meta = self._chunks, self._global_meta
+        if len(inputs) != len(meta["inputs"]):
+            raise ValueError(f"the model was planned with {len(meta['inputs'])} input(s) but got {len(inputs)}")
+        for i, (x, shape) in enumerate(zip(inputs, meta["input_shapes"])):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+            if not local_batch and tuple(x.shape) != tuple(shape):
+                raise ValueError(f"input {i} has shape {list(x.shape)} but the model was planned for the global shape "
+                                 f"{list(shape)} (run as {k} accumulated microbatches); pass the global batch, or "
+                                 "re-plan with example inputs of the new shape")
+            if x.shape[0] % k:
+                raise ValueError(f"input {i} has {x.shape[0]} rows, which the plan's {k} accumulation microbatches "
+                                 "do not divide")
+        parts = [x.chunk(k, 0) for x in inputs]
+        targets = target.chunk(k, 0) if target is not None else [None] * k
+        return [(tuple(p[j] for p in parts), targets[j]) for j in range(k)]
+
     def step(self, *inputs, target=None, local_batch: bool = False) -> torch.Tensor:
-        """Forward + backward on this rank's part of the global batch; returns the global mean loss."""
+        """Forward + backward on this rank's part of the global batch; returns the global mean loss.
+        A plan with accumulation k runs it as k microbatches one after another (each loss scaled by
+        1/k, gradients summed locally and synced once, with the last)."""
+        if self._chunks == 1:
+            return self._step(inputs, target, local_batch)
+        chunks = self._accumulation_chunks(inputs, target, local_batch)
+        losses = []
+        for j, (xs, t) in enumerate(chunks):
+            with self.no_sync() if j < len(chunks) - 1 else contextlib.nullcontext():
+                losses.append(self._step(xs, t, local_batch, 1.0 / len(chunks)))
+        return torch.stack(losses).mean()
+
+    def _step(self, inputs, target, local_batch: bool, scale: float = 1.0) -> torch.Tensor:
         meta = self._traced_meta
         if not meta["has_loss"]:
             raise ValueError("step() needs a loss: pass loss_fn= and example_target= to parallelize, "
@@ -130,7 +163,7 @@ class ParallelModule(nn.Module):
             outs = runner(*xs, target=tgt)
             loss = outs[meta["loss_index"]]
             report = self._start_global_loss(loss)      # the loss report overlaps backward
-            loss.backward()
+            (loss * scale if scale != 1.0 else loss).backward()
         if acc is not None:
             acc.after_backward()
         return self._finish_global_loss(*report)
@@ -169,7 +202,16 @@ class ParallelModule(nn.Module):
         return value
 
     def forward(self, *inputs, local_batch: bool = False):
-        """Forward only: the model's output, in the structure the model returns, each tensor gathered in full."""
+        """Forward only: the model's output, in the structure the model returns, each tensor gathered in full
+        (with accumulation, the microbatches' outputs joined along dim 0)."""
+        if self._chunks > 1:
+            outs = [tree_flatten(self._forward(xs, local_batch))[0]
+                    for xs, _ in self._accumulation_chunks(inputs, None, local_batch)]
+            return tree_unflatten([_join(j, [o[j] for o in outs]) for j in range(len(outs[0]))],
+                                  self._traced_meta["output_tree"])
+        return self._forward(inputs, local_batch)
+
+    def _forward(self, inputs, local_batch: bool):
         xs, _ = self._local_inputs(inputs, None, local_batch)
         leaves = self.program(*xs, target=None, forward_only=True)
         names = self.plan.mesh.axis_names
@@ -299,6 +341,22 @@ class ParallelModule(nn.Module):
         from autopar.runtime.checkpoint import load_checkpoint
 
         load_checkpoint(self, path, optimizer)
+
+
+def _meta(traced) -> dict:
+    return {"inputs": list(traced.inputs), "input_shapes": list(traced.input_shapes),
+            "target_shape": traced.target_shape, "loss_index": traced.loss_index,
+            "has_loss": traced.has_loss, "output_tree": traced.output_tree}
+
+
+def _join(j: int, parts: list):
+    """Output leaf ``j`` of every accumulation microbatch joined along dim 0 (the batch)."""
+    if not isinstance(parts[0], torch.Tensor):
+        return parts[0]
+    if not parts[0].dim():
+        raise ValueError(f"output leaf {j} is a scalar: it cannot be rebuilt from {len(parts)} accumulation "
+                         "microbatches; return per-example values or plan without accumulation")
+    return torch.cat(parts, 0)
 
 
 def _to_replicate(x: torch.Tensor, spec, axis_names) -> torch.Tensor:

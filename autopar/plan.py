@@ -187,6 +187,15 @@ class MemoryOptions:
 
 
 @dataclass
+class MicrobatchTrace:
+    """The graph a plan with ``memory_options.accumulation`` > 1 was solved on: the step traced at
+    ``size`` rows (the runtime re-traces at it and checks the fingerprint)."""
+
+    size: int
+    fingerprint: str
+
+
+@dataclass
 class AutotuneTrial:
     """One measured candidate of autotuning (``measured`` None: it failed or did not run)."""
 
@@ -228,6 +237,7 @@ class Plan:
     collective_list: list[Collective] = field(default_factory=list)
     pipeline: PipelineInfo | None = None         # set when degrees["pp"] > 1
     memory_options: MemoryOptions = field(default_factory=MemoryOptions)
+    accumulation_trace: MicrobatchTrace | None = None   # set when memory_options.accumulation > 1
     grad_compression: str | None = None          # dtype gradients are all-reduced in ("bf16", "fp16")
     optimizer: str = "adamw"                     # the optimizer the step time was costed for
     memory_budget: float | None = None           # bytes per device the plan was fitted to
@@ -255,6 +265,16 @@ class Plan:
         return [c for c in self.collective_list
                 if (mine.intersection(c.stages) if c.stages else
                     not c.node or c.node in names or c.node not in self.nodes or c.phase == "step")]
+
+    def runs_per_step(self, c: Collective) -> int:
+        """How many times one step runs entry ``c``: a pipeline's activation collectives once per
+        microbatch; with accumulation k, everything but the gradient sync k times."""
+        if self.stages:
+            return self.microbatches if c.node in self.nodes else 1
+        k = self.memory_options.accumulation
+        if k > 1 and c.node not in {d.placeholder for d in self.params.values()}:
+            return k
+        return 1
 
     def redundant_axes(self) -> list[str]:
         """Mesh axes (size > 1) on which no op is split: every rank on such an axis repeats the same work."""
@@ -324,6 +344,8 @@ class Plan:
             d["pipeline"] = PipelineInfo(**d["pipeline"])
         d["autotune"] = [AutotuneTrial(**t) for t in d.get("autotune", [])]
         d["memory_options"] = MemoryOptions(**d.get("memory_options", {}))
+        if d.get("accumulation_trace") is not None:
+            d["accumulation_trace"] = MicrobatchTrace(**d["accumulation_trace"])
         return cls(**d)
 
     @classmethod

@@ -61,7 +61,7 @@ def render(plan) -> str:
     size = Counter()
     t = Counter()
     for c in colls:     # a pipeline lists one microbatch's activation collectives (sends/receives too)
-        times = plan.microbatches if plan.stages and c.node in plan.nodes else 1
+        times = plan.runs_per_step(c)
         key = (c.kind, "+".join(c.axes), c.phase)
         agg[key] += times
         size[key] += c.bytes * times

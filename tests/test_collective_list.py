@@ -67,6 +67,11 @@ def _job(rank, kind):
         model, loss_fn = SMALL_GPT(), lm_loss
         if kind == "data":
             mesh, mode = autopar.Mesh(4), "auto"
+        elif kind == "accumulation":     # 2 microbatches one after another on a (dp, tp) plan: the sync runs once
+            autopar.set_auto_parallel_context(accumulation=2)
+            mesh, mode = autopar.Mesh((2, 2), axis_names=("dp", "tp")), "semi_auto"
+            autopar.shard("blocks.*.fc1", weight={"tp": autopar.Shard(0)})
+            autopar.shard("blocks.*.fc2", weight={"tp": autopar.Shard(1)})
         elif kind in ("tp_semi", "tp_auto"):
             mesh, mode = autopar.Mesh(2, axis_names=("tp",), device="a100-80gb"), kind.replace("tp_", "")
             if kind == "tp_semi":
@@ -111,12 +116,12 @@ def _job(rank, kind):
         sync = i in synced
         assert ax not in SYNC_LABELS or ax in names, f"gradient sync over an unnamed group: {ax}"
         ran += [(k, nbytes, a, ph, sync) for a in ax.split("+")]
-    # a pipeline plan lists one microbatch's activation collectives: each runs once per microbatch
-    times = {n: plan.microbatches if plan.stages else 1 for n in plan.nodes}
+    # a pipeline (accumulation) plan lists one microbatch's activation collectives: each runs once per microbatch
     planned = [(c.kind, c.bytes, a, c.phase, c.node in placeholders)
-               for c in plan.collectives(rank) for a in c.axes for _ in range(times.get(c.node, 1))]
+               for c in plan.collectives(rank) for a in c.axes for _ in range(plan.runs_per_step(c))]
     return {"ran": ran, "planned": planned, "degrees": plan.degrees,
-            "params": {k: str(v.spec) for k, v in plan.params.items()}, "stages": len(plan.stages)}
+            "params": {k: str(v.spec) for k, v in plan.params.items()}, "stages": len(plan.stages),
+            "accumulation": plan.memory_options.accumulation}
 
 
 def _compare(results, what):
@@ -147,6 +152,13 @@ def test_tensor_parallel_list_is_what_runs():
         results = run_ranks(2, _job, kind)
         _compare(results, kind)
     assert any("S(" in s for s in results[0]["params"].values())
+
+
+def test_accumulation_list_is_what_runs():
+    results = run_ranks(4, _job, "accumulation")
+    assert results[0]["params"]["blocks.0.fc1.weight"] == "[R,S(0)]"
+    assert results[0]["accumulation"] == 2
+    _compare(results, "accumulation")
 
 
 def test_3d_list_is_what_runs():

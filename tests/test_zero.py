@@ -264,3 +264,25 @@ def test_zero_grad_between_accumulation_steps_discards_the_local_gradients(zero)
     for grads in run_ranks(2, _zeroed_job, _plan_json("gpt", "dp2", zero, 1)):
         for name, p in model.named_parameters():
             assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-6), (zero, name)
+
+
+def _plan_accumulation_job(rank, plan_json):
+    x, y = make_batch("tokens", 8, vocab=64, seq=8)
+    plan = autopar.Plan.from_json(plan_json)
+    return parallel_run(rank, GPT_SMALL, lm_loss, x, y, plan.mesh, None, plan=plan, micro=2, clip=0.5)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_with_plan_accumulation_trains_like_one_process(zero):
+    """The plan's own accumulation (k microbatches per step, under no_sync until the last) nested
+    in the user's (micro=2 step() calls per optimizer step)."""
+    x, y = make_batch("tokens", 8, vocab=64, seq=8)
+    autopar.set_auto_parallel_context(accumulation=2)
+    torch.manual_seed(0)
+    plan = autopar.plan(GPT_SMALL(), autopar.Mesh(2), example_inputs=(x[:4],), loss_fn=lm_loss,
+                        example_target=y[:4], mode="data")
+    autopar.reset_auto_parallel_context()
+    assert plan.memory_options.accumulation == 2
+    ref = reference_run(GPT_SMALL, lm_loss, x, y, micro=2, clip=0.5)
+    for r in run_ranks(2, _plan_accumulation_job, _with_zero(plan, zero).to_json()):
+        assert_same_training(ref, r, what=f"zero={zero} with plan accumulation 2")

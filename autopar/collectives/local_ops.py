@@ -2,7 +2,9 @@
 
 Each takes the aten op's own arguments plus ``_axes`` ({role: [mesh axis names]}):
 vocab-parallel embedding and cross entropy (Megatron), batch-split losses that divide by
-the global count, and batch norm with statistics synced over the batch axes.
+the global count, and batch norm with statistics synced over the batch axes. The collectives
+each runs are described in ``autopar/sharding/local_impls.py`` (the plan's list and its cost):
+change both together (``tests/test_local_impls.py`` counts them).
 """
 from __future__ import annotations
 
@@ -156,4 +158,7 @@ def batch_norm(input, weight, bias, running_mean, running_var, training, momentu
     return out
 
 
+# family -> the function that replaces the op (``passes/insert_collectives._apply_local``)
 IMPLS = {"embedding": embedding, "loss": cross_entropy_loss, "batch_norm": batch_norm}
+# family -> the local rescale that follows the op itself (a mean over a split dim)
+RESCALES = {"mean": scale}

@@ -143,11 +143,11 @@ class Accumulation:
 
     @contextlib.contextmanager
     def no_sync(self):
-        self.syncing = False
+        before, self.syncing = self.syncing, False
         try:
             yield
         finally:
-            self.syncing = True
+            self.syncing = before
 
     def before_backward(self) -> None:
         """Set the already-summed gradients aside (unless local parts wait to be summed with this step's)."""

@@ -154,11 +154,11 @@ class ZeroSync:
     # ---- Accumulation's interface ---------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):
-        self.syncing = False
+        before, self.syncing = self.syncing, False      # nests (plan-level accumulation inside the user's)
         try:
             yield
         finally:
-            self.syncing = True
+            self.syncing = before
 
     def before_backward(self) -> None:
         """Gradients the user zeroed (``opt.zero_grad()``, shard ``.grad`` None) since the last

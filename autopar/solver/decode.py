@@ -13,6 +13,7 @@ from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.sharding.placements import Partial, Spec, shard_factor
 from autopar.sharding.edge import edge_collectives
+from autopar.sharding.local_impls import local_collectives
 from autopar.sharding.redistribute import step_bytes
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.problem import BuiltProblem, Costing, split_axes, tensor_bytes
@@ -47,40 +48,6 @@ def _itemsize(dtype) -> int:
     import torch
 
     return torch.empty((), dtype=dtype).element_size()
-
-
-def local_collectives(node: fx.Node, st, mesh_shape, needs_grad: bool) -> list[tuple]:
-    """``(kind, bytes, axis, phase)`` of what the local implementation ``st.local`` names runs
-    (``collectives/local_ops.py``, one call per axis, in its order): the batch-split loss sums the
-    target count; the vocab-split loss all-reduces each row's max, then its (sum-exp, target
-    logit) pair, then the count over the batch axes; synced batch norm sums the mean's and the
-    variance's per-channel sums, and their gradients backward. Embedding and mean run none."""
-    roles: dict[str, list[int]] = {}
-    for ax, loc in enumerate(st.local):
-        if loc and mesh_shape[ax] > 1:
-            roles.setdefault(loc.split(":")[1], []).append(ax)
-    family = next((loc.split(":")[0] for loc in st.local if loc), "")
-    out: list[tuple] = []
-    if family == "loss":
-        val = node.meta.get("val")
-        size = _itemsize(val.dtype) if val is not None else 4
-        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
-        target = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
-        rows = (target.numel() if target is not None else 0) / shard_factor(st.inputs[1], mesh_shape)
-        for ax in roles.get("vocab", []):
-            out.append(("all_reduce", rows * size, ax, "fwd"))
-        for ax in roles.get("vocab", []):
-            out.append(("all_reduce", 2 * rows * size, ax, "fwd"))
-        if reduction == 1:
-            out += [("all_reduce", size, ax, "fwd") for ax in roles.get("batch", [])]
-    elif family == "batch_norm":
-        val = tensor_inputs(node)[0].meta["val"]
-        nbytes = val.shape[1] * _itemsize(val.dtype)
-        sync = roles.get("sync", [])
-        out += [("all_reduce", nbytes, ax, "fwd") for _ in range(2) for ax in sync]
-        if needs_grad:
-            out += [("all_reduce", nbytes, ax, "bwd") for _ in range(2) for ax in sync]
-    return out
 
 
 def loss_report_collectives(gm: fx.GraphModule, outputs: dict, axis_names: tuple, traced) -> list[Collective]:
@@ -163,7 +130,7 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
                 for ax in edge.grad_sum:
                     collectives.append(Collective("all_reduce", int(nbytes), [axis_names[ax]], "bwd", name,
                                                   c.comm("all_reduce", nbytes, ax)))
-        for kind, nbytes, ax, phase in local_collectives(node, st, c.mesh_shape, node in need):
+        for kind, nbytes, ax, phase in local_collectives(node, st, c.mesh_shape):
             collectives.append(Collective(kind, int(nbytes), [axis_names[ax]], phase, name, c.comm(kind, nbytes, ax)))
     params = {}
     for ph, pname in traced.params.items():

@@ -35,6 +35,7 @@ class PlanOptions:
     time_limit_s: float = 10.0
     microbatches: int | None = None
     schedule: str | None = None
+    accumulation: int | None = None  # microbatches run one after another (None: AUTO/SEMI_AUTO pick when needed)
 
 
 def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, input_ann: dict) -> dict:

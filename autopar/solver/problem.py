@@ -31,6 +31,7 @@ from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, no
                                          work_signature)
 from autopar.cost_models.memory import saved_activations, training_state_bytes_per_param
 from autopar.sharding.candidates import Candidates, producer
+from autopar.sharding.local_impls import local_collectives
 from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
 from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
 from autopar.sharding.strategy import Strategy, tensor_inputs
@@ -150,19 +151,9 @@ def grad_sync_inputs(st: Strategy) -> list[tuple[int, int]]:
 
 
 def _local_impl_time(node: fx.Node, st: Strategy, c: Costing) -> float:
-    t = 0.0
-    for a, name in enumerate(st.local):
-        if not name:
-            continue
-        if name.startswith("loss:vocab"):       # fp32 row maxima, then [sum, target logit] per row
-            rows = tensor_inputs(node)[1].meta["val"].numel()
-            t += c.comm("all_reduce", rows * 4, a) + c.comm("all_reduce", rows * 8, a)
-        elif name.startswith("batch_norm"):
-            ch = tensor_bytes(tensor_inputs(node)[0]) / max(1, node.meta["val"].shape[0])
-            t += 2 * c.comm("all_reduce", ch, a)
-        elif name.startswith("loss:batch"):
-            t += c.comm("all_reduce", 8, a)
-    return t
+    """The collectives of ``st``'s local implementation (``sharding/local_impls.py``), forward
+    and backward: the same list the plan shows."""
+    return sum(c.comm(kind, nbytes, ax) for kind, nbytes, ax, _ in local_collectives(node, st, c.mesh_shape))
 
 
 def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dict[str, int],

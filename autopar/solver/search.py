@@ -17,6 +17,7 @@ from autopar.graph.retrace import Retracer
 from autopar.mesh import Mesh
 from autopar.plan import Alternative, Plan, PlanError
 from autopar.sharding.placements import R
+from autopar.solver.accumulation import accumulated, accumulation_ladder, microbatch_traced
 from autopar.solver.intra_op import InfeasibleError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
@@ -42,17 +43,21 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     the candidates that failed) as its ``alternatives``. Pipeline candidates need ``retracer``."""
     t0 = time.perf_counter()
     mark_chunk_hints(traced.gm)
-    pipe_plans, pipe_failures, pipeline_only = pipeline_plans(traced, model, mesh, mode, opts, param_ann, input_ann,
-                                                                     retracer)
-    meshes = [] if pipeline_only else candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
-    plans, failures = list(pipe_plans), []
-    for m in meshes:
-        try:
-            plans.append(solve_on_mesh(traced, m, mode, opts, param_ann, input_ann))
-        except InfeasibleError as err:
-            failures.append((m, err))
-    if mode == ParallelMode.AUTO and len(meshes) > 1:
-        plans += ddp_candidate(traced, mesh, opts, failures)
+    ladder, forced = accumulation_ladder(traced.batch_size, mode, opts.accumulation)
+    if forced and ladder[0] > 1 and ("pp" in mesh.axis_names or opts.microbatches or opts.schedule):
+        raise PlanError(f"accumulation={ladder[0]} runs microbatches one after another without a pipeline, but this "
+                        "request asks for a pipeline (a 'pp' mesh axis, microbatches or schedule): a pipeline already "
+                        "runs the batch as microbatches, so set microbatches= instead of accumulation")
+    plans, failures, pipe_failures = [], [], []
+    for k in ladder:
+        mb = microbatch_traced(traced, k, retracer)
+        got, failed, pipe_failed = _candidates(mb, model, mesh, mode, opts, param_ann, input_ann, retracer,
+                                               pipelines=k == 1)
+        plans += [accumulated(p, k, traced, mb) for p in got]
+        failures += [(m, e if k == 1 else f"accumulation {k}: {e}") for m, e in failed]
+        pipe_failures += pipe_failed
+        if plans:
+            break
     if not plans:
         m, err = failures[0]
         raise PlanError(f"no plan fits memory on {m}: {err}") from None
@@ -72,6 +77,24 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                              for p in plans if p is not best] + failed
         best.solve_time = elapsed
     return chosen[:max(1, top_k)]
+
+
+def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
+                input_ann: dict, retracer: Retracer | None, pipelines: bool = True):
+    """(plans, failures [(mesh, error)], pipeline failures [(note, error)]) of every candidate layout
+    of one traced step: the pipeline candidates, each mesh factorisation, DDP's layout."""
+    pipe_plans, pipe_failures, pipeline_only = (pipeline_plans(traced, model, mesh, mode, opts, param_ann, input_ann,
+                                                               retracer) if pipelines else ([], [], False))
+    meshes = [] if pipeline_only else candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
+    plans, failures = list(pipe_plans), []
+    for m in meshes:
+        try:
+            plans.append(solve_on_mesh(traced, m, mode, opts, param_ann, input_ann))
+        except InfeasibleError as err:
+            failures.append((m, err))
+    if mode == ParallelMode.AUTO and len(meshes) > 1:
+        plans += ddp_candidate(traced, mesh, opts, failures)
+    return plans, failures, pipe_failures
 
 
 def rank_key(plan: Plan) -> tuple[bool, float]:

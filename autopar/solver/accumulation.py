@@ -1,0 +1,63 @@
+"""Gradient accumulation as a plan choice: the global batch B runs as k microbatches of B/k rows
+one after another, gradients summed locally and synchronised once (DDP's ``no_sync`` idiom).
+
+A plan with accumulation k is solved on the step traced at B/k rows, so the intra-op problem sees
+one microbatch's activations (what must fit) and one microbatch's compute. Its step time is
+
+    T(k) = k · (T_mb − T_once) + T_once,   T_once = gradient sync + last bucket + optimizer step,
+
+where T_mb is the solved microbatch plan's time: everything but the once-per-step part runs k
+times. Memory is the microbatch plan's (parameters, gradients and optimizer state do not depend on
+k). ``accumulation_ladder`` gives the k to try: the user's, or, for AUTO and SEMI_AUTO, 1 and then
+powers of two while nothing fits (the smallest k that fits is the fastest: T grows with k).
+"""
+from __future__ import annotations
+
+from autopar.context import ParallelMode
+from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
+from autopar.plan import MicrobatchTrace, Plan, PlanError
+
+
+def accumulation_ladder(batch: int, mode: ParallelMode, forced: int | None) -> tuple[list[int], bool]:
+    """(the k to try in order, whether the user fixed k)."""
+    if forced is not None:
+        if not isinstance(forced, int) or forced < 1:
+            raise PlanError(f"accumulation={forced!r} must be a positive int (1: none)")
+        if batch % forced:
+            raise PlanError(f"accumulation={forced} does not divide the global batch {batch}; use a divisor of "
+                            f"{batch} (e.g. {', '.join(str(k) for k in range(1, batch + 1) if batch % k == 0)})")
+        return [forced], True
+    if mode not in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO):
+        return [1], False
+    ladder, k = [1], 2
+    while k <= batch and batch % k == 0:
+        ladder.append(k)
+        k *= 2
+    return ladder, False
+
+
+def microbatch_traced(traced, k: int, retracer: Retracer | None):
+    """The step traced at B/k rows (``traced`` itself for k = 1)."""
+    if k == 1:
+        return traced
+    if retracer is None:
+        raise PlanError("planning with gradient accumulation re-traces the model at the microbatch shape; "
+                        "use autopar.plan()/parallelize(), which make a Retracer")
+    return microbatch_trace(traced, traced.batch_size // k, retracer)
+
+
+def accumulated(plan: Plan, k: int, traced, mb) -> Plan:
+    """``plan`` (solved on the microbatch graph ``mb``) as a plan for the whole step of ``traced``."""
+    if k == 1:
+        return plan
+    from autopar.solver.pipeline_search import optimizer_time
+
+    params = set(mb.params)
+    once = sum(c.time for c in plan.collective_list if c.node in params) + plan.grad_sync_overhead
+    once += optimizer_time(plan, plan.optimizer)
+    plan.step_time = k * (plan.step_time - once) + once
+    plan.flops *= k
+    plan.memory_options.accumulation = k
+    plan.accumulation_trace = MicrobatchTrace(mb.batch_size, graph_fingerprint(mb.gm))
+    plan.fingerprint = graph_fingerprint(traced.gm)
+    return plan

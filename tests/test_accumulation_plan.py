@@ -1,0 +1,97 @@
+"""Gradient accumulation as a plan choice (``plan.memory_options.accumulation``): the global batch
+runs as k microbatches one after another inside ``pmodel.step``, gradients synced once. AUTO picks
+the smallest k that fits the memory cap; a user can fix k (``set_auto_parallel_context(accumulation=k)``)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import autopar
+from conftest import run_ranks
+from examples.models import GPT, lm_loss
+from oracle import assert_same_training, make_batch, parallel_run, reference_run
+
+MODEL = functools.partial(GPT, qkv_bias=False, layers=2, hidden=32)
+BATCH = 16
+
+
+def _capped_mesh() -> autopar.Mesh:
+    """A 2-device data-parallel mesh whose cap holds the training state but only 30 % of the activations."""
+    x, y = make_batch("tokens", BATCH)
+    probe = autopar.plan(MODEL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                         mode="data")
+    b = probe.memory_breakdown
+    return autopar.Mesh(2, axis_names=("dp",), memory_gb=(b["params+grads+optimizer"] + 0.3 * b["activations"]) / 2**30)
+
+
+def test_auto_picks_the_smallest_accumulation_that_fits():
+    x, y = make_batch("tokens", BATCH)
+    mesh = _capped_mesh()
+    plan = autopar.plan(MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="auto")
+    k = plan.memory_options.accumulation
+    assert k > 1 and plan.accumulation_trace.size == BATCH // k
+    assert max(plan.memory_per_device) <= mesh.memory_gb * 2**30
+    assert f"accumulation {k}" in plan.report()
+    free = autopar.plan(MODEL(), autopar.Mesh(2, axis_names=("dp",)), example_inputs=(x,), loss_fn=lm_loss,
+                        example_target=y, mode="auto")
+    assert free.memory_options.accumulation == 1, "without a cap nothing needs accumulation"
+    assert plan.step_time > free.step_time, "k microbatches cost more than one batch"
+    half = autopar.Plan.from_json(plan.to_json())
+    assert half == plan and half.accumulation_trace == plan.accumulation_trace
+
+
+def _job(rank, name, micro):
+    x, y = make_batch("tokens", BATCH)
+    if name == "auto":
+        mesh = _capped_mesh()
+    else:
+        autopar.set_auto_parallel_context(accumulation=4 if name == "data" else 2)
+        mesh = autopar.Mesh(2, axis_names=("tp",)) if name == "tp" else autopar.Mesh(2)
+        if name == "tp":
+            autopar.shard("blocks.*.fc1", weight={"tp": autopar.Shard(0)})
+            autopar.shard("blocks.*.fc2", weight={"tp": autopar.Shard(1)})
+    mode = {"auto": "auto", "data": "data", "tp": "semi_auto"}[name]
+    return parallel_run(rank, MODEL, lm_loss, x, y, mesh, mode, micro=micro, clip=0.5 if micro > 1 else None)
+
+
+@pytest.mark.parametrize("name,micro", [("auto", 1), ("data", 2), ("tp", 1)])
+def test_accumulation_plans_train_like_one_device(name, micro):
+    """``micro``: the user also accumulates over several step() calls on top of the plan's own."""
+    x, y = make_batch("tokens", BATCH)
+    ref = reference_run(MODEL, lm_loss, x, y, micro=micro, clip=0.5 if micro > 1 else None)
+    for r in run_ranks(2, _job, name, micro):
+        plan = autopar.Plan.from_json(r["plan"])
+        assert plan.memory_options.accumulation > 1, plan.memory_options
+        assert_same_training(ref, r, 1e-5, f"{name} accumulation {plan.memory_options.accumulation}")
+
+
+def test_accumulation_that_does_not_divide_the_batch_is_refused():
+    x, y = make_batch("tokens", 8)
+    autopar.set_auto_parallel_context(accumulation=3)
+    with pytest.raises(autopar.PlanError, match="accumulation=3 does not divide the global batch 8; use a divisor of 8"):
+        autopar.plan(MODEL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="data")
+
+
+def test_accumulation_with_a_pipeline_is_refused():
+    x, y = make_batch("tokens", 8)
+    autopar.set_auto_parallel_context(accumulation=2)
+    with pytest.raises(autopar.PlanError, match="set microbatches= instead of accumulation"):
+        autopar.plan(MODEL(), autopar.Mesh(2, axis_names=("pp",)), example_inputs=(x,), loss_fn=lm_loss,
+                     example_target=y, mode="auto")
+
+
+def test_bad_accumulation_setting_is_refused():
+    with pytest.raises(ValueError, match="accumulation must be None or a positive int, got 0"):
+        autopar.set_auto_parallel_context(accumulation=0)
+
+
+def test_a_step_on_another_batch_shape_is_refused():
+    x, y = make_batch("tokens", 8)
+    autopar.set_auto_parallel_context(accumulation=2)
+    pmodel = autopar.parallelize(MODEL(), autopar.Mesh(1), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                                 mode="stand_alone")
+    with pytest.raises(ValueError, match=r"planned for the global shape \[8, 16\] \(run as 2 accumulated microbatches\)"):
+        pmodel.step(x[:4], target=y[:4])
+    out = pmodel(x)
+    assert out.shape[0] == 8
