@@ -41,6 +41,24 @@ from .comm import axis_collective_time
 from .devices import DeviceSpec
 
 
+def gather_unit(name: str) -> str:
+    """The unit ZeRO-3 gathers at once for parameter ``name``: its name up to the first numeric
+    part ("blocks.0"), else its owner module ("ln_f")."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def sharded_state(weights: float, grads: float, optimizer: float, d: int, stage: int) -> float:
+    """Per-rank bytes of a parameter's training state split into its parts (table above; the
+    padding of ``ceil`` is ignored)."""
+    _check(stage, d)
+    return (weights / (d if stage >= 3 else 1) + grads / (d if stage >= 2 else 1)
+            + optimizer / (d if stage >= 1 else 1))
+
+
 def _check(stage: int, d: int) -> None:
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")

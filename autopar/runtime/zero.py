@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autopar.collectives.comm import COUNTER
+from autopar.cost_models.zero import gather_unit
 from autopar.plan import PlanError
 from autopar.runtime.program import _owner
 
@@ -338,16 +339,6 @@ register_optimizer_step_post_hook(_gather_after_step)
 
 # ---- ZeRO-3 ---------------------------------------------------------------------------------------
 
-def _layer_key(name: str) -> str:
-    """The layer a parameter belongs to: its name up to the first numeric part ("blocks.0"),
-    else its owner module ("ln_f"): the unit gathered at once."""
-    parts = name.split(".")
-    for i, p in enumerate(parts[:-1]):
-        if p.isdigit():
-            return ".".join(parts[:i + 1])
-    return ".".join(parts[:-1]) or name
-
-
 class Zero3Gather(nn.Module):
     """One layer's parameters over one axis set: ``forward(*shards)`` all-gathers them (one
     collective) into their working shapes; their gradients are reduce-scattered back to the shards
@@ -441,6 +432,7 @@ class Zero3:
         self.syncing, self.local = True, False
         self.sets: list = []
         self.sharded: dict = {}
+        self._outer = None          # the saved-tensor hooks around the step (``saving``)
 
     def insert(self, gm, name_of_placeholder: dict[str, str]) -> None:
         import operator
@@ -451,7 +443,7 @@ class Zero3:
         for node in nodes:
             name = name_of_placeholder.get(node.name) if node.op == "placeholder" else None
             if name in self.sync and node.users:
-                units.setdefault((self.sync[name], _layer_key(name)), []).append(node)
+                units.setdefault((self.sync[name], gather_unit(name)), []).append(node)
         order = sorted(units, key=lambda k: min(pos[u] for ph in units[k] for u in ph.users))
         for k, key in enumerate(order):
             phs = sorted(units[key], key=lambda ph: name_of_placeholder[ph.name])
@@ -501,6 +493,9 @@ class Zero3:
 
     # ---- saved tensors: tokens instead of gathered parameters -------------------------------------
     def saving(self):
+        """Saved-tensor hooks that keep gathered weights as tokens; other tensors go through the
+        hooks active around the step (a user's offloading, a memory meter) as if these were absent."""
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t):
@@ -510,10 +505,12 @@ class Zero3:
             if hit is not None and hit[1]() is base:
                 i = hit[0]
                 return ("zero3", mod, i, t.size(), t.stride(), t.storage_offset() - base.storage_offset())
-        return t
+        return t if self._outer is None else ("outer", self._outer[1], self._outer[0](t))
 
     @staticmethod
     def _unpack(packed):
+        if isinstance(packed, tuple) and len(packed) == 3 and packed[0] == "outer":
+            return packed[1](packed[2])
         if not (isinstance(packed, tuple) and len(packed) == 6 and packed[0] == "zero3"):
             return packed
         _, mod, i, size, stride, offset = packed
