@@ -40,7 +40,7 @@ def _options(mixed_precision=None) -> PlanOptions:
     return PlanOptions(grad_compression=ctx["grad_compression"], memory_budget_gb=ctx["memory_budget_gb"],
                        time_limit_s=ctx["solver_time_limit"], microbatches=ctx["microbatches"],
                        schedule=ctx["schedule"], mixed_precision=mixed_precision, accumulation=ctx["accumulation"],
-                       recompute=ctx["recompute"],
+                       recompute=ctx["recompute"], zero=ctx["zero"],
                        precision="mixed" if mixed_precision else "fp32")
 
 

@@ -18,6 +18,7 @@ from autopar.pipeline_module import build_pipeline_module
 from autopar.plan import Plan, PlanError
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, setup_grad_sync, sum_grads
 from autopar.runtime.program import RankProgram, placeholder_slot
+from autopar.runtime.zero import Zero3, Zero3Runner, ZeroSync, check_zero_supported
 from autopar.trace import Traced, compute_dtype
 
 
@@ -33,7 +34,9 @@ def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
 def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
                           retracer: Retracer | None = None) -> ParallelModule:
     """This rank's module for ``the_plan``; a pipelined plan re-traces at its microbatch shape with ``retracer``."""
-    if the_plan.degrees.get("pp", 1) > 1:
+    pipelined = the_plan.degrees.get("pp", 1) > 1
+    check_zero_supported(the_plan, pipelined)
+    if pipelined:
         return build_pipeline_module(model, traced, the_plan, retracer)
     full = traced
     if the_plan.memory_options.accumulation > 1:
@@ -51,6 +54,12 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
                                           traced.loss_index)
     gm = localize_shapes(gm, the_plan, mesh.shape)
     apply_recompute(gm, recompute_choices(gm, the_plan.memory_options.recompute))
+    sync = {traced.params[ph]: tuple(sorted(a, key=mesh.axis_names.index)) for ph, a in param_sync.items()}
+    zero = the_plan.memory_options.zero if dist.is_initialized() and mesh.size > 1 else 0
+    zero3 = None
+    if zero == 3:       # each layer's parameters all-gathered before its first use (runtime/zero.py)
+        zero3 = Zero3(sync, axes, mesh)
+        zero3.insert(gm, {ph: name for ph, (name, _) in params_by_ph.items()})
     fwd = _forward_graph(gm, traced)
     params, buffers = {}, {}
     state = dict(model.state_dict(keep_vars=True))
@@ -58,16 +67,24 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
     named_b = dict(model.named_buffers(remove_duplicate=False))
     slots = [placeholder_slot(node.name, traced, params_by_ph, named_p, named_b, coords, mesh.shape, params, buffers)
              for node in gm.graph.nodes if node.op == "placeholder"]
+    if zero3 is not None:
+        zero3.shard(params)
     program = RankProgram(gm, fwd, slots, params, buffers, axes, compute_dtype(the_plan.memory_options.mixed_precision))
-    sync = {traced.params[ph]: tuple(sorted(a, key=mesh.axis_names.index)) for ph, a in param_sync.items()}
     named = dict(program.named_parameters())
     groups = {n: g.group for n, g in axes.items()}
-    acc = Accumulation(list(named.values()), lambda: sum_grads(grads_by_axes(named, sync), groups))
-    ddp = setup_grad_sync(program, sync, axes, mesh, acc, the_plan.grad_compression)
+    if zero3 is not None:
+        zero3.bind(program)
+        acc, ddp = zero3, Zero3Runner(program, zero3)
+    elif zero:
+        # ZeRO-1/2: every summed parameter is sharded over its sync axes (runtime/zero.py); no DDP
+        acc, ddp = ZeroSync(program, sync, axes, mesh, zero, the_plan.grad_compression), None
+    else:
+        acc = Accumulation(list(named.values()), lambda: sum_grads(grads_by_axes(named, sync), groups))
+        ddp = setup_grad_sync(program, sync, axes, mesh, acc, the_plan.grad_compression)
     used = {a for d in the_plan.params.values() for a in d.aliases}
     extra = {k: v.detach().clone() for k, v in state.items() if k not in used}
     return ParallelModule(program, the_plan, full, axes, coords, ddp, extra, list(state), acc,
-                          microbatch=traced if traced is not full else None)
+                          microbatch=traced if traced is not full else None, zero=acc if zero else None)
 
 
 def _accumulation_graph(traced: Traced, the_plan: Plan, retracer: Retracer | None) -> Traced:

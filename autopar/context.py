@@ -48,6 +48,8 @@ _DEFAULTS: dict[str, Any] = {
     "microbatches": None,
     "recompute": None,             # None (AUTO/SEMI_AUTO pick when memory needs it), "none", "selective"
                                    # (attention core), "full" (each layer) or {layer name: one of those}
+    "zero": None,                  # None (AUTO/SEMI_AUTO pick when memory needs it) or a ZeRO stage 0-3 over the
+                                   # data-parallel axes: 1 optimizer state, 2 + gradients, 3 + parameters sharded
     "accumulation": None,          # None (AUTO/SEMI_AUTO pick when memory needs it) or k: run the global
                                    # batch as k microbatches one after another, gradients synced once
     "schedule": None,
@@ -93,6 +95,9 @@ def set_auto_parallel_context(**kwargs) -> None:
             if bad:
                 raise ValueError(f"recompute must be None, 'none', 'selective', 'full' or a {{layer: one of those}} "
                                  f"mapping, got {bad[0]!r}")
+        if key == "zero" and value not in (None, 0, 1, 2, 3):
+            raise ValueError(f"zero must be None (chosen when memory needs it) or a ZeRO stage 0, 1, 2 or 3, "
+                             f"got {value!r}")
         if key == "accumulation" and value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"accumulation must be None or a positive int, got {value!r}")
         if key == "mixed_precision" and value not in (None, "bf16"):

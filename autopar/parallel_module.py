@@ -22,7 +22,7 @@ class ParallelModule(nn.Module):
     """This rank's part of the model: ``step`` trains, ``forward`` infers, both on the global batch."""
 
     def __init__(self, program: RankProgram, plan, traced, axes, coords, ddp=None, extra_state=None,
-                 state_keys=None, accumulation=None, microbatch=None):
+                 state_keys=None, accumulation=None, microbatch=None, zero=None):
         """``microbatch``: the step traced at the plan's accumulation microbatch, which ``program``
         runs ``plan.memory_options.accumulation`` times per step (None: no accumulation)."""
         super().__init__()
@@ -37,6 +37,7 @@ class ParallelModule(nn.Module):
         self._extra_state = extra_state or {}
         self._state_keys = state_keys or []
         object.__setattr__(self, "_acc", accumulation)
+        object.__setattr__(self, "_zero", zero)      # runtime.zero.ZeroSync under plan.memory_options.zero
 
     # ---- introspection -------------------------------------------------------------------
     @property
@@ -68,6 +69,10 @@ class ParallelModule(nn.Module):
         return [a for a, p in enumerate(spec) if p == Shard(0)]
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The program's parameters; under ZeRO, this rank's shards of the data-parallel ones."""
+        if self._zero is not None:
+            return self._zero.params.named_parameters(prefix=prefix, recurse=recurse,
+                                                      remove_duplicate=remove_duplicate)
         return self.program.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     # ---- inputs ------------------------------------------------------------------------------
@@ -229,15 +234,13 @@ class ParallelModule(nn.Module):
         self._flush_grads()
         local = torch.zeros((), dtype=torch.float64)
         grads = []
-        for name, p in self.program.named_parameters():
-            if p.grad is None:
-                continue
-            grads.append(p.grad)
-            g = p.grad.detach().double()
+        for grad, replicas in self._grad_pieces():
+            grads.append(grad)
+            g = grad.detach().double()
             if norm_type == math.inf:
                 local = torch.maximum(local, g.abs().max())
             else:
-                local += (g.abs() ** norm_type).sum() / self._replicas(name)
+                local += (g.abs() ** norm_type).sum() / replicas
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
         total = local if norm_type == math.inf else local ** (1.0 / norm_type)
@@ -246,6 +249,12 @@ class ParallelModule(nn.Module):
             for g in grads:
                 g.mul_(coef)
         return total.float()
+
+    def _grad_pieces(self) -> list:
+        """(gradient, how many ranks hold that same piece) for each gradient this rank holds."""
+        if self._zero is not None:
+            return self._zero.grad_pieces(self.program, self._replicas)
+        return [(p.grad, self._replicas(name)) for name, p in self.program.named_parameters() if p.grad is not None]
 
     def _replicas(self, name: str) -> float:
         """How many ranks hold the same piece of parameter ``name``."""
@@ -260,6 +269,8 @@ class ParallelModule(nn.Module):
     # ---- state -------------------------------------------------------------------------------
     def _local(self, name: str) -> torch.Tensor | None:
         """This rank's piece of ``name`` (None where this rank holds none of it)."""
+        if self._zero is not None and self._zero.handles(name):
+            return self._zero.working(name)
         return self.program.local_tensor(name) if self.program.has(name) else None
 
     def _gather(self, name: str, local: torch.Tensor, spec) -> torch.Tensor:
@@ -295,7 +306,10 @@ class ParallelModule(nn.Module):
             if d.kind != "parameter" or not self._trainable(name):
                 continue
             p = self._local(name)
-            g = None if p is None else (p.grad if p.grad is not None else torch.zeros_like(p))
+            if p is not None and self._zero is not None and self._zero.handles(name):
+                g = self._zero.local_grad(name)
+            else:
+                g = None if p is None else (p.grad if p.grad is not None else torch.zeros_like(p))
             out[name] = self._gather(name, g, d.spec)
         return out
 
@@ -303,14 +317,19 @@ class ParallelModule(nn.Module):
         """Load a full (unsharded) state dict: each rank keeps its pieces."""
         mesh = self.plan.mesh
         for name, d in self.plan.params.items():
-            if d.kind == "constant" or self._local(name) is None:
+            if d.kind == "constant" or not self.program.has(name):
                 continue
             key = next((a for a in d.aliases if a in state), None)
             if key is None:
                 raise KeyError(f"state dict has no entry for {name!r} (or its aliases {d.aliases})")
             piece = local_piece(state[key], d.spec, self._coords, mesh.shape)
+            if self._zero is not None and self._zero.handles(name):
+                self._zero.load_piece(name, piece)
+                continue
             with torch.no_grad():
                 self.program.local_tensor(name).copy_(piece)
+        if self._zero is not None:
+            self._zero.refresh_shards()
 
     def save(self, path, optimizer=None) -> None:
         """Save a reshardable checkpoint: the full state (rank 0 writes) plus each rank's optimizer state."""

@@ -233,6 +233,7 @@ class Plan:
     solve_time: float = 0.0
     solver_status: str = ""
     alternatives: list[Alternative] = field(default_factory=list)
+    memory_bound: bool = False   # the memory cap shaped the layout (without it a faster one was found)
     unknown_ops: dict[str, str] = field(default_factory=dict)
     fingerprint: str = ""
     collective_list: list[Collective] = field(default_factory=list)

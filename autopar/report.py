@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from autopar.memory_explain import explain_lines
 from autopar.sharding.placements import Shard
 
 
@@ -76,6 +77,9 @@ def render(plan) -> str:
     if plan.memory_breakdown:
         lines.append("")
         lines.append("memory per device: " + ", ".join(f"{k} {_gb(v)}" for k, v in plan.memory_breakdown.items()))
+        lines.append(f"memory options: {plan.memory_options.summary()}; ZeRO over the axes each parameter is "
+                     "replicated on would save, per rank:")
+        lines += explain_lines(plan)
     if plan.stages:
         from autopar.pipeline_report import render_pipeline
 
@@ -145,8 +149,12 @@ def explain(plan, name: str) -> str:
     if name in plan.params:
         d = plan.params[name]
         users = [n for n, nd in plan.nodes.items() if d.placeholder in n]
-        return (f"{name}: placement {d.spec} over axes {plan.mesh.axis_names}; shape {d.shape}; "
+        head = (f"{name}: placement {d.spec} over axes {plan.mesh.axis_names}; shape {d.shape}; "
                 f"gradient all-reduce over {d.grad_sync or 'none'}" + (f"; users {users}" if users else ""))
+        if d.kind != "parameter":
+            return head
+        return "\n".join([head, f"  memory options: {plan.memory_options.summary()}; what each ZeRO stage would "
+                                 "do to this parameter on one rank:"] + explain_lines(plan, name))
     if name not in plan.nodes:
         raise KeyError(f"no node or parameter named {name!r} in the plan; nodes look like {list(plan.nodes)[:5]}")
     d = plan.nodes[name]

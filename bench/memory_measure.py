@@ -21,8 +21,9 @@ workspace of one op at a time), received pipeline buffers, communication buffers
 allocator's rounding/fragmentation. ``torch.cuda.max_memory_allocated`` (``bench/memory_accuracy.py
 --cuda``) sees those too. The plan's ``memory_per_device`` is its predicted peak: state + saved
 activations + gathered parameters + the largest op's backward gradients (``transient`` in
-``memory_breakdown``); the CPU count is compared with the peak less ``transient``
-(:func:`predicted` gives both).
+``memory_breakdown``); the CPU count is compared with the peak less ``transient`` and less ZeRO-3's
+gathered layers (live buffers, not saved tensors: the count does not see them; :func:`predicted`
+gives both).
 
 Counting ``params``/``grads``/``optimizer`` exactly means they are *measured*, not inferred from a
 formula: a bf16 model's AdamW moments are bf16 (``torch.zeros_like(p)``), a fp32 model's fp32.
@@ -171,7 +172,8 @@ def predicted(plan, rank: int) -> dict:
     workspace: what the CPU count measures) and the breakdown the plan gives."""
     breakdown = {k: float(v) for k, v in (plan.memory_breakdown or {}).items()}
     peak = float(plan.memory_per_device[rank])
-    return {"peak": peak, "total": peak - breakdown.get("transient", 0.0), **breakdown}
+    unseen = breakdown.get("transient", 0.0) + breakdown.get("ZeRO-3 gathered layers", 0.0)
+    return {"peak": peak, "total": peak - unseen, **breakdown}
 
 
 def gb(nbytes: float) -> float:
@@ -240,10 +242,12 @@ CASES = {c.name: c for c in [
     Case("gpt2-124m fp32 1gpu", "gpt2", 8, (1,), mode="stand_alone", gpu_only=True),
     Case("gpt-1.3b bf16 1gpu", "gpt_1.3b", 8, (1,), mode="stand_alone", dtype="bf16", gpu_only=True),
     Case("gpt-1.3b fp32 1gpu", "gpt_1.3b", 8, (1,), mode="stand_alone", gpu_only=True),
-    # later, one line each, e.g.:
-    # Case("gpt dp2 bf16 mixed", "gpt", 8, (2,), mode="data", memory_options=(("mixed_precision", "bf16"),)),
-    # Case("gpt dp2 zero3", "gpt", 8, (2,), mode="data", memory_options=(("zero", 3),)),
-    # Case("gpt dp2 recompute", "gpt", 8, (2,), mode="data", memory_options=(("recompute", "full"),)),
+    # memory options, set as planning inputs (the prediction accounts for them)
+    Case("gpt dp2 bf16 mixed", "gpt", 8, (2,), mode="data", context=(("mixed_precision", "bf16"),)),
+    Case("gpt dp2 zero1", "gpt", 8, (2,), mode="data", context=(("zero", 1),)),
+    Case("gpt dp2 zero3", "gpt", 8, (2,), mode="data", context=(("zero", 3),)),
+    Case("gpt dp2 recompute full", "gpt", 8, (2,), mode="data", context=(("recompute", "full"),)),
+    Case("gpt dp2 recompute selective", "gpt", 8, (2,), mode="data", context=(("recompute", "selective"),)),
 ]}
 
 

@@ -34,3 +34,30 @@ def llama_1b(batch: int = 16, seq: int = 2048):
         model = Llama(vocab=32000, hidden=2048, heads=16, layers=16, seq=seq, ffn=5632)
     x = _tokens(batch, seq, 32000)
     return model, (x,), lm_loss, x
+
+
+def gpt(hidden: int = 2048, layers: int = 24, heads: int = 16, seq: int = 1024, batch: int = 1024,
+        vocab: int = 51200):
+    """A GPT of any size (GPT-3 paper / Megatron-LM naming: hidden, layers, heads), vocab 51200."""
+    with torch.device("meta"):
+        model = GPT(vocab=vocab, hidden=hidden, heads=heads, layers=layers, seq=seq)
+    x = _tokens(batch, seq, vocab)
+    return model, (x,), lm_loss, x
+
+
+def gpt_1_3b(batch: int = 1024, seq: int = 1024):
+    """GPT-3 XL shape (1.3B): hidden 2048, 24 layers, 16 heads."""
+    return gpt(2048, 24, 16, seq, batch)
+
+
+def gpt_6_7b(batch: int = 512, seq: int = 1024):
+    """GPT-3 6.7B shape: hidden 4096, 32 layers, 32 heads."""
+    return gpt(4096, 32, 32, seq, batch)
+
+
+def llama_7b(batch: int = 64, seq: int = 2048):
+    """Llama-2 7B shape: hidden 4096, 32 layers, 32 heads, SwiGLU 11008, vocab 32000."""
+    with torch.device("meta"):
+        model = Llama(vocab=32000, hidden=4096, heads=32, layers=32, seq=seq, ffn=11008)
+    x = _tokens(batch, seq, 32000)
+    return model, (x,), lm_loss, x

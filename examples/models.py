@@ -127,6 +127,7 @@ class LlamaBlock(nn.Module):
         b, s, h = x.shape
         y = self.attn_norm(x)
         q, k, v = (w(y).view(b, s, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)      # fp32 tables, bf16 compute under mixed precision
         q = q * cos + _rotate(q) * sin
         k = k * cos + _rotate(k) * sin
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -83,7 +83,8 @@ def _job(rank, kind):
                 probe = autopar.plan(SMALL_GPT(), mesh, example_inputs=(x,), loss_fn=loss_fn, example_target=y,
                                      mode="stand_alone")
                 cap = 0.7 * max(probe.memory_per_device) / 2 ** 30
-                autopar.set_auto_parallel_context(recompute="none")     # splitting (no other lever) must fit
+                # splitting (no other lever) must fit
+                autopar.set_auto_parallel_context(recompute="none", accumulation=1, zero=0)
                 mesh = autopar.Mesh(2, axis_names=("tp",), device="a100-80gb", memory_gb=cap)
         elif kind == "pp":
             autopar.set_auto_parallel_context(schedule="1f1b", microbatches=2)

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent / "autopar"
 LAYERS = [
     ("foundation", {"context", "allocator", "errors", "trace", "opaque_functions"}),
     ("analysis", {"graph", "cost_models", "sharding", "schedule", "mesh"}),
-    ("plan", {"plan", "plan_specs", "report", "pipeline_report"}),
+    ("plan", {"plan", "plan_specs", "report", "pipeline_report", "memory_explain"}),
     ("solver", {"solver"}),
     ("collectives", {"collectives"}),
     ("passes", {"passes"}),

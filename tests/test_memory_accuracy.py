@@ -11,7 +11,8 @@ from conftest import run_ranks
 
 TOLERANCE = 0.10
 CASES = ["gpt dp2 fp32", "gpt dp2 bf16 params", "gpt tp2 fp32", "gpt pp2 1f1b m4", "gpt pp2 gpipe m4",
-         "gpt-large dp2 fp32", "gpt dp2 accumulation 2", "llama dp2xtp2 fp32"]
+         "gpt-large dp2 fp32", "gpt dp2 accumulation 2", "llama dp2xtp2 fp32", "gpt dp2 bf16 mixed",
+         "gpt dp2 zero3", "gpt dp2 recompute full"]
 
 
 def _explain(r: dict) -> str:

@@ -45,6 +45,7 @@ def _tp_job(rank, name, mesh_key, memory_gb):
     _, shape, axes = MESHES[mesh_key]
     x, y = make_batch(kind, 8, **kw)
     mode = "semi_auto" if setup else "auto"
+    autopar.set_auto_parallel_context(zero=0)     # the solver's own splits, not ZeRO's, must fit the cap
     mesh = autopar.Mesh(shape, axis_names=axes, device=DEVICE, memory_gb=memory_gb)
     return parallel_run(rank, model_fn, loss_fn, x, y, mesh, mode, setup=setup)
 

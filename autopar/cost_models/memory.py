@@ -64,6 +64,19 @@ def training_state_bytes_per_param(optimizer: str = "adamw", precision: str = "f
     return _WEIGHT_BYTES[prec] + _GRAD_BYTES[prec] + optimizer_state_bytes(1, optimizer, precision)
 
 
+def training_state_parts(numel: float, dtype: torch.dtype | None, optimizer: str = "adamw",
+                         precision: str = "fp32") -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes of ``numel`` parameters stored as ``dtype``:
+    the parts of :func:`training_state_bytes` (the optimizer part holds fp32 masters under mixed
+    precision), which ZeRO shards one stage at a time."""
+    opt, prec = _check(optimizer, precision)
+    if prec == "fp32" and dtype is not None and dtype.is_floating_point and dtype != torch.float32:
+        size = torch.empty((), dtype=dtype).element_size()
+        return numel * size, numel * size, numel * size * (_STATE_BYTES[opt] // 4)
+    return numel * _WEIGHT_BYTES[prec], numel * _GRAD_BYTES[prec], float(optimizer_state_bytes(numel, optimizer,
+                                                                                                precision))
+
+
 def training_state_bytes(numel: float, dtype: torch.dtype | None, optimizer: str = "adamw",
                          precision: str = "fp32") -> float:
     """Weights + gradients + optimizer states of ``numel`` parameters stored as ``dtype``.
@@ -73,11 +86,7 @@ def training_state_bytes(numel: float, dtype: torch.dtype | None, optimizer: str
     (``torch.zeros_like(p)``): ``numel * size * (2 + states)`` (AdamW bf16: 8 bytes, not 16).
     Mixed precision ("bf16"/"fp16"/"mixed") keeps fp32 masters and fp32 states:
     :func:`training_state_bytes_per_param`."""
-    opt, prec = _check(optimizer, precision)
-    if prec == "fp32" and dtype is not None and dtype.is_floating_point and dtype != torch.float32:
-        size = torch.empty((), dtype=dtype).element_size()
-        return numel * size * (2 + _STATE_BYTES[opt] // 4)
-    return numel * training_state_bytes_per_param(optimizer, precision)
+    return sum(training_state_parts(numel, dtype, optimizer, precision))
 
 
 def _graph(gm: fx.GraphModule | fx.Graph) -> fx.Graph:

@@ -36,6 +36,19 @@ def memory_choices(batch: int, mode: ParallelMode, accumulation: int | None,
     return ks, ["none", "selective", "full"]
 
 
+def zero_ladder(mode: ParallelMode, zero: int | None) -> list[int]:
+    """The ZeRO stages to try, in order: the user's, or for AUTO/SEMI_AUTO 0, 1, 2, 3. The
+    search runs the accumulation x recompute frontier at each stage and keeps the fastest plan
+    of all; it stops at the first stage whose plan fits without accumulation or recomputation
+    and without the cap shaping its layout (``Plan.memory_bound``): a higher stage then only adds
+    all-gathers of the weights."""
+    if zero is not None:
+        if zero not in (0, 1, 2, 3):
+            raise PlanError(f"zero={zero!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+        return [zero]
+    return [0, 1, 2, 3] if mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO) else [0]
+
+
 def accumulation_ladder(batch: int, mode: ParallelMode, forced: int | None) -> tuple[list[int], bool]:
     """(the k to try in order, whether the user fixed k)."""
     if forced is not None:

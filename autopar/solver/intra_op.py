@@ -100,6 +100,7 @@ class IntraOpSolution:
     solve_time: float
     memory: float
     num_vars: int
+    bound: bool = False     # the memory budget shaped it: the unbudgeted optimum does not fit
 
 
 # ---------------------------------------------------------------- problem -> class graph
@@ -286,11 +287,13 @@ def _memory_error(p: IntraOpProblem, g: ClassGraph, class_of: list[int]) -> Infe
     choice = _expand(class_of, recover_choices(g, _picked(g, mdl, active, solver)))
     smallest = evaluate(p, choice)[1]
     word = "smallest achievable" if status == cp_model.OPTIMAL else "smallest found"
-    return InfeasibleError(
+    err = InfeasibleError(
         f"no strategy assignment fits the memory budget: the {word} memory is {smallest / GIB:.3f} GiB "
         f"({smallest:.4g} B) but the budget is {p.memory_budget / GIB:.3f} GiB ({p.memory_budget:.4g} B). "
         f"Use more devices (a larger tensor/data-parallel mesh), pipeline parallelism (fewer layers per stage), "
         f"activation checkpointing or optimizer-state sharding, or raise the budget")
+    err.choice = choice             # the smallest assignment: callers break its memory down
+    return err
 
 
 def _expand(class_of: list[int], picked: dict[int, int]) -> list[int]:
@@ -353,7 +356,7 @@ def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
         if fits:
             return replace(free, solve_time=time.perf_counter() - start)
         raise
-    return free if fits and free.objective < budgeted.objective else budgeted
+    return free if fits and free.objective < budgeted.objective else replace(budgeted, bound=not fits)
 
 
 def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: float) -> IntraOpSolution:

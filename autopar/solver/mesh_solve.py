@@ -14,17 +14,19 @@ from dataclasses import dataclass
 
 from autopar.context import ParallelMode
 from autopar.cost_models.compute import total_flops
+from autopar.cost_models.memory import training_state_parts
+from autopar.cost_models.zero import zero_collectives
 from autopar.graph.layers import find_layers, tie_groups
 from autopar.graph.retrace import graph_fingerprint
 from autopar.mesh import Mesh
-from autopar.plan import MemoryOptions, Plan, PlanError
+from autopar.plan import Collective, MemoryOptions, Plan, PlanError
 from autopar.sharding.candidates import build_candidates
-from autopar.sharding.placements import R, Replicate, Shard
+from autopar.sharding.placements import R, Replicate, Shard, shard_factor
 from autopar.solver.decode import decode, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
-from autopar.solver.intra_op import InfeasibleError, solve_intra_op
+from autopar.solver.intra_op import InfeasibleError, evaluate, solve_intra_op
 from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
-                                    transient_bytes)
+                                    transient_bytes, zero3_gathered)
 
 
 @dataclass
@@ -39,6 +41,7 @@ class PlanOptions:
     schedule: str | None = None
     accumulation: int | None = None  # microbatches run one after another (None: AUTO/SEMI_AUTO pick when needed)
     recompute: str | dict | None = None   # activation recomputation (None: AUTO/SEMI_AUTO pick when needed)
+    zero: int | None = None          # ZeRO stage over the data-parallel axes (None: AUTO/SEMI_AUTO pick when needed)
 
 
 def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, input_ann: dict) -> dict:
@@ -201,16 +204,23 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     cands = build_candidates(traced.gm, mesh.shape)
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
     costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers),
-                      recompute=opts.recompute or "none")
+                      recompute=opts.recompute or "none", zero=opts.zero or 0)
     names = dict(traced.params)
     names.update(traced.buffers)
     ties = tie_groups(find_layers(traced.gm, names))
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
     built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
-    sol, gathered, transient = _solve_within(traced, cands, built, costing, budget)
+    try:
+        sol, gathered, transient = _solve_within(traced, cands, built, costing, budget)
+        layers = zero3_gathered(traced.gm, cands, built, sol.choice, costing, traced.params)
+    except InfeasibleError as err:
+        if getattr(err, "choice", None) is not None:
+            err.breakdown = memory_parts(traced, cands, built, err.choice, costing)
+        raise
     nodes, params, inputs, colls = decode(traced.gm, cands, built, sol.choice, costing, mesh.axis_names, traced)
     outputs = output_specs(traced.gm, nodes, params, inputs, traced)
     colls += loss_report_collectives(traced.gm, outputs, mesh.axis_names, traced)
+    colls = zero_collective_list(colls, opts.zero or 0, set(traced.params))
     last_bucket = grad_sync_overhead(costing, [(mesh.axis_names.index(a), c.bytes) for c in colls
                                                if c.node in traced.params for a in c.axes])
     shares = axis_shares(traced.gm, nodes, inputs, mesh.axis_names, mesh.shape)
@@ -218,8 +228,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     return Plan(mode=mode, mesh=mesh, degrees=degrees_of(roles, mesh.axis_names, mesh.shape), axis_roles=roles,
                 nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
-                memory_per_device=[float(sol.memory) + gathered + transient] * mesh.size,
-                memory_breakdown=_breakdown(built, sol, traced, gathered, transient),
+                memory_per_device=[float(sol.memory) + gathered + transient] * mesh.size, memory_bound=sol.bound,
+                memory_breakdown=_breakdown(built, sol, traced, gathered - layers, transient, layers),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 grad_compression=opts.grad_compression, optimizer=opts.optimizer, memory_budget=budget,
@@ -227,37 +237,106 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 options={"precision": opts.precision, "solver_vars": sol.num_vars},
                 memory_options=MemoryOptions(mixed_precision=opts.mixed_precision,
                                              reduce_dtype="bf16" if opts.grad_compression == "bf16" else "fp32",
-                                             recompute=opts.recompute or "none"),
+                                             recompute=opts.recompute or "none", zero=opts.zero or 0),
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
 
 
-def _solve_within(traced, cands, built, costing: Costing, budget: float, tries: int = 3):
-    """Solve, then add what the ILP's per-node memory does not see (parameters gathered into
-    another placement, the largest op's backward transients); while the sum exceeds ``budget``,
-    solve again with the budget lowered by that extra."""
+def zero_collective_list(colls: list[Collective], stage: int, params: set[str]) -> list[Collective]:
+    """The list under ZeRO ``stage``: each parameter's gradient all-reduce becomes the
+    reduce-scatter and all-gathers of ``cost_models.zero.zero_collectives`` (what
+    ``runtime/zero.py`` runs; its buckets pad the last chunk, so the bytes that run may exceed
+    these by up to d-1 elements per bucket)."""
+    if not stage:
+        return colls
+    out = []
+    for c in colls:
+        if c.node not in params or c.kind != "all_reduce":
+            out.append(c)
+            continue
+        for kind, _, phase in zero_collectives(1, 2, stage):
+            out.append(dataclasses.replace(c, kind=kind, phase=phase, axes=list(c.axes)))
+    return out
+
+
+def _solve_within(traced, cands, built, costing: Costing, budget: float, tries: int = 6):
+    """Solve, then add what the ILP's per-node memory does not see: parameters a consumer keeps
+    in another placement than the stored one (per edge), ZeRO-3's gathered layer and the largest
+    op's backward transients (one maximum each). While the sum exceeds ``budget``: the ILP's
+    budget is lowered by the last two, and the gathered copies are priced on their edges at
+    lambda s/byte, starting at objective / budget and growing 4x per try (Lagrangian); without
+    gathered copies, the budget is lowered by the overflow. The step time reported is the
+    unpriced one."""
     params = set(traced.params)
-    problem = built.problem
-    for _ in range(tries):
-        sol = solve_intra_op(problem)
-        gathered = resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
+    problem, limit, price = built.problem, budget, 0.0
+    smallest = None                 # (total bytes, choice) of the smallest assignment tried
+    for attempt in range(tries):
+        try:
+            sol = solve_intra_op(problem)
+        except InfeasibleError as err:
+            if smallest is not None and sum(memory_parts(traced, cands, built, err.choice, costing).values()) > \
+                    smallest[0]:
+                err.choice = smallest[1]
+            raise
+        if attempt:
+            sol = dataclasses.replace(sol, bound=True)
+        resharded = resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
+        zero3 = zero3_gathered(traced.gm, cands, built, sol.choice, costing, traced.params)
         transient = transient_bytes(traced.gm, cands, built, sol.choice, costing, params)
-        if sol.memory + gathered + transient <= budget:
+        gathered = resharded + zero3
+        over = sol.memory + gathered + transient - budget
+        if over <= 0:
             break
-        problem = dataclasses.replace(built.problem, memory_budget=budget - gathered - transient)
+        if smallest is None or over + budget < smallest[0]:
+            smallest = (over + budget, sol.choice)
+        limit = min(limit, budget - zero3 - transient)
+        if resharded > 0 and built.gathered:
+            price = 4 * price if price else evaluate(built.problem, sol.choice)[0] / budget
+        else:
+            limit = min(limit, sol.memory - over)
+        problem = dataclasses.replace(built.pricing_gathered(price), memory_budget=limit)
     else:
-        raise InfeasibleError(
+        err = InfeasibleError(
             f"no strategy assignment fits the memory budget of {budget / 2**30:.3f} GiB ({budget:.4g} B): the best "
             f"found keeps {sol.memory:.4g} B of state and activations plus {gathered:.4g} B of gathered parameters "
             f"and {transient:.4g} B of backward transients. Use more devices, pipeline parallelism, activation "
             "checkpointing or optimizer-state sharding, or raise the budget")
+        err.choice = smallest[1]
+        raise err
+    if price:
+        sol = dataclasses.replace(sol, objective=evaluate(built.problem, sol.choice)[0])
     return sol, gathered, transient
 
 
-def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0) -> dict:
+def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> dict[str, float]:
+    """Per-device bytes of an assignment by kind: parameters, gradients, optimizer state (each as
+    its ZeRO stage leaves it), activations, gathered parameters, backward transients."""
+    by_name = {n.name: n for n in traced.gm.graph.nodes}
+    out = dict.fromkeys(("parameters", "gradients", "optimizer state", "activations"), 0.0)
+    for i, name in enumerate(built.names):
+        st = cands.strategies[name][choice[i]]
+        if name not in traced.params:
+            out["activations"] += float(built.problem.nodes[i].memory[choice[i]])
+            continue
+        v = by_name[name].meta["val"]
+        shards = shard_factor(st.output, costing.mesh_shape)
+        w, g, o = training_state_parts(v.numel() / shards, v.dtype, costing.optimizer, costing.precision)
+        d = math.prod(n for n, p in zip(costing.mesh_shape, st.output) if isinstance(p, Replicate)) if costing.zero else 1
+        out["parameters"] += w / (d if costing.zero >= 3 else 1)
+        out["gradients"] += g / (d if costing.zero >= 2 else 1)
+        out["optimizer state"] += o / (d if costing.zero >= 1 else 1)
+    params = set(traced.params)
+    out["gathered parameters"] = (resharded_param_bytes(traced.gm, cands, built, choice, costing, params)
+                                  + zero3_gathered(traced.gm, cands, built, choice, costing, traced.params))
+    out["transient"] = transient_bytes(traced.gm, cands, built, choice, costing, params)
+    return out
+
+
+def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0, layers: float = 0.0) -> dict:
     """Peak bytes per device: parameter training state vs activations kept for backward
     (``gathered``: parameters kept in a placement other than the stored one, see
     ``resharded_param_bytes``; ``transient``: the largest op's gradients in backward,
-    ``transient_bytes``)."""
+    ``transient_bytes``; ``layers``: ZeRO-3's gathered layer and its prefetched successor,
+    ``zero3_gathered``)."""
     state = acts = 0.0
     for i, name in enumerate(built.names):
         mem = float(built.problem.nodes[i].memory[sol.choice[i]])
@@ -268,5 +347,7 @@ def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0
     out = {"params+grads+optimizer": state, "activations": acts}
     if gathered:
         out["gathered parameters"] = gathered
+    if layers:
+        out["ZeRO-3 gathered layers"] = layers
     out["transient"] = transient
     return out

@@ -49,6 +49,7 @@ from autopar.plan_specs import PlanSpecs
 from autopar.sharding.placements import R, Replicate, Spec, local_shape, shard_factor
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.inter_op import LayerProfile, PipelinePartition, partition_stages
+from autopar.solver.intra_op import InfeasibleError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.problem import Costing, tensor_bytes
 
@@ -301,18 +302,22 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     device = cand.sub.spec().shared_by(per_node)       # CPU ranks of every stage share the cores
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
     free = PlanOptions(**{**opts.__dict__, "memory_budget_gb": budget * cand.pp / 2**30})
+    loose = PlanOptions(**{**opts.__dict__, "memory_budget_gb": 1e6})
     link_spec = axis_link(device, cand.pp, cand.sub.size)
     link = (link_spec.bandwidth, link_spec.latency)
 
     def solve(m):
         mb = microbatch_trace(traced, batch // m, retracer)
-        sub_plan = solve_on_mesh(mb, cand.sub, mode, free, param_ann, input_ann, per_node)
+        try:
+            sub_plan = solve_on_mesh(mb, cand.sub, mode, free, param_ann, input_ann, per_node)
+        except InfeasibleError:     # pp x the cap only guides the whole model's layout; the partition
+            sub_plan = solve_on_mesh(mb, cand.sub, mode, loose, param_ann, input_ann, per_node)    # enforces it
         units_m, unit_of = assign_units(mb.gm)
         return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, device, opts)
 
     ref = max([m for m in counts if m <= 2 * cand.pp] or [min(counts)])
     solved = {ref: solve(ref)}
-    mb, _, units_ref, _, costs = solved[ref]
+    mb, ref_plan, units_ref, _, costs = solved[ref]
     fixed = _fixed_boundaries(cand, units_ref, mb.gm)
     best, reasons = None, []
     for schedule in schedules:
@@ -320,7 +325,8 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
             if schedule == "interleaved_1f1b" and m % cand.pp:
                 continue
             try:
-                part, t, opt = _partition(costs, batch // m, cand.pp, m, schedule, budget, link, fixed)
+                part, t, opt = _partition(costs, batch // m, cand.pp, m, schedule, budget - _extra(ref_plan), link,
+                                          fixed)
             except ValueError as err:
                 reasons.append(f"{schedule} m={m}: {err}")
                 continue
@@ -333,7 +339,10 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     if m not in solved:
         solved[m] = solve(m)
     mb, sub_plan, units_m, unit_of, costs_m = solved[m]
-    part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule, budget, link, fixed)
+    try:
+        part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule, budget - _extra(sub_plan), link, fixed)
+    except ValueError as err:
+        raise PipelineRequestError(f"no pipeline partition fits at {m} microbatches: {err}") from None
     _check_tags(part, cand, units_m, mb.gm)
     step += sub_plan.grad_sync_overhead
     plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
@@ -343,12 +352,19 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     return plan
 
 
+def _extra(sub_plan: Plan) -> float:
+    """Bytes a stage holds beyond its partition's state and in-flight activations: the sub-plan's
+    gathered parameters and backward transients (``_stage_memory``)."""
+    sub = sub_plan.memory_breakdown or {}
+    return sub.get("gathered parameters", 0.0) + sub.get("transient", 0.0)
+
+
 def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_plan: Plan) -> None:
     """Per rank: the partition's state + in-flight saved activations, plus the sub-plan's gathered
     parameters and backward workspace ('transient': its largest op, the loss for a language model,
     so an overestimate for stages without it). ``memory_breakdown`` is the fullest rank's."""
     sub = sub_plan.memory_breakdown or {}
-    extra = sub.get("gathered parameters", 0.0) + sub.get("transient", 0.0)
+    extra = _extra(sub_plan)
     plan.memory_per_device = [m + extra for m in plan.memory_per_device]
     fullest = max(range(len(part.rank_memory)), key=lambda r: part.rank_memory[r])
     state = sum(sum(p.param_bytes for p in costs.profiles[a:b])
@@ -467,9 +483,16 @@ def optimizer_time(plan: Plan, optimizer: str = "adamw") -> float:
         return plan.optimizer_time
     mesh = plan.mesh
     params = [d for d in plan.params.values() if d.kind == "parameter"]
-    numel = sum(math.prod(d.shape) / shard_factor(d.spec, mesh.shape) for d in params)
+    numel = sum(math.prod(d.shape) / shard_factor(d.spec, mesh.shape) / _zero_shards(plan, d.spec) for d in params)
     device = mesh.spec().shared_by(min(mesh.size, mesh.gpus_per_node or mesh.size))
     return optimizer_step_time(numel, device, len(params), optimizer)
+
+
+def _zero_shards(plan: Plan, spec) -> int:
+    """How many ranks split a parameter's optimizer step under ZeRO: its replicated axes."""
+    if not plan.memory_options.zero:
+        return 1
+    return math.prod(n for n, p in zip(plan.mesh.shape, spec) if isinstance(p, Replicate))
 
 
 def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +33,8 @@ import torch.fx as fx
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time,
                                          work_signature)
-from autopar.cost_models.memory import saved_bytes_by_node, saves_input, storage_key, training_state_bytes
+from autopar.cost_models.memory import saved_bytes_by_node, saves_input, storage_key, training_state_parts
+from autopar.cost_models.zero import gather_unit, sharded_state, zero3_gathered_bytes
 from autopar.cost_models.recompute import saved_bytes_after
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.local_impls import local_collectives
@@ -54,6 +56,7 @@ class Costing:
     precision: str = "fp32"
     frozen_buffers: set = field(default_factory=set)   # placeholders that must never be redistributed
     recompute: str | dict = "none"  # activation recomputation: its forward runs again, its saves are dropped
+    zero: int = 0                   # ZeRO stage over the axes a parameter is replicated on
     _redistribution: dict = field(default_factory=dict, repr=False)  # (src, dst, bytes) -> seconds
     _edges: dict = field(default_factory=dict, repr=False)           # edge tables of repeated layers
 
@@ -71,10 +74,15 @@ class Costing:
 
     def grad_sync(self, nbytes: float, axis: int) -> float:
         """One parameter's share of the bucketed gradient all-reduce over ``axis`` (module docstring)."""
+        return self.bucketed("all_reduce", nbytes, axis)
+
+    def bucketed(self, kind: str, nbytes: float, axis: int) -> float:
+        """One tensor's share of a ``kind`` collective over ``axis`` that runs in buckets of
+        ``GRAD_BUCKET_BYTES``: its bandwidth time plus its share of one launch latency."""
         if nbytes <= 0:
             return 0.0
-        lat = self.latency(axis)
-        return self.comm("all_reduce", nbytes, axis) - lat + lat * min(1.0, nbytes / GRAD_BUCKET_BYTES)
+        lat = self.comm(kind, 1.0, axis)
+        return self.comm(kind, nbytes, axis) - lat + lat * min(1.0, nbytes / GRAD_BUCKET_BYTES)
 
 
 def grad_sync_overhead(c: Costing, synced: Iterable[tuple[int, float]]) -> float:
@@ -161,6 +169,24 @@ def _local_impl_time(node: fx.Node, st: Strategy, c: Costing) -> float:
     return sum(c.comm(kind, nbytes, ax) for kind, nbytes, ax, _ in local_collectives(node, st, c.mesh_shape))
 
 
+def _param_state_cost(numel: float, parts: list[float], st: Strategy, c: Costing) -> tuple[float, float]:
+    """(bytes, seconds) of one parameter's local piece of ``numel`` elements and (weights,
+    gradients, optimizer state) bytes ``parts``: its training state and optimizer step, under
+    ``c.zero`` sharded over the ``d`` ranks of the axes it is replicated on (``cost_models/zero.py``:
+    the state divides stage by stage, the step by ``d``). ZeRO's reduce-scatter is costed by the
+    consumers' gradient all-reduce (bucketed like it); its weight all-gathers, bucketed too (by
+    25 MB for stages 1, 2, by layer for stage 3), are added: one after the optimizer step
+    (stages 1, 2), one before the layer's forward and one before its backward (stage 3)."""
+    if not c.zero:
+        return sum(parts), optimizer_step_time(numel, c.device, 1, c.optimizer)
+    axes = [a for a, p in enumerate(st.output) if isinstance(p, Replicate) and c.mesh_shape[a] > 1]
+    d = math.prod(c.mesh_shape[a] for a in axes)
+    gathers = 2 if c.zero == 3 else 1
+    seconds = optimizer_step_time(numel / d, c.device, 1, c.optimizer)
+    seconds += gathers * sum(c.bucketed("all_gather", parts[0], a) for a in axes)
+    return sharded_state(*parts, d, c.zero), seconds
+
+
 def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dict,
                traced_params: set[str], recomputed: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per strategy: seconds (compute, own collectives, gradient sync; + the forward again when
@@ -170,11 +196,10 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
     if node.op == "placeholder":
         if node.name in traced_params:
             v = node.meta["val"]
-            state = training_state_bytes(v.numel(), v.dtype, c.optimizer, c.precision)
+            parts = training_state_parts(v.numel(), v.dtype, c.optimizer, c.precision)
             for s, st in enumerate(strategies):
                 shards = shard_factor(st.output, c.mesh_shape)
-                memory[s] = state / shards
-                compute[s] = optimizer_step_time(v.numel() / shards, c.device, 1, c.optimizer)
+                memory[s], compute[s] = _param_state_cost(v.numel() / shards, [p / shards for p in parts], st, c)
         return compute, memory
     base = node_cost(node, c.device)
     need = grad_nodes(node.graph)
@@ -224,6 +249,15 @@ class BuiltProblem:
     problem: IntraOpProblem
     names: list[str]
     index: dict[str, int]
+    gathered: dict = field(default_factory=dict)   # edge index -> bytes of a parameter kept gathered [i, j]
+
+    def pricing_gathered(self, seconds_per_byte: float) -> IntraOpProblem:
+        """The problem with each gathered parameter copy priced at ``seconds_per_byte`` on its
+        edge (a Lagrangian term: the ILP's memory row is per node and cannot see these bytes)."""
+        edges = list(self.problem.edges)
+        for e, nbytes in self.gathered.items():
+            edges[e] = dataclasses.replace(edges[e], cost=edges[e].cost + seconds_per_byte * nbytes)
+        return dataclasses.replace(self.problem, edges=edges)
 
 
 def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set[str],
@@ -247,7 +281,7 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
             memo[key] = node_costs(by_name[n], cands.strategies[n], c, saved, params, n in again)
         comp, mem = memo[key]
         nodes.append(NodeChoices(n, comp.copy(), mem.copy(), allowed.get(n)))
-    edges = []
+    edges, gathered = [], {}
     for n in names:
         node = by_name[n]
         if node.op != "call_function":
@@ -257,11 +291,14 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
             if src.name not in index:
                 continue
             edges.append(_edge(src, idx, node, i, cands, index, c))
+            if src.name in params and node in need and saves_input(node, a, mask):
+                gathered[len(edges) - 1] = _gathered_matrix(a, cands.strategies[src.name],
+                                                            cands.strategies[n], i, c)
     ties_idx = [[index[t] for t in g if t in index] for g in ties]
     ties_idx = [g for g in ties_idx if len(g) > 1 and len({len(cands.strategies[names[i]]) for i in g}) == 1]
     prob = IntraOpProblem(nodes, edges, memory_budget, ties_idx, time_limit_s)
     prob.hint = feasible_hint(prob)
-    return BuiltProblem(prob, names, index)
+    return BuiltProblem(prob, names, index, gathered)
 
 
 def resharded_param_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],
@@ -290,6 +327,40 @@ def resharded_param_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltPro
             seen.add((a.name, spec))
             total += tensor_bytes(a) / shard_factor(spec, c.mesh_shape)
     return total
+
+
+def _gathered_matrix(param: fx.Node, stored: list[Strategy], users: list[Strategy], i: int, c: Costing) -> np.ndarray:
+    """[stored choice, user choice] -> bytes of the copy a user saves when it takes ``param`` in
+    another placement than the stored one (``resharded_param_bytes`` per edge)."""
+    nbytes = tensor_bytes(param)
+    out = np.zeros((len(stored), len(users)))
+    for j, st in enumerate(users):
+        if i >= len(st.inputs):
+            continue
+        for k, sp in enumerate(stored):
+            if st.inputs[i] != sp.output:
+                out[k, j] = nbytes / shard_factor(st.inputs[i], c.mesh_shape)
+    return out
+
+
+def zero3_gathered(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
+                   param_names: dict[str, str]) -> float:
+    """ZeRO-3's gathered weights at the peak: the largest gather unit's (``zero.gather_unit``)
+    local weights in full, twice (the next unit's gather is prefetched), ``zero3_gathered_bytes``.
+    ``param_names``: placeholder -> parameter name."""
+    if c.zero != 3:
+        return 0.0
+    by_name = {n.name: n for n in gm.graph.nodes}
+    units: dict[str, float] = {}
+    for ph, name in param_names.items():
+        if ph not in built.index:
+            continue
+        v = by_name[ph].meta["val"]
+        st = cands.strategies[ph][choice[built.index[ph]]]
+        local = v.numel() / shard_factor(st.output, c.mesh_shape)
+        weight = training_state_parts(local, v.dtype, c.optimizer, c.precision)[0]
+        units[gather_unit(name)] = units.get(gather_unit(name), 0.0) + weight
+    return zero3_gathered_bytes(max(units.values(), default=0.0), weight_bytes=1)
 
 
 def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],

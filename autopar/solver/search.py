@@ -18,7 +18,8 @@ from autopar.graph.retrace import Retracer
 from autopar.mesh import Mesh
 from autopar.plan import Alternative, Plan, PlanError
 from autopar.sharding.placements import R
-from autopar.solver.accumulation import accumulated, memory_choices, microbatch_traced
+from autopar.solver.accumulation import accumulated, memory_choices, microbatch_traced, zero_ladder
+from autopar.solver.fit_error import Failure, k_needed, nothing_fits
 from autopar.solver.intra_op import InfeasibleError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
@@ -49,31 +50,31 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
         raise PlanError(f"accumulation={ks[0]} runs microbatches one after another without a pipeline, but this "
                         "request asks for a pipeline (a 'pp' mesh axis, microbatches or schedule): a pipeline already "
                         "runs the batch as microbatches, so set microbatches= instead of accumulation")
-    plans, failures, pipe_failures = [], [], []
-    below = len(ks)                 # try only k below the smallest k that fitted with less recomputation
-    for rc in choices:
-        for i, k in enumerate(ks[:below]):
-            mb = microbatch_traced(traced, k, retracer)
-            got, failed, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=rc),
-                                                   param_ann, input_ann, retracer,
-                                                   pipelines=k == 1 and (rc == "none" or opts.recompute is not None))
-            plans += [accumulated(p, k, traced, mb) for p in got]
-            note = ", ".join(([f"accumulation {k}"] if k > 1 else []) + ([f"recompute {rc}"] if rc != "none" else []))
-            failures += [(m, f"{note}: {e}" if note else e) for m, e in failed]
-            pipe_failures += pipe_failed
-            if got:
-                below = i
-                break
-        if below == 0:
-            break                   # fits at the smallest k: more recomputation only costs time
+    stages = zero_ladder(mode, opts.zero)
+    if stages[0] and ("pp" in mesh.axis_names or opts.microbatches or opts.schedule):
+        raise PlanError(f"zero={stages[0]} is not supported with a pipeline yet (a 'pp' mesh axis, microbatches or "
+                        "schedule): use zero=0 for pipelined plans, or drop the pipeline")
+    plans, failures, pipe_failures, traces = [], [], [], {}
+    for z in stages:
+        if z and mesh.size == 1:
+            continue                # nothing to shard the state over
+        got, failed, pipe_failed = _frontier(traced, model, mesh, mode, dataclasses.replace(opts, zero=z), param_ann,
+                                             input_ann, retracer, ks, choices, traces)
+        plans += got
+        failures += failed
+        pipe_failures += pipe_failed
+        if any(p.memory_options.accumulation == 1 and p.memory_options.recompute == "none" and not p.memory_bound
+               for p in got):
+            break                   # fits freely: a higher stage only adds all-gathers
+    if not plans and not failures:
+        raise PlanError("no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in pipe_failures[:4]))
     if not plans:
-        m, err = failures[0]
-        raise PlanError(f"no plan fits memory on {m}: {err}") from None
+        raise nothing_fits(mesh, failures, _cap(mesh, opts), traced.batch_size) from None
     for p in plans:
         p.optimizer_time = optimizer_time(p, opts.optimizer)
     plans.sort(key=rank_key)
     chosen = [p for p in plans if not p.redundant_axes()] or plans   # none that wastes an axis while one does not
-    failed = [Alternative({}, math.inf, math.inf, False, f"mesh {m.shape}: {e}") for m, e in failures]
+    failed = [Alternative({}, math.inf, math.inf, False, f"mesh {f.mesh.shape}: {f}") for f in failures]
     failed += [Alternative({}, math.inf, math.inf, False, f"{note}: {e}") for note, e in pipe_failures]
     failed.sort(key=lambda a: a.note)
     elapsed = time.perf_counter() - t0
@@ -86,6 +87,55 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                              for p in plans if p is not best] + failed
         best.solve_time = elapsed
     return chosen[:max(1, top_k)]
+
+
+def _cap(mesh: Mesh, opts: PlanOptions) -> float:
+    """The per-device memory cap the candidates were solved under (bytes)."""
+    return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else mesh.spec().memory_bytes
+
+
+def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict,
+              retracer: Retracer | None, ks: list[int], choices: list, traces: dict):
+    """The candidates of every recompute choice at the smallest accumulation k that fits it
+    (``accumulation.memory_choices``): a choice is tried only below the k that fitted with less
+    recomputation. A failed k skips ahead to the k its memory breakdown needs (``k_needed``); a
+    failure whose state alone exceeds the cap ends the frontier (no k or recomputation helps).
+    ``traces``: k -> the step traced at B/k, shared across calls. (plans, failures, pipeline
+    failures) as in :func:`_candidates`."""
+    plans, failures, pipe_failures = [], [], []
+    below, cap = len(ks), _cap(mesh, opts)
+    for rc in choices:
+        i = 0
+        while i < below:
+            k = ks[i]
+            if k not in traces:
+                traces[k] = microbatch_traced(traced, k, retracer)
+            mb = traces[k]
+            pipelines = k == 1 and not opts.zero and (rc == "none" or opts.recompute is not None)
+            note = ", ".join(([f"ZeRO-{opts.zero}"] if opts.zero else []) + ([f"accumulation {k}"] if k > 1 else [])
+                             + ([f"recompute {rc}"] if rc != "none" else []))
+            try:
+                got, failed, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=rc),
+                                                       param_ann, input_ann, retracer, pipelines=pipelines)
+            except PlanError as err:
+                if k == 1:
+                    raise
+                failures.append(Failure(mesh, note, err))    # e.g. a microbatch the mesh cannot split
+                break
+            plans += [accumulated(p, k, traced, mb) for p in got]
+            here = [Failure(m, note, e) for m, e in failed]
+            failures += here
+            pipe_failures += pipe_failed
+            if got:
+                below = i
+                break
+            need = k_needed(here, cap, k)
+            if need is None and not pipe_failed:
+                return plans, failures, pipe_failures
+            i = max(i + 1, next((j for j, kk in enumerate(ks) if kk >= (need or 0)), len(ks)))
+        if below == 0:
+            break                   # fits at the smallest k: more recomputation only costs time
+    return plans, failures, pipe_failures
 
 
 def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,

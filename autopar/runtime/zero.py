@@ -1,0 +1,594 @@
+"""ZeRO stages 1, 2 and 3 on the data-parallel axes of a per-rank program (``plan.memory_options.zero``).
+
+A parameter's data-parallel axes are the axes its gradient is summed over (``ParamDecision.grad_sync``):
+every rank of that axis set holds the same piece of it, so the set can share the work of updating it.
+
+Layout (FSDP2's, per parameter): the working piece (what the program computes with) is flattened,
+zero-padded to a multiple of ``d`` (the size of the axis set) and cut into ``d`` equal chunks of
+``c = ceil(n / d)`` elements; rank ``i`` of the set owns chunk ``i`` as a 1-D ``nn.Parameter``, the
+*shard*, registered under the parameter's own name. ``pmodel.parameters()`` yields the shards (and
+the parameters that have no data-parallel axis), so an optimizer built on them holds 1/d of the state.
+
+One step, for the parameters of one axis set, in buckets of ``bucket_mb`` (same order on every rank):
+
+* backward leaves each rank's *local* (partial) gradient on the working parameters — no DDP;
+* after a synced backward (not inside ``no_sync``) one reduce-scatter per bucket sums the working
+  gradients over the set and leaves each rank its chunk, added to the shard's ``.grad``.
+  The input is the ``(d, C)`` matrix whose column block ``j`` is parameter ``j``'s padded gradient
+  viewed ``(d, c_j)``, so row ``i`` (rank ``i``'s output) is the concatenation of its chunks.
+  Stage 1 keeps full-size working gradient buffers (as DeepSpeed's stage 1): the sum is written
+  into this rank's chunk of it, the rest zeroed, and the shard's ``.grad`` is a view of that chunk
+  (no extra bytes; a shard reaching into the padding keeps its own gradient). Stage 2 frees the
+  working gradients (``.grad = None``): between steps a rank holds only its gradient shard;
+* the optimizer steps on the shards; a global optimizer step post-hook all-gathers the updated
+  shards (``(C,)`` → ``(d, C)``) back into the working parameters.
+
+Gradient accumulation is exact without setting anything aside: local gradients of ``no_sync``
+steps add up in the working gradients and the next synced step (or ``flush``, run by the optimizer
+step pre-hook, ``clip_grad_norm_`` and ``full_grad_dict``) reduce-scatters their sum; sums of
+earlier synced steps add up in the shards' gradients. Communication per step equals DDP's
+all-reduce (reduce-scatter + all-gather, the ZeRO paper's 2Ψ); ``cost_models/zero.py`` prices it.
+
+ZeRO-3 (``Zero3``): the program's parameters *are* the shards. A graph pass puts a ``Zero3Gather``
+module before the first use of each layer's parameters (a layer: the name up to its first numeric
+part, "blocks.0"; else the owner module), which all-gathers them in one collective; the gathered
+tensors die after their last forward use, because tensors autograd saves from them are packed as
+tokens (saved-tensor hooks) and re-gathered in backward, once per layer (kept until that layer's
+gather backward, when every use is done; the same order on every rank, so the collectives match).
+The gather's backward reduce-scatters the layer's gradients into the shards' ``.grad``. Every
+backward reduce-scatters (``no_sync`` has nothing to hold back: the sum is linear, accumulation stays
+exact). Each layer's forward gather starts the next layer's (async, waited for at its use).
+Not done yet: prefetching in backward (re-gathers run when first unpacked), and tensors
+derived from a gathered parameter by a non-view op (a cast, ``contiguous``) stay saved in full.
+ZeRO with a pipeline is refused (``check_zero_supported``).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from autopar.collectives.comm import COUNTER
+from autopar.cost_models.zero import gather_unit
+from autopar.plan import PlanError
+from autopar.runtime.program import _owner
+
+BUCKET_MB = 25.0
+
+
+def check_zero_supported(plan, pipelined: bool) -> None:
+    """Raise a PlanError for a ZeRO stage this runtime cannot run (any stage with a pipeline)."""
+    zero = plan.memory_options.zero
+    if zero and pipelined:
+        raise PlanError(f"memory_options.zero={zero} is not supported with a pipeline (pp > 1) yet; "
+                        "use zero=0 for pipelined plans")
+
+
+def axes_group(axes: tuple[str, ...], groups: dict, mesh):
+    """The process group spanning the mesh axes ``axes`` (``groups``: axis -> AxisGroup)."""
+    if len(axes) == mesh.ndim:
+        return dist.group.WORLD
+    if len(axes) == 1:
+        return groups[axes[0]].group
+    dm = mesh.device_mesh()
+    return dm[tuple(a for a in mesh.axis_names if a in axes)]._flatten().get_group()
+
+
+class _Sharded:
+    """One parameter: its working piece, this rank's shard, its element count and chunk size."""
+
+    def __init__(self, name: str, working: nn.Parameter, d: int, index: int):
+        self.name, self.working = name, working
+        self.n, self.shape = working.numel(), working.shape
+        self.c = math.ceil(self.n / d) if self.n else 0
+        lo, hi = self.lo, self.hi = index * self.c, (index + 1) * self.c
+        # a chunk inside the parameter is a view of it (no copy; the optimizer updates it in place);
+        # only a chunk reaching into the padding is a copy
+        self.aliased = hi <= self.n and working.is_contiguous()
+        if self.aliased:
+            piece = working.detach().view(-1)[lo:hi]
+        else:
+            piece = F.pad(working.detach().reshape(-1), (0, self.c * d - self.n))[lo:hi].clone()
+        self.shard = nn.Parameter(piece, requires_grad=working.requires_grad)
+
+
+class _AxisSet:
+    """The parameters sharded over one set of axes, in name order, cut into buckets."""
+
+    def __init__(self, axes: tuple[str, ...], group, label: str, params: list[tuple[str, nn.Parameter]],
+                 bucket_mb: float):
+        self.axes, self.group, self.label = axes, group, label
+        self.d = dist.get_world_size(group)
+        self.index = dist.get_rank(group)
+        self.params = [_Sharded(n, p, self.d, self.index) for n, p in params]
+        self.buckets: list[list[_Sharded]] = []
+        size = 0
+        for sp in self.params:
+            nbytes = sp.c * self.d * sp.working.element_size()
+            if not self.buckets or size + nbytes > bucket_mb * 2 ** 20 or \
+                    sp.working.dtype != self.buckets[-1][0].working.dtype:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(sp)
+            size += nbytes
+
+
+class ZeroSync:
+    """ZeRO-1/2 gradient sync and parameter update of one per-rank program (module docstring).
+
+    Duck-types ``runtime.grad_sync.Accumulation`` (``no_sync``, ``before_backward``,
+    ``after_backward``, ``flush``, ``syncing``) so ``ParallelModule.step`` drives it unchanged.
+    ``sync``: parameter name -> its data-parallel axes (mesh order); ``groups``: axis -> AxisGroup."""
+
+    def __init__(self, program: nn.Module, sync: dict[str, tuple], groups: dict, mesh, stage: int,
+                 compression: str | None = None, bucket_mb: float = BUCKET_MB):
+        if stage not in (1, 2):
+            raise PlanError(f"ZeroSync runs ZeRO stages 1 and 2, not {stage}")
+        self.stage = stage
+        self._wire = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compression)
+        named = dict(program.named_parameters())
+        by_axes: dict[tuple, list] = {}
+        for name in sorted(sync):                   # sorted: the same order on every rank
+            p, axes = named.get(name), tuple(sync[name])
+            if p is not None and axes and p.requires_grad:
+                by_axes.setdefault(axes, []).append((name, p))
+        order = sorted(by_axes, key=lambda ax: [mesh.axis_names.index(a) for a in ax])
+        self.sets = [_AxisSet(ax, axes_group(ax, groups, mesh), "+".join(ax), by_axes[ax], bucket_mb)
+                     for ax in order]
+        self.sharded = {sp.name: (s, sp) for s in self.sets for sp in s.params}
+        self._shard_ids = {id(sp.shard) for _, sp in self.sharded.values()}
+        # what pmodel.parameters() yields: shards under the parameters' names, other parameters as they are
+        self.params = nn.Module()
+        for name, p in named.items():
+            mod, leaf = _owner(self.params, name)
+            mod.register_parameter(leaf, self.sharded[name][1].shard if name in self.sharded else p)
+        self.syncing = True
+        self.local = False          # working gradients hold local parts of no_sync steps
+        _LIVE.add(self)
+
+    # ---- Accumulation's interface ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        before, self.syncing = self.syncing, False      # nests (plan-level accumulation inside the user's)
+        try:
+            yield
+        finally:
+            self.syncing = before
+
+    def before_backward(self) -> None:
+        """Gradients the user zeroed (``opt.zero_grad()``, shard ``.grad`` None) since the last
+        backward discard what the working gradients still hold of them. Stage 1: a shard's gradient
+        views its chunk of the working gradient (zeroed, kept allocated). Stage 2 inside ``no_sync``:
+        every shard got a gradient when local parts started piling up, so all of them None means
+        the user zeroed meanwhile: the local parts go too."""
+        if self.stage == 1:
+            for _, sp in self.sharded.values():
+                if sp.aliased and sp.shard.grad is None and sp.working.grad is not None:
+                    sp.working.grad.zero_()
+                    self.local = False
+        elif self.local and all(sp.shard.grad is None for _, sp in self.sharded.values()):
+            for _, sp in self.sharded.values():
+                sp.working.grad = None
+            self.local = False
+
+    def after_backward(self) -> None:
+        if self.syncing:
+            self.reduce_scatter()
+        else:
+            self.local = True
+            self._view_chunks()
+            if self.stage == 2:
+                for _, sp in self.sharded.values():
+                    if sp.shard.grad is None:
+                        sp.shard.grad = torch.zeros_like(sp.shard)
+
+    def _view_chunks(self) -> None:
+        """Stage 1: each aliased shard's gradient is its chunk of the working gradient."""
+        if self.stage != 1:
+            return
+        for _, sp in self.sharded.values():
+            if sp.aliased and sp.working.grad is not None:
+                sp.shard.grad = sp.working.grad.view(-1)[sp.lo:sp.hi]
+
+    def flush(self) -> None:
+        if self.local:
+            self.reduce_scatter()
+
+    def owns_any(self, tensors) -> bool:
+        return any(id(t) in self._shard_ids for t in tensors)
+
+    # ---- collectives ------------------------------------------------------------------------------
+    def reduce_scatter(self) -> None:
+        """Sum the working gradients over each axis set; each rank adds its chunk to its shard's grad."""
+        for s in self.sets:
+            for bucket in s.buckets:
+                self._reduce_scatter_bucket(s, bucket)
+        self.local = False
+
+    def _reduce_scatter_bucket(self, s: _AxisSet, bucket: list[_Sharded]) -> None:
+        cols = []
+        for sp in bucket:
+            g = sp.working.grad
+            flat = g.detach().reshape(-1) if g is not None else sp.working.new_zeros(sp.n)
+            cols.append(F.pad(flat, (0, sp.c * s.d - sp.n)).view(s.d, sp.c))
+        inp = torch.cat(cols, dim=1).reshape(-1)
+        dtype = inp.dtype
+        if self._wire is not None:
+            inp = inp.to(self._wire)
+        out = inp.new_empty(inp.numel() // s.d)
+        COUNTER.record("reduce_scatter", inp, s.label, "bwd")
+        dist.reduce_scatter_single(out, inp, group=s.group)
+        out = out.to(dtype)
+        for sp, piece in zip(bucket, out.split([sp.c for sp in bucket])):
+            sh = sp.shard
+            if self.stage == 1 and sp.aliased:
+                # the working gradient keeps the sum in this rank's chunk (which the next
+                # reduce-scatter adds in again: accumulation) and zeros elsewhere
+                wg = sp.working.grad
+                if wg is None:
+                    wg = sp.working.grad = torch.zeros_like(sp.working)
+                wg.zero_()
+                sh.grad = wg.view(-1)[sp.lo:sp.hi]
+                sh.grad.copy_(piece)
+                continue
+            sh.grad = piece if sh.grad is None else sh.grad.add_(piece)
+            if self.stage >= 2:
+                sp.working.grad = None
+            elif sp.working.grad is not None:
+                sp.working.grad.zero_()
+
+    @torch.no_grad()
+    def all_gather(self) -> None:
+        """Copy every rank's updated shard back into the working parameters."""
+        for s in self.sets:
+            for bucket in s.buckets:
+                inp = torch.cat([sp.shard.detach().reshape(-1) for sp in bucket])
+                out = inp.new_empty(inp.numel() * s.d)
+                COUNTER.record("all_gather", inp, s.label, "step", parts=s.d)
+                dist.all_gather_single(out, inp, group=s.group)
+                for sp, cols in zip(bucket, out.view(s.d, -1).split([sp.c for sp in bucket], dim=1)):
+                    sp.working.copy_(cols.reshape(-1)[:sp.n].view_as(sp.working))
+
+    @torch.no_grad()
+    def refresh_shards(self) -> None:
+        """Re-cut the shards from the working parameters (after loading a state dict)."""
+        for s in self.sets:
+            for sp in s.params:
+                if sp.aliased:
+                    continue
+                flat = F.pad(sp.working.reshape(-1), (0, sp.c * s.d - sp.n))
+                sp.shard.copy_(flat[s.index * sp.c:(s.index + 1) * sp.c])
+
+    # ---- gradients as ParallelModule reads them -------------------------------------------------
+    def handles(self, name: str) -> bool:
+        return name in self.sharded
+
+    def working(self, name: str) -> torch.Tensor:
+        return self.sharded[name][1].working
+
+    @torch.no_grad()
+    def load_piece(self, name: str, piece: torch.Tensor) -> None:
+        self.sharded[name][1].working.copy_(piece)
+
+    def grad_pieces(self, program: nn.Module, replicas) -> list[tuple[torch.Tensor, float]]:
+        """(gradient, how many ranks hold that same piece) for every gradient this rank holds:
+        a shard's piece is held by ``replicas(name) / d`` ranks."""
+        out = []
+        for name, p in program.named_parameters():
+            if name in self.sharded:
+                s, sp = self.sharded[name]
+                if sp.shard.grad is not None:
+                    out.append((sp.shard.grad, replicas(name) / s.d))
+            elif p.grad is not None:
+                out.append((p.grad, replicas(name)))
+        return out
+
+    def local_grad(self, name: str) -> torch.Tensor:
+        """This rank's working-shape gradient of ``name`` (all-gathered over its axis set; zeros where none)."""
+        s, sp = self.sharded[name]
+        g = sp.shard.grad if sp.shard.grad is not None else torch.zeros_like(sp.shard)
+        out = g.new_empty(sp.c * s.d)
+        dist.all_gather_single(out, g.detach().contiguous(), group=s.group)
+        return out[:sp.n].view(sp.shape).clone()
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now: parameters (working + shards), gradients (working + shards)."""
+        params = grads = 0
+        seen = set()
+        aliased = {id(sp.shard) for _, sp in self.sharded.values() if sp.aliased}
+        grad_views = aliased if self.stage == 1 else set()    # stage 1: chunks of the working gradients
+        for t in [*(sp.working for _, sp in self.sharded.values()), *self.params.parameters()]:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if id(t) not in aliased:        # a shard that views its working parameter adds no bytes
+                params += t.numel() * t.element_size()
+            if t.grad is not None and id(t) not in grad_views:
+                grads += t.grad.numel() * t.grad.element_size()
+        return {"params": params, "grads": grads}
+
+
+_LIVE: "weakref.WeakSet[ZeroSync]" = weakref.WeakSet()
+
+
+def _params_of(optimizer):
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _flush_before_step(optimizer, args, kwargs) -> None:
+    for z in list(_LIVE):
+        if z.local and z.owns_any(_params_of(optimizer)):
+            z.flush()
+
+
+def _gather_after_step(optimizer, args, kwargs) -> None:
+    for z in list(_LIVE):
+        if z.owns_any(_params_of(optimizer)):
+            z.all_gather()
+
+
+register_optimizer_step_pre_hook(_flush_before_step)
+register_optimizer_step_post_hook(_gather_after_step)
+
+
+# ---- ZeRO-3 ---------------------------------------------------------------------------------------
+
+class Zero3Gather(nn.Module):
+    """One layer's parameters over one axis set: ``forward(*shards)`` all-gathers them (one
+    collective) into their working shapes; their gradients are reduce-scattered back to the shards
+    in backward. Tensors autograd saves from the gathered parameters are packed as tokens
+    (``Zero3.pack``) and re-gathered in backward, once per layer: the gathered copy is kept from the
+    first unpack to this gather's backward (when every use's backward has run), then dropped."""
+
+    def __init__(self, names: list[str], label: str):
+        super().__init__()
+        self.names, self.label = list(names), label
+        self.group = None
+        self.d = 1
+        self.items: list[_Sharded] = []      # filled by Zero3.bind
+        self.live: dict[int, int] = {}       # id(gathered tensor) -> index, this forward
+        self.cache: list[torch.Tensor] | None = None
+        self.pending = None                  # (work, output, input) of a prefetched forward gather
+        object.__setattr__(self, "next", None)      # the layer gathered after this one (prefetch)
+        object.__setattr__(self, "first", None)     # on the first layer: all layers (reset per forward)
+
+    def _start(self, shards, phase: str, async_op: bool):
+        inp = torch.cat([s.detach().reshape(-1) for s in shards])
+        out = inp.new_empty(inp.numel() * self.d)
+        COUNTER.record("all_gather", inp, self.label, phase, parts=self.d)
+        work = dist.all_gather_single(out, inp, group=self.group, async_op=async_op)
+        return work, out, inp
+
+    def gather(self, shards, phase: str) -> list[torch.Tensor]:
+        if phase == "fwd" and self.pending is not None:     # prefetched while the layer before ran
+            work, out, _ = self.pending
+            self.pending = None
+            work.wait()
+        else:
+            _, out, _ = self._start(shards, phase, async_op=False)
+        cols = out.view(self.d, -1).split([sp.c for sp in self.items], dim=1)
+        return [c.reshape(-1)[:sp.n].view(sp.shape).clone() for c, sp in zip(cols, self.items)]
+
+    def prefetch(self, dtype) -> None:
+        """Start this layer's forward all-gather now (the shards in the compute dtype, as the
+        program's cast makes them); its forward waits for it."""
+        self.pending = self._start([sp.shard.to(dtype) for sp in self.items], "fwd", async_op=True)
+
+    def forward(self, *shards):
+        self.dtype = shards[0].dtype            # the compute dtype (bf16 copies under mixed precision)
+        if self.first is not None:              # a new forward: settle what an aborted one left
+            for m in self.first:
+                if m.pending is not None:
+                    m.pending[0].wait()
+                    m.pending = None
+        outs = _Zero3GatherFn.apply(self, *shards)
+        if self.next is not None:
+            self.next.prefetch(self.dtype)
+        self.live = {id(t): (i, weakref.ref(t)) for i, t in enumerate(outs)}
+        return outs
+
+
+class _Zero3GatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mod: Zero3Gather, *shards):
+        ctx.mod = mod
+        ctx.shard_meta = [(s.shape, s.dtype) for s in shards]
+        return tuple(mod.gather(shards, "fwd"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        mod = ctx.mod
+        mod.cache = None                            # every use of this layer's parameters is done
+        cols = []
+        for g, sp, (shape, dtype) in zip(grads, mod.items, ctx.shard_meta):
+            flat = g.reshape(-1) if g is not None else torch.zeros(sp.n, dtype=dtype)
+            cols.append(F.pad(flat, (0, sp.c * mod.d - sp.n)).view(mod.d, sp.c))
+        inp = torch.cat(cols, dim=1).reshape(-1)
+        out = inp.new_empty(inp.numel() // mod.d)
+        COUNTER.record("reduce_scatter", inp, mod.label, "bwd")
+        dist.reduce_scatter_single(out, inp, group=mod.group)
+        return (None, *out.split([sp.c for sp in mod.items]))
+
+
+class Zero3:
+    """ZeRO-3 of one per-rank program: ``insert`` puts a ``Zero3Gather`` before each layer's first
+    use of its parameters in the graph (the parameters' placeholders then receive this rank's
+    shards), ``shard`` replaces the working pieces by the shards before the program is built, and
+    ``saving`` packs saved gathered tensors as tokens. No ``no_sync`` saving: each backward
+    reduce-scatters (sums are linear, so accumulation stays exact)."""
+
+    stage = 3
+
+    def __init__(self, sync: dict[str, tuple], groups: dict, mesh):
+        self._groups, self._mesh = groups, mesh
+        self.sync = {n: tuple(a) for n, a in sync.items() if a}
+        self.mods: list[Zero3Gather] = []
+        self.syncing, self.local = True, False
+        self.sets: list = []
+        self.sharded: dict = {}
+        self._outer = None          # the saved-tensor hooks around the step (``saving``)
+
+    def insert(self, gm, name_of_placeholder: dict[str, str]) -> None:
+        import operator
+
+        nodes = list(gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        units: dict[tuple, list] = {}
+        for node in nodes:
+            name = name_of_placeholder.get(node.name) if node.op == "placeholder" else None
+            if name in self.sync and node.users:
+                units.setdefault((self.sync[name], gather_unit(name)), []).append(node)
+        order = sorted(units, key=lambda k: min(pos[u] for ph in units[k] for u in ph.users))
+        for k, key in enumerate(order):
+            phs = sorted(units[key], key=lambda ph: name_of_placeholder[ph.name])
+            first = min((u for ph in phs for u in ph.users), key=pos.get)
+            axes = key[0]
+            mod = Zero3Gather([name_of_placeholder[ph.name] for ph in phs], "+".join(axes))
+            mod.group = axes_group(axes, self._groups, self._mesh)
+            mod.d = dist.get_world_size(mod.group)
+            target = f"zero3_gather_{k}"
+            gm.add_submodule(target, mod)
+            with gm.graph.inserting_before(first):
+                call = gm.graph.call_module(target, tuple(phs))
+                for i, ph in enumerate(phs):
+                    item = gm.graph.call_function(operator.getitem, (call, i))
+                    ph.replace_all_uses_with(item, delete_user_cb=lambda u: u is not call)
+            self.mods.append(mod)
+        for a, b in zip(self.mods, self.mods[1:]):
+            object.__setattr__(a, "next", b)
+        if self.mods:
+            object.__setattr__(self.mods[0], "first", list(self.mods))
+        gm.recompile()
+
+    def shard(self, params: dict[str, torch.Tensor]) -> None:
+        """Replace the working pieces in ``params`` (name -> tensor) by this rank's shards."""
+        for mod in self.mods:
+            index = dist.get_rank(mod.group)
+            for name in mod.names:
+                sp = _Sharded(name, nn.Parameter(params[name], requires_grad=params[name].requires_grad),
+                              mod.d, index)
+                sp.shape = params[name].shape
+                if sp.aliased:
+                    sp.shard = nn.Parameter(sp.shard.detach().clone(), requires_grad=sp.shard.requires_grad)
+                sp.aliased = False
+                params[name] = sp.shard.detach().requires_grad_(sp.shard.requires_grad)
+                mod.items.append(sp)
+
+    def bind(self, program: nn.Module) -> None:
+        """After the program registered the shards: point the records at its parameters."""
+        self.params = program
+        for mod in self.mods:
+            s = _SetView(mod)
+            for sp in mod.items:
+                sp.shard = program.local_tensor(sp.name)
+                sp.working = None
+                self.sharded[sp.name] = (s, sp)
+        self._ids = {id(sp.shard) for _, sp in self.sharded.values()}
+
+    # ---- saved tensors: tokens instead of gathered parameters -------------------------------------
+    def saving(self):
+        """Saved-tensor hooks that keep gathered weights as tokens; other tensors go through the
+        hooks active around the step (a user's offloading, a memory meter) as if these were absent."""
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t):
+        base = t._base if t._base is not None else t
+        for mod in self.mods:
+            hit = mod.live.get(id(base))
+            if hit is not None and hit[1]() is base:
+                i = hit[0]
+                return ("zero3", mod, i, t.size(), t.stride(), t.storage_offset() - base.storage_offset())
+        return t if self._outer is None else ("outer", self._outer[1], self._outer[0](t))
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, tuple) and len(packed) == 3 and packed[0] == "outer":
+            return packed[1](packed[2])
+        if not (isinstance(packed, tuple) and len(packed) == 6 and packed[0] == "zero3"):
+            return packed
+        _, mod, i, size, stride, offset = packed
+        if mod.cache is None:
+            mod.cache = mod.gather([sp.shard.to(mod.dtype) for sp in mod.items], "bwd")
+        full = mod.cache[i]
+        return full.as_strided(size, stride, full.storage_offset() + offset)
+
+    # ---- Accumulation's interface (nothing is held back) --------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+
+    def before_backward(self) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        for mod in self.mods:
+            mod.live = {}
+
+    def flush(self) -> None:
+        pass
+
+    def owns_any(self, tensors) -> bool:
+        return False
+
+    def handles(self, name: str) -> bool:
+        return name in self.sharded
+
+    grad_pieces = ZeroSync.grad_pieces
+    local_grad = ZeroSync.local_grad
+
+    def working(self, name: str) -> torch.Tensor:
+        """This rank's working-shape piece of ``name`` (all-gathered over its axis set)."""
+        s, sp = self.sharded[name]
+        out = sp.shard.new_empty(sp.c * s.d)
+        dist.all_gather_single(out, sp.shard.detach().contiguous(), group=s.group)
+        return out[:sp.n].view(sp.shape).clone()
+
+    @torch.no_grad()
+    def load_piece(self, name: str, piece: torch.Tensor) -> None:
+        s, sp = self.sharded[name]
+        flat = F.pad(piece.reshape(-1).to(sp.shard.dtype), (0, sp.c * s.d - sp.n))
+        sp.shard.copy_(flat[s.index * sp.c:(s.index + 1) * sp.c])
+
+    def refresh_shards(self) -> None:
+        pass
+
+    def held_bytes(self) -> dict[str, int]:
+        params = grads = 0
+        for p in self.params.parameters():
+            params += p.numel() * p.element_size()
+            if p.grad is not None:
+                grads += p.grad.numel() * p.grad.element_size()
+        return {"params": params, "grads": grads}
+
+
+class _SetView:
+    """What ZeroSync's gradient readers need of an axis set: its group, size and this rank's index."""
+
+    def __init__(self, mod: Zero3Gather):
+        self.group, self.d = mod.group, mod.d
+        self.index = dist.get_rank(mod.group)
+
+
+class Zero3Runner(nn.Module):
+    """What ``ParallelModule.step`` calls under ZeRO-3: the program, with saved gathered parameters
+    packed as tokens (``Zero3.saving``)."""
+
+    def __init__(self, program: nn.Module, zero3: Zero3):
+        super().__init__()
+        self.program = program
+        object.__setattr__(self, "_z3", zero3)
+
+    def forward(self, *inputs, **kwargs):
+        with self._z3.saving():
+            return self.program(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield

@@ -1,0 +1,110 @@
+"""What the user reads when no candidate fits the per-device memory cap.
+
+Every failed candidate (a mesh factorisation under one set of memory options) keeps the error
+of its intra-op solve; where the solver found its smallest assignment, the error carries that
+assignment's per-device bytes by kind (``mesh_solve.memory_parts``). The message names the
+candidate with the least memory, its breakdown, and an estimate of the device count that fits:
+
+    N' = N · 2^j,  the least j with  S / 2^j + F <= cap,
+
+where S is what more devices divide (parameters, gradients and optimizer state under ZeRO-3 or
+tensor parallelism, gathered weights under tensor parallelism, activations under data
+parallelism) and F what they do not (the backward transients of the largest op). ``j`` is capped
+where the batch runs out of rows. It is an estimate: the message says so.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.plan import PlanError
+
+GIB = 2**30
+DIVIDED = ("parameters", "gradients", "optimizer state", "activations", "gathered parameters")
+
+
+@dataclass
+class Failure:
+    """A candidate that did not fit: its mesh, its memory options ("" for none), the solver's error."""
+
+    mesh: object
+    note: str
+    error: Exception
+
+    def __str__(self) -> str:
+        return f"{self.note}: {self.error}" if self.note else str(self.error)
+
+    @property
+    def breakdown(self) -> dict | None:
+        return getattr(self.error, "breakdown", None)
+
+
+STATE = ("parameters", "gradients", "optimizer state", "gathered parameters")
+
+
+def k_needed(failures: list[Failure], cap: float, k: int) -> float | None:
+    """The accumulation the failed candidates of one microbatch count ``k`` need, from the one
+    that needs least: state S (training state, gathered weights) does not shrink with k,
+    activations and transients A do (linearly in the microbatch rows), so it fits from
+    k' = k · A / (cap − S). None when S >= cap for every candidate (no k helps); 0 when no
+    failure carries a breakdown (nothing known: try the next k)."""
+    best = None
+    sized = [f.breakdown for f in failures if f.breakdown]
+    if not sized:
+        return 0
+    for parts in sized:
+        state = sum(parts.get(key, 0.0) for key in STATE)
+        if state >= cap:
+            continue
+        acts = sum(v for key, v in parts.items() if key not in STATE)
+        need = k * acts / (cap - state)
+        best = need if best is None else min(best, need)
+    return best
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def nothing_fits(mesh, failures: list[Failure], cap: float, batch: int) -> PlanError:
+    """The PlanError for a search in which no candidate fits ``cap`` bytes per device."""
+    sized = [f for f in failures if f.breakdown]
+    if not sized:
+        return PlanError(f"no plan fits memory on {mesh}: {failures[0]}")
+    best = min(sized, key=lambda f: sum(f.breakdown.values()))
+    parts = best.breakdown
+    total = sum(parts.values())
+    shown = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
+    options = best.note or "no memory options"
+    msg = (f"no plan fits memory on {mesh}: the smallest candidate (mesh {best.mesh.shape}, {options}) needs "
+           f"{_size(total)} per device ({shown}) but the cap is {_size(cap)}. ")
+    return PlanError(msg + _more_devices(mesh.size, sized, cap, batch))
+
+
+def _more_devices(n: int, sized: list[Failure], cap: float, batch: int) -> str:
+    """N' = n · 2^j, the least j with  S · n / N' + a <= cap:  S the least state (STATE) of any
+    candidate, ``a`` the least activations + transients of one row per device (a candidate's,
+    scaled from its microbatch of B / (k · n) rows, as if every device split the batch)."""
+    state = min(sum(f.breakdown.get(key, 0.0) for key in STATE) for f in sized)
+    row = min(sum(v for key, v in f.breakdown.items() if key not in STATE) * _k(f.note) * n / batch for f in sized)
+    if row >= cap:
+        return (f"One row of the batch per device already needs {_size(row)} of activations: split the layers "
+                "with tensor or pipeline parallelism, recompute activations, or use devices with more memory.")
+    j = max(0, math.ceil(math.log2(state * n / (n * (cap - row))))) if state else 0
+    devices = n * 2**j
+    if devices > max(n, batch):
+        return (f"Splitting over more devices runs out of batch rows ({batch}) before it fits: add tensor or "
+                "pipeline parallelism, a larger batch, or devices with more memory.")
+    return (f"About {devices} devices would fit (estimate: the training state split {devices} ways by ZeRO-3 or "
+            f"tensor parallelism, a microbatch of one row per device); or use devices with more memory.")
+
+
+def _k(note: str) -> int:
+    """The accumulation a failure's note names (1 if none)."""
+    for part in note.split(", "):
+        if part.startswith("accumulation "):
+            return int(part.split()[1])
+    return 1
