@@ -50,7 +50,7 @@ def _model(cfg):
                dropout=cfg["dropout"])
 
 
-class _Checkpointed(torch.nn.Module):
+class Checkpointed(torch.nn.Module):
     """A block whose forward runs under torch.utils.checkpoint (the native, by-hand equivalent)."""
 
     def __init__(self, block):
@@ -61,7 +61,8 @@ class _Checkpointed(torch.nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def _saved_bytes(step, params) -> int:
+def saved_bytes(step, params) -> int:
+    """Bytes autograd keeps for backward during ``step()``, each storage once, ``params`` out."""
     keys = {StorageWeakRef(p.untyped_storage()) for p in params}
     seen: dict = {}
 
@@ -113,7 +114,7 @@ def main():
     for ckpt, name in ((True, "eager-ckpt"), (False, "eager-none")):
         model = _model(cfg)
         if ckpt:
-            model.blocks = torch.nn.ModuleList(_Checkpointed(b) for b in model.blocks)
+            model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
 
         def eager_step(model=model):
             loss = lm_loss(model(x), y)
@@ -123,7 +124,7 @@ def main():
 
     print(header("activation recomputation: autopar recompute vs torch.utils.checkpoint by hand"))
     print(f"# GPT {cfg}, Mesh(1), 1 thread, {reps} interleaved shuffled rounds")
-    saved = {n: _saved_bytes(steps[n], params[n]) for n in steps}
+    saved = {n: saved_bytes(steps[n], params[n]) for n in steps}
     times = interleaved(steps, reps, warmup=2, shuffle=True)
     for a, b in (("autopar-full", "eager-ckpt"), ("autopar-none", "eager-none"), ("autopar-full", "autopar-none"),
                  ("eager-ckpt", "eager-none"), ("autopar-sel", "autopar-none")):

@@ -55,7 +55,7 @@ def gpt_6_7b(batch: int = 512, seq: int = 1024):
     return gpt(4096, 32, 32, seq, batch)
 
 
-def llama_7b(batch: int = 64, seq: int = 2048):
+def llama_7b(batch: int = 256, seq: int = 4096):
     """Llama-2 7B shape: hidden 4096, 32 layers, 32 heads, SwiGLU 11008, vocab 32000."""
     with torch.device("meta"):
         model = Llama(vocab=32000, hidden=4096, heads=32, layers=32, seq=seq, ffn=11008)

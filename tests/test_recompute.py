@@ -10,7 +10,6 @@ import functools
 import pytest
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from torch.multiprocessing.reductions import StorageWeakRef
 
 import autopar
 from autopar.cost_models.compute import node_cost
@@ -20,6 +19,7 @@ from autopar.cost_models.recompute import layer_options, recompute_cost
 from autopar.graph.recompute_regions import choices_for, find_regions
 from autopar.plan import MemoryOptions, PlanError
 from autopar.trace import trace
+from bench.recompute import saved_bytes
 from analytic_gpt import GPT as HandGPT
 from conftest import run_ranks
 from examples.models import GPT, lm_loss
@@ -101,18 +101,7 @@ def test_selective_on_sdpa_drops_its_logsumexp():
 
 def _measured_saved(pmodel, *args, **kw) -> int:
     """Bytes autograd keeps for backward during one step, each storage once, parameters out."""
-    params = {StorageWeakRef(p.untyped_storage()) for p in pmodel.parameters()}
-    seen: dict = {}
-
-    def pack(t):
-        key = StorageWeakRef(t.untyped_storage())
-        if key not in params:
-            seen.setdefault(key, t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        pmodel.step(*args, **kw)
-    return sum(seen.values())
+    return saved_bytes(lambda: pmodel.step(*args, **kw), pmodel.parameters())
 
 
 @pytest.mark.parametrize("name", ["gpt_dropout", "hand_attention"])

@@ -93,7 +93,7 @@ def _more_devices(n: int, sized: list[Failure], cap: float, batch: int) -> str:
     if row >= cap:
         return (f"One row of the batch per device already needs {_size(row)} of activations: split the layers "
                 "with tensor or pipeline parallelism, recompute activations, or use devices with more memory.")
-    j = max(0, math.ceil(math.log2(state * n / (n * (cap - row))))) if state else 0
+    j = max(1, math.ceil(math.log2(state / (cap - row)))) if state else 1    # n itself did not fit
     devices = n * 2**j
     if devices > max(n, batch):
         return (f"Splitting over more devices runs out of batch rows ({batch}) before it fits: add tensor or "

@@ -1,0 +1,185 @@
+"""Benchmark (issue 13): a model that does not fit, planned by AUTO, against torch's expert recipe.
+
+A GPT (examples.models) on N gloo CPU ranks whose per-device cap (``Mesh(memory_gb=cap)``) is
+the replicated training state (parameters, gradients, AdamW moments: 16 B/param) divided by
+``--state-over-cap`` (or ``--cap-fraction`` of what DDP needs per rank, state plus activations):
+DDP does not fit. At 4 ranks the state alone is 4x the cap when split four ways, so ~2.7x is about
+the most any 4-rank plan (torch's included) fits. Contenders, in ONE spawned process group,
+interleaved with a shuffled order per round, one training step each (forward, backward, AdamW,
+zero_grad):
+
+  autopar-auto    autopar.parallelize(mode="auto") under the cap: AUTO picks layout and memory
+                  options (ZeRO stage, recomputation, accumulation) itself, as shipped (its best
+                  predicted plans timed on the ranks; ``--no-autotune``: the predicted best alone)
+  fsdp2-ckpt      torch's recipe for the same job (torchtitan's): every block wrapped in
+                  torch.utils.checkpoint (non-reentrant), fully_shard on every block and the root
+                  (reshard_after_forward=True: ZeRO-3)
+  ddp             DistributedDataParallel: the baseline step time (over the cap)
+
+Memory per rank, counted exactly in one measured step (``memory_measure.SavedTensorMeter``):
+parameters, gradients and optimizer state this rank holds after backward, and the peak of the
+storages autograd saves (FSDP2's gathered weights saved for backward count there).
+
+    .venv/bin/python bench/memory_fit.py [--nprocs 4] [--reps 8] [--state-over-cap 2.7 | --cap-fraction 0.3]
+                                         [--quick] [--no-autotune]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Ratio, header, interleaved  # noqa: E402
+from memory_measure import SavedTensorMeter, _key, unique_bytes  # noqa: E402
+from recompute import Checkpointed  # noqa: E402  (torch.utils.checkpoint around one block)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+CFG = {"vocab": 1024, "hidden": 256, "heads": 8, "layers": 4, "seq": 128, "batch": 16}
+QUICK_CFG = {"vocab": 512, "hidden": 128, "heads": 4, "layers": 2, "seq": 64, "batch": 8}
+
+
+def _model(cfg):
+    from examples.models import GPT
+
+    torch.manual_seed(0)
+    return GPT(vocab=cfg["vocab"], hidden=cfg["hidden"], heads=cfg["heads"], layers=cfg["layers"], seq=cfg["seq"])
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _held(params: list, opt, meter: SavedTensorMeter) -> dict:
+    state = [_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params": unique_bytes(_local(p) for p in params),
+            "grads": unique_bytes(_local(p.grad) for p in params if p.grad is not None),
+            "optimizer": unique_bytes(state), "activations": meter.peak}
+
+
+def ddp_need(cfg, world: int) -> float:
+    """Bytes per rank a DDP plan of the job needs (autopar's prediction, no cap)."""
+    import autopar
+    from examples.models import lm_loss
+
+    x = torch.zeros(cfg["batch"], cfg["seq"], dtype=torch.long)
+    plan = autopar.plan(_model(cfg), autopar.Mesh(world), example_inputs=(x,), loss_fn=lm_loss, example_target=x,
+                        mode="data")
+    return max(plan.memory_per_device)
+
+
+def rank_run(rank: int, cfg: dict, reps: int, warmup: int, cap_gb: float, autotune: bool = True) -> dict:
+    import autopar
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from examples.models import lm_loss
+
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+    y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+    per = cfg["batch"] // world
+    xl, yl = x[rank * per:(rank + 1) * per].contiguous(), y[rank * per:(rank + 1) * per].contiguous()
+    fns, measure = {}, {}
+
+    def torch_step(module, opt):
+        def step(meter=None):
+            params = list(module.parameters())
+            meter = meter or SavedTensorMeter()
+            meter.exclude |= {_key(_local(p))[0] for p in params}
+            with meter.hooks():
+                loss = lm_loss(module(xl), yl)
+                loss.backward()
+            held = _held(params, opt, meter)
+            opt.step()
+            opt.zero_grad()
+            return held
+        return step
+
+    ddp = DDP(_model(cfg))
+    fns["ddp"] = torch_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3))
+
+    m = _model(cfg)
+    m.blocks = nn.ModuleList(Checkpointed(b) for b in m.blocks)
+    mesh = init_device_mesh("cpu", (world,))
+    for blk in m.blocks:
+        fully_shard(blk, mesh=mesh, reshard_after_forward=True)
+    fully_shard(m, mesh=mesh, reshard_after_forward=True)
+    fns["fsdp2-ckpt"] = torch_step(m, torch.optim.AdamW(m.parameters(), lr=1e-3))
+
+    if not autotune:
+        autopar.set_auto_parallel_context(autotune_top_k=1)  # the predicted best alone, not AUTO's measured pick
+    pm = autopar.parallelize(_model(cfg), autopar.Mesh(world, memory_gb=cap_gb), example_inputs=(x,),
+                             loss_fn=lm_loss, example_target=y, mode="auto")
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+
+    def auto_step(meter=None):
+        params = list(pm.parameters())
+        meter = meter or SavedTensorMeter()
+        meter.exclude |= {_key(p)[0] for p in params}
+        with meter.hooks():
+            pm.step(x, target=y)
+        held = _held(params, opt, meter)
+        opt.step()
+        opt.zero_grad()
+        return held
+    fns["autopar-auto"] = auto_step
+
+    times = interleaved({k: (lambda f=f: f()) for k, f in fns.items()}, reps=reps, warmup=warmup, shuffle=True)
+    held = {k: f() for k, f in fns.items()}
+    peak = {k: torch.tensor([float(sum(v.values()))]) for k, v in held.items()}
+    for t in peak.values():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {"times": times, "held": held, "peak": {k: float(t) for k, t in peak.items()},
+            "plan": pm.plan.memory_options.summary(), "degrees": pm.plan.degrees,
+            "predicted": max(pm.plan.memory_per_device), "breakdown": pm.plan.memory_breakdown}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nprocs", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--cap-fraction", type=float, default=None)
+    ap.add_argument("--state-over-cap", type=float, default=2.7)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-autotune", action="store_true", help="AUTO's predicted best alone (autotune_top_k=1)")
+    args = ap.parse_args()
+    from autopar.runtime.launch import RankPool
+
+    cfg = QUICK_CFG if args.quick else CFG
+    need = ddp_need(cfg, args.nprocs)
+    state = 16 * sum(p.numel() for p in _model(cfg).parameters())
+    cap = args.cap_fraction * need if args.cap_fraction else state / args.state_over_cap
+    pool = RankPool(args.nprocs, timeout_s=900)
+    try:
+        res = pool.run(rank_run, cfg, args.reps, args.warmup, cap / 2**30, not args.no_autotune, timeout_s=1800)[0]
+    finally:
+        pool.close()
+    print(header(f"Fitting under a cap: GPT {cfg} on {args.nprocs} gloo CPU ranks, cap {cap / 2**20:.1f} MiB: the "
+                 f"replicated training state {state / 2**20:.1f} MiB is {state / cap:.2f}x the cap, DDP's predicted need "
+                 f"{need / 2**20:.1f} MiB per rank; {args.reps} rounds"))
+    print(f"AUTO chose ({'autotuned' if not args.no_autotune else 'predicted best'}): {res['degrees']}, {res['plan']}; predicted peak {res['predicted'] / 2**20:.1f} MiB "
+          f"({ {k: round(v / 2**20, 2) for k, v in res['breakdown'].items()} } MiB)")
+    t = res["times"]
+    print(Ratio("autopar-auto", "fsdp2-ckpt", t["autopar-auto"], t["fsdp2-ckpt"]).line())
+    print(Ratio("autopar-auto", "ddp", t["autopar-auto"], t["ddp"]).line())
+    print(Ratio("fsdp2-ckpt", "ddp", t["fsdp2-ckpt"], t["ddp"]).line())
+    print()
+    print(f"{'contender':14s} {'step ms':>8s} {'params':>8s} {'grads':>8s} {'optim':>8s} {'saved':>8s} "
+          f"{'rank 0 MiB':>10s} {'max rank':>9s} {'fits cap':>8s}")
+    for name in t:
+        h = {k: v / 2**20 for k, v in res["held"][name].items()}
+        med = Ratio(name, name, t[name], t[name]).median_a
+        peak = res["peak"][name]
+        print(f"{name:14s} {med * 1e3:8.1f} {h['params']:8.2f} {h['grads']:8.2f} {h['optimizer']:8.2f} "
+              f"{h['activations']:8.2f} {sum(h.values()):10.2f} {peak / 2**20:9.2f} {'yes' if peak <= cap else 'no':>8s}")
+
+
+if __name__ == "__main__":
+    main()
