@@ -33,20 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Ratio, header, interleaved  # noqa: E402
 from memory_measure import SavedTensorMeter, _key, unique_bytes  # noqa: E402
 from recompute import Checkpointed  # noqa: E402  (torch.utils.checkpoint around one block)
+from zero import CFG, _model, rank_batch  # noqa: E402  (the GPT of bench/zero.py, the same job as RESULTS §7)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-CFG = {"vocab": 1024, "hidden": 256, "heads": 8, "layers": 4, "seq": 128, "batch": 16}
 QUICK_CFG = {"vocab": 512, "hidden": 128, "heads": 4, "layers": 2, "seq": 64, "batch": 8}
-
-
-def _model(cfg):
-    from examples.models import GPT
-
-    torch.manual_seed(0)
-    return GPT(vocab=cfg["vocab"], hidden=cfg["hidden"], heads=cfg["heads"], layers=cfg["layers"], seq=cfg["seq"])
 
 
 def _local(t):
@@ -80,11 +73,7 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int, cap_gb: float, autotu
     from examples.models import lm_loss
 
     world = dist.get_world_size()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
-    y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
-    per = cfg["batch"] // world
-    xl, yl = x[rank * per:(rank + 1) * per].contiguous(), y[rank * per:(rank + 1) * per].contiguous()
+    x, y, xl, yl = rank_batch(cfg, rank, world)
     fns, measure = {}, {}
 
     def torch_step(module, opt):

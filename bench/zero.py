@@ -41,6 +41,15 @@ def _model(cfg):
     return GPT(vocab=cfg["vocab"], hidden=cfg["hidden"], heads=cfg["heads"], layers=cfg["layers"], seq=cfg["seq"])
 
 
+def rank_batch(cfg, rank: int, world: int):
+    """(global tokens, targets, this rank's rows of each): the batch every contender trains on."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+    y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+    per = cfg["batch"] // world
+    return x, y, x[rank * per:(rank + 1) * per].contiguous(), y[rank * per:(rank + 1) * per].contiguous()
+
+
 def _nbytes(t) -> int:
     if t is None:
         return 0
@@ -66,11 +75,7 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int) -> dict:
     from examples.models import lm_loss
 
     world = dist.get_world_size()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
-    y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
-    per = cfg["batch"] // world
-    xl, yl = x[rank * per:(rank + 1) * per].contiguous(), y[rank * per:(rank + 1) * per].contiguous()
+    x, y, xl, yl = rank_batch(cfg, rank, world)
     fns, memory, losses = {}, {}, {}
 
     def add(name, step, memory_fn):
