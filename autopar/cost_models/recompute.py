@@ -4,7 +4,7 @@ The regions are those of :mod:`autopar.graph.recompute_regions` (the lowering,
 ``passes/recompute.py``, checkpoints exactly these nodes). Notation, for a graph and its regions
 ``R_1..R_k``:
 
-* ``S(n)``: the storages node ``n`` saves for backward (``memory.SAVE_RULES``: graph values, each
+* ``S(n)``: the storages node ``n`` saves for backward (``save_rules.SAVE_RULES``: graph values, each
   storage once, and internal tensors such as dropout masks and the SDPA logsumexp; parameters
   are not activations);
 * ``I(R)``: the non-parameter tensor inputs of region ``R`` (checkpoint keeps them, through
