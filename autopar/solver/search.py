@@ -51,9 +51,11 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                         "request asks for a pipeline (a 'pp' mesh axis, microbatches or schedule): a pipeline already "
                         "runs the batch as microbatches, so set microbatches= instead of accumulation")
     stages = zero_ladder(mode, opts.zero)
-    if stages[0] and ("pp" in mesh.axis_names or opts.microbatches or opts.schedule):
-        raise PlanError(f"zero={stages[0]} is not supported with a pipeline yet (a 'pp' mesh axis, microbatches or "
-                        "schedule): use zero=0 for pipelined plans, or drop the pipeline")
+    if "pp" in mesh.axis_names or opts.microbatches or opts.schedule:
+        if stages[0]:
+            raise PlanError(f"zero={stages[0]} is not supported with a pipeline yet (a 'pp' mesh axis, microbatches "
+                            "or schedule): use zero=0 for pipelined plans, or drop the pipeline")
+        stages = [0]                # a pipeline was asked for: ZeRO does not run with one yet
     plans, failures, pipe_failures, traces = [], [], [], {}
     for z in stages:
         if z and mesh.size == 1:
