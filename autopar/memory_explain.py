@@ -14,8 +14,8 @@ import torch
 
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.memory import training_state_parts
-from autopar.cost_models.zero import sharded_state
-from autopar.sharding.placements import Replicate, shard_factor
+from autopar.cost_models.zero import sharded_state, zero_axes
+from autopar.sharding.placements import shard_factor
 
 PARTS = ("parameters", "gradients", "optimizer state")
 
@@ -30,12 +30,13 @@ class ZeroEffect:
     seconds: float
 
     def line(self) -> str:
-        saved = ", ".join(f"-{_size(self.before[k] - self.after[k])} {k}" for k in PARTS
+        saved = ", ".join(f"-{human_bytes(self.before[k] - self.after[k])} {k}" for k in PARTS
                           if self.before[k] > self.after[k])
         return f"ZeRO-{self.stage}: {saved or 'nothing sharded'}, +{self.seconds * 1e3:.3f} ms per step"
 
 
-def _size(nbytes: float) -> str:
+def human_bytes(nbytes: float) -> str:
+    """``nbytes`` in the largest binary unit it fills: "12.3 GiB", "16 KiB", "512 B"."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"
@@ -49,8 +50,7 @@ def param_effect(plan, name: str, stage: int) -> ZeroEffect:
     numel = math.prod(d.shape) / shard_factor(d.spec, mesh.shape)
     dtype = getattr(torch, d.dtype.replace("torch.", ""), None)
     parts = training_state_parts(numel, dtype, plan.optimizer, plan.options.get("precision", "fp32"))
-    axes = [a for a, p in enumerate(d.spec) if isinstance(p, Replicate) and mesh.shape[a] > 1] if d.trainable else []
-    size = math.prod(mesh.shape[a] for a in axes)
+    axes, size = zero_axes(d.spec, mesh.shape) if d.trainable else ([], 1)
     after = [sharded_state(*parts[:i], *([0.0] * (3 - i)), size, stage) for i in (1, 2, 3)]
     after = {PARTS[0]: after[0], PARTS[1]: after[1] - after[0], PARTS[2]: after[2] - after[1]}
     device = mesh.spec()

@@ -74,7 +74,7 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int, cap_gb: float, autotu
 
     world = dist.get_world_size()
     x, y, xl, yl = rank_batch(cfg, rank, world)
-    fns, measure = {}, {}
+    fns = {}
 
     def torch_step(module, opt):
         def step(meter=None):

@@ -37,6 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autopar.sharding.placements import Replicate
+
 from .comm import axis_collective_time
 from .devices import DeviceSpec
 
@@ -49,6 +51,13 @@ def gather_unit(name: str) -> str:
         if p.isdigit():
             return ".".join(parts[:i + 1])
     return ".".join(parts[:-1]) or name
+
+
+def zero_axes(spec, mesh_shape) -> tuple[list[int], int]:
+    """(the mesh axes ZeRO shards a parameter stored as ``spec`` over, their rank count d): the
+    axes of size > 1 on which it is replicated."""
+    axes = [a for a, p in enumerate(spec) if isinstance(p, Replicate) and mesh_shape[a] > 1]
+    return axes, math.prod(mesh_shape[a] for a in axes)
 
 
 def sharded_state(weights: float, grads: float, optimizer: float, d: int, stage: int) -> float:

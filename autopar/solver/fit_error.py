@@ -5,22 +5,22 @@ of its intra-op solve; where the solver found its smallest assignment, the error
 assignment's per-device bytes by kind (``mesh_solve.memory_parts``). The message names the
 candidate with the least memory, its breakdown, and an estimate of the device count that fits:
 
-    N' = N · 2^j,  the least j with  S / 2^j + F <= cap,
+    N' = n · 2^j,  the least j >= 1 with  S · n / N' + a <= cap,
 
-where S is what more devices divide (parameters, gradients and optimizer state under ZeRO-3 or
-tensor parallelism, gathered weights under tensor parallelism, activations under data
-parallelism) and F what they do not (the backward transients of the largest op). ``j`` is capped
-where the batch runs out of rows. It is an estimate: the message says so.
+where S is the least training state (parameters, gradients, optimizer state, gathered weights) of
+any candidate on each of the n devices (split further by ZeRO-3 or tensor parallelism) and ``a``
+the least activations and transients of a microbatch of one row per device (accumulation and
+recomputation shrink them that far). ``j`` is capped where the batch runs out of rows. It is an
+estimate: the message says so (``tests/test_zero_search.py`` checks that it fits).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from autopar.memory_explain import human_bytes
 from autopar.plan import PlanError
 
-GIB = 2**30
-DIVIDED = ("parameters", "gradients", "optimizer state", "activations", "gathered parameters")
 
 
 @dataclass
@@ -62,13 +62,6 @@ def k_needed(failures: list[Failure], cap: float, k: int) -> float | None:
     return best
 
 
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def nothing_fits(mesh, failures: list[Failure], cap: float, batch: int) -> PlanError:
     """The PlanError for a search in which no candidate fits ``cap`` bytes per device."""
     sized = [f for f in failures if f.breakdown]
@@ -77,10 +70,10 @@ def nothing_fits(mesh, failures: list[Failure], cap: float, batch: int) -> PlanE
     best = min(sized, key=lambda f: sum(f.breakdown.values()))
     parts = best.breakdown
     total = sum(parts.values())
-    shown = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
+    shown = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items() if v)
     options = best.note or "no memory options"
     msg = (f"no plan fits memory on {mesh}: the smallest candidate (mesh {best.mesh.shape}, {options}) needs "
-           f"{_size(total)} per device ({shown}) but the cap is {_size(cap)}. ")
+           f"{human_bytes(total)} per device ({shown}) but the cap is {human_bytes(cap)}. ")
     return PlanError(msg + _more_devices(mesh.size, sized, cap, batch))
 
 
@@ -91,7 +84,7 @@ def _more_devices(n: int, sized: list[Failure], cap: float, batch: int) -> str:
     state = min(sum(f.breakdown.get(key, 0.0) for key in STATE) for f in sized)
     row = min(sum(v for key, v in f.breakdown.items() if key not in STATE) * _k(f.note) * n / batch for f in sized)
     if row >= cap:
-        return (f"One row of the batch per device already needs {_size(row)} of activations: split the layers "
+        return (f"One row of the batch per device already needs {human_bytes(row)} of activations: split the layers "
                 "with tensor or pipeline parallelism, recompute activations, or use devices with more memory.")
     j = max(1, math.ceil(math.log2(state / (cap - row)))) if state else 1    # n itself did not fit
     devices = n * 2**j

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from autopar.context import ParallelMode
 from autopar.cost_models.compute import total_flops
 from autopar.cost_models.memory import training_state_parts
-from autopar.cost_models.zero import zero_collectives
+from autopar.cost_models.zero import zero_axes, zero_collectives
 from autopar.graph.layers import find_layers, tie_groups
 from autopar.graph.retrace import graph_fingerprint
 from autopar.mesh import Mesh
@@ -320,7 +320,7 @@ def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> d
         v = by_name[name].meta["val"]
         shards = shard_factor(st.output, costing.mesh_shape)
         w, g, o = training_state_parts(v.numel() / shards, v.dtype, costing.optimizer, costing.precision)
-        d = math.prod(n for n, p in zip(costing.mesh_shape, st.output) if isinstance(p, Replicate)) if costing.zero else 1
+        d = zero_axes(st.output, costing.mesh_shape)[1] if costing.zero else 1
         out["parameters"] += w / (d if costing.zero >= 3 else 1)
         out["gradients"] += g / (d if costing.zero >= 2 else 1)
         out["optimizer state"] += o / (d if costing.zero >= 1 else 1)

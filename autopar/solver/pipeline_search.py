@@ -40,6 +40,7 @@ from autopar.context import ParallelMode
 from autopar.cost_models.compute import node_cost, optimizer_step_time, total_flops
 from autopar.cost_models.devices import axis_link
 from autopar.cost_models.memory import dropout_mask_bytes_for, iter_saved_storages, training_state_bytes
+from autopar.cost_models.zero import zero_axes
 from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.graph.stage_cuts import assign_stages, stage_placeholders, stage_transfers
@@ -492,7 +493,7 @@ def _zero_shards(plan: Plan, spec) -> int:
     """How many ranks split a parameter's optimizer step under ZeRO: its replicated axes."""
     if not plan.memory_options.zero:
         return 1
-    return math.prod(n for n, p in zip(plan.mesh.shape, spec) if isinstance(p, Replicate))
+    return zero_axes(spec, plan.mesh.shape)[1]
 
 
 def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict,

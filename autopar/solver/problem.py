@@ -34,7 +34,7 @@ from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time,
                                          work_signature)
 from autopar.cost_models.memory import saved_bytes_by_node, saves_input, storage_key, training_state_parts
-from autopar.cost_models.zero import gather_unit, sharded_state, zero3_gathered_bytes
+from autopar.cost_models.zero import gather_unit, sharded_state, zero3_gathered_bytes, zero_axes
 from autopar.cost_models.recompute import saved_bytes_after
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.local_impls import local_collectives
@@ -179,8 +179,7 @@ def _param_state_cost(numel: float, parts: list[float], st: Strategy, c: Costing
     (stages 1, 2), one before the layer's forward and one before its backward (stage 3)."""
     if not c.zero:
         return sum(parts), optimizer_step_time(numel, c.device, 1, c.optimizer)
-    axes = [a for a, p in enumerate(st.output) if isinstance(p, Replicate) and c.mesh_shape[a] > 1]
-    d = math.prod(c.mesh_shape[a] for a in axes)
+    axes, d = zero_axes(st.output, c.mesh_shape)
     gathers = 2 if c.zero == 3 else 1
     seconds = optimizer_step_time(numel / d, c.device, 1, c.optimizer)
     seconds += gathers * sum(c.bucketed("all_gather", parts[0], a) for a in axes)
