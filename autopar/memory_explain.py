@@ -2,8 +2,9 @@
 for the whole plan, from the plan's placements (``cost_models/zero.py``'s table).
 
 A parameter is sharded by ZeRO over the axes it is replicated on (``d`` ranks); the bytes are one
-rank's, the seconds the all-gathers of the weights a step adds (``comm.axis_collective_time``;
-stage 1 and 2: one after the optimizer step, stage 3: forward and backward).
+rank's, the seconds the all-gathers of the weights a step adds, bucketed as the ILP costs them
+(``comm.bucketed_collective_time``; stage 1 and 2: one after the optimizer step, stage 3: forward
+and backward).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.comm import bucketed_collective_time
 from autopar.cost_models.memory import training_state_parts
 from autopar.cost_models.zero import sharded_state, zero_axes
 from autopar.sharding.placements import shard_factor
@@ -55,13 +56,13 @@ def param_effect(plan, name: str, stage: int) -> ZeroEffect:
     after = {PARTS[0]: after[0], PARTS[1]: after[1] - after[0], PARTS[2]: after[2] - after[1]}
     device = mesh.spec()
     gathers = 0 if not stage else 2 if stage == 3 else 1
-    seconds = gathers * sum(axis_collective_time("all_gather", parts[0], device, mesh.shape[a],
-                                                 math.prod(mesh.shape[a + 1:])) for a in axes)
+    seconds = gathers * sum(bucketed_collective_time("all_gather", parts[0], device, mesh.shape[a],
+                                                     math.prod(mesh.shape[a + 1:])) for a in axes)
     return ZeroEffect(stage, dict(zip(PARTS, parts)), after, seconds)
 
 
 def plan_effect(plan, stage: int) -> ZeroEffect:
-    """ZeRO ``stage``'s effect summed over the plan's parameters (the all-gathers unbucketed)."""
+    """ZeRO ``stage``'s effect summed over the plan's parameters."""
     effects = [param_effect(plan, n, stage) for n, d in plan.params.items() if d.kind == "parameter"]
     return ZeroEffect(stage, {k: sum(e.before[k] for e in effects) for k in PARTS},
                       {k: sum(e.after[k] for e in effects) for k in PARTS}, sum(e.seconds for e in effects))

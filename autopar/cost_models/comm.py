@@ -107,3 +107,18 @@ def axis_collective_time(kind: str, nbytes: float, device: DeviceSpec, axis_size
     if kind != "all_reduce" or local <= 1:
         return flat
     return min(flat, hierarchical_all_reduce_time(nbytes, local, nodes, device))
+
+
+GRAD_BUCKET_BYTES = 25 * 2**20     # DDP's bucket_cap_mb default, used by runtime.grad_sync and runtime.zero
+
+
+def bucketed_collective_time(kind: str, nbytes: float, device: DeviceSpec, axis_size: int,
+                             inner_size: int = 1, bucket: float = GRAD_BUCKET_BYTES) -> float:
+    """One tensor's share of a ``kind`` collective that runs in buckets of ``bucket`` bytes: its
+    bandwidth time plus its share of one launch latency (``nbytes / bucket``, at most one)."""
+    if nbytes <= 0:
+        return 0.0
+    lat = axis_collective_time(kind, 1.0, device, axis_size, inner_size)
+    full = axis_collective_time(kind, nbytes, device, axis_size, inner_size)
+    return full - lat + lat * min(1.0, nbytes / bucket)
+

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.comm import GRAD_BUCKET_BYTES, axis_collective_time, bucketed_collective_time
 from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time,
                                          work_signature)
 from autopar.cost_models.memory import saved_bytes_by_node, saves_input, storage_key, training_state_parts
@@ -43,7 +43,6 @@ from autopar.sharding.redistribute import backward_kind, redistribute_steps, ste
 from autopar.sharding.strategy import Strategy, tensor_inputs
 from autopar.solver.intra_op import HUGE_COST, EdgeCost, IntraOpProblem, NodeChoices
 
-GRAD_BUCKET_BYTES = 25 * 2**20     # DDP's bucket_cap_mb default, used by runtime.grad_sync
 
 
 @dataclass
@@ -77,12 +76,8 @@ class Costing:
         return self.bucketed("all_reduce", nbytes, axis)
 
     def bucketed(self, kind: str, nbytes: float, axis: int) -> float:
-        """One tensor's share of a ``kind`` collective over ``axis`` that runs in buckets of
-        ``GRAD_BUCKET_BYTES``: its bandwidth time plus its share of one launch latency."""
-        if nbytes <= 0:
-            return 0.0
-        lat = self.comm(kind, 1.0, axis)
-        return self.comm(kind, nbytes, axis) - lat + lat * min(1.0, nbytes / GRAD_BUCKET_BYTES)
+        """One tensor's share of a bucketed ``kind`` collective over ``axis`` (``comm.bucketed_collective_time``)."""
+        return bucketed_collective_time(kind, nbytes, self.device, self.mesh_shape[axis], self.inner(axis))
 
 
 def grad_sync_overhead(c: Costing, synced: Iterable[tuple[int, float]]) -> float:
