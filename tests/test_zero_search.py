@@ -128,3 +128,29 @@ def test_explain_says_what_each_stage_saves_and_costs():
     assert "ZeRO-3: -8 KiB parameters, -8 KiB gradients, -16 KiB optimizer state, +" in text
     assert "ms per step" in text
     assert "ZeRO over the axes each parameter is replicated on would save" in plan.report()
+
+
+def _mixed_job(rank, zero):
+    x, y = make_batch("tokens", BATCH)
+    autopar.set_auto_parallel_context(zero=zero, mixed_precision="bf16")
+    return parallel_run(rank, MODEL, lm_loss, x, y, autopar.Mesh(2), "data", steps=2)
+
+
+def test_zero_under_bf16_mixed_precision_trains_like_bf16_without_it():
+    """ZeRO-1 moves where the fp32 masters and moments live, not the arithmetic: on 2 ranks (a
+    two-term sum is exact in any order) it trains exactly like the same bf16 plan without ZeRO.
+    ZeRO-3 gathers bf16 weights per layer, so a tied weight's two uses meet in another order: it
+    must be no further from the fp32 one-device run than 2x the bf16 plan without ZeRO (the
+    yardstick of tests/test_mixed_precision.py)."""
+    from test_mixed_precision import _distance
+
+    x, y = make_batch("tokens", BATCH)
+    ref = reference_run(MODEL, lm_loss, x, y, steps=2)
+    plain = run_ranks(2, _mixed_job, 0)
+    for zero in (1, 3):
+        for r0, r in zip(plain, run_ranks(2, _mixed_job, zero)):
+            assert autopar.Plan.from_json(r["plan"]).memory_options.zero == zero
+            if zero == 1:
+                assert_same_training(r0, r, 1e-6, f"bf16 ZeRO-{zero} vs bf16")
+            else:
+                assert _distance(r, ref) <= 2 * _distance(r0, ref), (_distance(r, ref), _distance(r0, ref))

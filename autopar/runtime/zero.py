@@ -407,7 +407,9 @@ class _Zero3GatherFn(torch.autograd.Function):
         mod.cache = None                            # every use of this layer's parameters is done
         cols = []
         for g, sp, (shape, dtype) in zip(grads, mod.items, ctx.shard_meta):
-            flat = g.reshape(-1) if g is not None else torch.zeros(sp.n, dtype=dtype)
+            # reduced in the shard's (master) dtype: under bf16 mixed precision the gradients of the
+            # bf16 gathered weights are summed in fp32, as the plan's reduce_dtype says
+            flat = g.reshape(-1).to(dtype) if g is not None else torch.zeros(sp.n, dtype=dtype)
             cols.append(F.pad(flat, (0, sp.c * mod.d - sp.n)).view(mod.d, sp.c))
         inp = torch.cat(cols, dim=1).reshape(-1)
         out = inp.new_empty(inp.numel() // mod.d)
