@@ -124,8 +124,8 @@ def _storage(node: fx.Node) -> tuple[object, int]:
         try:
             storage = val.untyped_storage()
             return StorageWeakRef(storage), int(storage.nbytes())
-        except (NotImplementedError, RuntimeError):
-            return ("node", node.name), tensor_bytes(val)
+        except (NotImplementedError, RuntimeError):     # no storage to share (sparse, some subclasses):
+            return ("node", node.name), tensor_bytes(val)  # the value counts alone, at its own size
     size = sum(tensor_bytes(t) for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor))
     return ("node", node.name), size
 
