@@ -4,6 +4,7 @@ import time
 import numpy as np
 import pytest
 
+from autopar.solver import exhaustive
 from autopar.solver.intra_op import (
     EdgeCost, InfeasibleError, IntraOpProblem, NodeChoices, brute_force, evaluate, solve_intra_op)
 
@@ -34,8 +35,12 @@ def random_problem(rng: np.random.Generator) -> IntraOpProblem:
     return IntraOpProblem(nodes, edges, budget, ties)
 
 
+@pytest.mark.parametrize("path", ["enumerate", "cp-sat"])
 @pytest.mark.parametrize("seed", range(40))
-def test_matches_brute_force(seed):
+def test_matches_brute_force(seed, path, monkeypatch):
+    """Both ways of finishing the reduced graph (numpy enumeration of a small remainder, CP-SAT
+    above ``exhaustive.LIMIT``) give the brute-force optimum."""
+    monkeypatch.setattr(exhaustive, "LIMIT", exhaustive.LIMIT if path == "enumerate" else 0)
     p = random_problem(np.random.default_rng(seed))
     try:
         expected = brute_force(p)

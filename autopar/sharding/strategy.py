@@ -8,6 +8,7 @@ shards divide evenly. Tensor inputs are the fx nodes found in ``node.args``/``kw
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -43,9 +44,19 @@ class Strategy:
         return f"{self.name}: ({ins}) -> {', '.join(spec_str(o) for o in outs)}"
 
 
+_TENSOR_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor-valued input nodes, in argument order. Memoised per node while its
+    ``args``/``kwargs`` objects stay the same (a pass that rewrites them assigns new ones)."""
+    hit = _TENSOR_INPUTS.get(node)
+    if hit is not None and hit[0] is node.args and hit[1] is node.kwargs:
+        return list(hit[2])
     flat, _ = tree_flatten((node.args, node.kwargs))
-    return [a for a in flat if isinstance(a, fx.Node) and _is_tensor_val(a.meta.get("val"))]
+    out = [a for a in flat if isinstance(a, fx.Node) and _is_tensor_val(a.meta.get("val"))]
+    _TENSOR_INPUTS[node] = (node.args, node.kwargs, tuple(out))
+    return out
 
 
 def _is_tensor_val(v) -> bool:

@@ -41,6 +41,12 @@ Budget shortcut (``solve_intra_op``): with a budget, the problem is first solved
 (memory then never blocks elimination, so trees and chains vanish entirely). If that optimum
 fits the budget it is optimal for the budgeted problem; otherwise it is CP-SAT's hint.
 
+Small remainder (``_solve``): when the reduced graph's remaining combinations number at most
+``exhaustive.LIMIT``, they are enumerated exactly instead of building a CP-SAT model.
+
+Infeasible budget (``_memory_error``): the smallest achievable memory is the same problem with
+memory as the objective and no budget, solved by the same reductions and solvers.
+
 Status: "OPTIMAL" only when CP-SAT proved it (or the reductions solved everything), else
 "FEASIBLE" (time limit hit). CP-SAT 9.15's inclusion presolve is switched off (``_run``): it
 certifies wrong optima on one-hot + linear models like this one (google/or-tools#5293).
@@ -56,6 +62,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from autopar.solver.class_graph import HUGE_COST, ClassGraph, InfeasibleError, is_forbidden, recover_choices, reduce_graph
+from autopar.solver.exhaustive import enumerate_best, small_enough
 
 GIB = float(1 << 30)
 _COEF_TARGET = 1e9
@@ -231,10 +238,14 @@ class _OverBudget(Exception):
         self.lower_bound = lower_bound
 
 
-def _build_model(g: ClassGraph, budget: float | None, minimise_memory: bool = False,
-                 hint: dict[int, int] | None = None) -> tuple[_Model, list[int]]:
+def _active(g: ClassGraph) -> list[int]:
+    """Classes left with a choice to make (or an edge to pay)."""
+    return sorted(a for a in g.alive if len(g.cands[a]) > 1 or g.nbrs[a])
+
+
+def _build_model(g: ClassGraph, budget: float | None, hint: dict[int, int] | None = None) -> tuple[_Model, list[int]]:
     """CP-SAT model of the reduced graph; ``hint`` maps classes to original strategy indices."""
-    active = sorted(a for a in g.alive if len(g.cands[a]) > 1 or g.nbrs[a])
+    active = _active(g)
     mdl = _Model(cp_model.CpModel(), {}, 0)
     for a in active:
         mdl.x[a] = [mdl.model.NewBoolVar(f"x{a}_{s}") for s in g.cands[a]]
@@ -242,18 +253,12 @@ def _build_model(g: ClassGraph, budget: float | None, minimise_memory: bool = Fa
         hinted = np.flatnonzero(g.cands[a] == hint[a]) if hint is not None else []
         mdl.model.AddHint(mdl.x[a][int(hinted[0]) if len(hinted) else int(np.argmin(g.compute[a]))], 1)
         mdl.num_vars += len(mdl.x[a])
-    if minimise_memory:
-        unit = max((float(np.ptp(g.memory[a])) for a in active), default=0.0) / _COEF_TARGET or 1.0
-        terms = [(x, int(round((m - g.memory[a].min()) / unit))) for a in active for x, m in zip(mdl.x[a], g.memory[a])]
-        for (a, b), m in g.edges.items():
-            _add_edge_vars(mdl, a, b, m, 0.0)
-    else:
-        scale = _scale(g, active)
-        terms = [(x, int(round((c - g.compute[a].min()) * scale))) for a in active for x, c in zip(mdl.x[a], g.compute[a])]
-        for (a, b), m in g.edges.items():
-            terms += _add_edge_vars(mdl, a, b, m, scale)
-        if budget is not None:
-            _add_memory(mdl, g, active, budget)
+    scale = _scale(g, active)
+    terms = [(x, int(round((c - g.compute[a].min()) * scale))) for a in active for x, c in zip(mdl.x[a], g.compute[a])]
+    for (a, b), m in g.edges.items():
+        terms += _add_edge_vars(mdl, a, b, m, scale)
+    if budget is not None:
+        _add_memory(mdl, g, active, budget)
     mdl.model.Minimize(sum(c * x for x, c in terms if c))
     return mdl, active
 
@@ -276,17 +281,28 @@ def _picked(g: ClassGraph, mdl: _Model, active: list[int], solver: cp_model.CpSo
     return picked
 
 
-def _memory_error(p: IntraOpProblem, g: ClassGraph, class_of: list[int]) -> InfeasibleError:
+def _memory_problem(p: IntraOpProblem) -> IntraOpProblem:
+    """The same choices with memory (GiB) as the objective and no budget; a forbidden compute or
+    resharding choice stays forbidden. Unbudgeted, the reductions remove chains and trees."""
+    nodes = [NodeChoices(n.name, np.where(is_forbidden(np.asarray(n.compute, dtype=float)), np.inf,
+                                          np.asarray(n.memory, dtype=float) / GIB), n.memory, n.allowed)
+             for n in p.nodes]
+    edges = [EdgeCost(e.src, e.dst, np.where(is_forbidden(np.asarray(e.cost, dtype=float)), np.inf, 0.0))
+             for e in p.edges]
+    return IntraOpProblem(nodes, edges, None, p.ties, p.time_limit_s, p.workers)
+
+
+def _memory_error(p: IntraOpProblem) -> InfeasibleError:
     """Solve for the smallest achievable memory and explain the gap to the budget."""
-    mdl, active = _build_model(g, None, minimise_memory=True)
-    solver, status = _run(mdl, p.time_limit_s, p.workers)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    try:
+        sol = _solve(_memory_problem(p), time.perf_counter() + p.time_limit_s, None, time.perf_counter())
+    except (InfeasibleError, SolverTimeoutError):
         return InfeasibleError(
             "no strategy assignment avoids forbidden (infinite or >= HUGE_COST) compute/resharding choices, "
             "even ignoring memory; check the op rules and annotations")
-    choice = _expand(class_of, recover_choices(g, _picked(g, mdl, active, solver)))
+    choice = sol.choice
     smallest = evaluate(p, choice)[1]
-    word = "smallest achievable" if status == cp_model.OPTIMAL else "smallest found"
+    word = "smallest achievable" if sol.status == "OPTIMAL" else "smallest found"
     err = InfeasibleError(
         f"no strategy assignment fits the memory budget: the {word} memory is {smallest / GIB:.3f} GiB "
         f"({smallest:.4g} B) but the budget is {p.memory_budget / GIB:.3f} GiB ({p.memory_budget:.4g} B). "
@@ -360,23 +376,28 @@ def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
 
 
 def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: float) -> IntraOpSolution:
-    """Reduce, build and run CP-SAT until ``deadline`` (perf_counter seconds)."""
+    """Reduce, then enumerate (a small remainder, ``exhaustive``) or build and run CP-SAT until
+    ``deadline`` (perf_counter seconds)."""
     g, class_of = _collapse_ties(p)
     _map_edges(p, g, class_of)
     reduce_graph(g)
-    try:
-        mdl, active = _build_model(g, p.memory_budget, hint=_class_hint(class_of, hint))
-    except _OverBudget:
-        raise _memory_error(p, g, class_of) from None
+    active = _active(g)
+    num_vars = sum(len(g.cands[a]) for a in active)
     if not active:
         status, picked = cp_model.OPTIMAL, {a: int(g.cands[a][0]) for a in g.alive}
+    elif small_enough(g, active):
+        status, picked = cp_model.OPTIMAL, enumerate_best(g, active, p.memory_budget)
+        if picked is None:
+            raise _no_assignment(p)
     else:
+        try:
+            mdl, active = _build_model(g, p.memory_budget, hint=_class_hint(class_of, hint))
+        except _OverBudget:
+            raise _memory_error(p) from None
+        num_vars = mdl.num_vars
         solver, status = _run(mdl, max(deadline - time.perf_counter(), 0.1), p.workers)
         if status == cp_model.INFEASIBLE:
-            if p.memory_budget is None:
-                raise InfeasibleError("no strategy assignment avoids forbidden (infinite or >= HUGE_COST) "
-                                      "compute/resharding choices; check the op rules and annotations")
-            raise _memory_error(p, g, class_of)
+            raise _no_assignment(p)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise SolverTimeoutError(
                 f"CP-SAT found no assignment within {p.time_limit_s:g} s ({mdl.num_vars} variables, "
@@ -385,7 +406,15 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
     choice = _expand(class_of, recover_choices(g, picked))
     objective, memory = evaluate(p, choice)
     return IntraOpSolution(choice, objective, "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
-                           time.perf_counter() - start, memory, mdl.num_vars)
+                           time.perf_counter() - start, memory, num_vars)
+
+
+def _no_assignment(p: IntraOpProblem) -> InfeasibleError:
+    """Nothing feasible: forbidden choices everywhere (no budget), else the memory explanation."""
+    if p.memory_budget is None:
+        return InfeasibleError("no strategy assignment avoids forbidden (infinite or >= HUGE_COST) "
+                               "compute/resharding choices; check the op rules and annotations")
+    return _memory_error(p)
 
 
 def _class_hint(class_of: list[int], choice: list[int] | None) -> dict[int, int] | None:

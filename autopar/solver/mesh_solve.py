@@ -201,10 +201,12 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     device = mesh.spec()
     per_node = ranks_per_node or min(mesh.size, mesh.gpus_per_node or mesh.size)
     device = device.shared_by(per_node)  # CPU ranks beyond the core count share the cores
-    cands = build_candidates(traced.gm, mesh.shape)
+    cands = _candidates(traced, mesh.shape)
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
+    redistribution, memo = traced.meta.setdefault("costing_memo", {}).setdefault((mesh.shape, repr(device)), ({}, {}))
     costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers),
-                      recompute=opts.recompute or "none", zero=opts.zero or 0)
+                      recompute=opts.recompute or "none", zero=opts.zero or 0, _redistribution=redistribution,
+                      _memo=memo)
     names = dict(traced.params)
     names.update(traced.buffers)
     ties = tie_groups(find_layers(traced.gm, names))
@@ -239,6 +241,17 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                                              reduce_dtype="bf16" if opts.grad_compression == "bf16" else "fp32",
                                              recompute=opts.recompute or "none", zero=opts.zero or 0),
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
+
+
+def _candidates(traced, mesh_shape: tuple):
+    """``build_candidates`` once per (traced step, mesh shape): the search solves one graph on one
+    mesh under several memory options (ZeRO stages, recomputation), and its resharding tables
+    (``traced.meta["costing_memo"]``) are shared the same way."""
+    cache = traced.meta.setdefault("candidates", {})
+    key = (tuple(mesh_shape), id(traced.gm.graph), len(traced.gm.graph.nodes))
+    if key not in cache:
+        cache[key] = build_candidates(traced.gm, mesh_shape)
+    return cache[key]
 
 
 def zero_collective_list(colls: list[Collective], stage: int, params: set[str]) -> list[Collective]:

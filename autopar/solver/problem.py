@@ -57,7 +57,7 @@ class Costing:
     recompute: str | dict = "none"  # activation recomputation: its forward runs again, its saves are dropped
     zero: int = 0                   # ZeRO stage over the axes a parameter is replicated on
     _redistribution: dict = field(default_factory=dict, repr=False)  # (src, dst, bytes) -> seconds
-    _edges: dict = field(default_factory=dict, repr=False)           # edge tables of repeated layers
+    _memo: dict = field(default_factory=dict, repr=False)  # node costs, edge tables, edge lists (``build_problem``)
 
     def inner(self, axis: int) -> int:
         return math.prod(self.mesh_shape[axis + 1:])
@@ -268,13 +268,41 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     index = {n: i for i, n in enumerate(names)}
     by_name = {n.name: n for n in gm.graph.nodes}
     need = grad_nodes(gm.graph)
-    nodes, memo = [], {}
+    kinds = c._memo.get(("kinds", id(cands)))
+    if kinds is None:               # repeated layers: one structural key per distinct op, shapes and strategies
+        kinds = c._memo[("kinds", id(cands))] = _node_kinds(by_name, cands, params, need)
+    nodes = []
     for n in names:
-        key = cost_key(by_name[n], cands.strategies[n], saved, params, need, n in again)
-        if key not in memo:         # repeated layers: one costing per distinct op, shapes and strategies
-            memo[key] = node_costs(by_name[n], cands.strategies[n], c, saved, params, n in again)
-        comp, mem = memo[key]
+        key = ("node", kinds[n], _saved_pair(saved, n), n in again, c.optimizer, c.precision,
+               c.zero if n in params else 0)
+        if key not in c._memo:     # shared by every solve of this graph on this mesh and device
+            c._memo[key] = node_costs(by_name[n], cands.strategies[n], c, saved, params, n in again)
+        comp, mem = c._memo[key]
         nodes.append(NodeChoices(n, comp.copy(), mem.copy(), allowed.get(n)))
+    if ("edges", id(cands)) not in c._memo:
+        c._memo[("edges", id(cands))] = _edges_of(by_name, names, index, cands, c, params, need, mask)
+    edges, gathered = c._memo[("edges", id(cands))]
+    edges, gathered = list(edges), dict(gathered)
+    ties_idx = [[index[t] for t in g if t in index] for g in ties]
+    ties_idx = [g for g in ties_idx if len(g) > 1 and len({len(cands.strategies[names[i]]) for i in g}) == 1]
+    prob = IntraOpProblem(nodes, edges, memory_budget, ties_idx, time_limit_s)
+    prob.hint = feasible_hint(prob)
+    return BuiltProblem(prob, names, index, gathered)
+
+
+def _node_kinds(by_name: dict, cands: Candidates, params: set[str], need: frozenset) -> dict[str, int]:
+    """node name -> an integer naming its ``cost_key`` without the costing's inputs (saved
+    bytes, recomputation): equal integers cost the same under every strategy."""
+    ids: dict = {}
+    return {n: ids.setdefault(cost_key(by_name[n], st, {}, params, need), len(ids))
+            for n, st in cands.strategies.items()}
+
+
+def _edges_of(by_name: dict, names: list[str], index: dict, cands: Candidates, c: Costing, params: set[str],
+              need: frozenset, mask) -> tuple[list[EdgeCost], dict]:
+    """Every producer -> consumer edge with its resharding table, and the gathered-copy bytes of
+    the edges that keep a parameter in another placement (``_gathered_matrix``). They depend on
+    the graph, the candidates, the mesh and the device only."""
     edges, gathered = [], {}
     for n in names:
         node = by_name[n]
@@ -288,11 +316,7 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
             if src.name in params and node in need and saves_input(node, a, mask):
                 gathered[len(edges) - 1] = _gathered_matrix(a, cands.strategies[src.name],
                                                             cands.strategies[n], i, c)
-    ties_idx = [[index[t] for t in g if t in index] for g in ties]
-    ties_idx = [g for g in ties_idx if len(g) > 1 and len({len(cands.strategies[names[i]]) for i in g}) == 1]
-    prob = IntraOpProblem(nodes, edges, memory_budget, ties_idx, time_limit_s)
-    prob.hint = feasible_hint(prob)
-    return BuiltProblem(prob, names, index, gathered)
+    return edges, gathered
 
 
 def resharded_param_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],
@@ -429,7 +453,7 @@ def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: 
     frozen = src.name in c.frozen_buffers
     grad = src in grad_nodes(src.graph)
     key = (s_specs, d_specs, nbytes, frozen, grad)
-    if key not in c._edges:
+    if key not in c._memo:
         us, ud = list(dict.fromkeys(s_specs)), list(dict.fromkeys(d_specs))
         table = np.zeros((len(us), len(ud)))
         for a, ss in enumerate(us):
@@ -438,8 +462,8 @@ def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: 
         pos_s, pos_d = {s: k for k, s in enumerate(us)}, {s: k for k, s in enumerate(ud)}
         ri = np.array([pos_s[s] for s in s_specs])
         ci = np.array([pos_d[s] for s in d_specs])
-        c._edges[key] = table[np.ix_(ri, ci)]
-    return EdgeCost(index[src.name], index[dst.name], c._edges[key])
+        c._memo[key] = table[np.ix_(ri, ci)]
+    return EdgeCost(index[src.name], index[dst.name], c._memo[key])
 
 
 __all__ = ["GRAD_BUCKET_BYTES", "grad_sync_overhead", "Costing", "build_problem", "BuiltProblem", "redistribution_time", "grad_sync_inputs", "work_split",
