@@ -5,6 +5,7 @@ A plan with accumulation k is solved on the step traced at B/k rows, so the intr
 one microbatch's activations (what must fit) and one microbatch's compute. Its step time is
 
     T(k) = k · (T_mb − T_once) + T_once,   T_once = gradient sync + last bucket + optimizer step,
+                                           (ZeRO-3: the optimizer step only, ``once_per_step``)
 
 where T_mb is the solved microbatch plan's time: everything but the once-per-step part runs k
 times. Memory is the microbatch plan's (parameters, gradients and optimizer state do not depend on
@@ -83,12 +84,21 @@ def accumulated(plan: Plan, k: int, traced, mb) -> Plan:
         return plan
     from autopar.solver.pipeline_search import optimizer_time
 
-    params = set(mb.params)
-    once = sum(c.time for c in plan.collective_list if c.node in params) + plan.grad_sync_overhead
-    once += optimizer_time(plan, plan.optimizer)
+    once = once_per_step(plan, set(mb.params)) + optimizer_time(plan, plan.optimizer)
     plan.step_time = k * (plan.step_time - once) + once
     plan.flops *= k
     plan.memory_options.accumulation = k
     plan.accumulation_trace = MicrobatchTrace(mb.batch_size, graph_fingerprint(mb.gm))
     plan.fingerprint = graph_fingerprint(traced.gm)
     return plan
+
+
+def once_per_step(plan: Plan, params: set[str]) -> float:
+    """Seconds of a plan's parameter collectives that run once per step however many microbatches
+    accumulate: the gradient all-reduce (DDP's ``no_sync`` holds it back to the last microbatch) and
+    its last bucket's latency; ZeRO-1/2's reduce-scatter and weight all-gather likewise. ZeRO-3
+    gathers the weights and reduce-scatters the gradients in every microbatch (``runtime/zero.py``):
+    none of it runs once."""
+    if plan.memory_options.zero >= 3:
+        return 0.0
+    return sum(c.time for c in plan.collective_list if c.node in params) + plan.grad_sync_overhead

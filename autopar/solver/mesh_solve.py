@@ -222,7 +222,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     nodes, params, inputs, colls = decode(traced.gm, cands, built, sol.choice, costing, mesh.axis_names, traced)
     outputs = output_specs(traced.gm, nodes, params, inputs, traced)
     colls += loss_report_collectives(traced.gm, outputs, mesh.axis_names, traced)
-    colls = zero_collective_list(colls, opts.zero or 0, set(traced.params))
+    colls = zero_collective_list(colls, opts.zero or 0, set(traced.params), costing, mesh.axis_names)
     last_bucket = grad_sync_overhead(costing, [(mesh.axis_names.index(a), c.bytes) for c in colls
                                                if c.node in traced.params for a in c.axes])
     shares = axis_shares(traced.gm, nodes, inputs, mesh.axis_names, mesh.shape)
@@ -254,11 +254,12 @@ def _candidates(traced, mesh_shape: tuple):
     return cache[key]
 
 
-def zero_collective_list(colls: list[Collective], stage: int, params: set[str]) -> list[Collective]:
-    """The list under ZeRO ``stage``: each parameter's gradient all-reduce becomes the
-    reduce-scatter and all-gathers of ``cost_models.zero.zero_collectives`` (what
-    ``runtime/zero.py`` runs; its buckets pad the last chunk, so the bytes that run may exceed
-    these by up to d-1 elements per bucket)."""
+def zero_collective_list(colls: list[Collective], stage: int, params: set[str], costing: Costing,
+                         axis_names: tuple) -> list[Collective]:
+    """The list under ZeRO ``stage``: each parameter's gradient sync becomes the reduce-scatter and
+    all-gathers of ``cost_models.zero.zero_collectives`` (what ``runtime/zero.py`` runs; its
+    buckets pad the last chunk, so the bytes that run may exceed these by up to d-1 elements per
+    bucket), each with its bucketed time as the ILP costs it."""
     if not stage:
         return colls
     out = []
@@ -267,7 +268,8 @@ def zero_collective_list(colls: list[Collective], stage: int, params: set[str]) 
             out.append(c)
             continue
         for kind, _, phase in zero_collectives(1, 2, stage):
-            out.append(dataclasses.replace(c, kind=kind, phase=phase, axes=list(c.axes)))
+            seconds = sum(costing.bucketed(kind, c.bytes, axis_names.index(a)) for a in c.axes)
+            out.append(dataclasses.replace(c, kind=kind, phase=phase, axes=list(c.axes), time=seconds))
     return out
 
 

@@ -72,8 +72,9 @@ class Costing:
         return self.comm("all_reduce", 1.0, axis)
 
     def grad_sync(self, nbytes: float, axis: int) -> float:
-        """One parameter's share of the bucketed gradient all-reduce over ``axis`` (module docstring)."""
-        return self.bucketed("all_reduce", nbytes, axis)
+        """One parameter's share of the bucketed gradient sync over ``axis`` (module docstring): an
+        all-reduce, or under ZeRO the reduce-scatter into the shards (``runtime/zero.py``)."""
+        return self.bucketed("reduce_scatter" if self.zero else "all_reduce", nbytes, axis)
 
     def bucketed(self, kind: str, nbytes: float, axis: int) -> float:
         """One tensor's share of a bucketed ``kind`` collective over ``axis`` (``comm.bucketed_collective_time``)."""
@@ -169,7 +170,7 @@ def _param_state_cost(numel: float, parts: list[float], st: Strategy, c: Costing
     gradients, optimizer state) bytes ``parts``: its training state and optimizer step, under
     ``c.zero`` sharded over the ``d`` ranks of the axes it is replicated on (``cost_models/zero.py``:
     the state divides stage by stage, the step by ``d``). ZeRO's reduce-scatter is costed by the
-    consumers' gradient all-reduce (bucketed like it); its weight all-gathers, bucketed too (by
+    consumers' gradient sync (``Costing.grad_sync``); its weight all-gathers, bucketed too (by
     25 MB for stages 1, 2, by layer for stage 3), are added: one after the optimizer step
     (stages 1, 2), one before the layer's forward and one before its backward (stage 3)."""
     if not c.zero:
@@ -273,8 +274,7 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
         kinds = c._memo[("kinds", id(cands))] = _node_kinds(by_name, cands, params, need)
     nodes = []
     for n in names:
-        key = ("node", kinds[n], _saved_pair(saved, n), n in again, c.optimizer, c.precision,
-               c.zero if n in params else 0)
+        key = ("node", kinds[n], _saved_pair(saved, n), n in again, c.optimizer, c.precision, c.zero)
         if key not in c._memo:     # shared by every solve of this graph on this mesh and device
             c._memo[key] = node_costs(by_name[n], cands.strategies[n], c, saved, params, n in again)
         comp, mem = c._memo[key]
