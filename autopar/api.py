@@ -19,6 +19,8 @@ from autopar.plan import Plan, PlanError
 from autopar.runtime.grad_sync import broadcast_state
 from autopar.runtime.launch import init_from_env
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
+from autopar.progress_display import ProgressDisplay
+from autopar.solver.progress import SearchProgress
 from autopar.solver.search import PlanOptions, make_plans
 from autopar.trace import Traced, trace
 
@@ -53,25 +55,37 @@ def _check_mesh(mesh) -> Mesh:
 
 
 def _plan_traced(model, traced: Traced, retracer: Retracer, mesh: Mesh, mode: ParallelMode,
-                 top_k: int = 1, mixed_precision=None) -> list[Plan]:
+                 top_k: int = 1, mixed_precision=None, progress: SearchProgress | None = None) -> list[Plan]:
     """The ``top_k`` best predicted plans, best first."""
     if mode == ParallelMode.HYBRID:
         raise PlanError("HYBRID mode applies a complete plan: pass plan=<Plan or path to plan JSON>")
     param_ann = resolve_params(model, ANNOTATIONS) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     input_ann = dict(ANNOTATIONS.inputs) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
-    return make_plans(traced, model, mesh, mode, _options(mixed_precision), param_ann, input_ann, top_k, retracer)
+    opts = dataclasses.replace(_options(mixed_precision), progress=progress)
+    return make_plans(traced, model, mesh, mode, opts, param_ann, input_ann, top_k, retracer)
 
 
 def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None,
-         mixed_precision=None) -> Plan:
+         mixed_precision=None, time_budget: float | None = None, progress=None) -> Plan:
     """Plan only: no processes or devices needed; the model may live on the meta device.
-    ``mixed_precision="bf16"``: bf16 compute on working copies of fp32 master weights."""
+    ``mixed_precision="bf16"``: bf16 compute on working copies of fp32 master weights.
+    ``time_budget``: seconds; once they have passed (and a plan fits) the search stops and returns
+    the best plan so far, which says so (``plan.search_note``, the report). ``progress``: True for
+    a live line on stderr (stage, candidates, best so far), or a callable taking the search's
+    ``SearchProgress`` after each change."""
     mesh = _check_mesh(mesh)
     mode = _mode(mode)
     mp = _mixed_precision(mixed_precision)
-    traced = trace(model, example_inputs, loss_fn, example_target, mp)
-    retracer = Retracer(model, example_inputs, loss_fn, example_target, mp)
-    return _plan_traced(model, traced, retracer, mesh, mode, mixed_precision=mp)[0]
+    display = ProgressDisplay() if progress is True else None
+    tracker = SearchProgress(time_budget, display or (progress if callable(progress) else None))
+    tracker.enter("tracing the training step")
+    try:
+        traced = trace(model, example_inputs, loss_fn, example_target, mp)
+        retracer = Retracer(model, example_inputs, loss_fn, example_target, mp)
+        return _plan_traced(model, traced, retracer, mesh, mode, mixed_precision=mp, progress=tracker)[0]
+    finally:
+        if display is not None:
+            display.close()
 
 
 def _read_plan(plan) -> Plan:

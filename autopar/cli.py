@@ -37,7 +37,12 @@ def _plan(argv) -> int:
     ap.add_argument("--gpus-per-node", type=int, default=None)
     ap.add_argument("--mode", default="auto")
     ap.add_argument("--out", default=None, help="directory for plan.json and report.txt")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="S",
+                    help="stop the search after S seconds (once a plan fits) and report the best so far")
+    ap.add_argument("--quiet", action="store_true", help="no live progress line")
     args = ap.parse_args(argv)
+    if args.time_budget is not None and args.time_budget <= 0:
+        ap.error(f"--time-budget must be a positive number of seconds, got {args.time_budget:g}")
     mod_name, _, fn_name = args.factory.partition(":")
     if not fn_name:
         raise SystemExit("factory must be MODULE:FACTORY, e.g. examples.models:gpt_factory")
@@ -47,7 +52,8 @@ def _plan(argv) -> int:
     loss_fn, target = (rest + [None, None])[:2]
     axes = tuple(args.axes.split(",")) if args.axes else None
     mesh = autopar.Mesh(_parse_mesh(args.mesh), axis_names=axes, device=args.device, gpus_per_node=args.gpus_per_node)
-    p = autopar.plan(model, mesh, example_inputs=inputs, loss_fn=loss_fn, example_target=target, mode=args.mode)
+    p = autopar.plan(model, mesh, example_inputs=inputs, loss_fn=loss_fn, example_target=target, mode=args.mode,
+                     time_budget=args.time_budget, progress=not args.quiet)
     print(p.report())
     if args.out:
         out = Path(args.out)

@@ -246,6 +246,7 @@ class Plan:
     optimizer_time: float | None = None          # predicted optimizer seconds on the fullest rank
     grad_sync_overhead: float = 0.0              # seconds of the last gradient bucket (not overlapped)
     candidate: str = ""                          # which search candidate this is, e.g. "DDP layout"
+    search_note: str = ""                        # how the search ended when cut short (a time budget)
     axis_shares: dict = field(default_factory=dict)   # mesh axis -> {"dp"|"tp"|"none": share of work}
     autotune: list[AutotuneTrial] = field(default_factory=list)
     autotune_timing: str = ""

@@ -25,7 +25,8 @@ def render(plan) -> str:
              f"memory options: {plan.memory_options.summary()}",
              f"predicted step time: {_ms(plan.step_time)}   FLOPs/step: {plan.flops:.3e}   "
              f"peak memory/device: {_gb(max(plan.memory_per_device or [0]))}",
-             f"solver: {plan.solver_status} in {plan.solve_time:.2f}s", ""]
+             f"solver: {plan.solver_status} in {plan.solve_time:.2f}s",
+             *([f"note: {plan.search_note}"] if plan.search_note else []), ""]
     lines.append("parameters (placement per mesh axis; gradient sync axes):")
     for name, d in plan.params.items():
         if d.kind != "parameter":

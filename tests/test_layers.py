@@ -18,7 +18,7 @@ LAYERS = [
     ("passes", {"passes"}),
     ("runtime", {"runtime"}),
     ("modules", {"parallel_module", "pipeline_module", "autotune", "build_module"}),
-    ("entry", {"api", "cli", ""}),
+    ("entry", {"api", "cli", "progress_display", ""}),
 ]
 
 

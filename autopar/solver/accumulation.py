@@ -82,15 +82,22 @@ def accumulated(plan: Plan, k: int, traced, mb) -> Plan:
     """``plan`` (solved on the microbatch graph ``mb``) as a plan for the whole step of ``traced``."""
     if k == 1:
         return plan
-    from autopar.solver.pipeline_search import optimizer_time
-
-    once = once_per_step(plan, set(mb.params)) + optimizer_time(plan, plan.optimizer)
-    plan.step_time = k * (plan.step_time - once) + once
+    plan.step_time = accumulated_time(plan, k, set(mb.params))
     plan.flops *= k
     plan.memory_options.accumulation = k
     plan.accumulation_trace = MicrobatchTrace(mb.batch_size, graph_fingerprint(mb.gm))
     plan.fingerprint = graph_fingerprint(traced.gm)
     return plan
+
+
+def accumulated_time(plan: Plan, k: int, params: set[str]) -> float:
+    """T(k) of the module docstring for a plan solved on one microbatch."""
+    if k == 1:
+        return plan.step_time
+    from autopar.solver.pipeline_search import optimizer_time
+
+    once = once_per_step(plan, params) + optimizer_time(plan, plan.optimizer)
+    return k * (plan.step_time - once) + once
 
 
 def once_per_step(plan: Plan, params: set[str]) -> float:

@@ -517,6 +517,8 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
     num_units = len(assign_units(traced.gm)[0])
     plans, failures = [], []
     for cand in cands:
+        if opts.progress is not None and opts.progress.out_of_time():
+            break
         note = f"pp={cand.pp} sub-mesh {dict(zip(cand.sub.axis_names, cand.sub.shape))}"
         if cand.pp > num_units and not forced:
             failures.append((note, f"{num_units} layers < {cand.pp} stages"))

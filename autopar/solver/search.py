@@ -18,11 +18,12 @@ from autopar.graph.retrace import Retracer
 from autopar.mesh import Mesh
 from autopar.plan import Alternative, Plan, PlanError
 from autopar.sharding.placements import R
-from autopar.solver.accumulation import accumulated, memory_choices, microbatch_traced, zero_ladder
+from autopar.solver.accumulation import accumulated, accumulated_time, memory_choices, microbatch_traced, zero_ladder
 from autopar.solver.fit_error import Failure, k_needed, nothing_fits
 from autopar.solver.intra_op import InfeasibleError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
+from autopar.solver.progress import SearchProgress
 
 
 def candidate_meshes(mesh: Mesh) -> list[Mesh]:
@@ -44,6 +45,9 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     """The ``top_k`` best predicted plans that fit memory, best first; each lists the others (and
     the candidates that failed) as its ``alternatives``. Pipeline candidates need ``retracer``."""
     t0 = time.perf_counter()
+    if opts.progress is None:
+        opts = dataclasses.replace(opts, progress=SearchProgress())
+    progress = opts.progress
     mark_chunk_hints(traced.gm)
     ks, choices = memory_choices(traced.batch_size, mode, opts.accumulation, opts.recompute)
     if opts.accumulation and ks[0] > 1 and ("pp" in mesh.axis_names or opts.microbatches or opts.schedule):
@@ -60,6 +64,8 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     for z in stages:
         if z and mesh.size == 1:
             continue                # nothing to shard the state over
+        if progress.out_of_time():
+            break
         got, failed, pipe_failed = _frontier(traced, model, mesh, mode, dataclasses.replace(opts, zero=z), param_ann,
                                              input_ann, retracer, ks, choices, traces)
         plans += got
@@ -88,6 +94,7 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                                          p.memory_options.summary())
                              for p in plans if p is not best] + failed
         best.solve_time = elapsed
+        best.search_note = progress.stopped_note()
     return chosen[:max(1, top_k)]
 
 
@@ -106,10 +113,14 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     failures) as in :func:`_candidates`."""
     plans, failures, pipe_failures = [], [], []
     below, cap = len(ks), _cap(mesh, opts)
+    progress = opts.progress
     for rc in choices:
         i = 0
         while i < below:
             k = ks[i]
+            if progress.out_of_time():
+                return plans, failures, pipe_failures
+            progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
             if k not in traces:
                 traces[k] = microbatch_traced(traced, k, retracer)
             mb = traces[k]
@@ -118,7 +129,8 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
                              + ([f"recompute {rc}"] if rc != "none" else []))
             try:
                 got, failed, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=rc),
-                                                       param_ann, input_ann, retracer, pipelines=pipelines)
+                                                       param_ann, input_ann, retracer, pipelines=pipelines,
+                                                       step_time=lambda p, k=k, mb=mb: accumulated_time(p, k, set(mb.params)))
             except PlanError as err:
                 if k == 1:
                     raise
@@ -141,20 +153,31 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
 
 
 def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
-                input_ann: dict, retracer: Retracer | None, pipelines: bool = True):
+                input_ann: dict, retracer: Retracer | None, pipelines: bool = True, step_time=None):
     """(plans, failures [(mesh, error)], pipeline failures [(note, error)]) of every candidate layout
-    of one traced step: the pipeline candidates, each mesh factorisation, DDP's layout."""
+    of one traced step: the pipeline candidates, each mesh factorisation, DDP's layout. Each is
+    recorded in ``opts.progress`` (``step_time(plan)``: its whole-step time, for the best so far);
+    once the time budget is out no further mesh is solved."""
+    progress = opts.progress or SearchProgress()
+    step_time = step_time or (lambda p: p.step_time)
     pipe_plans, pipe_failures, pipeline_only = (pipeline_plans(traced, model, mesh, mode, opts, param_ann, input_ann,
                                                                retracer) if pipelines else ([], [], False))
+    progress.record(pipe_plans, len(pipe_failures), step_time)
     meshes = [] if pipeline_only else candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
     plans, failures = list(pipe_plans), []
     for m in meshes:
+        if progress.out_of_time():
+            return plans, failures, pipe_failures
         try:
             plans.append(solve_on_mesh(traced, m, mode, opts, param_ann, input_ann))
+            progress.record(plans[-1:], 0, step_time)
         except InfeasibleError as err:
             failures.append((m, err))
-    if mode == ParallelMode.AUTO and len(meshes) > 1:
-        plans += ddp_candidate(traced, mesh, opts, failures)
+            progress.record([], 1, step_time)
+    if mode == ParallelMode.AUTO and len(meshes) > 1 and not progress.out_of_time():
+        got = ddp_candidate(traced, mesh, opts, failures)
+        progress.record(got, 1 - len(got), step_time)
+        plans += got
     return plans, failures, pipe_failures
 
 

@@ -1,0 +1,78 @@
+"""What a running search reports, and when a time budget stops it.
+
+The search (``search.make_plans``) calls ``enter`` at each stage (ZeRO stage, recomputation
+choice, accumulation, pipeline candidates), ``record`` after each candidate it evaluates, and
+asks ``out_of_time`` before solving another one. With ``time_budget_s`` set, once the budget has
+passed and at least one plan fits, no further candidate is solved: the best plan so far is
+returned and its report says the search was cut short (``stopped_note``). Without a fitting plan
+the search goes on to the first one (a budget never turns a plannable model into an error).
+``on_update(progress)`` is called after each change (a display: ``autopar/progress_display.py``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SearchProgress:
+    time_budget_s: float | None = None
+    on_update: Callable[["SearchProgress"], None] | None = None
+    started: float = field(default_factory=time.perf_counter)
+    stage: str = ""
+    evaluated: int = 0               # candidates solved (fitting or not)
+    fitting: int = 0                 # of which fit memory
+    best_time: float = math.inf      # predicted step time of the best fitting plan so far
+    best: str = ""                   # its description
+    stopped: bool = False            # the budget cut the search short
+
+    def __post_init__(self):
+        if self.time_budget_s is not None and not (isinstance(self.time_budget_s, (int, float))
+                                                   and self.time_budget_s > 0):
+            raise ValueError(f"time_budget must be a positive number of seconds, got {self.time_budget_s!r}")
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def enter(self, stage: str) -> None:
+        self.stage = stage
+        self._update()
+
+    def record(self, plans: list, failed: int = 0, step_time: Callable | None = None) -> None:
+        """``plans``: the fitting plans one candidate solve produced; ``failed``: candidates that did
+        not fit; ``step_time(plan)``: a plan's whole-step time (default ``plan.step_time``)."""
+        self.evaluated += len(plans) + failed
+        self.fitting += len(plans)
+        for p in plans:
+            t = step_time(p) if step_time else p.step_time
+            if t < self.best_time:
+                self.best_time = t
+                self.best = _describe(p)
+        self._update()
+
+    def out_of_time(self) -> bool:
+        """True once the budget has passed and a fitting plan exists (then the search stops)."""
+        if self.time_budget_s is None or self.fitting == 0 or self.elapsed() < self.time_budget_s:
+            return False
+        if not self.stopped:
+            self.stopped = True
+            self._update()
+        return True
+
+    def stopped_note(self) -> str:
+        if not self.stopped:
+            return ""
+        return (f"search stopped by the time budget of {self.time_budget_s:g} s after {self.evaluated} candidates "
+                f"(during: {self.stage}); this is the best plan found so far, not necessarily the best there is")
+
+    def _update(self) -> None:
+        if self.on_update is not None:
+            self.on_update(self)
+
+
+def _describe(plan) -> str:
+    d = plan.degrees
+    opts = plan.memory_options.summary()
+    return f"dp={d.get('dp', 1)} tp={d.get('tp', 1)} pp={d.get('pp', 1)}" + (f", {opts}" if opts != "none" else "")

@@ -1,0 +1,66 @@
+"""The search reports its progress and stops at a time budget with the best plan so far."""
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+import autopar
+from autopar.progress_display import ProgressDisplay
+from autopar.solver.progress import SearchProgress
+from autopar.solver.search import rank_key
+from examples import factories
+
+
+def _job():
+    return factories.gpt(hidden=64, layers=2, heads=4, seq=16, batch=8, vocab=128)
+
+
+def _plan(**kw):
+    model, x, loss, target = _job()
+    return autopar.plan(model, autopar.Mesh(8, device="h100"), example_inputs=x, loss_fn=loss,
+                        example_target=target, mode="auto", **kw)
+
+
+def test_progress_reports_stages_counts_and_the_best_so_far():
+    seen = []
+    plan = _plan(progress=lambda p: seen.append((p.stage, p.evaluated, p.fitting, p.best_time)))
+    stages = [s for s, *_ in seen]
+    assert stages[0] == "tracing the training step" and any(s.startswith("ZeRO-0, recompute none") for s in stages)
+    counts = [n for _, n, _, _ in seen]
+    assert counts == sorted(counts) and counts[-1] > 1
+    fitting = seen[-1][2]
+    assert fitting == 1 + sum(a.fits for a in plan.alternatives)
+    assert seen[-1][3] == pytest.approx(min([plan.step_time] + [a.step_time for a in plan.alternatives if a.fits]))
+    assert plan.search_note == "" and "note:" not in plan.report()
+
+
+def test_time_budget_returns_the_best_so_far_and_says_so():
+    full = _plan()
+    cut = _plan(time_budget=1e-3)
+    assert "stopped by the time budget of 0.001 s" in cut.search_note
+    assert "best plan found so far" in cut.report()
+    assert len(cut.alternatives) < len(full.alternatives)
+    assert rank_key(cut) >= rank_key(full)            # what AUTO minimises: never better than the whole search
+
+
+def test_a_bad_time_budget_is_refused():
+    with pytest.raises(ValueError, match="time_budget must be a positive number of seconds, got -1"):
+        _plan(time_budget=-1)
+    out = subprocess.run([sys.executable, "-m", "autopar.cli", "plan", "examples.factories:gpt2_small", "--time-budget",
+                          "0"], capture_output=True, text=True)
+    assert out.returncode != 0 and "--time-budget must be a positive number of seconds, got 0" in out.stderr
+
+
+def test_the_display_writes_one_live_line_without_tqdm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)          # import fails: the plain line is used
+    stream = io.StringIO()
+    display = ProgressDisplay(stream, min_interval_s=0.0)
+    progress = SearchProgress(10.0, display)
+    progress.enter("ZeRO-1, recompute none, accumulation 2")
+    display.close()
+    text = stream.getvalue()
+    assert text.startswith("\rplanning [") and "of 10 s] ZeRO-1, recompute none, accumulation 2" in text
+    assert "0 candidates | no plan fits yet" in text and text.endswith("\n")
