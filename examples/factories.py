@@ -61,3 +61,13 @@ def llama_7b(batch: int = 256, seq: int = 4096):
         model = Llama(vocab=32000, hidden=4096, heads=32, layers=32, seq=seq, ffn=11008)
     x = _tokens(batch, seq, 32000)
     return model, (x,), lm_loss, x
+
+
+def llama_70b(batch: int = 1024, seq: int = 4096):
+    """Llama-2 70B's width and depth: hidden 8192, 80 layers, 64 heads, SwiGLU 28672, vocab 32000.
+    The example Llama has no grouped-query attention: its key/value projections are full width
+    (h x h, not h x 1024), so this model has 78B parameters rather than 69B."""
+    with torch.device("meta"):
+        model = Llama(vocab=32000, hidden=8192, heads=64, layers=80, seq=seq, ffn=28672)
+    x = _tokens(batch, seq, 32000)
+    return model, (x,), lm_loss, x
