@@ -178,3 +178,26 @@ def test_2000_nodes_untied_within_seconds():
     assert sol.status == "OPTIMAL" and sol.solve_time < 30
     loose = IntraOpProblem(p.nodes, p.edges, memory_budget=sol.memory * 1.5, time_limit_s=30)
     assert solve_intra_op(loose).objective == pytest.approx(sol.objective)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lagrangian_path_fits_the_budget_and_never_beats_the_optimum(seed, monkeypatch):
+    """A budgeted model too large for CP-SAT is solved by pricing memory (``_lagrangian``): what it
+    returns fits, is never better than brute force, and an infeasible budget still raises."""
+    from autopar.solver import intra_op
+
+    monkeypatch.setattr(intra_op, "LAGRANGIAN_PAIRS", -1)
+    monkeypatch.setattr(exhaustive, "LIMIT", 0)
+    p = random_problem(np.random.default_rng(seed))
+    if p.memory_budget is None:
+        p.memory_budget = float(sum(nd.memory.mean() for nd in p.nodes))
+    try:
+        expected = brute_force(p)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve_intra_op(p)
+        return
+    got = solve_intra_op(p)
+    assert got.memory <= p.memory_budget
+    assert got.objective >= expected.objective - 1e-6
+    assert evaluate(p, got.choice) == pytest.approx((got.objective, got.memory))

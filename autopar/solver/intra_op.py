@@ -44,6 +44,12 @@ fits the budget it is optimal for the budgeted problem; otherwise it is CP-SAT's
 Small remainder (``_solve``): when the reduced graph's remaining combinations number at most
 ``exhaustive.LIMIT``, they are enumerated exactly instead of building a CP-SAT model.
 
+Large budgeted remainder (``_lagrangian``): when the budgeted CP-SAT model would have more than
+``LAGRANGIAN_PAIRS`` edge-pair variables (building it alone took minutes for a Llama-7B stage on 8
+devices), the budget is priced instead: min time + lam * memory without a budget, lam raised
+until the optimum fits and then bisected; the fitting assignment of least time is returned as
+FEASIBLE (the duality gap is not closed).
+
 Infeasible budget (``_memory_error``): the smallest achievable memory is the same problem with
 memory as the objective and no budget, solved by the same reductions and solvers.
 
@@ -65,6 +71,7 @@ from autopar.solver.class_graph import HUGE_COST, ClassGraph, InfeasibleError, i
 from autopar.solver.exhaustive import enumerate_best, small_enough
 
 GIB = float(1 << 30)
+LAGRANGIAN_PAIRS = 200_000   # a budgeted model with more edge-pair variables is solved by ``_lagrangian``
 _COEF_TARGET = 1e9
 
 
@@ -389,6 +396,9 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
         status, picked = cp_model.OPTIMAL, enumerate_best(g, active, p.memory_budget)
         if picked is None:
             raise _no_assignment(p)
+    elif p.memory_budget is not None and _pair_vars(g) > LAGRANGIAN_PAIRS and \
+            (relaxed := _lagrangian(p, deadline, start)) is not None:
+        return relaxed
     else:
         try:
             mdl, active = _build_model(g, p.memory_budget, hint=_class_hint(class_of, hint))
@@ -407,6 +417,53 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
     objective, memory = evaluate(p, choice)
     return IntraOpSolution(choice, objective, "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
                            time.perf_counter() - start, memory, num_vars)
+
+
+def _pair_vars(g: ClassGraph) -> int:
+    """How many edge-pair variables the CP-SAT model of ``g`` would have."""
+    return int(sum(np.isfinite(m).sum() for m in g.edges.values()))
+
+
+def _lagrangian(p: IntraOpProblem, deadline: float, start: float, steps: int = 12) -> IntraOpSolution | None:
+    """The budgeted problem by its Lagrangian relaxation: minimise time + lam * memory without a
+    budget (the reductions then remove chains and trees, so each solve is fast), with the price
+    lam (s/GiB) raised geometrically until the optimum fits, then bisected (geometric mean,
+    ``steps`` times) between the largest price that did not fit and the smallest that did. The
+    fitting assignment of least time is returned ("FEASIBLE": a Lagrangian solution need not be
+    the budgeted optimum; its gap is the duality gap). None when no price below the forbidden
+    threshold makes it fit (the caller then runs the exact model)."""
+    mem = [np.asarray(n.memory, dtype=float) / GIB for n in p.nodes]
+    ceiling = HUGE_COST / 10 / max(max((float(m[np.isfinite(m)].max(initial=0.0)) for m in mem), default=0.0), 1e-9)
+
+    def at(price: float):
+        nodes = [replace(n, compute=np.asarray(n.compute, dtype=float) + price * m) for n, m in zip(p.nodes, mem)]
+        sol = _solve(replace(p, nodes=nodes, memory_budget=None, hint=None), deadline, None, start)
+        objective, memory = evaluate(p, sol.choice)
+        return sol.choice, objective, memory
+
+    lo, hi, best = 0.0, None, None
+    price = 1e-6
+    while price <= ceiling:
+        choice, objective, memory = at(price)
+        if memory <= p.memory_budget:
+            hi, best = price, (objective, choice, memory)
+            break
+        lo, price = price, price * 8
+    if best is None:
+        return None
+    for _ in range(steps):
+        if time.perf_counter() > deadline:
+            break
+        mid = math.sqrt(lo * hi) if lo > 0 else hi / 8
+        choice, objective, memory = at(mid)
+        if memory <= p.memory_budget:
+            hi = mid
+            if objective < best[0]:
+                best = (objective, choice, memory)
+        else:
+            lo = mid
+    objective, choice, memory = best
+    return IntraOpSolution(choice, objective, "FEASIBLE", time.perf_counter() - start, memory, 0)
 
 
 def _no_assignment(p: IntraOpProblem) -> InfeasibleError:
