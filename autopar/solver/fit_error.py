@@ -46,8 +46,10 @@ def k_needed(failures: list[Failure], cap: float, k: int) -> float | None:
     """The accumulation the failed candidates of one microbatch count ``k`` need, from the one
     that needs least: state S (training state, gathered weights) does not shrink with k,
     activations and transients A do (linearly in the microbatch rows), so it fits from
-    k' = k · A / (cap − S). None when S >= cap for every candidate (no k helps); 0 when no
-    failure carries a breakdown (nothing known: try the next k)."""
+    k' = k · A / (cap − S). 0 when no failure's breakdown leaves room (nothing known: try the next
+    k). A breakdown is the assignment of least *total* memory: when activations dominate it may
+    keep more state than another assignment would, so S >= cap there does not prove that no k
+    helps (the search once ended a ZeRO-1 frontier that fitted at k = 8 on that evidence)."""
     best = None
     sized = [f.breakdown for f in failures if f.breakdown]
     if not sized:
@@ -59,7 +61,7 @@ def k_needed(failures: list[Failure], cap: float, k: int) -> float | None:
         acts = sum(v for key, v in parts.items() if key not in STATE)
         need = k * acts / (cap - state)
         best = need if best is None else min(best, need)
-    return best
+    return 0 if best is None else best
 
 
 def nothing_fits(mesh, failures: list[Failure], cap: float, batch: int) -> PlanError:

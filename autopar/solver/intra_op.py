@@ -374,7 +374,8 @@ def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
     if fits and free.status == "OPTIMAL":
         return free
     try:
-        budgeted = _solve(p, start + p.time_limit_s, free.choice if p.hint is None or not fits else p.hint, start)
+        budgeted = _solve(p, start + p.time_limit_s, free.choice if p.hint is None or not fits else p.hint, start,
+                          relax=free.status == "OPTIMAL")
     except SolverTimeoutError:
         if fits:
             return replace(free, solve_time=time.perf_counter() - start)
@@ -382,9 +383,12 @@ def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
     return free if fits and free.objective < budgeted.objective else replace(budgeted, bound=not fits)
 
 
-def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: float) -> IntraOpSolution:
-    """Reduce, then enumerate (a small remainder, ``exhaustive``) or build and run CP-SAT until
-    ``deadline`` (perf_counter seconds)."""
+def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: float,
+           relax: bool = False) -> IntraOpSolution:
+    """Reduce, then enumerate (a small remainder, ``exhaustive``), or price the budget
+    (``_lagrangian``, when ``relax``: the unbudgeted problem solved to optimality, so priced ones
+    will too, and the budgeted model is large), or build and run CP-SAT until ``deadline``
+    (perf_counter seconds)."""
     g, class_of = _collapse_ties(p)
     _map_edges(p, g, class_of)
     reduce_graph(g)
@@ -396,7 +400,7 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
         status, picked = cp_model.OPTIMAL, enumerate_best(g, active, p.memory_budget)
         if picked is None:
             raise _no_assignment(p)
-    elif p.memory_budget is not None and _pair_vars(g) > LAGRANGIAN_PAIRS and \
+    elif relax and p.memory_budget is not None and _pair_vars(g) > LAGRANGIAN_PAIRS and \
             (relaxed := _lagrangian(p, deadline, start)) is not None:
         return relaxed
     else:
@@ -441,6 +445,15 @@ def _lagrangian(p: IntraOpProblem, deadline: float, start: float, steps: int = 1
         objective, memory = evaluate(p, sol.choice)
         return sol.choice, objective, memory
 
+    try:
+        return _priced_search(p, at, ceiling, deadline, start, steps)
+    except (SolverTimeoutError, InfeasibleError):
+        return None
+
+
+def _priced_search(p: IntraOpProblem, at, ceiling: float, deadline: float, start: float,
+                   steps: int) -> IntraOpSolution | None:
+    """``_lagrangian``'s price search; ``at(price)`` -> (choice, objective, memory)."""
     lo, hi, best = 0.0, None, None
     price = 1e-6
     while price <= ceiling:

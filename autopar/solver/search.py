@@ -107,8 +107,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
               retracer: Retracer | None, ks: list[int], choices: list, traces: dict):
     """The candidates of every recompute choice at the smallest accumulation k that fits it
     (``accumulation.memory_choices``): a choice is tried only below the k that fitted with less
-    recomputation. A failed k skips ahead to the k its memory breakdown needs (``k_needed``); a
-    failure whose state alone exceeds the cap ends the frontier (no k or recomputation helps).
+    recomputation. A failed k skips ahead to the k its memory breakdown needs (``k_needed``).
     ``traces``: k -> the step traced at B/k, shared across calls. (plans, failures, pipeline
     failures) as in :func:`_candidates`."""
     plans, failures, pipe_failures = [], [], []
@@ -144,9 +143,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
                 below = i
                 break
             need = k_needed(here, cap, k)
-            if need is None and not pipe_failed:
-                return plans, failures, pipe_failures
-            i = max(i + 1, next((j for j, kk in enumerate(ks) if kk >= (need or 0)), len(ks)))
+            i = max(i + 1, next((j for j, kk in enumerate(ks) if kk >= need), len(ks)))
         if below == 0:
             break                   # fits at the smallest k: more recomputation only costs time
     return plans, failures, pipe_failures
