@@ -35,8 +35,11 @@ def _shape(v):
 
 
 def _node_sig(node: fx.Node) -> str:
-    args = tuple(a if not isinstance(a, fx.Node) else ("%", _shape(a.meta.get("val"))) for a in node.args)
-    return f"{node.target}|{_shape(node.meta.get('val'))}|{args}"
+    """Target, output shape and arguments, every graph value (also inside lists, e.g. ``cat``'s
+    tensors) by its shape, never its name."""
+    args = fx.node.map_arg(node.args, lambda a: ("%", _shape(a.meta.get("val"))))
+    kwargs = fx.node.map_arg(node.kwargs, lambda a: ("%", _shape(a.meta.get("val"))))
+    return f"{node.target}|{_shape(node.meta.get('val'))}|{args}|{sorted(kwargs.items())}"
 
 
 def find_layers(gm: fx.GraphModule, param_names: dict[str, str]) -> list[Layer]:
