@@ -95,7 +95,7 @@ def _accumulation_graph(traced: Traced, the_plan: Plan, retracer: Retracer | Non
     if retracer is None:
         raise PlanError("a plan with gradient accumulation re-traces the model at its microbatch; build it "
                         "through autopar.parallelize()")
-    mb = microbatch_trace(traced, info.size, retracer)
+    mb = microbatch_trace(traced, info.size, retracer, rescale=False)
     if graph_fingerprint(mb.gm) != info.fingerprint:
         raise PlanError(f"the plan's microbatch graph does not match this model traced at {info.size} rows; make a "
                         "new plan for this model")

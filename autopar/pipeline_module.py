@@ -69,7 +69,7 @@ def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) ->
     info = plan.pipeline
     if info is None:
         raise ValueError("a pipelined plan (degrees pp > 1) needs its pipeline info; make a new plan for this model")
-    mb = microbatch_trace(traced, info.microbatch_size, retracer)
+    mb = microbatch_trace(traced, info.microbatch_size, retracer, rescale=False)
     if graph_fingerprint(mb.gm) != info.microbatch_fingerprint:
         raise ValueError("the plan's microbatch graph does not match this model traced at microbatch size "
                          f"{info.microbatch_size}; make a new plan for this model")

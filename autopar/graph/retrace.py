@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from autopar.graph.chunk_hints import mark_chunk_hints
+from autopar.graph.rescale import reference_batches, rescaled
 from autopar.trace import trace
 
 
@@ -37,16 +38,27 @@ class Retracer:
                              self.mixed_precision)
 
 
-def microbatch_trace(traced, batch: int, retracer: Retracer | None):
-    """The training step traced with every input and the target cut to ``batch`` rows (cached)."""
+def microbatch_trace(traced, batch: int, retracer: Retracer | None, rescale: bool = True):
+    """The training step with every input and the target cut to ``batch`` rows (cached). With
+    ``rescale`` (planning), derived from the traces at the two ``reference_batches`` when they
+    differ only in batch-affine sizes (``graph/rescale.py``), else traced
+    again; the runtime traces (``rescale=False``) and checks the plan's fingerprint."""
     cache = traced.meta.setdefault("microbatch_traces", {})
     if batch == traced.batch_size:
         return traced
-    if batch not in cache:
+    if batch not in cache or (not rescale and cache[batch].meta.get("rescaled")):
         if retracer is None:
             raise ValueError("pipeline planning needs to re-trace the model at the microbatch shape; "
                              "pass a Retracer (autopar.plan()/parallelize() make one)")
-        mb = retracer(batch)
+        refs = reference_batches(traced.batch_size) if rescale else None
+        mb = None
+        if refs is not None and batch not in refs:
+            first, second = (microbatch_trace(traced, b, retracer) for b in refs)
+            mb = rescaled(first, second, batch)
+            if mb is not None:
+                mb.meta["rescaled"] = True
+        if mb is None:
+            mb = retracer(batch)
         mark_chunk_hints(mb.gm)
         cache[batch] = mb
     return cache[batch]

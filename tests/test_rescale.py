@@ -1,0 +1,95 @@
+"""The step at a microbatch size derived from two traces (``graph/rescale.py``) is the graph a
+direct trace gives, or nothing (the caller then traces again)."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.graph.rescale import reference_batches, rescaled
+from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
+from autopar.trace import trace
+from examples.models import GPT, Llama
+
+
+def _lm_loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _cases():
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (8, 8))
+    yield "gpt", GPT(vocab=64, hidden=32, heads=4, layers=2, seq=8), x
+    yield "llama", Llama(vocab=64, hidden=32, heads=4, layers=2, seq=8, ffn=64), x
+
+
+def _vals(gm):
+    out = []
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        out.append((n.name, tuple(v.shape), v.dtype, v.requires_grad, v.stride()) if isinstance(v, torch.Tensor)
+                   else (n.name, type(v).__name__))
+    return out
+
+
+@pytest.mark.parametrize("name,model,x", list(_cases()), ids=["gpt", "llama"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_rescaled_graph_is_the_direct_trace(name, model, x, batch):
+    b1, b2 = reference_batches(8)
+    first = trace(model, (x[:b1],), _lm_loss, x[:b1])
+    got = rescaled(first, trace(model, (x[:b2],), _lm_loss, x[:b2]), batch)
+    direct = trace(model, (x[:batch],), _lm_loss, x[:batch])
+    assert got is not None
+    assert got.gm.code == direct.gm.code
+    assert graph_fingerprint(got.gm) == graph_fingerprint(direct.gm)
+    assert _vals(got.gm) == _vals(direct.gm)
+    assert (got.input_shapes, got.target_shape, got.batch_size) == (direct.input_shapes, direct.target_shape, batch)
+    args = ([p.detach() for p in model.parameters()] + [b for b in model.buffers()] + [x[:batch], x[:batch]])
+    torch.testing.assert_close(got.gm(*args), direct.gm(*args), rtol=0, atol=0)
+
+
+def test_reference_batches():
+    assert [reference_batches(b) for b in (1, 2, 4, 6, 8, 9, 12, 512)] == \
+        [None, None, None, None, (4, 2), None, (6, 3), (256, 128)]
+
+
+class _Squared(nn.Module):
+    """A size that grows as the batch squared: not affine, so not rescaled."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        n = x.shape[0]
+        return self.fc(x).sum() + x.new_zeros(n * n).sum()
+
+
+class _FloatOfBatch(nn.Module):
+    """A float argument that depends on the batch (1/B): not rescaled."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).sum() * (1.0 / x.shape[0])
+
+
+@pytest.mark.parametrize("model", [_Squared(), _FloatOfBatch()], ids=["squared", "float"])
+def test_graphs_that_do_not_rescale_are_traced_again(model):
+    x = torch.randn(16, 4)
+    assert rescaled(trace(model, (x[:8],)), trace(model, (x[:4],)), 2) is None
+    mb = microbatch_trace(trace(model, (x,)), 2, Retracer(model, (x,)))
+    assert not mb.meta.get("rescaled")
+    assert mb.gm.code == trace(model, (x[:2],)).gm.code
+
+
+def test_the_runtime_traces_what_planning_rescaled():
+    model = GPT(vocab=64, hidden=32, heads=4, layers=1, seq=8)
+    x = torch.randint(0, 64, (16, 8))
+    big, retracer = trace(model, (x,), _lm_loss, x), Retracer(model, (x,), _lm_loss, x)
+    planned = microbatch_trace(big, 2, retracer)
+    assert planned.meta.get("rescaled")
+    built = microbatch_trace(big, 2, retracer, rescale=False)
+    assert built is not planned and not built.meta.get("rescaled")
+    assert graph_fingerprint(built.gm) == graph_fingerprint(planned.gm)
