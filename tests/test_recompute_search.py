@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 import autopar
 from conftest import run_ranks
@@ -89,3 +90,21 @@ def test_the_fastest_of_accumulation_and_recomputation_wins():
         autopar.set_auto_parallel_context(recompute=rc)
         forced = autopar.plan(MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="auto")
         assert forced.step_time >= plan.step_time
+
+
+def test_pipeline_stage_memory_drops_what_recomputation_does_not_save():
+    """A pipeline stage holds each in-flight microbatch's saved tensors: under recompute "full"
+    only the layers' inputs (it was charged every saved tensor while paying the recompute time)."""
+    model = GPT(vocab=128, hidden=64, heads=4, layers=4, seq=32)
+    x = torch.randint(0, 128, (8, 32))
+    acts = {}
+    for rc in ("none", "full"):
+        autopar.set_auto_parallel_context(recompute=rc)
+        try:
+            p = autopar.plan(model, autopar.Mesh((2, 1), axis_names=("pp", "tp")), example_inputs=(x,),
+                             loss_fn=lm_loss, example_target=x, mode="semi_auto")
+        finally:
+            autopar.reset_auto_parallel_context()
+        assert p.degrees["pp"] == 2 and p.memory_options.recompute == rc
+        acts[rc] = p.memory_breakdown["activations"]
+    assert acts["full"] < 0.25 * acts["none"]

@@ -181,3 +181,23 @@ def saved_bytes_after(gm, recompute: str | dict, dropout_mask_bytes: int | None 
                 seen.add(key)
                 out.setdefault(a.name, [0, 0])[0] += nbytes
     return {k: (v[0], v[1]) for k, v in out.items()}, inside
+
+
+def saved_storages_after(gm, recompute: str | dict, dropout_mask_bytes: int | None = 1):
+    """``memory.iter_saved_storages`` under a recompute choice: (saving node, storage key, bytes,
+    internal), without what nodes inside regions save and with each region's non-parameter
+    inputs (what a pipeline stage holds per in-flight microbatch)."""
+    graph = _graph(gm)
+    regions = find_regions(graph, choices_for(graph, recompute)) if recompute not in (None, "none") else []
+    inside = {name for r in regions for name in r.nodes}
+    for node, items in _saved_by_node(graph, dropout_mask_bytes).items():
+        if node.name not in inside:
+            for key, _, nbytes in items:
+                yield node.name, key, nbytes, isinstance(key, tuple) and key[:1] == ("internal",)
+    params = _param_keys(graph)
+    for r in regions:
+        for a in _region_inputs(graph, r):
+            key, nbytes = _storage(a)
+            if key not in params:
+                yield a.name, key, nbytes, False
+
