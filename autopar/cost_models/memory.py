@@ -333,15 +333,6 @@ def inflight_microbatches(schedule: str, num_stages: int, stage: int, microbatch
     raise ValueError(f"unknown schedule {schedule!r}; known: none, gpipe, 1f1b, interleaved_1f1b")
 
 
-def iter_saved_storages(gm: fx.GraphModule | fx.Graph,
-                        dropout_mask_bytes: int | None = 1) -> Iterable[tuple[str, object, int, bool]]:
-    """(saving node, storage key, bytes, internal) for every tensor a node saves: the key is the
-    same for every view of one storage (q, k, v split from one projection count once)."""
-    for node, items in _saved_by_node(_graph(gm), dropout_mask_bytes).items():
-        for key, _, nbytes in items:
-            yield node.name, key, nbytes, isinstance(key, tuple) and key[:1] == ("internal",)
-
-
 def iter_saved(gm: fx.GraphModule | fx.Graph, dropout_mask_bytes: int | None = 1) -> Iterable[tuple[str, str, int]]:
     """(node, saved tensor, bytes) for every node that saves something — a debug view."""
     for node, items in _saved_by_node(_graph(gm), dropout_mask_bytes).items():

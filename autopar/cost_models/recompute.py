@@ -155,49 +155,42 @@ def layer_options(gm, device: DeviceSpec | None = None, *, dropout_mask_bytes: i
     return out
 
 
-def saved_bytes_after(gm, recompute: str | dict, dropout_mask_bytes: int | None = 1
-                      ) -> tuple[dict[str, tuple[int, int]], frozenset[str]]:
-    """``memory.saved_bytes_by_node`` under a recompute choice, and the names of the nodes whose
-    forward runs again: what nodes inside regions save is dropped, each region's non-parameter
-    inputs are kept (``saved_after`` of the module docstring, charged to the input's node)."""
-    graph = _graph(gm)
-    regions = find_regions(graph, choices_for(graph, recompute))
-    inside = frozenset(name for r in regions for name in r.nodes)
-    params = _param_keys(graph)
-    out: dict[str, list[int]] = {}
-    seen: set = set()
-    for node, items in _saved_by_node(graph, dropout_mask_bytes).items():
-        if node.name in inside:
-            continue
-        for key, name, nbytes in items:
-            if key not in seen:
-                seen.add(key)
-                internal = isinstance(key, tuple) and key[:1] == ("internal",)
-                out.setdefault(node.name if internal else name, [0, 0])[1 if internal else 0] += nbytes
-    for r in regions:
-        for a in _region_inputs(graph, r):
-            key, nbytes = _storage(a)
-            if key not in params and key not in seen:
-                seen.add(key)
-                out.setdefault(a.name, [0, 0])[0] += nbytes
-    return {k: (v[0], v[1]) for k, v in out.items()}, inside
-
-
-def saved_storages_after(gm, recompute: str | dict, dropout_mask_bytes: int | None = 1):
-    """``memory.iter_saved_storages`` under a recompute choice: (saving node, storage key, bytes,
-    internal), without what nodes inside regions save and with each region's non-parameter
-    inputs (what a pipeline stage holds per in-flight microbatch)."""
-    graph = _graph(gm)
+def _kept(graph: fx.Graph, recompute: str | dict, dropout_mask_bytes: int | None):
+    """(regions' node names, [(saving node, storage key, tensor name, bytes, internal)]): what stays
+    saved under a recompute choice: nothing a node inside a region saves, plus each region's
+    non-parameter inputs (charged to the input's node)."""
     regions = find_regions(graph, choices_for(graph, recompute)) if recompute not in (None, "none") else []
-    inside = {name for r in regions for name in r.nodes}
-    for node, items in _saved_by_node(graph, dropout_mask_bytes).items():
-        if node.name not in inside:
-            for key, _, nbytes in items:
-                yield node.name, key, nbytes, isinstance(key, tuple) and key[:1] == ("internal",)
+    inside = frozenset(name for r in regions for name in r.nodes)
+    kept = [(node.name, key, name, nbytes, isinstance(key, tuple) and key[:1] == ("internal",))
+            for node, items in _saved_by_node(graph, dropout_mask_bytes).items() if node.name not in inside
+            for key, name, nbytes in items]
     params = _param_keys(graph)
     for r in regions:
         for a in _region_inputs(graph, r):
             key, nbytes = _storage(a)
             if key not in params:
-                yield a.name, key, nbytes, False
+                kept.append((a.name, key, a.name, nbytes, False))
+    return inside, kept
+
+
+def saved_bytes_after(gm, recompute: str | dict, dropout_mask_bytes: int | None = 1
+                      ) -> tuple[dict[str, tuple[int, int]], frozenset[str]]:
+    """``memory.saved_bytes_by_node`` under a recompute choice (``_kept``), each storage once, and
+    the names of the nodes whose forward runs again."""
+    inside, kept = _kept(_graph(gm), recompute, dropout_mask_bytes)
+    out: dict[str, list[int]] = {}
+    seen: set = set()
+    for node_name, key, name, nbytes, internal in kept:
+        if key not in seen:
+            seen.add(key)
+            out.setdefault(node_name if internal else name, [0, 0])[1 if internal else 0] += nbytes
+    return {k: (v[0], v[1]) for k, v in out.items()}, inside
+
+
+def saved_storages(gm, recompute: str | dict = "none", dropout_mask_bytes: int | None = 1):
+    """(saving node, storage key, bytes, internal) for every tensor kept for backward under a
+    recompute choice; the key is the same for every view of one storage (q, k, v split from one
+    projection count once)."""
+    _, kept = _kept(_graph(gm), recompute, dropout_mask_bytes)
+    return [(node_name, key, nbytes, internal) for node_name, key, _, nbytes, internal in kept]
 

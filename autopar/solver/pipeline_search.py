@@ -40,7 +40,7 @@ from autopar.context import ParallelMode
 from autopar.cost_models.compute import node_cost, optimizer_step_time, total_flops
 from autopar.cost_models.devices import axis_link
 from autopar.cost_models.memory import dropout_mask_bytes_for, training_state_bytes
-from autopar.cost_models.recompute import saved_storages_after
+from autopar.cost_models.recompute import saved_storages
 from autopar.cost_models.zero import zero_axes
 from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
@@ -108,8 +108,8 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
     specs = PlanSpecs(plan, len(shape))
     by_name = {n.name: n for n in gm.graph.nodes}
     saved: dict[str, list[tuple[object, int, bool]]] = {}
-    for node_name, key, nbytes, internal in saved_storages_after(gm, plan.memory_options.recompute,
-                                                                 dropout_mask_bytes_for(device.name)):
+    for node_name, key, nbytes, internal in saved_storages(gm, plan.memory_options.recompute,
+                                                           dropout_mask_bytes_for(device.name)):
         saved.setdefault(node_name, []).append((key, nbytes, internal))
     coll_time: dict[str, float] = {}
     sync_time: dict[str, float] = {}
