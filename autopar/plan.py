@@ -245,6 +245,8 @@ class Plan:
     memory_budget: float | None = None           # bytes per device the plan was fitted to
     optimizer_time: float | None = None          # predicted optimizer seconds on the fullest rank
     grad_sync_overhead: float = 0.0              # seconds of the last gradient bucket (not overlapped)
+    once_per_step_time: float | None = None      # seconds of step_time run once per step however many
+                                                 # microbatches (grad sync, optimizer, ZeRO-1/2 gathers)
     candidate: str = ""                          # which search candidate this is, e.g. "DDP layout"
     search_note: str = ""                        # how the search ended when cut short (a time budget)
     axis_shares: dict = field(default_factory=dict)   # mesh axis -> {"dp"|"tp"|"none": share of work}

@@ -1,4 +1,5 @@
 """Intra-op CP-SAT solver: agrees with brute force, honours budgets/annotations/ties, scales."""
+import math
 import time
 
 import numpy as np
@@ -65,6 +66,49 @@ def test_matches_brute_force(seed, path, monkeypatch):
         assert len({got.choice[v] for v in group}) == 1
     for v, node in enumerate(p.nodes):
         assert node.allowed is None or got.choice[v] in node.allowed
+
+
+def with_edge_memory(p: IntraOpProblem, rng: np.random.Generator) -> IntraOpProblem:
+    """``p`` with bytes kept on some pairs of half its edges (a parameter's gathered copy: the
+    consumer takes it in another placement) and a budget the kept bytes can break."""
+    for e in p.edges:
+        if rng.random() < 0.5:
+            e.memory = rng.uniform(0, 0.6, e.cost.shape) * (rng.random(e.cost.shape) < 0.5)
+    p.memory_budget = float(sum(nd.memory.mean() for nd in p.nodes)) + 0.3
+    return p
+
+
+@pytest.mark.parametrize("path", ["enumerate", "cp-sat"])
+@pytest.mark.parametrize("seed", range(40))
+def test_edge_memory_counts_against_the_budget(seed, path, monkeypatch):
+    """Bytes kept by an edge's pair (``EdgeCost.memory``) are in the budget: the solver's choice
+    fits with them counted and is the brute-force optimum (which counts them too), through the
+    reductions (dominance, folding, elimination must not drop them) and both finishing paths."""
+    monkeypatch.setattr(exhaustive, "LIMIT", exhaustive.LIMIT if path == "enumerate" else 0)
+    p = with_edge_memory(random_problem(np.random.default_rng(seed)), np.random.default_rng(1000 + seed))
+    expected = _brute_force_or_infeasible(p)
+    if expected is None:
+        return
+    got = solve_intra_op(p)
+    assert got.status == "OPTIMAL"
+    assert got.objective == pytest.approx(expected.objective, abs=1e-6)
+    assert evaluate(p, got.choice) == pytest.approx((got.objective, got.memory))
+    assert got.memory <= p.memory_budget
+
+
+def test_edge_memory_decides_the_choice():
+    """Two nodes whose cheapest pair keeps a gathered copy that breaks the budget: the solver
+    takes the dearer pair that keeps nothing; without the edge memory it would take the cheap one."""
+    nodes = [NodeChoices("w", np.array([0.0, 0.0]), np.array([1.0, 1.0])),
+             NodeChoices("mm", np.array([1.0, 2.0]), np.array([1.0, 1.0]))]
+    kept = np.array([[0.0, 0.0], [5.0, 0.0]])
+    cost = np.array([[0.0, 0.0], [0.0, 0.0]])
+    free = solve_intra_op(IntraOpProblem(nodes, [EdgeCost(0, 1, cost)], memory_budget=3.0))
+    assert free.choice[1] == 0
+    got = solve_intra_op(IntraOpProblem(nodes, [EdgeCost(0, 1, cost, kept)], memory_budget=3.0))
+    assert got.memory <= 3.0 and got.choice == [0, 0]
+    with pytest.raises(InfeasibleError, match="smallest achievable memory is"):
+        solve_intra_op(IntraOpProblem(nodes, [EdgeCost(0, 1, cost, kept + 1.5)], memory_budget=3.0))
 
 
 def test_allowed_overrides_cheaper_choice():
@@ -205,3 +249,44 @@ def test_lagrangian_path_fits_the_budget_and_never_beats_the_optimum(seed, monke
     assert got.memory <= p.memory_budget
     assert got.objective >= expected.objective - 1e-6
     assert evaluate(p, got.choice) == pytest.approx((got.objective, got.memory))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dual_bound_never_exceeds_the_budgeted_optimum(seed):
+    """L(lam) = min (time + lam memory) - lam M is a lower bound on the budgeted optimum for every
+    price (intra_op, Bound), with edge memory counted on both sides."""
+    from autopar.solver.intra_op import _dual_bound
+
+    rng = np.random.default_rng(seed)
+    p = random_problem(rng)
+    if seed % 2:
+        p = with_edge_memory(p, rng)
+    if p.memory_budget is None:
+        p.memory_budget = float(sum(nd.memory.mean() for nd in p.nodes))
+    expected = _brute_force_or_infeasible(p)
+    if expected is None:
+        return
+    p.cutoff = math.inf
+    assert _dual_bound(p, time.perf_counter() + 10, time.perf_counter()) <= expected.objective + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_cutoff_prunes_only_what_cannot_win(seed):
+    """A cutoff above the optimum never prunes (the optimum comes back); one at or below a proven
+    bound raises DominatedError, saying which bound."""
+    from autopar.solver.intra_op import DominatedError, replace
+
+    p = random_problem(np.random.default_rng(seed))
+    if p.memory_budget is None:
+        p.memory_budget = float(sum(nd.memory.mean() for nd in p.nodes))
+    expected = _brute_force_or_infeasible(p)
+    if expected is None:
+        return
+    got = solve_intra_op(replace(p, cutoff=expected.objective + 1e-6))
+    assert got.objective == pytest.approx(expected.objective, abs=1e-6)
+    free = brute_force(replace(p, memory_budget=None))
+    if free.memory <= p.memory_budget:
+        return                      # the unbudgeted optimum fits: it is returned, never pruned
+    with pytest.raises(DominatedError, match="cannot beat the best plan so far") as info:
+        solve_intra_op(replace(p, cutoff=free.objective - 1e-9))
+    assert info.value.unbudgeted and info.value.lower_bound == pytest.approx(free.objective)

@@ -32,7 +32,7 @@ def test_memoised_node_costs_equal_costing_every_node():
     need = grad_nodes(tr.gm.graph)
     keys = set()
     for i, name in enumerate(built.names):
-        comp, mem = node_costs(by_name[name], cands.strategies[name], costing, saved, set(tr.params))
+        comp, mem, _ = node_costs(by_name[name], cands.strategies[name], costing, saved, set(tr.params))
         assert np.array_equal(built.problem.nodes[i].compute, comp), name
         assert np.array_equal(built.problem.nodes[i].memory, mem), name
         keys.add(cost_key(by_name[name], cands.strategies[name], saved, set(tr.params), need))

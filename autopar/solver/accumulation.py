@@ -4,11 +4,14 @@ one after another, gradients summed locally and synchronised once (DDP's ``no_sy
 A plan with accumulation k is solved on the step traced at B/k rows, so the intra-op problem sees
 one microbatch's activations (what must fit) and one microbatch's compute. Its step time is
 
-    T(k) = k · (T_mb − T_once) + T_once,   T_once = gradient sync + last bucket + optimizer step,
-                                           (ZeRO-3: the optimizer step only, ``once_per_step``)
+    T(k) = k · (T_mb − T_once) + T_once,   T_once = gradient sync + last bucket + optimizer step
+                                                    + ZeRO-1/2's weight gathers
+                                           (ZeRO-3: the optimizer step only; ``Plan.once_per_step_time``)
 
 where T_mb is the solved microbatch plan's time: everything but the once-per-step part runs k
-times. Memory is the microbatch plan's (parameters, gradients and optimizer state do not depend on
+times. The intra-op solver minimises T(k) itself, not T_mb (``BuiltProblem.per_step``: each
+node's once-per-step seconds weigh 1/k), so a layout is not chosen for a gradient sync it pays
+once as if it paid it k times. Memory is the microbatch plan's (parameters, gradients and optimizer state do not depend on
 k). ``accumulation_ladder`` gives the k to try: the user's, or, for AUTO and SEMI_AUTO, 1 and then
 powers of two while nothing fits (the smallest k that fits is the fastest: T grows with k).
 """
@@ -82,7 +85,7 @@ def accumulated(plan: Plan, k: int, traced, mb) -> Plan:
     """``plan`` (solved on the microbatch graph ``mb``) as a plan for the whole step of ``traced``."""
     if k == 1:
         return plan
-    plan.step_time = accumulated_time(plan, k, set(mb.params))
+    plan.step_time = accumulated_time(plan, k)
     plan.flops *= k
     plan.memory_options.accumulation = k
     plan.accumulation_trace = MicrobatchTrace(mb.batch_size, graph_fingerprint(mb.gm))
@@ -90,22 +93,9 @@ def accumulated(plan: Plan, k: int, traced, mb) -> Plan:
     return plan
 
 
-def accumulated_time(plan: Plan, k: int, params: set[str]) -> float:
+def accumulated_time(plan: Plan, k: int) -> float:
     """T(k) of the module docstring for a plan solved on one microbatch."""
     if k == 1:
         return plan.step_time
-    from autopar.solver.pipeline_search import optimizer_time
-
-    once = once_per_step(plan, params) + optimizer_time(plan, plan.optimizer)
+    once = plan.once_per_step_time
     return k * (plan.step_time - once) + once
-
-
-def once_per_step(plan: Plan, params: set[str]) -> float:
-    """Seconds of a plan's parameter collectives that run once per step however many microbatches
-    accumulate: the gradient all-reduce (DDP's ``no_sync`` holds it back to the last microbatch) and
-    its last bucket's latency; ZeRO-1/2's reduce-scatter and weight all-gather likewise. ZeRO-3
-    gathers the weights and reduce-scatters the gradients in every microbatch (``runtime/zero.py``):
-    none of it runs once."""
-    if plan.memory_options.zero >= 3:
-        return 0.0
-    return sum(c.time for c in plan.collective_list if c.node in params) + plan.grad_sync_overhead

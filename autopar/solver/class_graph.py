@@ -1,15 +1,21 @@
 """The tie-class graph of an intra-op problem and its exact pre-solve reductions.
 
 Each class (a tie group, or one node) keeps its remaining candidate strategies ``cands`` with
-their compute and memory; each class edge a matrix of resharding times, inf = forbidden.
+their compute and memory; each class edge a matrix of resharding times, inf = forbidden, and
+optionally a matrix of bytes the pair keeps (``edge_memory``: a parameter used in another
+placement than the stored one keeps its gathered copy for backward, which depends on both ends).
 ``reduce_graph`` applies until nothing changes, each reduction exact:
 
     * drop strategies that no allowed pair of some edge can accompany      (``_prune_forbidden``)
     * drop strategy s of v when some t is no worse in compute, memory (if budgeted) and in
-      every incident edge's row: any solution using s stays as good with t (``_drop_dominated``)
-    * a class with one strategy left adds its edge rows to its neighbours  (``_fold_fixed``)
-    * an edge with R[i,j] = a_i + b_j moves a to u and b to v               (``_fold_separable``)
-    * a class of degree <= 2 whose memory does not depend on its choice (or no budget) is
+      every incident edge's row (time, and edge memory if budgeted): any solution using s stays
+      as good with t                                                        (``_drop_dominated``)
+    * a class with one strategy left adds its edge rows (time and memory) to its neighbours
+                                                                            (``_fold_fixed``)
+    * an edge with R[i,j] = a_i + b_j (and its memory likewise) moves a to u and b to v
+                                                                            (``_fold_separable``)
+    * a class of degree <= 2 whose memory does not depend on its choice and whose edges keep
+      no memory (or no budget) is
       eliminated by min-plus products, like Alpa's graph simplification: a leaf adds
       min_j (R[i,j] + c[j]) to its neighbour; a node between u and w becomes an edge
       min_j (R1[i,j] + c[j] + R2[j,k]); its choice is recovered afterwards   (``_eliminate``,
@@ -59,18 +65,30 @@ class ClassGraph:
     eliminated: list[Leaf | Series] = field(default_factory=list)
     fixed_memory: float = 0.0  # memory of eliminated classes
     budgeted: bool = False
+    edge_memory: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # same keys; only edges keeping bytes
 
     def edge(self, a: int, b: int) -> np.ndarray:
         return self.edges[(a, b)] if a < b else self.edges[(b, a)].T
 
-    def add_edge(self, a: int, b: int, matrix: np.ndarray) -> None:
+    def edge_mem(self, a: int, b: int) -> np.ndarray | None:
+        """Bytes kept per pair of the edge (rows: a's candidates), None when it keeps none."""
+        m = self.edge_memory.get((min(a, b), max(a, b)))
+        return None if m is None else (m if a < b else m.T)
+
+    def add_edge(self, a: int, b: int, matrix: np.ndarray, memory: np.ndarray | None = None) -> None:
         key, m = ((a, b), matrix) if a < b else ((b, a), matrix.T)
         self.edges[key] = self.edges[key] + m if key in self.edges else np.array(m, dtype=float)
+        if memory is not None and np.any(memory):
+            mem = memory if a < b else memory.T
+            old = self.edge_memory.get(key)
+            self.edge_memory[key] = np.array(mem, dtype=float) if old is None else old + mem
         self.nbrs[a].add(b)
         self.nbrs[b].add(a)
 
     def remove_edge(self, a: int, b: int) -> None:
-        del self.edges[(min(a, b), max(a, b))]
+        key = (min(a, b), max(a, b))
+        del self.edges[key]
+        self.edge_memory.pop(key, None)
         self.nbrs[a].discard(b)
         self.nbrs[b].discard(a)
 
@@ -78,7 +96,9 @@ class ClassGraph:
         self.cands[a], self.compute[a], self.memory[a] = self.cands[a][keep], self.compute[a][keep], self.memory[a][keep]
         for b in self.nbrs[a]:
             key = (min(a, b), max(a, b))
-            self.edges[key] = self.edges[key][keep] if a < b else self.edges[key][:, keep]
+            for table in (self.edges, self.edge_memory):
+                if key in table:
+                    table[key] = table[key][keep] if a < b else table[key][:, keep]
         if not len(self.cands[a]):
             names = ", ".join(str(v) for v in self.members[a][:4])
             raise InfeasibleError(
@@ -87,8 +107,12 @@ class ClassGraph:
                 f"Relax the annotations or add a rule for the op")
 
     def memory_is_free(self, a: int) -> bool:
+        """Unbudgeted, or the class's memory does not depend on its choice and no edge keeps bytes."""
+        if not self.budgeted:
+            return True
         mem = self.memory[a]
-        return not self.budgeted or float(mem.max() - mem.min()) <= 1e-12 * max(1.0, abs(float(mem.max())))
+        return (float(mem.max() - mem.min()) <= 1e-12 * max(1.0, abs(float(mem.max())))
+                and not any(self.edge_mem(a, b) is not None for b in self.nbrs[a]))
 
 
 def is_forbidden(x: np.ndarray) -> np.ndarray:
@@ -124,7 +148,10 @@ def _drop_dominated(g: ClassGraph) -> bool:
         if k < 2:
             return None
         columns = [g.compute[a][:, None]] + ([g.memory[a][:, None]] if g.budgeted else [])
-        sig = np.hstack(columns + [g.edge(a, b) for b in g.nbrs[a]])
+        columns += [g.edge(a, b) for b in g.nbrs[a]]
+        if g.budgeted:
+            columns += [m for b in g.nbrs[a] if (m := g.edge_mem(a, b)) is not None]
+        sig = np.hstack(columns)
         le = (sig[:, None, :] <= sig[None, :, :]).all(axis=2)  # le[t, s]: t no worse than s
         order = np.arange(k)
         dominates = le & (~le.T | (order[:, None] < order[None, :]))
@@ -140,22 +167,35 @@ def _fold_fixed(g: ClassGraph) -> bool:
         if len(g.cands[a]) == 1 and g.nbrs[a]:
             for b in list(g.nbrs[a]):
                 g.compute[b] = g.compute[b] + g.edge(a, b)[0]
+                if (mem := g.edge_mem(a, b)) is not None:
+                    g.memory[b] = g.memory[b] + mem[0]
                 g.remove_edge(a, b)
             changed = True
     return changed
 
 
+def _separate(m: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(row, col) with m[i, j] = row[i] + col[j], or None."""
+    if not np.isfinite(m).all():
+        return None
+    row, col = m[:, 0], m[0, :] - m[0, 0]
+    return (row, col) if np.allclose(m, row[:, None] + col[None, :], rtol=1e-12, atol=1e-15) else None
+
+
 def _fold_separable(g: ClassGraph) -> bool:
     changed = False
     for (a, b), m in list(g.edges.items()):
-        if not np.isfinite(m).all():
+        time = _separate(m)
+        mem = g.edge_memory.get((a, b))
+        kept = _separate(mem) if mem is not None else (np.zeros(len(m)), np.zeros(m.shape[1]))
+        if time is None or kept is None:
             continue
-        row, col = m[:, 0], m[0, :] - m[0, 0]
-        if np.allclose(m, row[:, None] + col[None, :], rtol=1e-12, atol=1e-15):
-            g.compute[a] = g.compute[a] + row
-            g.compute[b] = g.compute[b] + col
-            g.remove_edge(a, b)
-            changed = True
+        g.compute[a] = g.compute[a] + time[0]
+        g.compute[b] = g.compute[b] + time[1]
+        g.memory[a] = g.memory[a] + kept[0]
+        g.memory[b] = g.memory[b] + kept[1]
+        g.remove_edge(a, b)
+        changed = True
     return changed
 
 

@@ -6,7 +6,7 @@ classes (the tied layer, the embedding, the head) with tens of candidates each: 
 candidate positions i_1..i_n (all combinations, ``prod |cands|`` <= ``LIMIT``):
 
     cost(i)   = sum_a c_a[i_a] + sum_{(a,b)} R_ab[i_a, i_b]
-    memory(i) = fixed + sum_a m_a[i_a]
+    memory(i) = fixed + sum_a m_a[i_a] + sum_{(a,b)} G_ab[i_a, i_b]   (bytes an edge's pair keeps)
     pick      argmin cost(i)  subject to  memory(i) <= budget,  cost(i) finite
 
 Exact (no rounding of coefficients), so the result is OPTIMAL. Combinations are visited in
@@ -36,7 +36,8 @@ def enumerate_best(g: ClassGraph, active: list[int], budget: float | None,
     "memory" (the smallest memory among the combinations with finite cost)."""
     sizes = [len(g.cands[a]) for a in active]
     pos = {a: k for k, a in enumerate(active)}
-    edges = [(pos[a], pos[b], m) for (a, b), m in g.edges.items() if a in pos and b in pos]
+    edges = [(pos[a], pos[b], m, g.edge_memory.get((a, b))) for (a, b), m in g.edges.items()
+             if a in pos and b in pos]
     base = g.fixed_memory + sum(float(g.memory[a].min()) for a in g.alive if a not in pos)
     total = math.prod(sizes)
     best, best_at = math.inf, -1
@@ -48,8 +49,10 @@ def enumerate_best(g: ClassGraph, active: list[int], budget: float | None,
         for k, a in enumerate(active):
             cost += g.compute[a][idx[k]]
             memory += g.memory[a][idx[k]]
-        for i, j, m in edges:
+        for i, j, m, kept in edges:
             cost += m[idx[i], idx[j]]
+            if kept is not None:
+                memory += kept[idx[i], idx[j]]
         ok = np.isfinite(cost)
         if budget is not None:
             ok &= memory <= budget

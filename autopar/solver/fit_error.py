@@ -42,28 +42,6 @@ class Failure:
 STATE = ("parameters", "gradients", "optimizer state", "gathered parameters")
 
 
-def k_needed(failures: list[Failure], cap: float, k: int) -> float | None:
-    """The accumulation the failed candidates of one microbatch count ``k`` need, from the one
-    that needs least: state S (training state, gathered weights) does not shrink with k,
-    activations and transients A do (linearly in the microbatch rows), so it fits from
-    k' = k · A / (cap − S). 0 when no failure's breakdown leaves room (nothing known: try the next
-    k). A breakdown is the assignment of least *total* memory: when activations dominate it may
-    keep more state than another assignment would, so S >= cap there does not prove that no k
-    helps (the search once ended a ZeRO-1 frontier that fitted at k = 8 on that evidence)."""
-    best = None
-    sized = [f.breakdown for f in failures if f.breakdown]
-    if not sized:
-        return 0
-    for parts in sized:
-        state = sum(parts.get(key, 0.0) for key in STATE)
-        if state >= cap:
-            continue
-        acts = sum(v for key, v in parts.items() if key not in STATE)
-        need = k * acts / (cap - state)
-        best = need if best is None else min(best, need)
-    return 0 if best is None else best
-
-
 def nothing_fits(mesh, failures: list[Failure], cap: float, batch: int) -> PlanError:
     """The PlanError for a search in which no candidate fits ``cap`` bytes per device."""
     sized = [f for f in failures if f.breakdown]

@@ -3,8 +3,10 @@
 Problem (``IntraOpProblem``)
     nodes v with candidate strategies s = 0..k_v-1, each with compute time c[v,s] (seconds,
     including the strategy's own collectives) and memory m[v,s] (bytes live at the peak);
-    edges (u, v) with resharding time R[u,v][i,j] when u picks i and v picks j; an optional
-    memory budget M; optional ties (groups of nodes that must pick the same index).
+    edges (u, v) with resharding time R[u,v][i,j] when u picks i and v picks j, and optionally
+    bytes G[u,v][i,j] the pair keeps (a parameter used in another placement than the stored one
+    keeps the gathered copy for backward); an optional memory budget M; optional ties (groups of
+    nodes that must pick the same index).
 
 Variables (``_build_model``)
     x[v,s] in {0,1}             node v picks strategy s
@@ -20,8 +22,10 @@ Constraints
     edge coupling:  sum_j e[u,v,i,j] = x[u,i]  and  sum_i e[u,v,i,j] = x[v,j]
                     This is the exact (transportation) linearisation of e = x[u,i] x[v,j]; its
                     LP relaxation is tighter than e >= x[u,i] + x[v,j] - 1.  (``_add_edge_vars``)
-    memory:         sum_{v,s} m[v,s] x[v,s] <= M, memories rounded up and the budget down,
-                    so a reported solution always fits.                  (``_add_memory``)
+    memory:         sum_{v,s} m[v,s] x[v,s] + sum_{(u,v),i,j} G[u,v][i,j] e[u,v,i,j] <= M,
+                    memories rounded up and the budget down, so a reported solution always
+                    fits. G on the pair variables makes the gathered copies exact in one
+                    solve (they once were priced in a loop of re-solves).  (``_add_memory``)
     forbidden:      strategies with non-finite or >= HUGE_COST compute and pairs with such
                     resharding get no variable, so they cannot be chosen.  (``is_forbidden``, ``_prune_forbidden``)
     allowed:        annotations restrict x[v,s] to ``allowed``             (``_collapse_ties``)
@@ -49,6 +53,15 @@ Large budgeted remainder (``_lagrangian``): when the budgeted CP-SAT model would
 devices), the budget is priced instead: min time + lam * memory without a budget, lam raised
 until the optimum fits and then bisected; the fitting assignment of least time is returned as
 FEASIBLE (the duality gap is not closed).
+
+Bound (``cutoff``, ``_dual_bound``): for any price lam >= 0 (s/GiB),
+    L(lam) = min_x [ time(x) + lam · memory(x) ] − lam · M  <=  the budgeted optimum,
+since every x within the budget has memory(x) <= M (Lagrangian duality; lam = 0 is the
+unbudgeted optimum). Each L(lam) is an unbudgeted solve, which the reductions make fast. When
+the caller gives ``cutoff`` (its best plan so far, in objective units) and a proven (OPTIMAL)
+L(lam) reaches it, the budgeted solve cannot beat that plan: ``DominatedError`` is raised instead
+of running it. lam runs up geometrically until the priced optimum fits (past that L falls off)
+and is then bisected a few times.
 
 Infeasible budget (``_memory_error``): the smallest achievable memory is the same problem with
 memory as the objective and no budget, solved by the same reductions and solvers.
@@ -79,6 +92,18 @@ class SolverTimeoutError(RuntimeError):
     """CP-SAT found no assignment within the time limit."""
 
 
+class DominatedError(Exception):
+    """The problem's proven lower bound is at least its ``cutoff``: it cannot beat the plan the
+    cutoff came from (module docstring, Bound)."""
+
+    def __init__(self, lower_bound: float, cutoff: float, unbudgeted: bool):
+        super().__init__(f"cannot beat the best plan so far: its lower bound {lower_bound:.4g} >= {cutoff:.4g}"
+                         + (" without a memory budget" if unbudgeted else " under the memory budget"))
+        self.lower_bound = lower_bound
+        self.cutoff = cutoff
+        self.unbudgeted = unbudgeted    # the bound ignores memory (lam = 0): it holds for any budget
+
+
 @dataclass
 class NodeChoices:
     name: str
@@ -92,6 +117,7 @@ class EdgeCost:
     src: int
     dst: int
     cost: np.ndarray  # [k_src, k_dst] seconds
+    memory: np.ndarray | None = None  # [k_src, k_dst] bytes the pair keeps (G), None: none
 
 
 @dataclass
@@ -104,6 +130,7 @@ class IntraOpProblem:
     workers: int = 2
     hint: list[int] | None = None  # a feasible assignment (e.g. greedy): CP-SAT starts from it, and it is
                                    # returned (status "FEASIBLE(hint)") if CP-SAT finds nothing in time
+    cutoff: float | None = None    # objective a budgeted solve must beat (module docstring, Bound)
 
 
 @dataclass
@@ -131,6 +158,8 @@ def _validate(p: IntraOpProblem) -> None:
         want = (len(p.nodes[e.src].compute), len(p.nodes[e.dst].compute))
         if np.shape(e.cost) != want:
             raise ValueError(f"edge ({e.src}, {e.dst}): cost shape {np.shape(e.cost)} != {want}")
+        if e.memory is not None and np.shape(e.memory) != want:
+            raise ValueError(f"edge ({e.src}, {e.dst}): memory shape {np.shape(e.memory)} != {want}")
     for group in p.ties:
         ks = {len(p.nodes[v].compute) for v in group}
         if len(ks) > 1:
@@ -178,16 +207,21 @@ def _collapse_ties(p: IntraOpProblem) -> tuple[ClassGraph, list[int]]:
 
 
 def _map_edges(p: IntraOpProblem, g: ClassGraph, class_of: list[int]) -> None:
-    """Edges onto classes; parallel edges summed; an edge inside a class adds its diagonal."""
+    """Edges onto classes; parallel edges summed; an edge inside a class adds its diagonal (time
+    to the class's compute, kept bytes to its memory)."""
     for e in p.edges:
         a, b = class_of[e.src], class_of[e.dst]
         cost = np.asarray(e.cost, dtype=float)
         cost = np.where(is_forbidden(cost), np.inf, cost)
+        mem = None if e.memory is None else np.asarray(e.memory, dtype=float)
         if a == b:
             c = g.cands[a]
             g.compute[a] = g.compute[a] + cost[c, c]
+            if mem is not None:
+                g.memory[a] = g.memory[a] + mem[c, c]
         else:
-            g.add_edge(a, b, cost[np.ix_(g.cands[a], g.cands[b])])
+            pick = np.ix_(g.cands[a], g.cands[b])
+            g.add_edge(a, b, cost[pick], None if mem is None else mem[pick])
 
 
 # ---------------------------------------------------------------- CP-SAT model
@@ -206,8 +240,10 @@ def _scale(g: ClassGraph, active: list[int]) -> float:
     return _COEF_TARGET / largest if largest > 0 else 1.0
 
 
-def _add_edge_vars(mdl: _Model, a: int, b: int, matrix: np.ndarray, scale: float) -> list[tuple]:
-    """e[a,b,i,j] with row sums x[a,i] and column sums x[b,j]; returns (var, cost) terms."""
+def _add_edge_vars(mdl: _Model, a: int, b: int, matrix: np.ndarray, scale: float,
+                   kept: np.ndarray | None = None, kept_terms: list | None = None) -> list[tuple]:
+    """e[a,b,i,j] with row sums x[a,i] and column sums x[b,j]; returns (var, cost) terms and
+    appends (var, bytes) to ``kept_terms`` where the pair keeps bytes (``kept``)."""
     finite = np.isfinite(matrix)
     low = matrix[finite].min()
     rows: list[list] = [[] for _ in range(matrix.shape[0])]
@@ -218,6 +254,8 @@ def _add_edge_vars(mdl: _Model, a: int, b: int, matrix: np.ndarray, scale: float
         rows[i].append(var)
         cols[j].append(var)
         terms.append((var, int(round((matrix[i, j] - low) * scale))))
+        if kept is not None and kept_terms is not None:
+            kept_terms.append((var, float(kept[i, j])))
     for i, vars_ in enumerate(rows):
         mdl.model.Add(sum(vars_) == mdl.x[a][i])
     for j, vars_ in enumerate(cols):
@@ -226,16 +264,21 @@ def _add_edge_vars(mdl: _Model, a: int, b: int, matrix: np.ndarray, scale: float
     return terms
 
 
-def _add_memory(mdl: _Model, g: ClassGraph, active: list[int], budget: float) -> None:
-    """sum m x <= budget, in units of 1e-9 of the largest spread, memories ceiled, budget floored."""
-    base = g.fixed_memory + sum(float(g.memory[a].min()) for a in g.alive)
-    spread = max((float(np.ptp(g.memory[a])) for a in active), default=0.0)
+def _add_memory(mdl: _Model, g: ClassGraph, active: list[int], budget: float, kept: dict) -> None:
+    """sum m x + sum G e <= budget, in units of 1e-9 of the largest spread, memories ceiled,
+    budget floored. ``kept``: edge key -> [(pair variable, bytes)] of the edges keeping bytes
+    (``G``; each edge's smallest allowed pair is in the base)."""
+    low = {key: min(b for _, b in pairs) for key, pairs in kept.items() if pairs}
+    base = g.fixed_memory + sum(float(g.memory[a].min()) for a in g.alive) + sum(low.values())
+    spread = max([float(np.ptp(g.memory[a])) for a in active]
+                 + [max(b for _, b in pairs) - low[key] for key, pairs in kept.items() if pairs], default=0.0)
     if base > budget:
         raise _OverBudget(base)
     if spread == 0:
         return
     unit = spread / _COEF_TARGET
     terms = [(x, math.ceil((m - g.memory[a].min()) / unit)) for a in active for x, m in zip(mdl.x[a], g.memory[a])]
+    terms += [(e, math.ceil((b - low[key]) / unit)) for key, pairs in kept.items() for e, b in pairs]
     mdl.model.Add(sum(c * x for x, c in terms if c) <= math.floor((budget - base) / unit))
 
 
@@ -262,10 +305,12 @@ def _build_model(g: ClassGraph, budget: float | None, hint: dict[int, int] | Non
         mdl.num_vars += len(mdl.x[a])
     scale = _scale(g, active)
     terms = [(x, int(round((c - g.compute[a].min()) * scale))) for a in active for x, c in zip(mdl.x[a], g.compute[a])]
+    kept: dict[tuple[int, int], list] = {}
     for (a, b), m in g.edges.items():
-        terms += _add_edge_vars(mdl, a, b, m, scale)
+        mem = g.edge_memory.get((a, b)) if budget is not None else None
+        terms += _add_edge_vars(mdl, a, b, m, scale, mem, kept.setdefault((a, b), []) if mem is not None else None)
     if budget is not None:
-        _add_memory(mdl, g, active, budget)
+        _add_memory(mdl, g, active, budget, kept)
     mdl.model.Minimize(sum(c * x for x, c in terms if c))
     return mdl, active
 
@@ -294,8 +339,9 @@ def _memory_problem(p: IntraOpProblem) -> IntraOpProblem:
     nodes = [NodeChoices(n.name, np.where(is_forbidden(np.asarray(n.compute, dtype=float)), np.inf,
                                           np.asarray(n.memory, dtype=float) / GIB), n.memory, n.allowed)
              for n in p.nodes]
-    edges = [EdgeCost(e.src, e.dst, np.where(is_forbidden(np.asarray(e.cost, dtype=float)), np.inf, 0.0))
-             for e in p.edges]
+    edges = [EdgeCost(e.src, e.dst, np.where(is_forbidden(np.asarray(e.cost, dtype=float)), np.inf,
+                                             0.0 if e.memory is None else np.asarray(e.memory, dtype=float) / GIB),
+                      e.memory) for e in p.edges]
     return IntraOpProblem(nodes, edges, None, p.ties, p.time_limit_s, p.workers)
 
 
@@ -331,8 +377,13 @@ def evaluate(p: IntraOpProblem, choice: list[int]) -> tuple[float, float]:
     total += sum(float(e.cost[choice[e.src], choice[e.dst]]) for e in p.edges)
     forbidden = any(is_forbidden(np.asarray(n.compute[s])) for n, s in zip(p.nodes, choice)) or any(
         is_forbidden(np.asarray(e.cost[choice[e.src], choice[e.dst]])) for e in p.edges)
-    memory = sum(float(n.memory[s]) for n, s in zip(p.nodes, choice))
+    memory = sum(float(n.memory[s]) for n, s in zip(p.nodes, choice)) + edge_memory(p, choice)
     return (math.inf if forbidden else total), memory
+
+
+def edge_memory(p: IntraOpProblem, choice: list[int]) -> float:
+    """Bytes the edges' chosen pairs keep (sum of G)."""
+    return sum(float(e.memory[choice[e.src], choice[e.dst]]) for e in p.edges if e.memory is not None)
 
 
 def solve_intra_op(p: IntraOpProblem) -> IntraOpSolution:
@@ -373,6 +424,12 @@ def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
     fits = free.memory <= p.memory_budget
     if fits and free.status == "OPTIMAL":
         return free
+    if free.status == "OPTIMAL" and p.cutoff is not None:
+        if free.objective >= p.cutoff:
+            raise DominatedError(free.objective, p.cutoff, unbudgeted=True)
+        bound = _dual_bound(p, start + p.time_limit_s / 2, start)
+        if bound >= p.cutoff:
+            raise DominatedError(bound, p.cutoff, unbudgeted=False)
     try:
         budgeted = _solve(p, start + p.time_limit_s, free.choice if p.hint is None or not fits else p.hint, start,
                           relax=free.status == "OPTIMAL")
@@ -396,6 +453,9 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
     num_vars = sum(len(g.cands[a]) for a in active)
     if not active:
         status, picked = cp_model.OPTIMAL, {a: int(g.cands[a][0]) for a in g.alive}
+        if p.memory_budget is not None and evaluate(p, _expand(class_of, recover_choices(g, dict(picked))))[1] > \
+                p.memory_budget:
+            raise _no_assignment(p)     # nothing left to choose, and it does not fit
     elif small_enough(g, active):
         status, picked = cp_model.OPTIMAL, enumerate_best(g, active, p.memory_budget)
         if picked is None:
@@ -441,7 +501,9 @@ def _lagrangian(p: IntraOpProblem, deadline: float, start: float, steps: int = 1
 
     def at(price: float):
         nodes = [replace(n, compute=np.asarray(n.compute, dtype=float) + price * m) for n, m in zip(p.nodes, mem)]
-        sol = _solve(replace(p, nodes=nodes, memory_budget=None, hint=None), deadline, None, start)
+        edges = [e if e.memory is None else replace(e, cost=np.asarray(e.cost, dtype=float) + price * e.memory / GIB)
+                 for e in p.edges]
+        sol = _solve(replace(p, nodes=nodes, edges=edges, memory_budget=None, hint=None), deadline, None, start)
         objective, memory = evaluate(p, sol.choice)
         return sol.choice, objective, memory
 
@@ -477,6 +539,46 @@ def _priced_search(p: IntraOpProblem, at, ceiling: float, deadline: float, start
             lo = mid
     objective, choice, memory = best
     return IntraOpSolution(choice, objective, "FEASIBLE", time.perf_counter() - start, memory, 0)
+
+
+def _dual_bound(p: IntraOpProblem, deadline: float, start: float, bisections: int = 4) -> float:
+    """max over the prices tried of L(lam) (module docstring, Bound); stops early once it reaches
+    ``p.cutoff``. A priced solve that is not proven optimal gives no bound."""
+    mem = [np.asarray(n.memory, dtype=float) / GIB for n in p.nodes]
+    budget = p.memory_budget / GIB
+    best = -math.inf
+
+    def at(price: float) -> bool:
+        """L(price) into ``best``; True when the priced optimum fits."""
+        nonlocal best
+        nodes = [replace(n, compute=np.asarray(n.compute, dtype=float) + price * m) for n, m in zip(p.nodes, mem)]
+        edges = [e if e.memory is None else replace(e, cost=np.asarray(e.cost, dtype=float) + price * e.memory / GIB)
+                 for e in p.edges]
+        sol = _solve(replace(p, nodes=nodes, edges=edges, memory_budget=None, hint=None, cutoff=None), deadline,
+                     None, start)
+        objective, memory = evaluate(p, sol.choice)
+        if sol.status == "OPTIMAL":
+            best = max(best, objective + price * (memory / GIB - budget))
+        return memory <= p.memory_budget
+
+    lo, hi, price = 0.0, None, 1e-4
+    try:
+        while price < 1e4 and time.perf_counter() < deadline and best < p.cutoff:
+            if at(price):
+                hi = price
+                break
+            lo, price = price, price * 8
+        for _ in range(bisections if hi is not None and lo > 0 else 0):
+            if time.perf_counter() > deadline or best >= p.cutoff:
+                break
+            mid = math.sqrt(lo * hi)
+            if at(mid):
+                hi = mid
+            else:
+                lo = mid
+    except (SolverTimeoutError, InfeasibleError):
+        pass
+    return best
 
 
 def _no_assignment(p: IntraOpProblem) -> InfeasibleError:
@@ -518,6 +620,8 @@ def brute_force(p: IntraOpProblem, max_assignments: int = 2_000_000) -> IntraOpS
     for e in p.edges:
         c = np.asarray(e.cost, dtype=float)
         objective += np.where(is_forbidden(c), np.inf, c)[choice[:, e.src], choice[:, e.dst]]
+        if e.memory is not None:
+            memory += np.asarray(e.memory, dtype=float)[choice[:, e.src], choice[:, e.dst]]
     if p.memory_budget is not None:
         objective = np.where(memory <= p.memory_budget, objective, np.inf)
     best = int(np.argmin(objective)) if len(objective) else 0
@@ -527,5 +631,5 @@ def brute_force(p: IntraOpProblem, max_assignments: int = 2_000_000) -> IntraOpS
                            time.perf_counter() - start, float(memory[best]), 0)
 
 
-__all__ = ["HUGE_COST", "EdgeCost", "InfeasibleError", "IntraOpProblem", "IntraOpSolution", "NodeChoices",
+__all__ = ["HUGE_COST", "DominatedError", "EdgeCost", "InfeasibleError", "IntraOpProblem", "IntraOpSolution", "NodeChoices",
            "SolverTimeoutError", "brute_force", "evaluate", "solve_intra_op"]

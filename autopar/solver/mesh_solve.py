@@ -24,7 +24,7 @@ from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard, shard_factor
 from autopar.solver.decode import decode, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
-from autopar.solver.intra_op import InfeasibleError, evaluate, solve_intra_op
+from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
 from autopar.solver.progress import SearchProgress
 from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
                                     transient_bytes, zero3_gathered)
@@ -196,9 +196,14 @@ def _outs(st):
 
 
 def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict,
-                  ranks_per_node: int | None = None) -> Plan:
+                  ranks_per_node: int | None = None, microbatches: int = 1, cutoff: float | None = None) -> Plan:
     """``ranks_per_node``: ranks sharing a node (default: this mesh's); a pipeline stage's
-    sub-mesh passes the whole mesh's, since every stage runs at the same time."""
+    sub-mesh passes the whole mesh's, since every stage runs at the same time. ``traced`` is one
+    microbatch of a step that runs ``microbatches`` of them (accumulation, or a pipeline's): the
+    solver minimises the whole step, in which the gradient sync and optimizer step run once
+    (``BuiltProblem.per_step``). ``cutoff``: the best whole-step time so far; a candidate whose
+    lower bound (``microbatches`` x its unbudgeted per-step optimum) reaches it raises
+    ``DominatedError`` instead of being solved under the budget."""
     t0 = time.perf_counter()
     device = mesh.spec()
     per_node = ranks_per_node or min(mesh.size, mesh.gpus_per_node or mesh.size)
@@ -215,7 +220,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
     built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
     try:
-        sol, gathered, transient = _solve_within(traced, cands, built, costing, budget)
+        sol, gathered, transient = _solve_within(traced, cands, built, costing, budget, microbatches, cutoff)
         layers = zero3_gathered(traced.gm, cands, built, sol.choice, costing, traced.params)
     except InfeasibleError as err:
         if getattr(err, "choice", None) is not None:
@@ -238,6 +243,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 grad_compression=opts.grad_compression, optimizer=opts.optimizer, memory_budget=budget,
                 grad_sync_overhead=last_bucket, axis_shares=shares,
+                once_per_step_time=built.once_time(sol.choice) + last_bucket,
                 options={"precision": opts.precision, "solver_vars": sol.num_vars},
                 memory_options=MemoryOptions(mixed_precision=opts.mixed_precision,
                                              reduce_dtype="bf16" if opts.grad_compression == "bf16" else "fp32",
@@ -275,16 +281,20 @@ def zero_collective_list(colls: list[Collective], stage: int, params: set[str], 
     return out
 
 
-def _solve_within(traced, cands, built, costing: Costing, budget: float, tries: int = 6):
-    """Solve, then add what the ILP's per-node memory does not see: parameters a consumer keeps
-    in another placement than the stored one (per edge), ZeRO-3's gathered layer and the largest
-    op's backward transients (one maximum each). While the sum exceeds ``budget``: the ILP's
-    budget is lowered by the last two, and the gathered copies are priced on their edges at
-    lambda s/byte, starting at objective / budget and growing 4x per try (Lagrangian); without
-    gathered copies, the budget is lowered by the overflow. The step time reported is the
-    unpriced one."""
+def _solve_within(traced, cands, built, costing: Costing, budget: float, microbatches: int = 1,
+                  cutoff: float | None = None, tries: int = 6):
+    """Solve, then add what the ILP's memory row does not hold exactly: ZeRO-3's gathered layer
+    and the largest op's backward transients (a maximum each, not a sum), and the gathered
+    parameter copies counted once per (parameter, placement) where the row charges them per edge
+    (``resharded_param_bytes``, never more than the row's). While the sum exceeds ``budget``, the
+    ILP's budget is lowered by the two maxima of the last solution (or, when that no longer
+    lowers it, by the overflow) and the problem solved again. Returns (solution with its memory
+    row's bytes less the edges', gathered copies + ZeRO-3 layers, transients). The problem solved is
+    the per-step one (``BuiltProblem.per_step``); the solution's objective is one microbatch's."""
     params = set(traced.params)
-    problem, limit, price = built.problem, budget, 0.0
+    whole = built.per_step(microbatches)
+    limit = budget
+    problem = dataclasses.replace(whole, cutoff=None if cutoff is None else cutoff / microbatches)
     smallest = None                 # (total bytes, choice) of the smallest assignment tried
     for attempt in range(tries):
         try:
@@ -296,32 +306,29 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, tries: 
             raise
         if attempt:
             sol = dataclasses.replace(sol, bound=True)
+        node_bytes = sol.memory - edge_memory(built.problem, sol.choice)
         resharded = resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
         zero3 = zero3_gathered(traced.gm, cands, built, sol.choice, costing, traced.params)
         transient = transient_bytes(traced.gm, cands, built, sol.choice, costing, params)
         gathered = resharded + zero3
-        over = sol.memory + gathered + transient - budget
+        over = node_bytes + gathered + transient - budget
         if over <= 0:
             break
         if smallest is None or over + budget < smallest[0]:
             smallest = (over + budget, sol.choice)
-        limit = min(limit, budget - zero3 - transient)
-        if resharded > 0 and built.gathered:
-            price = 4 * price if price else evaluate(built.problem, sol.choice)[0] / budget
-        else:
-            limit = min(limit, sol.memory - over)
-        problem = dataclasses.replace(built.pricing_gathered(price), memory_budget=limit)
+        lowered = min(limit, budget - zero3 - transient)
+        limit = lowered if lowered < limit else min(limit, sol.memory - over)
+        problem = dataclasses.replace(whole, memory_budget=limit)
     else:
         err = InfeasibleError(
             f"no strategy assignment fits the memory budget of {budget / 2**30:.3f} GiB ({budget:.4g} B): the best "
-            f"found keeps {sol.memory:.4g} B of state and activations plus {gathered:.4g} B of gathered parameters "
+            f"found keeps {node_bytes:.4g} B of state and activations plus {gathered:.4g} B of gathered parameters "
             f"and {transient:.4g} B of backward transients. Use more devices, pipeline parallelism, activation "
             "checkpointing or optimizer-state sharding, or raise the budget")
         err.choice = smallest[1]
         raise err
-    if price:
-        sol = dataclasses.replace(sol, objective=evaluate(built.problem, sol.choice)[0])
-    return sol, gathered, transient
+    objective = evaluate(built.problem, sol.choice)[0] if microbatches > 1 else sol.objective
+    return dataclasses.replace(sol, memory=node_bytes, objective=objective), gathered, transient
 
 
 def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> dict[str, float]:

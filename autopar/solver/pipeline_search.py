@@ -312,9 +312,10 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     def solve(m):
         mb = microbatch_trace(traced, batch // m, retracer)
         try:
-            sub_plan = solve_on_mesh(mb, cand.sub, mode, free, param_ann, input_ann, per_node)
-        except InfeasibleError:     # pp x the cap only guides the whole model's layout; the partition
-            sub_plan = solve_on_mesh(mb, cand.sub, mode, loose, param_ann, input_ann, per_node)    # enforces it
+            sub_plan = solve_on_mesh(mb, cand.sub, mode, free, param_ann, input_ann, per_node, microbatches=m)
+        except InfeasibleError:     # pp x the cap only guides the whole model's layout:
+            sub_plan = solve_on_mesh(mb, cand.sub, mode, loose, param_ann, input_ann, per_node,
+                                     microbatches=m)    # the partition enforces it
         units_m, unit_of = assign_units(mb.gm)
         return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, device, opts)
 

@@ -13,6 +13,9 @@ node memory m[v,s] = parameters: training-state bytes (weights, grads, optimizer
                        / shard factor of v's first input or output, the larger
 edge cost R[u,v]   = redistribution of u's output spec into v's required input spec,
                      forward collectives plus their conjugates in backward  (``_edge_cost``)
+edge memory G[u,v] = a parameter u that v takes in another placement than the stored one and
+                     saves for backward: the gathered copy's bytes  (``_gathered_matrix``;
+                     per edge, so two consumers saving the same copy are both charged)
 
 Gradient sync of a parameter is bucketed at run time (DDP buckets of ``GRAD_BUCKET_BYTES``, the
 pipeline's one flat buffer), so one parameter of n bytes pays the bandwidth term in full and
@@ -41,7 +44,7 @@ from autopar.sharding.local_impls import local_collectives
 from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
 from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
 from autopar.sharding.strategy import Strategy, tensor_inputs
-from autopar.solver.intra_op import HUGE_COST, EdgeCost, IntraOpProblem, NodeChoices
+from autopar.solver.intra_op import HUGE_COST, EdgeCost, IntraOpProblem, NodeChoices, is_forbidden
 
 
 
@@ -165,37 +168,42 @@ def _local_impl_time(node: fx.Node, st: Strategy, c: Costing) -> float:
     return sum(c.comm(kind, nbytes, ax) for kind, nbytes, ax, _ in local_collectives(node, st, c.mesh_shape))
 
 
-def _param_state_cost(numel: float, parts: list[float], st: Strategy, c: Costing) -> tuple[float, float]:
-    """(bytes, seconds) of one parameter's local piece of ``numel`` elements and (weights,
+def _param_state_cost(numel: float, parts: list[float], st: Strategy, c: Costing) -> tuple[float, float, float]:
+    """(bytes, seconds, of which once per step) of one parameter's local piece of ``numel`` elements and (weights,
     gradients, optimizer state) bytes ``parts``: its training state and optimizer step, under
     ``c.zero`` sharded over the ``d`` ranks of the axes it is replicated on (``cost_models/zero.py``:
     the state divides stage by stage, the step by ``d``). ZeRO's reduce-scatter is costed by the
     consumers' gradient sync (``Costing.grad_sync``); its weight all-gathers, bucketed too (by
     25 MB for stages 1, 2, by layer for stage 3), are added: one after the optimizer step
-    (stages 1, 2), one before the layer's forward and one before its backward (stage 3)."""
+    (stages 1, 2), one before the layer's forward and one before its backward (stage 3). Only
+    stage 3's gathers run in every microbatch."""
     if not c.zero:
-        return sum(parts), optimizer_step_time(numel, c.device, 1, c.optimizer)
+        step = optimizer_step_time(numel, c.device, 1, c.optimizer)
+        return sum(parts), step, step
     axes, d = zero_axes(st.output, c.mesh_shape)
     gathers = 2 if c.zero == 3 else 1
-    seconds = optimizer_step_time(numel / d, c.device, 1, c.optimizer)
-    seconds += gathers * sum(c.bucketed("all_gather", parts[0], a) for a in axes)
-    return sharded_state(*parts, d, c.zero), seconds
+    step = optimizer_step_time(numel / d, c.device, 1, c.optimizer)
+    gathered = gathers * sum(c.bucketed("all_gather", parts[0], a) for a in axes)
+    return sharded_state(*parts, d, c.zero), step + gathered, step + (0.0 if c.zero == 3 else gathered)
 
 
 def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dict,
-               traced_params: set[str], recomputed: bool = False) -> tuple[np.ndarray, np.ndarray]:
+               traced_params: set[str], recomputed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per strategy: seconds (compute, own collectives, gradient sync; + the forward again when
-    ``recomputed``) and the bytes the node keeps (training state, or saved activations)."""
+    ``recomputed``), the bytes the node keeps (training state, or saved activations), and the
+    part of the seconds that runs once per step however many microbatches accumulate (gradient
+    sync of parameters, the optimizer step, ZeRO-1/2's weight gathers; ``accumulation.py``)."""
     k = len(strategies)
-    compute, memory = np.zeros(k), np.zeros(k)
+    compute, memory, once = np.zeros(k), np.zeros(k), np.zeros(k)
     if node.op == "placeholder":
         if node.name in traced_params:
             v = node.meta["val"]
             parts = training_state_parts(v.numel(), v.dtype, c.optimizer, c.precision)
             for s, st in enumerate(strategies):
                 shards = shard_factor(st.output, c.mesh_shape)
-                memory[s], compute[s] = _param_state_cost(v.numel() / shards, [p / shards for p in parts], st, c)
-        return compute, memory
+                memory[s], compute[s], once[s] = _param_state_cost(v.numel() / shards, [p / shards for p in parts],
+                                                                   st, c)
+        return compute, memory, once
     base = node_cost(node, c.device)
     need = grad_nodes(node.graph)
     ins = tensor_inputs(node)
@@ -209,13 +217,16 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
             # consumers needing the same gradient all-reduce share one (the pass emits one per
             # producer, spec and axis), so each pays its share
             nbytes = tensor_bytes(ins[i]) / shard_factor(st.inputs[i], c.mesh_shape)
-            sync = c.grad_sync(nbytes, a) if ins[i].name in traced_params else c.comm("all_reduce", nbytes, a)
-            compute[s] += sync / max(1, len(ins[i].users))
+            param = ins[i].name in traced_params
+            sync = (c.grad_sync(nbytes, a) if param else c.comm("all_reduce", nbytes, a)) / max(1, len(ins[i].users))
+            compute[s] += sync
+            if param and c.zero < 3:            # ZeRO-3 reduce-scatters in every microbatch
+                once[s] += sync
         compute[s] += _local_impl_time(node, st, c)
         out_shard = max(1, shard_factor(_outs(st)[0], c.mesh_shape))
         in_shard = shard_factor(st.inputs[0], c.mesh_shape) if st.inputs else 1
         memory[s] = act / out_shard + internal / max(out_shard, in_shard)
-    return compute, memory
+    return compute, memory, once
 
 
 def _saved_pair(saved: dict, name: str) -> tuple[int, int]:
@@ -241,18 +252,27 @@ def cost_key(node: fx.Node, strategies: list[Strategy], saved: dict, traced_para
 
 @dataclass
 class BuiltProblem:
+    """``problem``: one microbatch's costs (the plan's node times); ``once[v]``: the part of node
+    v's seconds that runs once per step (``node_costs``)."""
     problem: IntraOpProblem
     names: list[str]
     index: dict[str, int]
-    gathered: dict = field(default_factory=dict)   # edge index -> bytes of a parameter kept gathered [i, j]
+    once: list[np.ndarray] = field(default_factory=list)
 
-    def pricing_gathered(self, seconds_per_byte: float) -> IntraOpProblem:
-        """The problem with each gathered parameter copy priced at ``seconds_per_byte`` on its
-        edge (a Lagrangian term: the ILP's memory row is per node and cannot see these bytes)."""
-        edges = list(self.problem.edges)
-        for e, nbytes in self.gathered.items():
-            edges[e] = dataclasses.replace(edges[e], cost=edges[e].cost + seconds_per_byte * nbytes)
-        return dataclasses.replace(self.problem, edges=edges)
+    def per_step(self, microbatches: int) -> IntraOpProblem:
+        """The problem whose objective is the step time over ``microbatches`` microbatches run one
+        after another, divided by their number: c[v,s] - (1 - 1/k) once[v,s]. Minimising it
+        minimises T(k) = k · every + once (``accumulation.py``); for k = 1 it is ``problem``."""
+        if microbatches == 1:
+            return self.problem
+        f = 1.0 - 1.0 / microbatches
+        nodes = [dataclasses.replace(n, compute=np.where(is_forbidden(n.compute), n.compute, n.compute - f * o))
+                 if o.any() else n for n, o in zip(self.problem.nodes, self.once)]
+        return dataclasses.replace(self.problem, nodes=nodes)
+
+    def once_time(self, choice: list[int]) -> float:
+        """Seconds of an assignment's step that run once per step."""
+        return float(sum(o[s] for o, s in zip(self.once, choice)))
 
 
 def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set[str],
@@ -272,22 +292,22 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     kinds = c._memo.get(("kinds", id(cands)))
     if kinds is None:               # repeated layers: one structural key per distinct op, shapes and strategies
         kinds = c._memo[("kinds", id(cands))] = _node_kinds(by_name, cands, params, need)
-    nodes = []
+    nodes, once = [], []
     for n in names:
         key = ("node", kinds[n], _saved_pair(saved, n), n in again, c.optimizer, c.precision, c.zero)
         if key not in c._memo:     # shared by every solve of this graph on this mesh and device
             c._memo[key] = node_costs(by_name[n], cands.strategies[n], c, saved, params, n in again)
-        comp, mem = c._memo[key]
+        comp, mem, per_step = c._memo[key]
         nodes.append(NodeChoices(n, comp.copy(), mem.copy(), allowed.get(n)))
+        once.append(per_step)
     if ("edges", id(cands)) not in c._memo:
         c._memo[("edges", id(cands))] = _edges_of(by_name, names, index, cands, c, params, need, mask)
-    edges, gathered = c._memo[("edges", id(cands))]
-    edges, gathered = list(edges), dict(gathered)
+    edges = list(c._memo[("edges", id(cands))])
     ties_idx = [[index[t] for t in g if t in index] for g in ties]
     ties_idx = [g for g in ties_idx if len(g) > 1 and len({len(cands.strategies[names[i]]) for i in g}) == 1]
     prob = IntraOpProblem(nodes, edges, memory_budget, ties_idx, time_limit_s)
     prob.hint = feasible_hint(prob)
-    return BuiltProblem(prob, names, index, gathered)
+    return BuiltProblem(prob, names, index, once)
 
 
 def _node_kinds(by_name: dict, cands: Candidates, params: set[str], need: frozenset) -> dict[str, int]:
@@ -299,11 +319,11 @@ def _node_kinds(by_name: dict, cands: Candidates, params: set[str], need: frozen
 
 
 def _edges_of(by_name: dict, names: list[str], index: dict, cands: Candidates, c: Costing, params: set[str],
-              need: frozenset, mask) -> tuple[list[EdgeCost], dict]:
-    """Every producer -> consumer edge with its resharding table, and the gathered-copy bytes of
-    the edges that keep a parameter in another placement (``_gathered_matrix``). They depend on
-    the graph, the candidates, the mesh and the device only."""
-    edges, gathered = [], {}
+              need: frozenset, mask) -> list[EdgeCost]:
+    """Every producer -> consumer edge with its resharding table and, where the consumer keeps a
+    parameter in another placement, the gathered copy's bytes (``_gathered_matrix``, the edge's
+    ``memory``). They depend on the graph, the candidates, the mesh and the device only."""
+    edges = []
     for n in names:
         node = by_name[n]
         if node.op != "call_function":
@@ -312,11 +332,12 @@ def _edges_of(by_name: dict, names: list[str], index: dict, cands: Candidates, c
             src, idx = producer(a)
             if src.name not in index:
                 continue
-            edges.append(_edge(src, idx, node, i, cands, index, c))
+            edge = _edge(src, idx, node, i, cands, index, c)
             if src.name in params and node in need and saves_input(node, a, mask):
-                gathered[len(edges) - 1] = _gathered_matrix(a, cands.strategies[src.name],
-                                                            cands.strategies[n], i, c)
-    return edges, gathered
+                kept = _gathered_matrix(a, cands.strategies[src.name], cands.strategies[n], i, c)
+                edge = dataclasses.replace(edge, memory=kept if kept.any() else None)
+            edges.append(edge)
+    return edges
 
 
 def resharded_param_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],
@@ -324,8 +345,8 @@ def resharded_param_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltPro
     """Bytes of parameters that ops use in another placement than the stored one and keep for
     backward: the gathered copy (a tied lm-head weight all-gathered for a batch-split matmul) is
     an activation the node memory cannot see (it depends on the parameter's choice and the
-    consumer's, an edge). One copy per (parameter, placement): the pass emits one per spec.
-    Added to the plan's predicted memory after the solve (the budget constraint does not see it)."""
+    consumer's, an edge). One copy per (parameter, placement): the pass emits one per spec. The
+    budget constraint charges the copies per edge (the problem's edge memory G, at least this)."""
     by_name = {n.name: n for n in gm.graph.nodes}
     mask = 1 if getattr(c.device, "name", "") != "cpu" else None
     need = grad_nodes(gm.graph)

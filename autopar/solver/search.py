@@ -19,8 +19,8 @@ from autopar.mesh import Mesh
 from autopar.plan import Alternative, Plan, PlanError
 from autopar.sharding.placements import R
 from autopar.solver.accumulation import accumulated, accumulated_time, memory_choices, microbatch_traced, zero_ladder
-from autopar.solver.fit_error import Failure, k_needed, nothing_fits
-from autopar.solver.intra_op import InfeasibleError
+from autopar.solver.fit_error import Failure, nothing_fits
+from autopar.solver.intra_op import DominatedError, InfeasibleError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
 from autopar.solver.progress import SearchProgress
@@ -60,6 +60,7 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
             raise PlanError(f"zero={stages[0]} is not supported with a pipeline yet (a 'pp' mesh axis, microbatches "
                             "or schedule): use zero=0 for pipelined plans, or drop the pipeline")
         stages = [0]                # a pipeline was asked for: ZeRO does not run with one yet
+        ks = ks[:1]                 # and the pipeline runs the microbatches, not accumulation
     plans, failures, pipe_failures, traces = [], [], [], {}
     for z in stages:
         if z and mesh.size == 1:
@@ -105,58 +106,81 @@ def _cap(mesh: Mesh, opts: PlanOptions) -> float:
 
 def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict,
               retracer: Retracer | None, ks: list[int], choices: list, traces: dict):
-    """The candidates of every recompute choice at the smallest accumulation k that fits it
-    (``accumulation.memory_choices``): a choice is tried only below the k that fitted with less
-    recomputation. A failed k skips ahead to the k its memory breakdown needs (``k_needed``).
-    ``traces``: k -> the step traced at B/k, shared across calls. (plans, failures, pipeline
-    failures) as in :func:`_candidates`."""
+    """Branch and bound over (recompute choice, accumulation k, mesh), k ascending
+    (``accumulation.memory_choices``). A mesh stops being tried (``done``: from which k on) when
+
+    * its plan at k fits without the cap shaping it (``Plan.memory_bound`` false): at a larger k,
+      or with more recomputation, its step is at least that unbudgeted optimum again; or
+    * its unbudgeted lower bound reaches the best plan so far (``DominatedError.unbudgeted``).
+
+    Both rest on the cost model charging k microbatches of B/k rows at least what it charges one
+    of B (launch and latency terms repeat) and recomputation only adding time, so an unbudgeted
+    bound can only grow with k and with recomputation. A bound under the budget
+    (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory. Every k
+    is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
+    which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls.
+    (plans, failures, pipeline failures) as in :func:`_candidates`."""
     plans, failures, pipe_failures = [], [], []
-    below, cap = len(ks), _cap(mesh, opts)
     progress = opts.progress
+    keys = [(m.shape, m.axis_names) for m in (candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh])]
+    if mode == ParallelMode.AUTO and len(keys) > 1:
+        keys.append(((mesh.size,), ("dp",)))        # DDP's layout (``ddp_candidate``)
+    done: dict = {}                 # mesh key -> index into ks from which it cannot win
+    pipeline_request = "pp" in mesh.axis_names or bool(opts.microbatches or opts.schedule)
     for rc in choices:
         i = 0
-        while i < below:
+        while i < len(ks) and any(done.get(key, len(ks)) > i for key in keys):
             k = ks[i]
             if progress.out_of_time():
                 return plans, failures, pipe_failures
+            pipelines = k == 1 and not opts.zero and (rc == "none" or opts.recompute is not None)
+            if pipeline_request and not pipelines:
+                break               # only pipelines were asked for
             progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
             if k not in traces:
                 traces[k] = microbatch_traced(traced, k, retracer)
             mb = traces[k]
-            pipelines = k == 1 and not opts.zero and (rc == "none" or opts.recompute is not None)
             note = ", ".join(([f"ZeRO-{opts.zero}"] if opts.zero else []) + ([f"accumulation {k}"] if k > 1 else [])
                              + ([f"recompute {rc}"] if rc != "none" else []))
+            skip = {key for key, j in done.items() if j <= i}
             try:
                 got, failed, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=rc),
                                                        param_ann, input_ann, retracer, pipelines=pipelines,
-                                                       step_time=lambda p, k=k, mb=mb: accumulated_time(p, k, set(mb.params)))
+                                                       microbatches=k, skip=skip)
             except PlanError as err:
                 if k == 1:
                     raise
                 failures.append(Failure(mesh, note, err))    # e.g. a microbatch the mesh cannot split
                 break
             plans += [accumulated(p, k, traced, mb) for p in got]
-            here = [Failure(m, note, e) for m, e in failed]
+            for p in got:
+                if not p.memory_bound:
+                    key = (p.mesh.shape, p.mesh.axis_names)
+                    done[key] = min(done.get(key, len(ks)), i + 1)
+            for m, e in failed:
+                if isinstance(e, DominatedError) and e.unbudgeted or isinstance(e, PlanError):
+                    done[(m.shape, m.axis_names)] = min(done.get((m.shape, m.axis_names), len(ks)), i)
+            here = [Failure(m, note, e) for m, e in failed if not isinstance(e, DominatedError)]
             failures += here
-            pipe_failures += pipe_failed
-            if got:
-                below = i
-                break
-            need = k_needed(here, cap, k)
-            i = max(i + 1, next((j for j, kk in enumerate(ks) if kk >= need), len(ks)))
-        if below == 0:
-            break                   # fits at the smallest k: more recomputation only costs time
+            pipe_failures += pipe_failed + [(f"mesh {m.shape} ({note or 'no memory options'})", e)
+                                            for m, e in failed if isinstance(e, DominatedError)]
+            i += 1
     return plans, failures, pipe_failures
 
 
 def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
-                input_ann: dict, retracer: Retracer | None, pipelines: bool = True, step_time=None):
+                input_ann: dict, retracer: Retracer | None, pipelines: bool = True, microbatches: int = 1,
+                skip: set | None = None):
     """(plans, failures [(mesh, error)], pipeline failures [(note, error)]) of every candidate layout
-    of one traced step: the pipeline candidates, each mesh factorisation, DDP's layout. Each is
-    recorded in ``opts.progress`` (``step_time(plan)``: its whole-step time, for the best so far);
-    once the time budget is out no further mesh is solved."""
+    of one traced step, a microbatch of a step that accumulates ``microbatches``: the pipeline
+    candidates, each mesh factorisation, DDP's layout. Each is recorded in ``opts.progress`` (by
+    its whole-step time); once the time budget is out no further mesh is solved. A mesh whose
+    lower bound reaches the best whole-step time so far is not solved under the budget: its
+    failure is a ``DominatedError`` (``solve_on_mesh``'s ``cutoff``). ``skip``: (shape, axis names)
+    of meshes not to try (DDP's layout is the 1-D "dp" mesh)."""
+    skip = skip or set()
     progress = opts.progress or SearchProgress()
-    step_time = step_time or (lambda p: p.step_time)
+    step_time = lambda p: accumulated_time(p, microbatches)  # noqa: E731
     pipe_plans, pipe_failures, pipeline_only = (pipeline_plans(traced, model, mesh, mode, opts, param_ann, input_ann,
                                                                retracer) if pipelines else ([], [], False))
     progress.record(pipe_plans, len(pipe_failures), step_time)
@@ -165,17 +189,26 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
     for m in meshes:
         if progress.out_of_time():
             return plans, failures, pipe_failures
+        if (m.shape, m.axis_names) in skip:
+            continue
         try:
-            plans.append(solve_on_mesh(traced, m, mode, opts, param_ann, input_ann))
+            plans.append(solve_on_mesh(traced, m, mode, opts, param_ann, input_ann, microbatches=microbatches,
+                                       cutoff=_cutoff(progress)))
             progress.record(plans[-1:], 0, step_time)
-        except InfeasibleError as err:
+        except (InfeasibleError, DominatedError) as err:
             failures.append((m, err))
             progress.record([], 1, step_time)
-    if mode == ParallelMode.AUTO and len(meshes) > 1 and not progress.out_of_time():
-        got = ddp_candidate(traced, mesh, opts, failures)
+    ddp = ((mesh.size,), ("dp",))
+    if mode == ParallelMode.AUTO and len(meshes) > 1 and not progress.out_of_time() and ddp not in skip:
+        got = ddp_candidate(traced, mesh, opts, failures, microbatches, _cutoff(progress))
         progress.record(got, 1 - len(got), step_time)
         plans += got
     return plans, failures, pipe_failures
+
+
+def _cutoff(progress: SearchProgress) -> float | None:
+    """The whole-step time a candidate must beat: the best so far (None before one fits)."""
+    return progress.best_time if math.isfinite(progress.best_time) else None
 
 
 def rank_key(plan: Plan) -> tuple[bool, float]:
@@ -185,13 +218,14 @@ def rank_key(plan: Plan) -> tuple[bool, float]:
     return bool(plan.redundant_axes()), plan.step_time
 
 
-def ddp_candidate(traced, mesh: Mesh, opts: PlanOptions, failures: list) -> list[Plan]:
+def ddp_candidate(traced, mesh: Mesh, opts: PlanOptions, failures: list, microbatches: int = 1,
+                  cutoff: float | None = None) -> list[Plan]:
     """DDP's layout as one of AUTO's candidates: the DATA-mode plan on the whole mesh (every weight
     whole, the batch split), which AUTO's own solve on a ``dp`` axis may not reproduce."""
     m = mesh.reshape((mesh.size,), ("dp",))
     try:
-        plan = solve_on_mesh(traced, m, ParallelMode.DATA, opts, {}, {})
-    except (InfeasibleError, PlanError) as err:
+        plan = solve_on_mesh(traced, m, ParallelMode.DATA, opts, {}, {}, microbatches=microbatches, cutoff=cutoff)
+    except (InfeasibleError, PlanError, DominatedError) as err:
         failures.append((m, err))
         return []
     plan.mode = ParallelMode.AUTO

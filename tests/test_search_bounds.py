@@ -1,0 +1,66 @@
+"""Branch and bound in AUTO's search (``search._frontier``, ``intra_op`` Bound): candidates whose
+lower bound reaches the best plan so far are not solved under the budget, and the search returns
+the plan it returns without bounds; the intra-op solver minimises the whole step of k accumulated
+microbatches, in which the gradient sync and optimizer step run once (``BuiltProblem.per_step``)."""
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.context import ParallelMode
+from autopar.graph.retrace import Retracer, microbatch_trace
+from autopar.solver import intra_op, search
+from autopar.solver.accumulation import accumulated_time
+from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
+from autopar.trace import trace
+from examples import factories
+
+
+def _job():
+    return factories.gpt(hidden=64, layers=4, heads=4, seq=64, batch=16, vocab=2048)
+
+
+def _plan(cap_gb: float):
+    model, inputs, loss, target = _job()
+    return autopar.plan(model, autopar.Mesh(2, device="v100-16gb", memory_gb=cap_gb), example_inputs=inputs,
+                        loss_fn=loss, example_target=target, mode="auto")
+
+
+def test_bounds_prune_candidates_and_keep_the_plan(monkeypatch):
+    """Under a cap that needs ZeRO, accumulation and recomputation, the bounds drop candidates
+    (DominatedError) and AUTO still returns the plan of the search without bounds."""
+    raised = []
+    init = intra_op.DominatedError.__init__
+
+    def count(self, *args, **kwargs):
+        raised.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(intra_op.DominatedError, "__init__", count)
+    bounded = _plan(0.004)
+    assert raised, "no candidate was pruned: the test no longer exercises the bounds"
+    monkeypatch.setattr(search, "_cutoff", lambda progress: None)
+    raised.clear()
+    plain = _plan(0.004)
+    assert not raised
+    assert bounded.step_time == pytest.approx(plain.step_time, rel=1e-9)
+    assert bounded.memory_options == plain.memory_options
+    assert bounded.degrees == plain.degrees
+    assert max(bounded.memory_per_device) <= 0.004 * 2**30
+    assert any("cannot beat the best plan so far" in a.note for a in bounded.alternatives)
+
+
+def test_accumulated_step_is_what_the_solver_minimises():
+    """Solved for the whole step of k microbatches, a layout is never slower over that step than
+    the one solved for a single microbatch, and ``once_per_step_time`` is what T(k) repeats once."""
+    model, inputs, loss, target = factories.gpt(hidden=64, layers=2, heads=4, seq=64, batch=32, vocab=2048)
+    traced = trace(model, inputs, loss, target)
+    mb = microbatch_trace(traced, 4, Retracer(model, inputs, loss, target))
+    mesh = autopar.Mesh(4, device="v100-16gb").reshape((2, 2), ("dp", "tp"))
+    k = 8
+    per_step = solve_on_mesh(mb, mesh, ParallelMode.AUTO, PlanOptions(), {}, {}, microbatches=k)
+    per_mb = solve_on_mesh(mb, mesh, ParallelMode.AUTO, PlanOptions(), {}, {})
+    assert 0 < per_step.once_per_step_time < per_step.step_time
+    assert accumulated_time(per_step, k) <= accumulated_time(per_mb, k) * (1 + 1e-9)
+    assert accumulated_time(per_step, k) == pytest.approx(
+        k * (per_step.step_time - per_step.once_per_step_time) + per_step.once_per_step_time)
