@@ -9,7 +9,8 @@ import pytest
 import autopar
 from autopar.context import ParallelMode
 from autopar.graph.retrace import Retracer, microbatch_trace
-from autopar.solver import intra_op, search
+from autopar.solver import intra_op
+from autopar.solver.progress import SearchProgress
 from autopar.solver.accumulation import accumulated_time
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.trace import trace
@@ -39,7 +40,7 @@ def test_bounds_prune_candidates_and_keep_the_plan(monkeypatch):
     monkeypatch.setattr(intra_op.DominatedError, "__init__", count)
     bounded = _plan(0.004)
     assert raised, "no candidate was pruned: the test no longer exercises the bounds"
-    monkeypatch.setattr(search, "_cutoff", lambda progress: None)
+    monkeypatch.setattr(SearchProgress, "cutoff", lambda self: None)
     raised.clear()
     plain = _plan(0.004)
     assert not raised

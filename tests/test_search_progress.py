@@ -64,3 +64,19 @@ def test_the_display_writes_one_live_line_without_tqdm(monkeypatch):
     text = stream.getvalue()
     assert text.startswith("\rplanning [") and "of 10 s] ZeRO-1, recompute none, accumulation 2" in text
     assert "0 candidates | no plan fits yet" in text and text.endswith("\n")
+
+
+def test_a_time_budget_also_limits_each_solve():
+    """Once a plan fits, a solve may use only what is left of the budget (at least 0.5 s); before one
+    fits, or without a budget, the solver's own limit stands."""
+    from autopar.solver.mesh_solve import PlanOptions
+    from autopar.solver.search import _within_budget
+
+    opts = PlanOptions(time_limit_s=10.0)
+    assert _within_budget(opts, SearchProgress()) is opts
+    progress = SearchProgress(time_budget_s=3.0)
+    assert _within_budget(opts, progress) is opts               # nothing fits yet: the search goes on
+    progress.fitting = 1
+    assert 0.5 <= _within_budget(opts, progress).time_limit_s <= 3.0
+    progress.started -= 100.0
+    assert _within_budget(opts, progress).time_limit_s == 0.5

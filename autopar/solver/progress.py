@@ -27,6 +27,8 @@ class SearchProgress:
     best_time: float = math.inf      # predicted step time of the best fitting plan so far
     best: str = ""                   # its description
     stopped: bool = False            # the budget cut the search short
+    keep: int = 1                    # how many best plans the search returns (``cutoff``)
+    kept_times: list = field(default_factory=list)   # the ``keep`` best whole-step times, ascending
 
     def __post_init__(self):
         if self.time_budget_s is not None and not (isinstance(self.time_budget_s, (int, float))
@@ -50,7 +52,14 @@ class SearchProgress:
             if t < self.best_time:
                 self.best_time = t
                 self.best = _describe(p)
+            if not p.redundant_axes():  # AUTO ranks a plan that wastes an axis after every other
+                self.kept_times = sorted(self.kept_times + [t])[:self.keep]
         self._update()
+
+    def cutoff(self) -> float | None:
+        """The whole-step time a candidate must beat to be among the ``keep`` best plans that waste
+        no mesh axis (None until there are that many)."""
+        return self.kept_times[-1] if len(self.kept_times) >= self.keep else None
 
     def out_of_time(self) -> bool:
         """True once the budget has passed and a fitting plan exists (then the search stops)."""

@@ -20,7 +20,7 @@ from autopar.plan import Alternative, Plan, PlanError
 from autopar.sharding.placements import R
 from autopar.solver.accumulation import accumulated, accumulated_time, memory_choices, microbatch_traced, zero_ladder
 from autopar.solver.fit_error import Failure, nothing_fits
-from autopar.solver.intra_op import DominatedError, InfeasibleError
+from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
 from autopar.solver.progress import SearchProgress
@@ -48,6 +48,7 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     if opts.progress is None:
         opts = dataclasses.replace(opts, progress=SearchProgress())
     progress = opts.progress
+    progress.keep = max(1, top_k)
     mark_chunk_hints(traced.gm)
     ks, choices = memory_choices(traced.batch_size, mode, opts.accumulation, opts.recompute)
     if opts.accumulation and ks[0] > 1 and ("pp" in mesh.axis_names or opts.microbatches or opts.schedule):
@@ -154,9 +155,9 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
                 break
             plans += [accumulated(p, k, traced, mb) for p in got]
             for p in got:
-                if not p.memory_bound:
+                if not p.memory_bound:  # nothing at this k with more recomputation or at a larger k beats it
                     key = (p.mesh.shape, p.mesh.axis_names)
-                    done[key] = min(done.get(key, len(ks)), i + 1)
+                    done[key] = min(done.get(key, len(ks)), i)
             for m, e in failed:
                 if isinstance(e, DominatedError) and e.unbudgeted or isinstance(e, PlanError):
                     done[(m.shape, m.axis_names)] = min(done.get((m.shape, m.axis_names), len(ks)), i)
@@ -181,8 +182,9 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
     skip = skip or set()
     progress = opts.progress or SearchProgress()
     step_time = lambda p: accumulated_time(p, microbatches)  # noqa: E731
-    pipe_plans, pipe_failures, pipeline_only = (pipeline_plans(traced, model, mesh, mode, opts, param_ann, input_ann,
-                                                               retracer) if pipelines else ([], [], False))
+    pipe_plans, pipe_failures, pipeline_only = (pipeline_plans(traced, model, mesh, mode, _within_budget(opts, progress),
+                                                               param_ann, input_ann, retracer)
+                                                if pipelines else ([], [], False))
     progress.record(pipe_plans, len(pipe_failures), step_time)
     meshes = [] if pipeline_only else candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
     plans, failures = list(pipe_plans), []
@@ -192,23 +194,27 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
         if (m.shape, m.axis_names) in skip:
             continue
         try:
-            plans.append(solve_on_mesh(traced, m, mode, opts, param_ann, input_ann, microbatches=microbatches,
-                                       cutoff=_cutoff(progress)))
+            plans.append(solve_on_mesh(traced, m, mode, _within_budget(opts, progress), param_ann, input_ann,
+                                       microbatches=microbatches, cutoff=progress.cutoff()))
             progress.record(plans[-1:], 0, step_time)
-        except (InfeasibleError, DominatedError) as err:
+        except (InfeasibleError, DominatedError, SolverTimeoutError) as err:
             failures.append((m, err))
             progress.record([], 1, step_time)
     ddp = ((mesh.size,), ("dp",))
     if mode == ParallelMode.AUTO and len(meshes) > 1 and not progress.out_of_time() and ddp not in skip:
-        got = ddp_candidate(traced, mesh, opts, failures, microbatches, _cutoff(progress))
+        got = ddp_candidate(traced, mesh, _within_budget(opts, progress), failures, microbatches, progress.cutoff())
         progress.record(got, 1 - len(got), step_time)
         plans += got
     return plans, failures, pipe_failures
 
 
-def _cutoff(progress: SearchProgress) -> float | None:
-    """The whole-step time a candidate must beat: the best so far (None before one fits)."""
-    return progress.best_time if math.isfinite(progress.best_time) else None
+def _within_budget(opts: PlanOptions, progress: SearchProgress) -> PlanOptions:
+    """``opts`` with the solver's time limit cut to what is left of the search's time budget once a
+    plan fits (at least 0.5 s: CP-SAT then returns its best assignment so far, or the hint)."""
+    if progress.time_budget_s is None or not progress.fitting:
+        return opts
+    left = progress.time_budget_s - progress.elapsed()
+    return dataclasses.replace(opts, time_limit_s=max(0.5, min(opts.time_limit_s, left)))
 
 
 def rank_key(plan: Plan) -> tuple[bool, float]:
@@ -225,7 +231,7 @@ def ddp_candidate(traced, mesh: Mesh, opts: PlanOptions, failures: list, microba
     m = mesh.reshape((mesh.size,), ("dp",))
     try:
         plan = solve_on_mesh(traced, m, ParallelMode.DATA, opts, {}, {}, microbatches=microbatches, cutoff=cutoff)
-    except (InfeasibleError, PlanError, DominatedError) as err:
+    except (InfeasibleError, PlanError, DominatedError, SolverTimeoutError) as err:
         failures.append((m, err))
         return []
     plan.mode = ParallelMode.AUTO
