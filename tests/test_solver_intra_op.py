@@ -46,13 +46,35 @@ def _brute_force_or_infeasible(p: IntraOpProblem):
         return None
 
 
+def with_edge_memory(p: IntraOpProblem, rng: np.random.Generator) -> IntraOpProblem:
+    """``p`` with bytes kept on some pairs of half its edges (a parameter's gathered copy: the
+    consumer takes it in another placement) and a budget the kept bytes can break."""
+    for e in p.edges:
+        if rng.random() < 0.5:
+            e.memory = rng.uniform(0, 0.6, e.cost.shape) * (rng.random(e.cost.shape) < 0.5)
+    p.memory_budget = float(sum(nd.memory.mean() for nd in p.nodes)) + 0.3
+    return p
+
+
+def _budgeted_optimum(p: IntraOpProblem):
+    """Give ``p`` a budget when it has none; its brute-force optimum (None: infeasible, checked)."""
+    if p.memory_budget is None:
+        p.memory_budget = float(sum(nd.memory.mean() for nd in p.nodes))
+    return _brute_force_or_infeasible(p)
+
+
+@pytest.mark.parametrize("kept", [False, True])
 @pytest.mark.parametrize("path", ["enumerate", "cp-sat"])
 @pytest.mark.parametrize("seed", range(40))
-def test_matches_brute_force(seed, path, monkeypatch):
+def test_matches_brute_force(seed, path, kept, monkeypatch):
     """Both ways of finishing the reduced graph (numpy enumeration of a small remainder, CP-SAT
-    above ``exhaustive.LIMIT``) give the brute-force optimum."""
+    above ``exhaustive.LIMIT``) give the brute-force optimum; with ``kept``, bytes kept by edge
+    pairs (``EdgeCost.memory``) count against the budget on both sides, through the reductions
+    (dominance, folding and elimination must not drop them)."""
     monkeypatch.setattr(exhaustive, "LIMIT", exhaustive.LIMIT if path == "enumerate" else 0)
     p = random_problem(np.random.default_rng(seed))
+    if kept:
+        p = with_edge_memory(p, np.random.default_rng(1000 + seed))
     expected = _brute_force_or_infeasible(p)
     if expected is None:
         return
@@ -66,34 +88,6 @@ def test_matches_brute_force(seed, path, monkeypatch):
         assert len({got.choice[v] for v in group}) == 1
     for v, node in enumerate(p.nodes):
         assert node.allowed is None or got.choice[v] in node.allowed
-
-
-def with_edge_memory(p: IntraOpProblem, rng: np.random.Generator) -> IntraOpProblem:
-    """``p`` with bytes kept on some pairs of half its edges (a parameter's gathered copy: the
-    consumer takes it in another placement) and a budget the kept bytes can break."""
-    for e in p.edges:
-        if rng.random() < 0.5:
-            e.memory = rng.uniform(0, 0.6, e.cost.shape) * (rng.random(e.cost.shape) < 0.5)
-    p.memory_budget = float(sum(nd.memory.mean() for nd in p.nodes)) + 0.3
-    return p
-
-
-@pytest.mark.parametrize("path", ["enumerate", "cp-sat"])
-@pytest.mark.parametrize("seed", range(40))
-def test_edge_memory_counts_against_the_budget(seed, path, monkeypatch):
-    """Bytes kept by an edge's pair (``EdgeCost.memory``) are in the budget: the solver's choice
-    fits with them counted and is the brute-force optimum (which counts them too), through the
-    reductions (dominance, folding, elimination must not drop them) and both finishing paths."""
-    monkeypatch.setattr(exhaustive, "LIMIT", exhaustive.LIMIT if path == "enumerate" else 0)
-    p = with_edge_memory(random_problem(np.random.default_rng(seed)), np.random.default_rng(1000 + seed))
-    expected = _brute_force_or_infeasible(p)
-    if expected is None:
-        return
-    got = solve_intra_op(p)
-    assert got.status == "OPTIMAL"
-    assert got.objective == pytest.approx(expected.objective, abs=1e-6)
-    assert evaluate(p, got.choice) == pytest.approx((got.objective, got.memory))
-    assert got.memory <= p.memory_budget
 
 
 def test_edge_memory_decides_the_choice():
@@ -240,9 +234,7 @@ def test_lagrangian_path_fits_the_budget_and_never_beats_the_optimum(seed, monke
     monkeypatch.setattr(intra_op, "LAGRANGIAN_PAIRS", -1)
     monkeypatch.setattr(exhaustive, "LIMIT", 0)
     p = random_problem(np.random.default_rng(seed))
-    if p.memory_budget is None:
-        p.memory_budget = float(sum(nd.memory.mean() for nd in p.nodes))
-    expected = _brute_force_or_infeasible(p)
+    expected = _budgeted_optimum(p)
     if expected is None:
         return
     got = solve_intra_op(p)
@@ -261,9 +253,7 @@ def test_dual_bound_never_exceeds_the_budgeted_optimum(seed):
     p = random_problem(rng)
     if seed % 2:
         p = with_edge_memory(p, rng)
-    if p.memory_budget is None:
-        p.memory_budget = float(sum(nd.memory.mean() for nd in p.nodes))
-    expected = _brute_force_or_infeasible(p)
+    expected = _budgeted_optimum(p)
     if expected is None:
         return
     p.cutoff = math.inf
@@ -277,9 +267,7 @@ def test_cutoff_prunes_only_what_cannot_win(seed):
     from autopar.solver.intra_op import DominatedError, replace
 
     p = random_problem(np.random.default_rng(seed))
-    if p.memory_budget is None:
-        p.memory_budget = float(sum(nd.memory.mean() for nd in p.nodes))
-    expected = _brute_force_or_infeasible(p)
+    expected = _budgeted_optimum(p)
     if expected is None:
         return
     got = solve_intra_op(replace(p, cutoff=expected.objective + 1e-6))
