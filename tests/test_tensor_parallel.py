@@ -161,7 +161,8 @@ def test_megatron_layout_runs_two_all_reduces_each_way(fused):
     other collective, exactly what the plan lists — except that block 0's input needs no
     gradient, so its LayerNorm only carries its own parameters' gradient: instead of Megatron's
     f on the activation gradient, ln1's weight and bias (2 x 128 floats) are summed once after
-    backward (sharding/grad_sync.py). AUTO's own plan is predicted no slower, same loss."""
+    backward (sharding/grad_sync.py). AUTO's own plan is predicted no slower, same loss (since the
+    whole-step objective it may keep the weights whole and split the batch inside the blocks)."""
     cap = _megatron_cap(fused)
     r, auto = (run_ranks(4, _megatron_job, fused, cap, mode)[0] for mode in ("semi_auto", "auto"))
     p = r["params"]
@@ -182,7 +183,6 @@ def test_megatron_layout_runs_two_all_reduces_each_way(fused):
     for run in (r, auto):
         assert abs(run["loss"] - run["ref"]) <= 1e-5 * run["ref"]
     assert auto["step_time"] <= r["step_time"] * (1 + 1e-9)
-    assert any("S(" in spec for spec in auto["params"].values())
 
 
 VOCAB_GPT = functools.partial(GPT, vocab=1024, qkv_bias=False)  # vocab ≫ hidden, as in real LMs
