@@ -82,6 +82,7 @@ from ortools.sat.python import cp_model
 
 from autopar.solver.class_graph import HUGE_COST, ClassGraph, InfeasibleError, is_forbidden, recover_choices, reduce_graph
 from autopar.solver.exhaustive import enumerate_best, small_enough
+from autopar.solver.pricing import dual_bound, priced_search
 
 GIB = float(1 << 30)
 LAGRANGIAN_PAIRS = 200_000   # a budgeted model with more edge-pair variables is solved by ``_lagrangian``
@@ -488,97 +489,48 @@ def _pair_vars(g: ClassGraph) -> int:
     return int(sum(np.isfinite(m).sum() for m in g.edges.values()))
 
 
-def _lagrangian(p: IntraOpProblem, deadline: float, start: float, steps: int = 12) -> IntraOpSolution | None:
-    """The budgeted problem by its Lagrangian relaxation: minimise time + lam * memory without a
-    budget (the reductions then remove chains and trees, so each solve is fast), with the price
-    lam (s/GiB) raised geometrically until the optimum fits, then bisected (geometric mean,
-    ``steps`` times) between the largest price that did not fit and the smallest that did. The
-    fitting assignment of least time is returned ("FEASIBLE": a Lagrangian solution need not be
-    the budgeted optimum; its gap is the duality gap). None when no price below the forbidden
-    threshold makes it fit (the caller then runs the exact model)."""
+def _priced(p: IntraOpProblem, deadline: float, start: float):
+    """``at(price)`` of ``solver/pricing.py``: the unbudgeted problem with node and kept edge bytes
+    priced at ``price`` s/GiB -> (proven optimal, choice, unpriced objective, memory GiB)."""
     mem = [np.asarray(n.memory, dtype=float) / GIB for n in p.nodes]
-    ceiling = HUGE_COST / 10 / max(max((float(m[np.isfinite(m)].max(initial=0.0)) for m in mem), default=0.0), 1e-9)
 
     def at(price: float):
-        nodes = [replace(n, compute=np.asarray(n.compute, dtype=float) + price * m) for n, m in zip(p.nodes, mem)]
-        edges = [e if e.memory is None else replace(e, cost=np.asarray(e.cost, dtype=float) + price * e.memory / GIB)
-                 for e in p.edges]
-        sol = _solve(replace(p, nodes=nodes, edges=edges, memory_budget=None, hint=None), deadline, None, start)
-        objective, memory = evaluate(p, sol.choice)
-        return sol.choice, objective, memory
-
-    try:
-        return _priced_search(p, at, ceiling, deadline, start, steps)
-    except (SolverTimeoutError, InfeasibleError):
-        return None
-
-
-def _priced_search(p: IntraOpProblem, at, ceiling: float, deadline: float, start: float,
-                   steps: int) -> IntraOpSolution | None:
-    """``_lagrangian``'s price search; ``at(price)`` -> (choice, objective, memory)."""
-    lo, hi, best = 0.0, None, None
-    price = 1e-6
-    while price <= ceiling:
-        choice, objective, memory = at(price)
-        if memory <= p.memory_budget:
-            hi, best = price, (objective, choice, memory)
-            break
-        lo, price = price, price * 8
-    if best is None:
-        return None
-    for _ in range(steps):
-        if time.perf_counter() > deadline:
-            break
-        mid = math.sqrt(lo * hi) if lo > 0 else hi / 8
-        choice, objective, memory = at(mid)
-        if memory <= p.memory_budget:
-            hi = mid
-            if objective < best[0]:
-                best = (objective, choice, memory)
-        else:
-            lo = mid
-    objective, choice, memory = best
-    return IntraOpSolution(choice, objective, "FEASIBLE", time.perf_counter() - start, memory, 0)
-
-
-def _dual_bound(p: IntraOpProblem, deadline: float, start: float, bisections: int = 4) -> float:
-    """max over the prices tried of L(lam) (module docstring, Bound); stops early once it reaches
-    ``p.cutoff``. A priced solve that is not proven optimal gives no bound."""
-    mem = [np.asarray(n.memory, dtype=float) / GIB for n in p.nodes]
-    budget = p.memory_budget / GIB
-    best = -math.inf
-
-    def at(price: float) -> bool:
-        """L(price) into ``best``; True when the priced optimum fits."""
-        nonlocal best
         nodes = [replace(n, compute=np.asarray(n.compute, dtype=float) + price * m) for n, m in zip(p.nodes, mem)]
         edges = [e if e.memory is None else replace(e, cost=np.asarray(e.cost, dtype=float) + price * e.memory / GIB)
                  for e in p.edges]
         sol = _solve(replace(p, nodes=nodes, edges=edges, memory_budget=None, hint=None, cutoff=None), deadline,
                      None, start)
         objective, memory = evaluate(p, sol.choice)
-        if sol.status == "OPTIMAL":
-            best = max(best, objective + price * (memory / GIB - budget))
-        return memory <= p.memory_budget
+        return sol.status == "OPTIMAL", sol.choice, objective, memory / GIB
 
-    lo, hi, price = 0.0, None, 1e-4
+    return at, mem
+
+
+def _lagrangian(p: IntraOpProblem, deadline: float, start: float, steps: int = 12) -> IntraOpSolution | None:
+    """The budgeted problem by its Lagrangian relaxation (``pricing.priced_search``: the reductions
+    make each priced, unbudgeted solve fast). The fitting assignment of least time is returned
+    ("FEASIBLE": a Lagrangian solution need not be the budgeted optimum; its gap is the duality
+    gap). None when no price below the forbidden threshold makes it fit (the caller then runs the
+    exact model)."""
+    at, mem = _priced(p, deadline, start)
+    ceiling = HUGE_COST / 10 / max(max((float(m[np.isfinite(m)].max(initial=0.0)) for m in mem), default=0.0), 1e-9)
     try:
-        while price < 1e4 and time.perf_counter() < deadline and best < p.cutoff:
-            if at(price):
-                hi = price
-                break
-            lo, price = price, price * 8
-        for _ in range(bisections if hi is not None and lo > 0 else 0):
-            if time.perf_counter() > deadline or best >= p.cutoff:
-                break
-            mid = math.sqrt(lo * hi)
-            if at(mid):
-                hi = mid
-            else:
-                lo = mid
+        best = priced_search(p.memory_budget / GIB, at, ceiling, deadline, steps)
     except (SolverTimeoutError, InfeasibleError):
-        pass
-    return best
+        return None
+    if best is None:
+        return None
+    objective, choice, memory = best
+    return IntraOpSolution(choice, objective, "FEASIBLE", time.perf_counter() - start, memory * GIB, 0)
+
+
+def _dual_bound(p: IntraOpProblem, deadline: float, start: float) -> float:
+    """max over the prices tried of L(lam) (module docstring, Bound; ``pricing.dual_bound``)."""
+    at, _ = _priced(p, deadline, start)
+    try:
+        return dual_bound(p.memory_budget / GIB, at, p.cutoff, deadline)
+    except (SolverTimeoutError, InfeasibleError):
+        return -math.inf
 
 
 def _no_assignment(p: IntraOpProblem) -> InfeasibleError:
