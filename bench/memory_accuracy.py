@@ -7,7 +7,9 @@
 CPU (default): each case runs on its ranks (gloo, spawned) and counts parameters, gradients and
 optimizer state exactly and the saved-activation peak with saved_tensors_hooks
 (``bench/memory_measure.py``); the prediction is ``plan.memory_per_device[rank]`` (state + saved
-activations). The ratio is predicted / measured on the fullest rank.
+activations). The ratio is predicted / measured on the fullest rank. A second table compares the
+predicted peak (with the transient workspace) with the live peak of every storage over a step
+(``memory_measure.LivePeak``: what an allocator must hold, short of rounding and fragmentation).
 
 ``--cuda``: the same cases on GPUs: a case runs when the machine has as many GPUs as its ranks
 (nccl, one process per GPU; a 1-GPU machine runs the cases rerun on one rank with ``--single``),
@@ -66,7 +68,7 @@ def _run_cpu(cases: list[Case]) -> list[dict]:
     from autopar.runtime.launch import RankPool
 
     pools: dict[int, RankPool] = {}
-    rows = []
+    rows, live = [], []
     try:
         for case in cases:
             pool = pools.get(case.world)
@@ -74,11 +76,13 @@ def _run_cpu(cases: list[Case]) -> list[dict]:
                 pool = pools[case.world] = RankPool(case.world, timeout_s=300)
             t0 = time.perf_counter()
             results = pool.run(run_case, case.name)
-            rows.append(_row(case.name, results, time.perf_counter() - t0))
+            seconds = time.perf_counter() - t0
+            rows.append(_row(case.name, results, seconds))
+            live.append(_row(case.name, results, seconds, key="peak", measured="live"))
     finally:
         for pool in pools.values():
             pool.close()
-    return rows
+    return rows, live
 
 
 def _nccl_job(rank: int, name: str) -> dict:
@@ -134,13 +138,14 @@ def _nccl_entry(rank: int, world: int, rdzv: str, name: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _row(name: str, results: list[dict], seconds: float, key: str = "total") -> dict:
-    """The fullest rank (largest measured total) stands for the case; ``key`` picks the prediction
+def _row(name: str, results: list[dict], seconds: float, key: str = "total", measured: str = "total") -> dict:
+    """The fullest rank (largest measured value) stands for the case; ``key`` picks the prediction
     compared: "total" (state + saved activations, the CPU count) or "peak" (+ transient workspace,
-    what max_memory_allocated sees)."""
-    r = max(results, key=lambda r: r["measured"]["total"])
-    pred, meas = r["predicted"][key], r["measured"]["total"]
-    return {"case": name, "rank": r["rank"], "predicted": pred, "measured": meas, "ratio": pred / meas,
+    what max_memory_allocated sees); ``measured`` the measurement: "total" (the count) or "live"
+    (every live storage at the step's worst moment, ``memory_measure.LivePeak``)."""
+    r = max(results, key=lambda r: r["measured"][measured])
+    pred, meas = r["predicted"][key], r["measured"][measured]
+    return {"case": name, "rank": r["rank"], "predicted": pred, "measured": meas, "ratio": pred / meas, "kind": measured,
             "detail": r, "seconds": seconds}
 
 
@@ -149,7 +154,10 @@ def print_table(rows: list[dict], what: str) -> None:
     for row in rows:
         m = row["detail"]["measured"]
         extra = ""
-        if "before_step" in m:
+        if row.get("kind") == "live":
+            p = row["detail"]["predicted"]
+            extra = f"  (predicted transient {p.get('transient', 0) / GB:.4f}; count {m['total'] / GB:.4f})"
+        elif "before_step" in m:
             p = row["detail"]["predicted"]
             extra = (f"  (count: state {m['state'] / GB:.4f} + saved {m['activations'] / GB:.4f}; predicted "
                      f"state+saved {p['total'] / GB:.4f} + transient {p.get('transient', 0) / GB:.4f})")
@@ -175,8 +183,10 @@ def main(argv=None) -> None:
         rows = _run_cuda(cases, args.single)
         print_table(rows, "torch.cuda.max_memory_allocated")
     else:
-        rows = _run_cpu(cases)
+        rows, live = _run_cpu(cases)
         print_table(rows, "CPU: exact state + saved-activation peak")
+        print()
+        print_table(live, "CPU: predicted peak vs live peak of every storage, memory_measure.LivePeak")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import weakref
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.utils._pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 GB = 1e9
 
@@ -141,6 +143,76 @@ class _Handle:
         self.t = t
 
 
+class LivePeak(TorchDispatchMode):
+    """Live bytes of every storage an op returns (and of ``external`` tensors), and their peak.
+
+    A dispatch mode sees each aten op below autograd, backward's included: parameters, gradients,
+    optimizer state, saved activations, the temporaries no op saves, collective buffers and the
+    optimizer's own temporaries. A storage counts from the op that returns it until it is freed
+    (a weak reference to the storage itself, polled after each op); views share their storage.
+    What a GPU's ``max_memory_allocated`` adds on top is the allocator's rounding and
+    fragmentation, and scratch a kernel allocates and frees inside one op."""
+
+    def __init__(self, external=(), debug: bool = False):
+        super().__init__()
+        self.live: dict = {}        # (device, data_ptr) -> (weak ref, bytes)
+        self.bytes = 0
+        self.peak = 0
+        self.debug = debug          # keep ``at_peak``: (bytes, made by, shape, dtype) of what is live at the peak
+        self.made: dict = {}
+        self.at_peak: list = []
+        for t in external:
+            self._add(t, "before the step")
+        self.peak = self.bytes
+
+    def _add(self, t, made_by: str = "") -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        s = t.untyped_storage()
+        n = int(s.nbytes())
+        key = (t.device.type, t.device.index, s.data_ptr())
+        if n == 0 or (key in self.live and not torch.UntypedStorage._expired(self.live[key][0])):
+            return
+        if key in self.live:
+            self._drop(key)
+        self.live[key] = (s._weak_ref(), n)
+        self.bytes += n
+        if self.debug:
+            self.made[key] = (n, made_by, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+
+    def _drop(self, key) -> None:
+        ref, n = self.live.pop(key)
+        torch.UntypedStorage._free_weak_ref(ref)
+        self.bytes -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key in [k for k, (ref, _) in self.live.items() if torch.UntypedStorage._expired(ref)]:
+            self._drop(key)
+        for t in torch.utils._pytree.tree_leaves(out):
+            self._add(t, str(func))
+        if self.bytes > self.peak and self.debug:
+            self.at_peak = sorted((self.made[k] for k in self.live), reverse=True)
+        self.peak = max(self.peak, self.bytes)
+        return out
+
+
+def live_peak(step, module, optimizer, *tensors) -> int:
+    """Peak live bytes on this rank while ``step()`` runs (:class:`LivePeak`), counting from the
+    start what exists before it: ``module``'s parameters and gradients, ``optimizer``'s state
+    and ``tensors`` (the inputs)."""
+    params = list(module.parameters())
+    state = _state_tensors(optimizer) if optimizer is not None else []
+    meter = LivePeak([*params, *(p.grad for p in params), *state, *tensors])
+    with meter:
+        step()
+    for key in list(meter.live):
+        meter._drop(key)
+    return meter.peak
+
+
 def state_count(pmodel, optimizer) -> tuple[int, int, int]:
     params = [p for p in pmodel.parameters()]
     return (unique_bytes(params), unique_bytes(p.grad for p in params),
@@ -172,7 +244,8 @@ def predicted(plan, rank: int) -> dict:
     workspace: what the CPU count measures) and the breakdown the plan gives."""
     breakdown = {k: float(v) for k, v in (plan.memory_breakdown or {}).items()}
     peak = float(plan.memory_per_device[rank])
-    unseen = breakdown.get("transient", 0.0) + breakdown.get("ZeRO-3 gathered layers", 0.0)
+    unseen = (breakdown.get("transient", 0.0) + breakdown.get("ZeRO-3 gathered layers", 0.0)
+              + breakdown.get("ZeRO-2 gradient bucket", 0.0))
     return {"peak": peak, "total": peak - unseen, **breakdown}
 
 
@@ -245,6 +318,7 @@ CASES = {c.name: c for c in [
     # memory options, set as planning inputs (the prediction accounts for them)
     Case("gpt dp2 bf16 mixed", "gpt", 8, (2,), mode="data", context=(("mixed_precision", "bf16"),)),
     Case("gpt dp2 zero1", "gpt", 8, (2,), mode="data", context=(("zero", 1),)),
+    Case("gpt dp2 zero2 accumulation 2", "gpt", 8, (2,), mode="data", context=(("zero", 2), ("accumulation", 2))),
     Case("gpt dp2 zero3", "gpt", 8, (2,), mode="data", context=(("zero", 3),)),
     Case("gpt dp2 recompute full", "gpt", 8, (2,), mode="data", context=(("recompute", "full"),)),
     Case("gpt dp2 recompute selective", "gpt", 8, (2,), mode="data", context=(("recompute", "selective"),)),
@@ -300,6 +374,14 @@ def run_case(rank: int, name: str) -> dict:
     case = CASES[name]
     pmodel, opt, x, y = build_case(case)
     count = measure_step(pmodel, opt, (x,), y, steps=2)
-    return {"case": name, "rank": rank, "measured": count.as_dict(), "predicted": predicted(pmodel.plan, rank),
+
+    def step():
+        pmodel.step(x, target=y)
+        opt.step()
+        opt.zero_grad()
+    opt.zero_grad()                 # a training loop's set_to_none: no gradients between steps
+    live = live_peak(step, pmodel, opt, x, y)
+    return {"case": name, "rank": rank, "measured": {**count.as_dict(), "live": live},
+            "predicted": predicted(pmodel.plan, rank),
             "plan": {"degrees": pmodel.plan.degrees, "microbatches": pmodel.plan.microbatches,
                      "schedule": pmodel.plan.schedule}}
