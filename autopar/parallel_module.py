@@ -160,8 +160,7 @@ class ParallelModule(nn.Module):
             acc.before_backward()
         quiet = self._ddp is not None and acc is not None and not acc.syncing
         with self._ddp.no_sync() if quiet else contextlib.nullcontext():
-            outs = runner(*xs, target=tgt)
-            loss = outs[meta["loss_index"]]
+            loss = runner(*xs, target=tgt)[meta["loss_index"]]   # the model's other outputs (logits) die here
             report = self._start_global_loss(loss)      # the loss report overlaps backward
             (loss * scale if scale != 1.0 else loss).backward()
         if acc is not None:
