@@ -273,11 +273,13 @@ class Plan:
 
     def runs_per_step(self, c: Collective) -> int:
         """How many times one step runs entry ``c``: a pipeline's activation collectives once per
-        microbatch; with accumulation k, everything but the gradient sync k times."""
+        microbatch; with accumulation k, everything but the gradient sync k times (ZeRO-2 and -3
+        reduce-scatter gradients in every microbatch too; only the step's all-gather runs once)."""
         if self.stages:
             return self.microbatches if c.node in self.nodes else 1
         k = self.memory_options.accumulation
-        if k > 1 and c.node not in {d.placeholder for d in self.params.values()}:
+        if k > 1 and (c.node not in {d.placeholder for d in self.params.values()}
+                      or self.memory_options.zero >= 2 and c.phase != "step"):
             return k
         return 1
 

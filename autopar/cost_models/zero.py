@@ -27,7 +27,10 @@ stage   collectives                                            volume per rank
 3       reduce_scatter(B) + 2 × all_gather(n·w) (fwd + bwd)    3(d-1)/d · B  (1.5x)
 ======  =====================================================  ==================
 
-(The all-gather moves weights, ``n·w`` bytes; with ``w == g`` the volumes are as listed.)
+(The all-gather moves weights, ``n·w`` bytes; with ``w == g`` the volumes are as listed.) With k
+accumulated microbatches, stages 0 and 1 sum gradients once, after the last; stages 2 and 3
+reduce-scatter in every microbatch (the gradients never exist whole beyond one layer's bucket),
+so their reduce-scatter runs k times.
 
 Optimizer step: each rank updates ``ceil(n / d)`` elements, so the step time divides by ``d``
 (stage ≥ 1): ``optimizer_step_time(t, d, stage) = t / d``.

@@ -9,24 +9,30 @@ zero-padded to a multiple of ``d`` (the size of the axis set) and cut into ``d``
 *shard*, registered under the parameter's own name. ``pmodel.parameters()`` yields the shards (and
 the parameters that have no data-parallel axis), so an optimizer built on them holds 1/d of the state.
 
-One step, for the parameters of one axis set, in buckets of ``bucket_mb`` (same order on every rank):
+One step, for the parameters of one axis set, in buckets of ``bucket_mb`` (same order on every rank;
+stage 2 also cuts a bucket at each layer, ``gather_unit``):
 
 * backward leaves each rank's *local* (partial) gradient on the working parameters — no DDP;
-* after a synced backward (not inside ``no_sync``) one reduce-scatter per bucket sums the working
-  gradients over the set and leaves each rank its chunk, added to the shard's ``.grad``.
-  The input is the ``(d, C)`` matrix whose column block ``j`` is parameter ``j``'s padded gradient
-  viewed ``(d, c_j)``, so row ``i`` (rank ``i``'s output) is the concatenation of its chunks.
-  Stage 1 keeps full-size working gradient buffers (as DeepSpeed's stage 1): the sum is written
-  into this rank's chunk of it, the rest zeroed, and the shard's ``.grad`` is a view of that chunk
-  (no extra bytes; a shard reaching into the padding keeps its own gradient). Stage 2 frees the
-  working gradients (``.grad = None``): between steps a rank holds only its gradient shard;
+* one reduce-scatter per bucket sums the working gradients over the set and leaves each rank its
+  chunk, added to the shard's ``.grad``. The input is the ``(d, C)`` matrix whose column block
+  ``j`` is parameter ``j``'s padded gradient viewed ``(d, c_j)``, so row ``i`` (rank ``i``'s output)
+  is the concatenation of its chunks; the gradients are copied into it once (the padding stays 0).
+  Stage 1 runs it after a synced backward (not inside ``no_sync``) and keeps full-size working
+  gradient buffers (as DeepSpeed's stage 1): the sum is written into this rank's chunk of it, the
+  rest zeroed, and the shard's ``.grad`` is a view of that chunk (no extra bytes; a shard reaching
+  into the padding keeps its own gradient). Stage 2 runs it *during* every backward, ``no_sync``
+  or not (DeepSpeed's stage 2, FSDP2's reduce-scatter per module): a bucket goes as soon as its
+  last gradient is accumulated (``register_post_accumulate_grad_hook``) and its working gradients
+  are freed as they are copied in, so no more than a layer's gradients exist whole at a time
+  (a bucket a parameter left unused goes after backward, with zeros);
 * the optimizer steps on the shards; a global optimizer step post-hook all-gathers the updated
   shards (``(C,)`` → ``(d, C)``) back into the working parameters.
 
-Gradient accumulation is exact without setting anything aside: local gradients of ``no_sync``
-steps add up in the working gradients and the next synced step (or ``flush``, run by the optimizer
-step pre-hook, ``clip_grad_norm_`` and ``full_grad_dict``) reduce-scatters their sum; sums of
-earlier synced steps add up in the shards' gradients. Communication per step equals DDP's
+Gradient accumulation is exact without setting anything aside: stage 1's local gradients of
+``no_sync`` steps add up in the working gradients and the next synced step (or ``flush``, run by the
+optimizer step pre-hook, ``clip_grad_norm_`` and ``full_grad_dict``) reduce-scatters their sum;
+stage 2 reduce-scatters each microbatch (k collectives for k microbatches, priced so); sums of
+earlier reduce-scatters add up in the shards' gradients. Communication per step equals DDP's
 all-reduce (reduce-scatter + all-gather, the ZeRO paper's 2Ψ); ``cost_models/zero.py`` prices it.
 
 ZeRO-3 (``Zero3``): the program's parameters *are* the shards. A graph pass puts a ``Zero3Gather``
@@ -102,7 +108,7 @@ class _AxisSet:
     """The parameters sharded over one set of axes, in name order, cut into buckets."""
 
     def __init__(self, axes: tuple[str, ...], group, label: str, params: list[tuple[str, nn.Parameter]],
-                 bucket_mb: float):
+                 bucket_mb: float, per_layer: bool = False):
         self.axes, self.group, self.label = axes, group, label
         self.d = dist.get_world_size(group)
         self.index = dist.get_rank(group)
@@ -112,7 +118,8 @@ class _AxisSet:
         for sp in self.params:
             nbytes = sp.c * self.d * sp.working.element_size()
             if not self.buckets or size + nbytes > bucket_mb * 2 ** 20 or \
-                    sp.working.dtype != self.buckets[-1][0].working.dtype:
+                    sp.working.dtype != self.buckets[-1][0].working.dtype or \
+                    per_layer and gather_unit(sp.name) != gather_unit(self.buckets[-1][0].name):
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(sp)
@@ -139,9 +146,15 @@ class ZeroSync:
             if p is not None and axes and p.requires_grad:
                 by_axes.setdefault(axes, []).append((name, p))
         order = sorted(by_axes, key=lambda ax: [mesh.axis_names.index(a) for a in ax])
-        self.sets = [_AxisSet(ax, axes_group(ax, groups, mesh), "+".join(ax), by_axes[ax], bucket_mb)
-                     for ax in order]
+        self.sets = [_AxisSet(ax, axes_group(ax, groups, mesh), "+".join(ax), by_axes[ax], bucket_mb,
+                              per_layer=stage == 2) for ax in order]
         self.sharded = {sp.name: (s, sp) for s in self.sets for sp in s.params}
+        self._pending: dict[int, int] = {}      # stage 2: id(bucket) -> gradients still to come this backward
+        if stage == 2:
+            for s in self.sets:
+                for bucket in s.buckets:
+                    for sp in bucket:
+                        sp.working.register_post_accumulate_grad_hook(self._ready_hook(s, bucket))
         self._shard_ids = {id(sp.shard) for _, sp in self.sharded.values()}
         # what pmodel.parameters() yields: shards under the parameters' names, other parameters as they are
         self.params = nn.Module()
@@ -164,29 +177,44 @@ class ZeroSync:
     def before_backward(self) -> None:
         """Gradients the user zeroed (``opt.zero_grad()``, shard ``.grad`` None) since the last
         backward discard what the working gradients still hold of them. Stage 1: a shard's gradient
-        views its chunk of the working gradient (zeroed, kept allocated). Stage 2 inside ``no_sync``:
-        every shard got a gradient when local parts started piling up, so all of them None means
-        the user zeroed meanwhile: the local parts go too."""
+        views its chunk of the working gradient (zeroed, kept allocated). Stage 2: every bucket
+        waits for all its gradients again."""
         if self.stage == 1:
             for _, sp in self.sharded.values():
                 if sp.aliased and sp.shard.grad is None and sp.working.grad is not None:
                     sp.working.grad.zero_()
                     self.local = False
-        elif self.local and all(sp.shard.grad is None for _, sp in self.sharded.values()):
-            for _, sp in self.sharded.values():
-                sp.working.grad = None
-            self.local = False
+        else:
+            self._pending = {id(b): len(b) for s in self.sets for b in s.buckets}
 
     def after_backward(self) -> None:
-        if self.syncing:
+        if self.stage == 2:
+            # the buckets whose gradients all came were reduce-scattered during backward; the rest
+            # (a parameter this step did not use) go now, with zeros for what did not come
+            for s in self.sets:
+                for bucket in s.buckets:
+                    if self._pending.get(id(bucket)):
+                        self._reduce_scatter_bucket(s, bucket)
+            self._pending = {}
+        elif self.syncing:
             self.reduce_scatter()
         else:
             self.local = True
             self._view_chunks()
-            if self.stage == 2:
-                for _, sp in self.sharded.values():
-                    if sp.shard.grad is None:
-                        sp.shard.grad = torch.zeros_like(sp.shard)
+
+    def _ready_hook(self, s: "_AxisSet", bucket: list):
+        """Stage 2: the hook a working parameter runs once its gradient of this backward is
+        accumulated; the bucket's last one reduce-scatters the bucket (every backward, ``no_sync``
+        or not: the sum is linear, so accumulation stays exact) and frees its working gradients."""
+        def hook(_param) -> None:
+            left = self._pending.get(id(bucket))
+            if left is None:
+                return                  # a backward not driven by step() (before_backward not run)
+            self._pending[id(bucket)] = left - 1
+            if left == 1:
+                self._reduce_scatter_bucket(s, bucket)
+                self._pending[id(bucket)] = 0
+        return hook
 
     def _view_chunks(self) -> None:
         """Stage 1: each aliased shard's gradient is its chunk of the working gradient."""
@@ -212,12 +240,22 @@ class ZeroSync:
         self.local = False
 
     def _reduce_scatter_bucket(self, s: _AxisSet, bucket: list[_Sharded]) -> None:
-        cols = []
+        width = sum(sp.c for sp in bucket)
+        inp = bucket[0].working.new_zeros(s.d, width)       # one copy of the bucket: the padding stays 0
+        at = 0
         for sp in bucket:
             g = sp.working.grad
-            flat = g.detach().reshape(-1) if g is not None else sp.working.new_zeros(sp.n)
-            cols.append(F.pad(flat, (0, sp.c * s.d - sp.n)).view(s.d, sp.c))
-        inp = torch.cat(cols, dim=1).reshape(-1)
+            if g is not None:
+                flat = g.detach().reshape(-1)
+                full, rest = divmod(sp.n, sp.c) if sp.c else (0, 0)
+                if full:
+                    inp[:full, at:at + sp.c].copy_(flat[:full * sp.c].view(full, sp.c))
+                if rest:
+                    inp[full, at:at + rest].copy_(flat[full * sp.c:])
+                if self.stage >= 2:
+                    sp.working.grad = None          # its bytes are in the bucket now
+            at += sp.c
+        inp = inp.view(-1)
         dtype = inp.dtype
         if self._wire is not None:
             inp = inp.to(self._wire)

@@ -6,7 +6,8 @@ one microbatch's activations (what must fit) and one microbatch's compute. Its s
 
     T(k) = k · (T_mb − T_once) + T_once,   T_once = gradient sync + last bucket + optimizer step
                                                     + ZeRO-1/2's weight gathers
-                                           (ZeRO-3: the optimizer step only; ``Plan.once_per_step_time``)
+                                           (ZeRO-2: the reduce-scatter runs per microbatch, so not in
+                                           T_once; ZeRO-3: the optimizer step only; ``Plan.once_per_step_time``)
 
 where T_mb is the solved microbatch plan's time: everything but the once-per-step part runs k
 times. The intra-op solver minimises T(k) itself, not T_mb (``BuiltProblem.per_step``: each
