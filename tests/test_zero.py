@@ -286,3 +286,32 @@ def test_zero_with_plan_accumulation_trains_like_one_process(zero):
     ref = reference_run(GPT_SMALL, lm_loss, x, y, micro=2, clip=0.5)
     for r in run_ranks(2, _plan_accumulation_job, _with_zero(plan, zero).to_json()):
         assert_same_training(ref, r, what=f"zero={zero} with plan accumulation 2")
+
+
+def _zero2_backward_job(rank):
+    model_fn = functools.partial(GPT_SMALL, layers=2)
+    x, y = make_batch("tokens", 8, vocab=64, seq=8)
+    torch.manual_seed(0)
+    plan = _with_zero(autopar.plan(model_fn(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss,
+                                   example_target=y, mode="data"), 2)
+    pm = autopar.parallelize(model_fn(), plan.mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, plan=plan)
+    seen = []
+    with autopar.count_collectives() as counter:
+        # the embedding's gradient is the last of the backward: the blocks' buckets went before it
+        pm._zero.working("wte.weight").register_post_accumulate_grad_hook(
+            lambda _: seen.append(sum(kind == "reduce_scatter" for kind, *_ in counter.calls)))
+        pm.step(x, target=y)
+    held = [n for n, (_, sp) in pm._zero.sharded.items() if sp.working.grad is not None]
+    return {"before_embedding": seen, "reduce_scatters": sum(kind == "reduce_scatter" for kind, *_ in counter.calls),
+            "held": held, "buckets": sum(len(s.buckets) for s in pm._zero.sets)}
+
+
+def test_zero2_reduce_scatters_each_layer_during_backward():
+    """ZeRO-2 keeps gradients sharded through backward (DeepSpeed's stage 2, FSDP2's reduce-scatter per
+    module): a layer's bucket is reduce-scattered as soon as its last gradient is accumulated, and no
+    working gradient survives the step."""
+    for r in run_ranks(2, _zero2_backward_job):
+        assert r["buckets"] >= 4, r                 # one per layer at least: blocks.0, blocks.1, wte, wpe, ln_f
+        assert r["reduce_scatters"] == r["buckets"], r
+        assert r["before_embedding"] and r["before_embedding"][0] >= 2, r
+        assert r["held"] == [], r

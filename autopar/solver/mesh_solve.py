@@ -238,7 +238,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
                 memory_per_device=[float(sol.memory) + gathered + transient] * mesh.size, memory_bound=sol.bound,
-                memory_breakdown=_breakdown(built, sol, traced, gathered - layers, transient, layers),
+                memory_breakdown=_breakdown(built, sol, traced, gathered - layers, transient, layers, costing.zero),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 grad_compression=opts.grad_compression, optimizer=opts.optimizer, memory_budget=budget,
@@ -355,12 +355,13 @@ def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> d
     return out
 
 
-def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0, layers: float = 0.0) -> dict:
+def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0, layers: float = 0.0,
+               zero: int = 0) -> dict:
     """Peak bytes per device: parameter training state vs activations kept for backward
     (``gathered``: parameters kept in a placement other than the stored one, see
     ``resharded_param_bytes``; ``transient``: the largest op's gradients in backward,
-    ``transient_bytes``; ``layers``: ZeRO-3's gathered layer and its prefetched successor,
-    ``zero3_gathered``)."""
+    ``transient_bytes``; ``layers``: ZeRO-3's gathered layer and its prefetched successor, or
+    ZeRO-2's gradient bucket in backward, ``zero3_gathered``)."""
     state = acts = 0.0
     for i, name in enumerate(built.names):
         mem = float(built.problem.nodes[i].memory[sol.choice[i]])
@@ -372,6 +373,6 @@ def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0
     if gathered:
         out["gathered parameters"] = gathered
     if layers:
-        out["ZeRO-3 gathered layers"] = layers
+        out["ZeRO-3 gathered layers" if zero == 3 else "ZeRO-2 gradient bucket"] = layers
     out["transient"] = transient
     return out

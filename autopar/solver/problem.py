@@ -39,6 +39,7 @@ from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, no
 from autopar.cost_models.memory import saved_bytes_by_node, saves_input, storage_key, training_state_parts
 from autopar.cost_models.zero import gather_unit, sharded_state, zero3_gathered_bytes, zero_axes
 from autopar.cost_models.recompute import saved_bytes_after
+from autopar.graph.recompute_regions import choices_for, find_regions
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.local_impls import local_collectives
 from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
@@ -207,7 +208,6 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
     base = node_cost(node, c.device)
     need = grad_nodes(node.graph)
     ins = tensor_inputs(node)
-    act, internal = _saved_pair(saved, node.name)
     for s, st in enumerate(strategies):
         cost = split_cost(node, base, st, ins, c)
         compute[s] = cost.time_total + (cost.time_fwd if recomputed else 0.0)
@@ -220,12 +220,10 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
             param = ins[i].name in traced_params
             sync = (c.grad_sync(nbytes, a) if param else c.comm("all_reduce", nbytes, a)) / max(1, len(ins[i].users))
             compute[s] += sync
-            if param and c.zero < 3:            # ZeRO-3 reduce-scatters in every microbatch
+            if param and c.zero < 2:            # ZeRO-2 and -3 reduce-scatter in every microbatch
                 once[s] += sync
         compute[s] += _local_impl_time(node, st, c)
-        out_shard = max(1, shard_factor(_outs(st)[0], c.mesh_shape))
-        in_shard = shard_factor(st.inputs[0], c.mesh_shape) if st.inputs else 1
-        memory[s] = act / out_shard + internal / max(out_shard, in_shard)
+        memory[s] = _local_saved(node, st, saved, c)
     return compute, memory, once
 
 
@@ -384,10 +382,13 @@ def _gathered_matrix(param: fx.Node, stored: list[Strategy], users: list[Strateg
 
 def zero3_gathered(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
                    param_names: dict[str, str]) -> float:
-    """ZeRO-3's gathered weights at the peak: the largest gather unit's (``zero.gather_unit``)
-    local weights in full, twice (the next unit's gather is prefetched), ``zero3_gathered_bytes``.
-    ``param_names``: placeholder -> parameter name."""
-    if c.zero != 3:
+    """ZeRO's per-layer buffers at the peak, for the largest unit (``zero.gather_unit``) of the
+    parameters ZeRO shards. ZeRO-3: the unit's local weights in full, twice (the next unit's
+    gather is prefetched), ``zero3_gathered_bytes``. ZeRO-2: the unit's gradient bucket while it
+    is reduce-scattered in backward: its working gradients in full and the bucket they are copied
+    into (``runtime/zero.py``), twice the unit's local gradients. ``param_names``: placeholder ->
+    parameter name."""
+    if c.zero not in (2, 3):
         return 0.0
     by_name = {n.name: n for n in gm.graph.nodes}
     units: dict[str, float] = {}
@@ -396,25 +397,34 @@ def zero3_gathered(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, c
             continue
         v = by_name[ph].meta["val"]
         st = cands.strategies[ph][choice[built.index[ph]]]
+        if zero_axes(st.output, c.mesh_shape)[1] == 1:
+            continue                # nothing to shard it over: its state is whole
         local = v.numel() / shard_factor(st.output, c.mesh_shape)
-        weight = training_state_parts(local, v.dtype, c.optimizer, c.precision)[0]
-        units[gather_unit(name)] = units.get(gather_unit(name), 0.0) + weight
+        weight, grad = training_state_parts(local, v.dtype, c.optimizer, c.precision)[:2]
+        units[gather_unit(name)] = units.get(gather_unit(name), 0.0) + (weight if c.zero == 3 else grad)
     return zero3_gathered_bytes(max(units.values(), default=0.0), weight_bytes=1)
 
 
 def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],
                     c: Costing, params: set[str]) -> float:
-    """Workspace above the saved activations at the step's peak: the largest, over ops that need
-    a gradient, of the local gradients live while the op's backward runs -- its output's and its
-    non-parameter inputs' (each storage once: a view's gradient is a view) plus one per tensor the
-    op makes and saves itself (a cross-entropy's log-probabilities have a gradient of their own:
-    the loss's backward holds two logits-sized gradients next to the saved log-probabilities,
-    which for a GPT is the largest op of the step). Not in the ILP (a max, not a sum): added to
-    the plan's predicted memory after the solve."""
+    """Workspace above the saved activations at the step's peak (a max, not a sum: added to the
+    plan's predicted memory after the solve, not in the ILP).
+
+    Per op that needs a gradient, ``g(n)``: the local gradients live while its backward runs --
+    its output's and its non-parameter inputs' (each storage once: a view's gradient is a view)
+    plus one per tensor the op makes and saves itself (a cross-entropy's log-probabilities have a
+    gradient of their own: the loss's backward holds two logits-sized gradients next to the saved
+    log-probabilities, which for a GPT is the largest op of the step). Under recomputation a
+    region's backward first runs its forward again, so everything the region would have saved,
+    ``remat(R)`` (local bytes under the chosen placements), is live with the gradients of its ops::
+
+        transient = max( max_{n in no region} g(n),  max_R [ remat(R) + max_{n in R} g(n) ] )
+    """
     by_name = {n.name: n for n in gm.graph.nodes}
-    saved = saved_bytes_by_node(gm, dropout_mask_bytes=1 if getattr(c.device, "name", "") != "cpu" else None)
+    mask = 1 if getattr(c.device, "name", "") != "cpu" else None
+    saved = saved_bytes_by_node(gm, dropout_mask_bytes=mask)
     need = grad_nodes(gm.graph)
-    peak = 0.0
+    grads: dict[str, float] = {}
     for name in built.names:
         node = by_name[name]
         if node.op != "call_function" or node not in need:
@@ -427,9 +437,23 @@ def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, 
         for i, a in enumerate(tensor_inputs(node)):
             if a in need and a.name not in params and i < len(st.inputs):
                 live.setdefault(storage_key(a), tensor_bytes(a) / max(1, shard_factor(st.inputs[i], c.mesh_shape)))
-        internal = _saved_pair(saved, name)[1] / max(out_shard, in_shard)
-        peak = max(peak, sum(live.values()) + internal)
+        grads[name] = sum(live.values()) + _saved_pair(saved, name)[1] / max(out_shard, in_shard)
+    regions = find_regions(gm, choices_for(gm.graph, c.recompute)) if c.recompute not in (None, "none") else []
+    inside = {n for r in regions for n in r.nodes}
+    peak = max((g for n, g in grads.items() if n not in inside), default=0.0)
+    for r in regions:
+        remat = sum(_local_saved(by_name[n], cands.strategies[n][choice[built.index[n]]], saved, c)
+                    for n in r.nodes if n in built.index)
+        peak = max(peak, remat + max((grads.get(n, 0.0) for n in r.nodes), default=0.0))
     return peak
+
+
+def _local_saved(node: fx.Node, st: Strategy, saved: dict, c: Costing) -> float:
+    """Bytes ``node`` saves for backward on one device under strategy ``st`` (``node_costs``'s rule)."""
+    act, internal = _saved_pair(saved, node.name)
+    out_shard = max(1, shard_factor(_outs(st)[0], c.mesh_shape))
+    in_shard = shard_factor(st.inputs[0], c.mesh_shape) if st.inputs else 1
+    return act / out_shard + internal / max(out_shard, in_shard)
 
 
 def feasible_hint(p: IntraOpProblem) -> list[int]:
