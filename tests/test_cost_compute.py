@@ -154,3 +154,16 @@ def test_bf16_is_faster_on_tensor_cores():
     t32 = node_cost(nodes(fp32, aten.linear.default)[0], a100).time_fwd
     t16 = node_cost(nodes(bf16, aten.linear.default)[0], a100).time_fwd
     assert t32 / t16 == pytest.approx(16, rel=0.05)
+
+
+def test_node_work_follows_a_changed_value():
+    """``node_work`` caches a node's signature while its values stay the same objects; a new value
+    (a graph rescaled to another batch in place) is costed again."""
+    gm = export(nn.Linear(512, 1024), torch.randn(64, 512))
+    (node,) = nodes(gm, aten.linear.default)
+    assert node_work(node).flops_fwd == 2 * 64 * 512 * 1024
+    x = next(a for a in node.all_input_nodes if tuple(a.meta["val"].shape) == (64, 512))
+    with x.meta["val"].fake_mode:
+        x.meta["val"] = torch.empty(32, 512)
+        node.meta["val"] = torch.empty(32, 1024)
+    assert node_work(node).flops_fwd == 2 * 32 * 512 * 1024

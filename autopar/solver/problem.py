@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from autopar.cost_models.comm import GRAD_BUCKET_BYTES, axis_collective_time, bucketed_collective_time
 from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time,
-                                         work_signature)
+                                         node_signature)
 from autopar.cost_models.memory import saved_bytes_by_node, saves_input, storage_key, training_state_parts
 from autopar.cost_models.zero import gather_unit, sharded_state, zero3_gathered_bytes, zero_axes
 from autopar.cost_models.recompute import saved_bytes_after
@@ -244,7 +244,7 @@ def cost_key(node: fx.Node, strategies: list[Strategy], saved: dict, traced_para
         shape = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
         return ("placeholder", node.name in traced_params, shape, tuple(strategies))
     ins = tuple((a.name in traced_params, a in need, len(a.users)) for a in tensor_inputs(node))
-    return (node.op, node.target, work_signature(node, need), node in need, ins, _saved_pair(saved, node.name),
+    return (node.op, node.target, node_signature(node), node in need, ins, _saved_pair(saved, node.name),
             tuple(strategies), recomputed)
 
 
