@@ -4,7 +4,9 @@ A GPT (examples.models) on N gloo CPU ranks whose per-device cap (``Mesh(memory_
 the replicated training state (parameters, gradients, AdamW moments: 16 B/param) divided by
 ``--state-over-cap`` (or ``--cap-fraction`` of what DDP needs per rank, state plus activations):
 DDP does not fit. At 4 ranks the state alone is 4x the cap when split four ways, so ~2.7x is about
-the most any 4-rank plan (torch's included) fits. Contenders, in ONE spawned process group,
+the most any 4-rank plan fits by the count of state and saved tensors; by the live peak (every
+storage, FSDP2's per-layer all-gather and reduce-scatter buffers included) torch's recipe needs
+~42 MiB on this job, so ``--state-over-cap 1.2`` is the tightest cap at which it fits. Contenders, in ONE spawned process group,
 interleaved with a shuffled order per round, one training step each (forward, backward, AdamW,
 zero_grad):
 
