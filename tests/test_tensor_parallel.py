@@ -84,7 +84,9 @@ def test_tensor_parallel_matches_single_device(name, mesh_key):
                if any(isinstance(d.spec[a], Shard) for a in axes)]
     assert sharded, f"{name} on {mesh_key}: no parameter is split, the test would not exercise sharding"
     if mesh_key != "dp2tp2":
-        assert plan.degrees["tp"] == shape[-1]
+        # the axis divides the work: by splitting weights (tp) or, with the weights stored split and
+        # gathered for compute, by the batch's rows (dp, FSDP-style)
+        assert plan.degrees["tp"] * plan.degrees["dp"] == shape[-1] and not plan.redundant_axes(), plan.degrees
     # on (dp, tp) near-equal predicted layouts differ between runs (the solver stops at its time
     # limit): dp may split ops as tp does, or weights may only be stored split (the report then
     # names the axes that repeat work); the memory cap's parameter split is what is checked here

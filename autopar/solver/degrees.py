@@ -8,7 +8,10 @@ carries the batch split on ``a`` along that split:
     carries(op output, dim d)        where the op is batch-split and the output is Shard(d) on ``a``
 
 A batch-split op's Partial output (a sum over the batch: the loss) ends the batch split; a value
-consumed Replicate on ``a`` (gathered) no longer carries it. Each op weighs its FLOPs (forward +
+consumed Replicate on ``a`` (gathered) no longer carries it. An op whose output is split on ``a``
+along the batch's dimension is batch-split too, whatever its inputs (the split re-made after a
+replicated op: token ids kept whole, the embedding's output cut by rows). The batch's dimension of
+a value (``_batch_dims``) follows dim 0 of the inputs through ops that keep its size at its index. Each op weighs its FLOPs (forward +
 backward, at least 1), and the axis takes the role of the largest share of the compute:
 
     "dp"    batch-split ops (data parallel),
@@ -48,9 +51,41 @@ def _sharded_dim(p, ndim: int):
     return p.dim % ndim if isinstance(p, Shard) and ndim else None
 
 
-def _axis_shares(gm: fx.GraphModule, nodes: dict, inputs: dict, a: int) -> dict[str, float]:
+def _batch_dims(gm: fx.GraphModule, inputs: dict) -> dict[tuple, int]:
+    """(node name, output index) -> the dimension holding the batch's rows: dim 0 of the inputs,
+    then the same dim of an op's output where some input has it there with the same size."""
+    def shape(node, idx):
+        v = node.meta.get("val")
+        v = v[idx] if idx is not None and isinstance(v, (tuple, list)) else v
+        return tuple(v.shape) if hasattr(v, "shape") else None
+
+    dims = {(ph, None): 0 for ph in inputs}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        found = []
+        for arg in tensor_inputs(node):
+            src, idx = producer(arg)
+            k, s = dims.get((src.name, idx)), shape(src, idx)
+            if k is not None and s is not None and k < len(s):
+                found.append((k, s[k]))
+        if not found:
+            continue
+        v = node.meta.get("val")
+        outs = list(range(len(v))) if isinstance(v, (tuple, list)) else [None]
+        for j in outs:
+            s = shape(node, j)
+            hit = next((k for k, n in found if s is not None and k < len(s) and s[k] == n), None)
+            if hit is not None:
+                dims[(node.name, j)] = hit
+    return dims
+
+
+def _axis_shares(gm: fx.GraphModule, nodes: dict, inputs: dict, a: int, bdims: dict | None = None
+                 ) -> dict[str, float]:
     """Weight of the batch-split ops ("dp"), of the ops split otherwise ("tp") and of the ops not
     split ("none") on mesh axis ``a``."""
+    bdims = _batch_dims(gm, inputs) if bdims is None else bdims
     carries: dict[tuple, int] = {}
     for ph, spec in inputs.items():
         p = spec[a]
@@ -72,10 +107,15 @@ def _axis_shares(gm: fx.GraphModule, nodes: dict, inputs: dict, a: int) -> dict[
             src, idx = producer(arg)
             k = carries.get((src.name, idx))
             on_batch |= k is not None and _sharded_dim(ins[i][a], _ndim(src, idx)) == k
+        multi = isinstance(d.output, list)
+        for j, spec in enumerate(outs):
+            if not on_batch and spec:
+                key = (node.name, j if multi else None)
+                dim = _sharded_dim(spec[a], _ndim(node, j if multi else None))
+                on_batch = dim is not None and bdims.get(key) == dim
         shares[DP if on_batch else TP] += weight
         if not on_batch:
             continue
-        multi = isinstance(d.output, list)
         for j, spec in enumerate(outs):
             dim = _sharded_dim(spec[a], _ndim(node, j if multi else None)) if spec else None
             if dim is not None:
@@ -85,9 +125,9 @@ def _axis_shares(gm: fx.GraphModule, nodes: dict, inputs: dict, a: int) -> dict[
 
 def axis_shares(gm: fx.GraphModule, nodes: dict, inputs: dict, axis_names: tuple, mesh_shape: tuple) -> dict:
     """Mesh axis name -> {"dp": fraction, "tp": fraction, "none": fraction} of the compute (module docstring)."""
-    out = {}
+    out, bdims = {}, _batch_dims(gm, inputs)
     for a, name in enumerate(axis_names):
-        shares = _axis_shares(gm, nodes, inputs, a) if mesh_shape[a] > 1 else {DP: 0.0, TP: 0.0, NONE: 1.0}
+        shares = _axis_shares(gm, nodes, inputs, a, bdims) if mesh_shape[a] > 1 else {DP: 0.0, TP: 0.0, NONE: 1.0}
         total = sum(shares.values()) or 1.0
         out[name] = {k: v / total for k, v in shares.items()}
     return out
