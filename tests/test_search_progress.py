@@ -73,10 +73,20 @@ def test_a_time_budget_also_limits_each_solve():
     from autopar.solver.search import _within_budget
 
     opts = PlanOptions(time_limit_s=10.0)
-    assert _within_budget(opts, SearchProgress()) is opts
+    assert _within_budget(opts, SearchProgress()).time_limit_s == 10.0
     progress = SearchProgress(time_budget_s=3.0)
-    assert _within_budget(opts, progress) is opts               # nothing fits yet: the search goes on
+    assert _within_budget(opts, progress).time_limit_s == 10.0  # nothing fits yet: the search goes on
     progress.fitting = 1
     assert 0.5 <= _within_budget(opts, progress).time_limit_s <= 3.0
     progress.started -= 100.0
     assert _within_budget(opts, progress).time_limit_s == 0.5
+
+
+def test_a_time_budget_stops_the_pipeline_search_between_candidates():
+    """Pipeline candidates count as they are solved, so a budget that has run out stops the search
+    after the first one that fits (the search once solved every pipeline candidate first)."""
+    def pipelined(plan):
+        return [a for a in plan.alternatives if a.fits and a.degrees.get("pp", 1) > 1] + \
+            ([plan] if plan.degrees["pp"] > 1 else [])
+    assert len(pipelined(_plan())) > 1
+    assert len(pipelined(_plan(time_budget=1e-3))) == 1

@@ -323,7 +323,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     solved = {ref: solve(ref)}
     mb, ref_plan, units_ref, _, costs = solved[ref]
     fixed = _fixed_boundaries(cand, units_ref, mb.gm)
-    best, reasons = None, []
+    best, at_ref, reasons = None, None, []
     for schedule in schedules:
         for m in counts:
             if schedule == "interleaved_1f1b" and m % cand.pp:
@@ -337,8 +337,12 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
             key = (round(t, 12), max(part.rank_memory))
             if best is None or key < best[0]:
                 best = (key, m, schedule)
+            if m == ref and (at_ref is None or key < at_ref[0]):
+                at_ref = (key, m, schedule)
     if best is None:
         raise PipelineRequestError("no pipeline partition fits: " + "; ".join(reasons[:3]))
+    if best[1] not in solved and at_ref is not None and opts.progress is not None and opts.progress.out_of_time():
+        best = at_ref                # out of time: the microbatch count already solved, not another solve
     _, m, schedule = best
     if m not in solved:
         solved[m] = solve(m)
@@ -519,19 +523,27 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
         return [], [("pp", blocker)], False
     num_units = len(assign_units(traced.gm)[0])
     plans, failures = [], []
+    progress = opts.progress
     for cand in cands:
-        if opts.progress is not None and opts.progress.out_of_time():
+        if progress is not None and progress.out_of_time():
             break
         note = f"pp={cand.pp} sub-mesh {dict(zip(cand.sub.axis_names, cand.sub.shape))}"
         if cand.pp > num_units and not forced:
             failures.append((note, f"{num_units} layers < {cand.pp} stages"))
             continue
+        within = opts if progress is None else replace(
+            opts, time_limit_s=progress.time_limit(opts.time_limit_s))
         try:
-            plans.append(plan_pipeline(traced, cand, mode, opts, param_ann, input_ann, retracer))
+            plans.append(plan_pipeline(traced, cand, mode, within, param_ann, input_ann, retracer))
         except (PipelineRequestError, ValueError) as err:
             if forced and len(cands) == 1:
                 raise PlanError(str(err)) from None
             failures.append((note, str(err)))
+            if progress is not None:
+                progress.record([], 1)
+            continue
+        if progress is not None:       # each as it comes: the time budget can stop the search between them
+            progress.record(plans[-1:])
     if forced and not plans:
         raise PlanError("no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in failures[:4]))
     return plans, failures, forced

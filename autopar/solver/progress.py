@@ -70,6 +70,13 @@ class SearchProgress:
             self._update()
         return True
 
+    def time_limit(self, limit: float) -> float:
+        """A solver's time limit cut, once a plan fits, to what is left of the budget (at least
+        0.5 s: CP-SAT then returns its best assignment so far, or the hint)."""
+        if self.time_budget_s is None or not self.fitting:
+            return limit
+        return max(0.5, min(limit, self.time_budget_s - self.elapsed()))
+
     def stopped_note(self) -> str:
         if not self.stopped:
             return ""

@@ -182,10 +182,10 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
     skip = skip or set()
     progress = opts.progress or SearchProgress()
     step_time = lambda p: accumulated_time(p, microbatches)  # noqa: E731
-    pipe_plans, pipe_failures, pipeline_only = (pipeline_plans(traced, model, mesh, mode, _within_budget(opts, progress),
+    pipe_plans, pipe_failures, pipeline_only = (pipeline_plans(traced, model, mesh, mode,
+                                                               dataclasses.replace(opts, progress=progress),
                                                                param_ann, input_ann, retracer)
                                                 if pipelines else ([], [], False))
-    progress.record(pipe_plans, len(pipe_failures), step_time)
     meshes = [] if pipeline_only else candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
     plans, failures = list(pipe_plans), []
     for m in meshes:
@@ -209,12 +209,9 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
 
 
 def _within_budget(opts: PlanOptions, progress: SearchProgress) -> PlanOptions:
-    """``opts`` with the solver's time limit cut to what is left of the search's time budget once a
-    plan fits (at least 0.5 s: CP-SAT then returns its best assignment so far, or the hint)."""
-    if progress.time_budget_s is None or not progress.fitting:
-        return opts
-    left = progress.time_budget_s - progress.elapsed()
-    return dataclasses.replace(opts, time_limit_s=max(0.5, min(opts.time_limit_s, left)))
+    """``opts`` with the solver's time limit cut to what is left of the search's time budget
+    (``SearchProgress.time_limit``)."""
+    return dataclasses.replace(opts, time_limit_s=progress.time_limit(opts.time_limit_s))
 
 
 def rank_key(plan: Plan) -> tuple[bool, float]:
