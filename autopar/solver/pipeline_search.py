@@ -323,7 +323,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     solved = {ref: solve(ref)}
     mb, ref_plan, units_ref, _, costs = solved[ref]
     fixed = _fixed_boundaries(cand, units_ref, mb.gm)
-    best, at_ref, reasons = None, None, []
+    ranked, reasons = [], []        # (key, m, schedule) of each partition that fits by the reference costs
     for schedule in schedules:
         for m in counts:
             if schedule == "interleaved_1f1b" and m % cand.pp:
@@ -334,23 +334,31 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
             except ValueError as err:
                 reasons.append(f"{schedule} m={m}: {err}")
                 continue
-            key = (round(t, 12), max(part.rank_memory))
-            if best is None or key < best[0]:
-                best = (key, m, schedule)
-            if m == ref and (at_ref is None or key < at_ref[0]):
-                at_ref = (key, m, schedule)
-    if best is None:
+            ranked.append(((round(t, 12), max(part.rank_memory)), m, schedule))
+    if not ranked:
         raise PipelineRequestError("no pipeline partition fits: " + "; ".join(reasons[:3]))
-    if best[1] not in solved and at_ref is not None and opts.progress is not None and opts.progress.out_of_time():
-        best = at_ref                # out of time: the microbatch count already solved, not another solve
-    _, m, schedule = best
-    if m not in solved:
-        solved[m] = solve(m)
-    mb, sub_plan, units_m, unit_of, costs_m = solved[m]
-    try:
-        part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule, budget - _extra(sub_plan), link, fixed)
-    except ValueError as err:
-        raise PipelineRequestError(f"no pipeline partition fits at {m} microbatches: {err}") from None
+    ranked.sort(key=lambda r: r[0])
+    found, failed = None, []
+    for _, m, schedule in ranked:
+        # out of time: only the microbatch counts already solved, no other solve
+        if m not in solved and opts.progress is not None and opts.progress.out_of_time() and \
+                any(r[1] in solved for r in ranked):
+            continue
+        if m not in solved:
+            if len(solved) >= 3:
+                break               # the reference costs misjudge this candidate: give up after two more solves
+            solved[m] = solve(m)
+        mb, sub_plan, units_m, unit_of, costs_m = solved[m]
+        try:        # the partition at m's own costs (a partition that fit by the reference's may not)
+            part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule, budget - _extra(sub_plan), link,
+                                         fixed)
+        except ValueError as err:
+            failed.append(f"{schedule} m={m}: {err}")
+            continue
+        found = m
+        break
+    if found is None:
+        raise PipelineRequestError("no pipeline partition fits at the microbatch counts solved: " + "; ".join(failed[:3]))
     _check_tags(part, cand, units_m, mb.gm)
     step += sub_plan.grad_sync_overhead
     plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
