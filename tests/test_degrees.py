@@ -98,3 +98,41 @@ def test_data_parallel_rank_and_size():
     assert all(abs(loss - ref) <= 1e-5 * ref for _, _, loss in results)
     solo = autopar.parallelize(MLP(), autopar.Mesh(1), example_inputs=(x,), mode="stand_alone")
     assert (solo.data_parallel_rank, solo.data_parallel_size) == (0, 1)
+
+
+def test_a_batch_split_made_after_a_replicated_input_is_data_parallel():
+    """Token ids kept whole on the axis, the embedding's output cut by rows and everything after it
+    split the same way: each rank computes its rows, which is data parallelism (Table 1's AUTO plans
+    were labelled tensor parallel). The same graph with the hidden dimension cut is tensor parallel."""
+    from types import SimpleNamespace
+
+    from autopar.sharding.placements import Replicate, Shard, Spec
+    from autopar.solver.degrees import axis_shares, role
+    from autopar.trace import trace
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+        def forward(self, ids):
+            return self.out(torch.relu(self.emb(ids)))
+
+    traced = trace(Tiny(), (torch.zeros(4, 6, dtype=torch.long),))
+    gm = traced.gm
+    inputs = {n.name: Spec([Replicate()]) for n in gm.graph.nodes
+              if n.op == "placeholder" and n.name not in traced.params}
+
+    def decided(dim_of):
+        out = {}
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                ins = [Spec([Replicate()]) if a.name in traced.params or a.name in inputs else Spec([Shard(dim_of(a))])
+                       for a in n.all_input_nodes]
+                out[n.name] = SimpleNamespace(inputs=ins, output=Spec([Shard(dim_of(n))]))
+        return out
+
+    rows = axis_shares(gm, decided(lambda node: 0), inputs, ("d0",), (4,))
+    assert role(rows["d0"]) == "dp", rows
+    hidden = axis_shares(gm, decided(lambda node: node.meta["val"].dim() - 1), inputs, ("d0",), (4,))
+    assert role(hidden["d0"]) == "tp", hidden
