@@ -187,3 +187,20 @@ def test_a_plan_made_in_fp32_refuses_a_mixed_precision_request():
     with pytest.raises(autopar.PlanError, match="the given plan was made with mixed_precision=None"):
         autopar.parallelize(MODEL(), autopar.Mesh(1), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
                             plan=plan, mixed_precision="bf16")
+
+
+def test_gradient_sync_is_costed_in_the_dtype_it_runs_in():
+    """bf16 mixed precision all-reduces the fp32 gradients of the fp32 masters (reduce fp32): 4 bytes
+    per element, though the traced parameter is the bf16 working copy; grad_compression moves 2."""
+    from autopar.cost_models.devices import get_device
+    from autopar.solver.problem import Costing, sync_element_bytes
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    node = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    node.meta["val"] = torch.empty(8, 16, dtype=torch.bfloat16, device="meta")
+    cost = lambda precision, compression: Costing(  # noqa: E731
+        (2,), get_device("h100"), precision=precision,
+        grad_element_bytes=sync_element_bytes(precision, compression)).grad_bytes(node)
+    assert cost("mixed", None) == 8 * 16 * 4
+    assert cost("mixed", "bf16") == 8 * 16 * 2
+    assert cost("bf16", None) == 8 * 16 * 2          # pure bf16 parameters: the gradient is bf16

@@ -27,7 +27,7 @@ from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
 from autopar.solver.progress import SearchProgress
 from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
-                                    transient_bytes, zero3_gathered)
+                                    sync_element_bytes, transient_bytes, zero3_gathered)
 
 
 @dataclass
@@ -212,8 +212,9 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
     redistribution, memo = traced.meta.setdefault("costing_memo", {}).setdefault((mesh.shape, repr(device)), ({}, {}))
     costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers),
-                      recompute=opts.recompute or "none", zero=opts.zero or 0, _redistribution=redistribution,
-                      _memo=memo)
+                      recompute=opts.recompute or "none", zero=opts.zero or 0,
+                      grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),
+                      _redistribution=redistribution, _memo=memo)
     names = dict(traced.params)
     names.update(traced.buffers)
     ties = tie_groups(find_layers(traced.gm, names))

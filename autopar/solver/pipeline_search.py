@@ -53,7 +53,7 @@ from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.inter_op import LayerProfile, PipelinePartition, partition_stages
 from autopar.solver.intra_op import InfeasibleError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
-from autopar.solver.problem import Costing, tensor_bytes
+from autopar.solver.problem import Costing, sync_element_bytes, tensor_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -97,14 +97,15 @@ def _moved_param_sync(node, d, traced, costing: Costing, mesh_shape) -> float:
         spec = d.inputs[i]
         for a in split:
             if isinstance(spec[a], Replicate):
-                t += costing.grad_sync(tensor_bytes(inp) / shard_factor(spec, mesh_shape), a)
+                t += costing.grad_sync(costing.grad_bytes(inp) / shard_factor(spec, mesh_shape), a)
     return t
 
 
 def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts:
     """Per-unit time, memory and crossing bytes under the intra-op ``plan`` (module docstring, step 2)."""
     gm, shape = traced.gm, plan.mesh.shape
-    costing = Costing(shape, device, opts.optimizer, opts.precision)
+    costing = Costing(shape, device, opts.optimizer, opts.precision,
+                      grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression))
     specs = PlanSpecs(plan, len(shape))
     by_name = {n.name: n for n in gm.graph.nodes}
     saved: dict[str, list[tuple[object, int, bool]]] = {}

@@ -60,6 +60,7 @@ class Costing:
     frozen_buffers: set = field(default_factory=set)   # placeholders that must never be redistributed
     recompute: str | dict = "none"  # activation recomputation: its forward runs again, its saves are dropped
     zero: int = 0                   # ZeRO stage over the axes a parameter is replicated on
+    grad_element_bytes: int | None = None   # bytes per gradient element as synced (``sync_element_bytes``)
     _redistribution: dict = field(default_factory=dict, repr=False)  # (src, dst, bytes) -> seconds
     _memo: dict = field(default_factory=dict, repr=False)  # node costs, edge tables, edge lists (``build_problem``)
 
@@ -80,9 +81,26 @@ class Costing:
         all-reduce, or under ZeRO the reduce-scatter into the shards (``runtime/zero.py``)."""
         return self.bucketed("reduce_scatter" if self.zero else "all_reduce", nbytes, axis)
 
+    def grad_bytes(self, node: fx.Node) -> float:
+        """Bytes of a parameter's gradient as the sync moves it (the whole tensor; callers divide
+        by its shards)."""
+        v = node.meta.get("val")
+        if self.grad_element_bytes and isinstance(v, torch.Tensor):
+            return float(v.numel() * self.grad_element_bytes)
+        return tensor_bytes(node)
+
     def bucketed(self, kind: str, nbytes: float, axis: int) -> float:
         """One tensor's share of a bucketed ``kind`` collective over ``axis`` (``comm.bucketed_collective_time``)."""
         return bucketed_collective_time(kind, nbytes, self.device, self.mesh_shape[axis], self.inner(axis))
+
+
+def sync_element_bytes(precision: str, grad_compression: str | None) -> int | None:
+    """Bytes per gradient element the data-parallel sync moves: 2 with ``grad_compression``, 4 under
+    bf16 mixed precision (fp32 gradients of the fp32 masters, ``reduce_dtype`` fp32), else None: the
+    traced parameter's own dtype."""
+    if grad_compression in ("bf16", "fp16"):
+        return 2
+    return 4 if precision == "mixed" else None
 
 
 def grad_sync_overhead(c: Costing, synced: Iterable[tuple[int, float]]) -> float:
@@ -216,8 +234,8 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
                 continue
             # consumers needing the same gradient all-reduce share one (the pass emits one per
             # producer, spec and axis), so each pays its share
-            nbytes = tensor_bytes(ins[i]) / shard_factor(st.inputs[i], c.mesh_shape)
             param = ins[i].name in traced_params
+            nbytes = (c.grad_bytes(ins[i]) if param else tensor_bytes(ins[i])) / shard_factor(st.inputs[i], c.mesh_shape)
             sync = (c.grad_sync(nbytes, a) if param else c.comm("all_reduce", nbytes, a)) / max(1, len(ins[i].users))
             compute[s] += sync
             if param and c.zero < 2:            # ZeRO-2 and -3 reduce-scatter in every microbatch
@@ -292,7 +310,8 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
         kinds = c._memo[("kinds", id(cands))] = _node_kinds(by_name, cands, params, need)
     nodes, once = [], []
     for n in names:
-        key = ("node", kinds[n], _saved_pair(saved, n), n in again, c.optimizer, c.precision, c.zero)
+        key = ("node", kinds[n], _saved_pair(saved, n), n in again, c.optimizer, c.precision, c.zero,
+               c.grad_element_bytes)
         if key not in c._memo:     # shared by every solve of this graph on this mesh and device
             c._memo[key] = node_costs(by_name[n], cands.strategies[n], c, saved, params, n in again)
         comp, mem, per_step = c._memo[key]
