@@ -18,7 +18,8 @@ from autopar.pipeline_module import build_pipeline_module
 from autopar.plan import Plan, PlanError
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, setup_grad_sync, sum_grads
 from autopar.runtime.program import RankProgram, placeholder_slot
-from autopar.runtime.zero import Zero3, Zero3Runner, ZeroSync, check_zero_supported
+from autopar.runtime.zero import ZeroSync, check_zero_supported
+from autopar.runtime.zero3 import Zero3, Zero3Runner
 from autopar.trace import Traced, compute_dtype
 
 
@@ -57,7 +58,7 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
     sync = {traced.params[ph]: tuple(sorted(a, key=mesh.axis_names.index)) for ph, a in param_sync.items()}
     zero = the_plan.memory_options.zero if dist.is_initialized() and mesh.size > 1 else 0
     zero3 = None
-    if zero == 3:       # each layer's parameters all-gathered before its first use (runtime/zero.py)
+    if zero == 3:       # each layer's parameters all-gathered before its first use (runtime/zero3.py)
         zero3 = Zero3(sync, axes, mesh)
         zero3.insert(gm, {ph: name for ph, (name, _) in params_by_ph.items()})
     fwd = _forward_graph(gm, traced)

@@ -34,6 +34,7 @@ import autopar
 import autopar.pipeline_module
 import autopar.runtime.grad_sync
 import autopar.runtime.zero
+import autopar.runtime.zero3
 from conftest import run_ranks
 from examples.models import CNN, GPT, MLP, lm_loss
 from oracle import make_batch
@@ -102,7 +103,8 @@ def _job(rank, kind):
     for p in pmodel.parameters():
         p.grad = None
     synced: set = set()
-    mods = [autopar.runtime.grad_sync, autopar.pipeline_module, autopar.runtime.zero]   # ZeRO: the reduce-scatter is the sync
+    mods = [autopar.runtime.grad_sync, autopar.pipeline_module, autopar.runtime.zero,   # ZeRO: the reduce-scatter is the sync
+            autopar.runtime.zero3]
     with autopar.count_collectives() as counter:
         for m in mods:
             m.COUNTER = _MarkSync(counter, synced)
