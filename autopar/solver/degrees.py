@@ -11,8 +11,9 @@ A batch-split op's Partial output (a sum over the batch: the loss) ends the batc
 consumed Replicate on ``a`` (gathered) no longer carries it. An op whose output is split on ``a``
 along the batch's dimension is batch-split too, whatever its inputs (the split re-made after a
 replicated op: token ids kept whole, the embedding's output cut by rows). The batch's dimension of
-a value (``_batch_dims``) follows dim 0 of the inputs through ops that keep its size at its index. Each op weighs its FLOPs (forward +
-backward, at least 1), and the axis takes the role of the largest share of the compute:
+a value (``_batch_dims``) follows dim 0 of the inputs through ops that keep its size at its index.
+Each op weighs its FLOPs (forward + backward, at least 1), and the axis takes the role of the
+largest share of the compute:
 
     "dp"    batch-split ops (data parallel),
     "tp"    ops split otherwise (tensor parallel),
