@@ -65,3 +65,33 @@ def test_accumulated_step_is_what_the_solver_minimises():
     assert accumulated_time(per_step, k) <= accumulated_time(per_mb, k) * (1 + 1e-9)
     assert accumulated_time(per_step, k) == pytest.approx(
         k * (per_step.step_time - per_step.once_per_step_time) + per_step.once_per_step_time)
+
+
+def test_a_mesh_that_cannot_fit_skips_the_accumulations_its_least_memory_rules_out(monkeypatch):
+    """A mesh whose least memory M(k) is over the cap at k is not solved at k' < k·M(k)/cap (least
+    memory is concave in the microbatch share); the plan is the one found without the jump."""
+    from autopar.solver import search
+
+    solved = []
+    real = search.solve_on_mesh
+
+    def spy(traced, mesh, *args, **kwargs):
+        solved.append((mesh.shape, traced.batch_size))
+        return real(traced, mesh, *args, **kwargs)
+
+    monkeypatch.setattr(search, "solve_on_mesh", spy)
+    jumped = _plan(0.004)
+    with_jump = len(solved)
+    made = intra_op._memory_error
+
+    def unproven(*args, **kwargs):
+        err = made(*args, **kwargs)
+        err.least_memory = None
+        return err
+
+    monkeypatch.setattr(intra_op, "_memory_error", unproven)
+    solved.clear()
+    plain = _plan(0.004)
+    assert with_jump < len(solved), "no accumulation was skipped: the test no longer exercises the jump"
+    assert jumped.step_time == pytest.approx(plain.step_time, rel=1e-9)
+    assert jumped.memory_options == plain.memory_options and jumped.degrees == plain.degrees

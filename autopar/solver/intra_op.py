@@ -363,6 +363,7 @@ def _memory_error(p: IntraOpProblem) -> InfeasibleError:
         f"Use more devices (a larger tensor/data-parallel mesh), pipeline parallelism (fewer layers per stage), "
         f"activation checkpointing or optimizer-state sharding, or raise the budget")
     err.choice = choice             # the smallest assignment: callers break its memory down
+    err.least_memory = smallest if sol.status == "OPTIMAL" else None     # a proven minimum of the row
     return err
 
 

@@ -116,7 +116,10 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
 
     Both rest on the cost model charging k microbatches of B/k rows at least what it charges one
     of B (launch and latency terms repeat) and recomputation only adding time, so an unbudgeted
-    bound can only grow with k and with recomputation. A bound under the budget
+    bound can only grow with k and with recomputation. A mesh that cannot fit at k, its least
+    memory M(k) proven (``InfeasibleError.least_memory``), is not tried at k' < k · M(k) / cap:
+    each layout's memory is S + A/k (state and gathered weights, activations of B/k rows, both
+    >= 0), so the least over layouts is concave in 1/k and M(k') >= (k / k') · M(k). A bound under the budget
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory. Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
     which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls.
@@ -128,8 +131,10 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
         keys.append(((mesh.size,), ("dp",)))        # DDP's layout (``ddp_candidate``)
     done: dict = {}                 # mesh key -> index into ks from which it cannot win
     pipeline_request = "pp" in mesh.axis_names or bool(opts.microbatches or opts.schedule)
+    cap = _cap(mesh, opts)
     for rc in choices:
         i = 0
+        below: dict = {}            # mesh key -> the k under which it cannot fit (this recompute choice)
         while i < len(ks) and any(done.get(key, len(ks)) > i for key in keys):
             k = ks[i]
             if progress.out_of_time():
@@ -143,7 +148,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
             mb = traces[k]
             note = ", ".join(([f"ZeRO-{opts.zero}"] if opts.zero else []) + ([f"accumulation {k}"] if k > 1 else [])
                              + ([f"recompute {rc}"] if rc != "none" else []))
-            skip = {key for key, j in done.items() if j <= i}
+            skip = {key for key, j in done.items() if j <= i} | {key for key, need in below.items() if k < need}
             try:
                 got, failed, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=rc),
                                                        param_ann, input_ann, retracer, pipelines=pipelines,
@@ -161,6 +166,8 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
             for m, e in failed:
                 if isinstance(e, DominatedError) and e.unbudgeted or isinstance(e, PlanError):
                     done[(m.shape, m.axis_names)] = min(done.get((m.shape, m.axis_names), len(ks)), i)
+                elif isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
+                    below[(m.shape, m.axis_names)] = k * e.least_memory / cap
             here = [Failure(m, note, e) for m, e in failed if not isinstance(e, DominatedError)]
             failures += here
             pipe_failures += pipe_failed + [(f"mesh {m.shape} ({note or 'no memory options'})", e)
