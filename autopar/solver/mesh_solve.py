@@ -27,7 +27,7 @@ from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
 from autopar.solver.progress import SearchProgress
 from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
-                                    sync_element_bytes, transient_bytes, zero3_gathered)
+                                    sync_element_bytes, transient_bytes, zero_layer_buffers)
 
 
 @dataclass
@@ -222,7 +222,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
     try:
         sol, gathered, transient = _solve_within(traced, cands, built, costing, budget, microbatches, cutoff)
-        layers = zero3_gathered(traced.gm, cands, built, sol.choice, costing, traced.params)
+        layers = zero_layer_buffers(traced.gm, cands, built, sol.choice, costing, traced.params)
     except InfeasibleError as err:
         if getattr(err, "choice", None) is not None:
             err.breakdown = memory_parts(traced, cands, built, err.choice, costing)
@@ -284,13 +284,13 @@ def zero_collective_list(colls: list[Collective], stage: int, params: set[str], 
 
 def _solve_within(traced, cands, built, costing: Costing, budget: float, microbatches: int = 1,
                   cutoff: float | None = None, tries: int = 6):
-    """Solve, then add what the ILP's memory row does not hold exactly: ZeRO-3's gathered layer
-    and the largest op's backward transients (a maximum each, not a sum), and the gathered
+    """Solve, then add what the ILP's memory row does not hold exactly: ZeRO's per-layer buffers
+    (``zero_layer_buffers``) and the largest op's backward transients (a maximum each, not a sum), and the gathered
     parameter copies counted once per (parameter, placement) where the row charges them per edge
     (``resharded_param_bytes``, never more than the row's). While the sum exceeds ``budget``, the
     ILP's budget is lowered by the two maxima of the last solution (or, when that no longer
     lowers it, by the overflow) and the problem solved again. Returns (solution with its memory
-    row's bytes less the edges', gathered copies + ZeRO-3 layers, transients). The problem solved is
+    row's bytes less the edges', gathered copies + ZeRO layer buffers, transients). The problem solved is
     the per-step one (``BuiltProblem.per_step``); the solution's objective is one microbatch's."""
     params = set(traced.params)
     whole = built.per_step(microbatches)
@@ -309,15 +309,15 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
             sol = dataclasses.replace(sol, bound=True)
         node_bytes = sol.memory - edge_memory(built.problem, sol.choice)
         resharded = resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
-        zero3 = zero3_gathered(traced.gm, cands, built, sol.choice, costing, traced.params)
+        layer_buffers = zero_layer_buffers(traced.gm, cands, built, sol.choice, costing, traced.params)
         transient = transient_bytes(traced.gm, cands, built, sol.choice, costing, params)
-        gathered = resharded + zero3
+        gathered = resharded + layer_buffers
         over = node_bytes + gathered + transient - budget
         if over <= 0:
             break
         if smallest is None or over + budget < smallest[0]:
             smallest = (over + budget, sol.choice)
-        lowered = min(limit, budget - zero3 - transient)
+        lowered = min(limit, budget - layer_buffers - transient)
         limit = lowered if lowered < limit else min(limit, sol.memory - over)
         problem = dataclasses.replace(whole, memory_budget=limit)
     else:
@@ -351,7 +351,7 @@ def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> d
         out["optimizer state"] += o / (d if costing.zero >= 1 else 1)
     params = set(traced.params)
     out["gathered parameters"] = (resharded_param_bytes(traced.gm, cands, built, choice, costing, params)
-                                  + zero3_gathered(traced.gm, cands, built, choice, costing, traced.params))
+                                  + zero_layer_buffers(traced.gm, cands, built, choice, costing, traced.params))
     out["transient"] = transient_bytes(traced.gm, cands, built, choice, costing, params)
     return out
 
@@ -362,7 +362,7 @@ def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0
     (``gathered``: parameters kept in a placement other than the stored one, see
     ``resharded_param_bytes``; ``transient``: the largest op's gradients in backward,
     ``transient_bytes``; ``layers``: ZeRO-3's gathered layer and its prefetched successor, or
-    ZeRO-2's gradient bucket in backward, ``zero3_gathered``)."""
+    ZeRO-2's gradient bucket in backward, ``zero_layer_buffers``)."""
     state = acts = 0.0
     for i, name in enumerate(built.names):
         mem = float(built.problem.nodes[i].memory[sol.choice[i]])

@@ -399,7 +399,7 @@ def _gathered_matrix(param: fx.Node, stored: list[Strategy], users: list[Strateg
     return out
 
 
-def zero3_gathered(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
+def zero_layer_buffers(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
                    param_names: dict[str, str]) -> float:
     """ZeRO's per-layer buffers at the peak, for the largest unit (``zero.gather_unit``) of the
     parameters ZeRO shards. ZeRO-3: the unit's local weights in full, twice (the next unit's
