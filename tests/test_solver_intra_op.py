@@ -278,3 +278,33 @@ def test_cutoff_prunes_only_what_cannot_win(seed):
     with pytest.raises(DominatedError, match="cannot beat the best plan so far") as info:
         solve_intra_op(replace(p, cutoff=free.objective - 1e-9))
     assert info.value.unbudgeted and info.value.lower_bound == pytest.approx(free.objective)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_memory_floor_is_a_lower_bound_and_short_cuts_hopeless_budgets(seed, monkeypatch):
+    """``memory_floor`` never exceeds any assignment's memory; a budget under it is refused with the
+    memory explanation and no time solve under the budget, and a cutoff still reports the stronger
+    unbudgeted domination first."""
+    from autopar.solver import intra_op
+    from autopar.solver.intra_op import DominatedError, memory_floor, replace
+
+    rng = np.random.default_rng(seed)
+    p = random_problem(rng)
+    if seed % 2:
+        p = with_edge_memory(p, rng)
+    floor = memory_floor(p)
+    least = brute_force(intra_op._memory_problem(p))
+    if math.isinf(least.objective):
+        return
+    assert floor <= evaluate(p, least.choice)[1] + 1e-9
+    hopeless = replace(p, memory_budget=floor * 0.99)
+    budgeted = []
+    solve = intra_op._solve
+    monkeypatch.setattr(intra_op, "_solve", lambda q, *a, **k: (budgeted.append(q.memory_budget), solve(q, *a, **k))[1])
+    with pytest.raises(InfeasibleError, match="no strategy assignment fits the memory budget"):
+        solve_intra_op(hopeless)
+    assert not [b for b in budgeted if b is not None], "a time solve ran under a budget no assignment fits"
+    free = brute_force(replace(p, memory_budget=None))
+    with pytest.raises(DominatedError, match="cannot beat the best plan so far") as info:
+        solve_intra_op(replace(hopeless, cutoff=free.objective - 1e-9))
+    assert info.value.unbudgeted
