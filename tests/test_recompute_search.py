@@ -109,3 +109,48 @@ def test_pipeline_stage_memory_drops_what_recomputation_does_not_save():
         assert p.degrees["pp"] == 2 and p.memory_options.recompute == rc
         acts[rc] = p.memory_breakdown["activations"]
     assert acts["full"] < 0.25 * acts["none"]
+
+
+PIPE_MODEL = functools.partial(GPT, vocab=128, hidden=64, heads=4, layers=4, seq=32, qkv_bias=False)
+
+
+def _pipe_plan(mesh, rc=None, microbatches=None):
+    x = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    if rc:
+        autopar.set_auto_parallel_context(recompute=rc, microbatches=microbatches)
+    try:
+        return autopar.plan(PIPE_MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=x, mode="auto")
+    finally:
+        autopar.reset_auto_parallel_context()
+
+
+def _pipe_capped_mesh() -> autopar.Mesh:
+    """A 2-stage pipeline mesh whose cap lies between the least peaks (8 microbatches of one
+    example) with and without recomputation."""
+    peak = {rc: max(_pipe_plan(autopar.Mesh((2,), axis_names=("pp",)), rc, 8).memory_per_device)
+            for rc in ("none", "full")}
+    assert peak["full"] < peak["none"]
+    return autopar.Mesh((2,), axis_names=("pp",), memory_gb=(peak["full"] + peak["none"]) / 2 / 2**30)
+
+
+def test_auto_pipelines_with_recomputation_when_nothing_else_fits():
+    """AUTO tries pipelines under every recompute choice (each candidate until it fits): a cap that
+    a 2-stage pipeline meets only by recomputing gives a recomputed pipeline, not an error."""
+    mesh = _pipe_capped_mesh()
+    plan = _pipe_plan(mesh)
+    assert plan.degrees["pp"] == 2 and plan.memory_options.recompute != "none", plan.memory_options
+    assert max(plan.memory_per_device) <= mesh.memory_gb * 2**30
+
+
+def _pipe_job(rank):
+    x = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    return parallel_run(rank, PIPE_MODEL, lm_loss, x, x, _pipe_capped_mesh(), "auto", steps=2)
+
+
+def test_auto_recomputed_pipeline_trains_like_one_device():
+    x = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    ref = reference_run(PIPE_MODEL, lm_loss, x, x, steps=2)
+    for r in run_ranks(2, _pipe_job):
+        plan = autopar.Plan.from_json(r["plan"])
+        assert plan.degrees["pp"] == 2 and plan.memory_options.recompute != "none", plan.memory_options
+        assert_same_training(ref, r, what=f"pipeline {plan.memory_options.summary()}")

@@ -513,9 +513,10 @@ def _zero_shards(plan: Plan, spec) -> int:
 
 
 def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict,
-                   retracer: Retracer | None = None):
+                   retracer: Retracer | None = None, skip: set | None = None):
     """(plans, failures [(note, error)], forced) for every pipeline candidate of the request; ``retracer``
-    re-traces the step at a microbatch shape."""
+    re-traces the step at a microbatch shape. ``skip``: (shape, axis names) of the full meshes
+    of candidates not to try."""
     from autopar.solver.annotations import ANNOTATIONS, resolve_stages
 
     tags = resolve_stages(model, ANNOTATIONS) if mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO) else {}
@@ -536,6 +537,8 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
     for cand in cands:
         if progress is not None and progress.out_of_time():
             break
+        if skip and (cand.full.shape, cand.full.axis_names) in skip:
+            continue
         note = f"pp={cand.pp} sub-mesh {dict(zip(cand.sub.axis_names, cand.sub.shape))}"
         if cand.pp > num_units and not forced:
             failures.append((note, f"{num_units} layers < {cand.pp} stages"))
@@ -553,7 +556,7 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
             continue
         if progress is not None:       # each as it comes: the time budget can stop the search between them
             progress.record(plans[-1:])
-    if forced and not plans:
+    if forced and not plans and failures:
         raise PlanError("no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in failures[:4]))
     return plans, failures, forced
 

@@ -120,7 +120,11 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     memory M(k) proven (``InfeasibleError.least_memory``), is not tried at k' < k · M(k) / cap:
     each layout's memory is S + A/k (state and gathered weights, activations of B/k rows, both
     >= 0), so the least over layouts is concave in 1/k and M(k') >= (k / k') · M(k). A bound under the budget
-    (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory. Every k
+    (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
+    Pipelines run their own microbatches (k = 1 only) and are tried under every recompute
+    choice, a candidate only until it fits: with more recomputation a pipeline that already fits
+    could only pick a larger microbatch (a heuristic, not a bound; the published 530B and 1T
+    layouts need recomputation to fit at all). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
     which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls.
     (plans, failures, pipeline failures) as in :func:`_candidates`."""
@@ -130,6 +134,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     if mode == ParallelMode.AUTO and len(keys) > 1:
         keys.append(((mesh.size,), ("dp",)))        # DDP's layout (``ddp_candidate``)
     done: dict = {}                 # mesh key -> index into ks from which it cannot win
+    pipe_fit: set = set()           # pipeline candidates (full mesh key) that fit with less recomputation
     pipeline_request = "pp" in mesh.axis_names or bool(opts.microbatches or opts.schedule)
     cap = _cap(mesh, opts)
     for rc in choices:
@@ -139,7 +144,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
             k = ks[i]
             if progress.out_of_time():
                 return plans, failures, pipe_failures
-            pipelines = k == 1 and not opts.zero and (rc == "none" or opts.recompute is not None)
+            pipelines = k == 1 and not opts.zero
             if pipeline_request and not pipelines:
                 break               # only pipelines were asked for
             progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
@@ -152,13 +157,17 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
             try:
                 got, failed, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=rc),
                                                        param_ann, input_ann, retracer, pipelines=pipelines,
-                                                       microbatches=k, skip=skip)
+                                                       microbatches=k, skip=skip, pipe_skip=pipe_fit)
             except PlanError as err:
+                if k == 1 and pipeline_request and rc != choices[-1]:
+                    pipe_failures.append((f"pipeline ({note or 'no memory options'})", err))
+                    break           # a requested pipeline that does not fit: try more recomputation
                 if k == 1:
                     raise
                 failures.append(Failure(mesh, note, err))    # e.g. a microbatch the mesh cannot split
                 break
             plans += [accumulated(p, k, traced, mb) for p in got]
+            pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None}
             for p in got:
                 if not p.memory_bound:  # nothing at this k with more recomputation or at a larger k beats it
                     key = (p.mesh.shape, p.mesh.axis_names)
@@ -178,20 +187,21 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
 
 def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
                 input_ann: dict, retracer: Retracer | None, pipelines: bool = True, microbatches: int = 1,
-                skip: set | None = None):
+                skip: set | None = None, pipe_skip: set | None = None):
     """(plans, failures [(mesh, error)], pipeline failures [(note, error)]) of every candidate layout
     of one traced step, a microbatch of a step that accumulates ``microbatches``: the pipeline
     candidates, each mesh factorisation, DDP's layout. Each is recorded in ``opts.progress`` (by
     its whole-step time); once the time budget is out no further mesh is solved. A mesh whose
     lower bound reaches the best whole-step time so far is not solved under the budget: its
     failure is a ``DominatedError`` (``solve_on_mesh``'s ``cutoff``). ``skip``: (shape, axis names)
-    of meshes not to try (DDP's layout is the 1-D "dp" mesh)."""
+    of meshes not to try (DDP's layout is the 1-D "dp" mesh); ``pipe_skip``: the same for pipeline
+    candidates (their full meshes, pp first)."""
     skip = skip or set()
     progress = opts.progress or SearchProgress()
     step_time = lambda p: accumulated_time(p, microbatches)  # noqa: E731
     pipe_plans, pipe_failures, pipeline_only = (pipeline_plans(traced, model, mesh, mode,
                                                                dataclasses.replace(opts, progress=progress),
-                                                               param_ann, input_ann, retracer)
+                                                               param_ann, input_ann, retracer, pipe_skip)
                                                 if pipelines else ([], [], False))
     meshes = [] if pipeline_only else candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
     plans, failures = list(pipe_plans), []
