@@ -131,7 +131,8 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
         world = dist.get_world_size()
         if world != mesh.size:
             raise ValueError(f"mesh {mesh!r} has {mesh.size} devices but torch.distributed has {world} ranks; "
-                             "make the mesh size equal the world size")
+                             f"make the mesh size equal the world size (e.g. autopar.Mesh({world})), or launch "
+                             f"{mesh.size} processes")
     elif mesh.size != 1:
         raise RuntimeError(f"mesh {mesh!r} has {mesh.size} devices but torch.distributed is not initialized: run "
                            "under torchrun or autopar.launch (or use a Mesh(1))")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -24,19 +25,23 @@ class Mesh:
 
     def __init__(self, shape, axis_names: Sequence[str] | None = None, device: str = "cpu",
                  gpus_per_node: int | None = None, memory_gb: float | None = None):
-        if isinstance(shape, int):
-            shape = (shape,)
-        shape = tuple(int(s) for s in shape)
-        if not shape or any(s < 1 for s in shape):
-            raise ValueError(f"Mesh shape must be positive integers, got {shape}")
+        shape = _check_shape(shape)
         self.named = axis_names is not None
         if axis_names is None:
             axis_names = tuple(f"d{i}" for i in range(len(shape)))
+        if isinstance(axis_names, str):
+            raise TypeError(f"Mesh(axis_names={axis_names!r}): give a tuple of names, one per axis, e.g. "
+                            f"axis_names=({axis_names!r},)")
         axis_names = tuple(axis_names)
         if len(axis_names) != len(shape):
             raise ValueError(f"Mesh has {len(shape)} axes {shape} but {len(axis_names)} axis names {axis_names}")
         if len(set(axis_names)) != len(axis_names):
             raise ValueError(f"Mesh axis names must be unique, got {axis_names}")
+        if memory_gb is not None and (not isinstance(memory_gb, numbers.Real) or not memory_gb > 0):
+            raise ValueError(f"Mesh(memory_gb={memory_gb!r}): the per-device memory cap must be a number of GiB > 0, "
+                             "e.g. memory_gb=80 (or leave it out to use the device preset's memory)")
+        if gpus_per_node is not None and not _is_count(gpus_per_node):
+            raise ValueError(f"Mesh(gpus_per_node={gpus_per_node!r}): must be a whole number >= 1, e.g. 8")
         self.shape = shape
         self.axis_names = axis_names
         self.device = device
@@ -121,7 +126,8 @@ class Mesh:
             world = dist.get_world_size()
             if world != self.size:
                 raise ValueError(f"mesh {self!r} has {self.size} devices but the process group has "
-                                 f"{world} ranks; make the mesh size equal the world size")
+                                 f"{world} ranks; make the mesh size equal the world size (e.g. autopar.Mesh({world})), "
+                                 f"or launch {self.size} processes")
             dev = "cpu" if dist.get_backend() == "gloo" else "cuda"
             self._device_mesh = init_device_mesh(dev, self.shape, mesh_dim_names=self.axis_names)
         return self._device_mesh
@@ -133,3 +139,24 @@ class Mesh:
         d = dict(self.__dict__)
         d["_device_mesh"] = None
         return d
+
+
+def _is_count(n) -> bool:
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
+
+
+def _check_shape(shape) -> tuple:
+    """``shape`` (a device count or a sequence of them) as a tuple of ints, or a ValueError saying what is wrong."""
+    items = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    example = "e.g. Mesh(4) or Mesh((2, 2))"
+    if not items:
+        raise ValueError(f"Mesh({shape!r}): the shape names no axis; give a device count or one per axis, {example}")
+    for i, n in enumerate(items):
+        where = f"axis {i} " if len(items) > 1 else ""
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool):
+            raise TypeError(f"Mesh({shape!r}): {where}size {n!r} is a {type(n).__name__}, not a whole number of "
+                             f"devices; give an int or a tuple of ints, {example}")
+        if n < 1:
+            raise ValueError(f"Mesh({shape!r}): {where}size {n} has no devices; every axis needs at least 1 device, "
+                             f"{example}")
+    return tuple(int(n) for n in items)

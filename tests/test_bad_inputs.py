@@ -1,0 +1,49 @@
+"""Bad arguments (meshes, inputs at step, losses, stage tags, leftover annotations, plan files)
+get one clear error naming the argument at fault, what it got and what to do."""
+from __future__ import annotations
+
+import pytest
+import torch.nn.functional as F
+
+import autopar
+from conftest import run_ranks
+from examples.models import MLP
+from oracle import make_batch
+
+
+@pytest.mark.parametrize("shape, error, text", [
+    (2.5, TypeError, r"Mesh\(2.5\): size 2.5 is a float, not a whole number of devices; .*e.g. Mesh\(4\)"),
+    ("4", TypeError, r"Mesh\('4'\): size '4' is a str"),
+    (True, TypeError, r"size True is a bool"),
+    (0, ValueError, r"Mesh\(0\): size 0 has no devices; every axis needs at least 1 device"),
+    (-2, ValueError, r"size -2 has no devices"),
+    ((2, 0), ValueError, r"Mesh\(\(2, 0\)\): axis 1 size 0 has no devices"),
+    ((), ValueError, r"the shape names no axis"),
+])
+def test_bad_mesh_shape(shape, error, text):
+    with pytest.raises(error, match=text):
+        autopar.Mesh(shape)
+
+
+def test_bad_mesh_options():
+    with pytest.raises(ValueError, match=r"Mesh\(memory_gb=0\): the per-device memory cap must be a number of GiB > 0"):
+        autopar.Mesh(2, memory_gb=0)
+    with pytest.raises(ValueError, match=r"Mesh\(gpus_per_node=0\): must be a whole number >= 1"):
+        autopar.Mesh(2, gpus_per_node=0)
+    with pytest.raises(TypeError, match=r"Mesh\(axis_names='dp'\): give a tuple of names.*axis_names=\('dp',\)"):
+        autopar.Mesh(2, axis_names="dp")
+
+
+def _wrong_world(rank):
+    x, y = make_batch("vector", 8)
+    try:
+        autopar.parallelize(MLP(), autopar.Mesh(4), example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y,
+                            mode="data")
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_mesh_size_must_match_the_world_size():
+    msg = run_ranks(2, _wrong_world)[0]
+    assert "has 4 devices but torch.distributed has 2 ranks" in msg and "autopar.Mesh(2)" in msg, msg
