@@ -83,9 +83,11 @@ class ParallelModule(nn.Module):
         out = []
         shape_mesh = self.plan.mesh.shape
         for i, (x, ph, shape) in enumerate(zip(inputs, meta["inputs"], meta["input_shapes"])):
+            self._check_dtype(x, i)
             out.append(self._localize(x, self.plan.inputs.get(ph), shape, f"input {i}", local_batch, shape_mesh))
         tgt = None
         if target is not None:
+            self._check_dtype(target, None)
             tph = self._target_placeholder()
             tgt = self._localize(target, self.plan.inputs.get(tph), meta["target_shape"], "target", local_batch,
                                  shape_mesh)
@@ -94,6 +96,20 @@ class ParallelModule(nn.Module):
     def _target_placeholder(self):
         known = set(self._traced_meta["inputs"])
         return next((k for k in self.plan.inputs if k not in known), None)
+
+    def _check_dtype(self, x, index: int | None) -> None:
+        """Input ``index`` (None: the target) has the dtype of the example it was planned with."""
+        meta = self._traced_meta
+        if index is None:
+            what, want, shape = "target", meta["target_dtype"], meta["target_shape"]
+        else:
+            dtypes = meta["input_dtypes"]
+            what, want, shape = f"input {index}", dtypes[index] if index < len(dtypes) else None, meta["input_shapes"][index]
+        if want is None or not isinstance(x, torch.Tensor) or x.dtype == want:
+            return
+        raise TypeError(f"{what} has dtype {x.dtype} but the model was planned with an example of dtype {want} "
+                        f"(shape {list(shape)}); pass a {want} tensor (e.g. .to({want})), or re-plan with an "
+                        "example of this dtype")
 
     def _localize(self, x, spec, global_shape, what, local_batch, mesh_shape):
         if not isinstance(x, torch.Tensor):
@@ -345,7 +361,8 @@ class ParallelModule(nn.Module):
 def _meta(traced) -> dict:
     return {"inputs": list(traced.inputs), "input_shapes": list(traced.input_shapes),
             "target_shape": traced.target_shape, "loss_index": traced.loss_index,
-            "has_loss": traced.has_loss, "output_tree": traced.output_tree}
+            "has_loss": traced.has_loss, "output_tree": traced.output_tree,
+            "input_dtypes": list(traced.input_dtypes), "target_dtype": traced.target_dtype}
 
 
 def _join(j: int, parts: list):

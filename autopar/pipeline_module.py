@@ -168,9 +168,11 @@ class PipelineModule(ParallelModule):
         per_input = []
         for i, (x, ph, shape, mb_shape) in enumerate(zip(inputs, meta["inputs"], meta["input_shapes"],
                                                          self._mb_shapes)):
+            self._check_dtype(x, i)
             per_input.append(self._split(x, self.plan.inputs.get(ph), shape, mb_shape, f"input {i}", local_batch))
         tgt = [None] * m
         if target is not None:
+            self._check_dtype(target, None)
             tgt = self._split(target, self.plan.inputs.get(tph), meta["target_shape"], self._mb_target_shape,
                               "target", local_batch)
         return [([self.program.cast_input(xs[i]) for xs in per_input], tgt[i]) for i in range(m)]

@@ -43,6 +43,8 @@ class Traced:
     target_shape: tuple | None
     has_loss: bool = False
     meta: dict = field(default_factory=dict)
+    input_dtypes: list = field(default_factory=list)   # the user's example inputs' dtypes (before any cast)
+    target_dtype: torch.dtype | None = None
 
     def node(self, name: str) -> fx.Node:
         for n in self.gm.graph.nodes:
@@ -170,6 +172,7 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     inputs = _check_inputs(example_inputs, loss_fn, example_target)
+    dtypes = [x.dtype for x in inputs]
     dtype = compute_dtype(mixed_precision)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     stored = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
@@ -190,6 +193,8 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
     except Exception as err:  # noqa: BLE001 - every failure is reported with its location
         raise _explain_failure(err, model) from err
     traced = _from_exported(ep, model, inputs, example_target, loss_fn is not None)
+    traced.input_dtypes = dtypes
+    traced.target_dtype = example_target.dtype if example_target is not None else None
     if dtype is not None:
         traced.meta["mixed_precision"] = mixed_precision
         traced.meta["stored_dtypes"] = stored      # the masters' dtypes (the graph sees the working copies')

@@ -3,11 +3,12 @@ get one clear error naming the argument at fault, what it got and what to do."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 import autopar
 from conftest import run_ranks
-from examples.models import MLP
+from examples.models import GPT, MLP, lm_loss
 from oracle import make_batch
 
 
@@ -47,3 +48,20 @@ def _wrong_world(rank):
 def test_mesh_size_must_match_the_world_size():
     msg = run_ranks(2, _wrong_world)[0]
     assert "has 4 devices but torch.distributed has 2 ranks" in msg and "autopar.Mesh(2)" in msg, msg
+
+
+def test_step_names_an_input_or_target_of_another_dtype():
+    x, y = make_batch("tokens", 8)
+    pm = autopar.parallelize(GPT(qkv_bias=False, layers=1, hidden=32), autopar.Mesh(1), example_inputs=(x,),
+                             loss_fn=lm_loss, example_target=y, mode="data")
+    with pytest.raises(TypeError, match=r"input 0 has dtype torch.float32 but the model was planned with an example "
+                                        r"of dtype torch.int64 \(shape \[8, 16\]\); pass a torch.int64 tensor"):
+        pm.step(x.float(), target=y)
+    with pytest.raises(TypeError, match=r"target has dtype torch.float32 but .* dtype torch.int64"):
+        pm.step(x, target=y.float())
+    with pytest.raises(TypeError, match=r"input 0 has dtype torch.int32"):
+        pm(x.int())
+    with pytest.raises(ValueError, match=r"input 0 has shape \[4, 16\] but the model was planned for the global shape "
+                                         r"\[8, 16\]"):
+        pm.step(x[:4], target=y[:4])
+    assert torch.isfinite(pm.step(x, target=y))
