@@ -239,7 +239,9 @@ def _from_exported(ep, model, inputs, example_target, has_loss) -> Traced:
     loss_index = None
     if has_loss:
         loss_index, leaves = user_out[0], user_out[1:]
-        tree = tree.child(1) if hasattr(tree, "child") else tree.children_specs[1]   # (loss, model output)
+        child = tree.child if hasattr(tree, "child") else lambda i: tree.children_specs[i]
+        _check_loss(child(0), _output_vals(gm)[loss_index])
+        tree = child(1)                                                # (loss, model output)
     else:
         leaves = user_out
         out_vals = [_output_vals(gm)[i] for i in leaves]
@@ -251,6 +253,21 @@ def _from_exported(ep, model, inputs, example_target, has_loss) -> Traced:
                   input_shapes=[tuple(t.shape) for t in inputs],
                   target_shape=tuple(example_target.shape) if example_target is not None else None,
                   has_loss=loss_index is not None)
+
+
+def _check_loss(spec: TreeSpec, val) -> None:
+    """The traced ``loss_fn`` returned one scalar tensor (what ``backward()`` needs), else a ValueError
+    saying how to reduce it."""
+    if not spec.is_leaf():
+        raise ValueError(f"loss_fn returned a {spec.type.__name__} of {spec.num_leaves} values, not one scalar "
+                         "tensor: return only the loss (compute other values outside the training step)")
+    if not isinstance(val, torch.Tensor):
+        raise ValueError(f"loss_fn returned a {type(val).__name__}, not a scalar tensor: return a tensor computed "
+                         "from the model's output")
+    if val.dim() != 0:
+        raise ValueError(f"loss_fn returned a tensor of shape {list(val.shape)}, not a scalar: autopar trains on one "
+                         "scalar loss per step (backward needs one). Reduce it in loss_fn with .mean() or .sum(), "
+                         "e.g. reduction='mean' instead of reduction='none'")
 
 
 def _retarget_device(gm: fx.GraphModule, device: torch.device) -> None:

@@ -65,3 +65,15 @@ def test_step_names_an_input_or_target_of_another_dtype():
                                          r"\[8, 16\]"):
         pm.step(x[:4], target=y[:4])
     assert torch.isfinite(pm.step(x, target=y))
+
+
+@pytest.mark.parametrize("loss_fn, text", [
+    (lambda o, t: F.cross_entropy(o, t, reduction="none"),
+     r"loss_fn returned a tensor of shape \[8\], not a scalar: .*Reduce it in loss_fn with .mean\(\) or .sum\(\), "
+     r"e.g. reduction='mean' instead of reduction='none'"),
+    (lambda o, t: (F.cross_entropy(o, t), o.sum()), r"loss_fn returned a tuple of 2 values, not one scalar tensor"),
+])
+def test_loss_that_is_not_one_scalar_is_refused_at_plan_time(loss_fn, text):
+    x, y = make_batch("vector", 8)
+    with pytest.raises(ValueError, match=text):
+        autopar.plan(MLP(), autopar.Mesh(2), example_inputs=(x,), loss_fn=loss_fn, example_target=y, mode="data")
