@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -54,11 +55,22 @@ def _check_mesh(mesh) -> Mesh:
     return mesh
 
 
+def _warn_unused_annotations(mode: ParallelMode, stacklevel: int) -> None:
+    """Annotations are set but ``mode`` ignores them (DATA, STAND_ALONE, a given plan): say so, never silently."""
+    if ANNOTATIONS.empty():
+        return
+    warnings.warn(f"{mode} mode ignores the annotations that are set ({ANNOTATIONS.describe()}): they apply in "
+                  "SEMI_AUTO and AUTO only. Call autopar.clear_annotations() if they are left from an earlier plan, "
+                  "or plan with mode='semi_auto' to use them", UserWarning, stacklevel=stacklevel)
+
+
 def _plan_traced(model, traced: Traced, retracer: Retracer, mesh: Mesh, mode: ParallelMode,
                  top_k: int = 1, mixed_precision=None, progress: SearchProgress | None = None) -> list[Plan]:
     """The ``top_k`` best predicted plans, best first."""
     if mode == ParallelMode.HYBRID:
         raise PlanError("HYBRID mode applies a complete plan: pass plan=<Plan or path to plan JSON>")
+    if mode not in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO):
+        _warn_unused_annotations(mode, stacklevel=4)       # the user's plan() or parallelize() call
     param_ann = resolve_params(model, ANNOTATIONS) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     input_ann = dict(ANNOTATIONS.inputs) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     opts = dataclasses.replace(_options(mixed_precision), progress=progress)
@@ -151,6 +163,7 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
     rank = dist.get_rank() if dist.is_initialized() else 0
     if given is not None:
         the_plan = _check_plan(given, traced, mesh)
+        _warn_unused_annotations(ParallelMode.HYBRID, stacklevel=3)
     else:
         err, plans = None, None
         top_k = get_auto_parallel_context()["autotune_top_k"] if mode == ParallelMode.AUTO and mesh.size > 1 else 1

@@ -2,6 +2,8 @@
 get one clear error naming the argument at fault, what it got and what to do."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,3 +79,66 @@ def test_loss_that_is_not_one_scalar_is_refused_at_plan_time(loss_fn, text):
     x, y = make_batch("vector", 8)
     with pytest.raises(ValueError, match=text):
         autopar.plan(MLP(), autopar.Mesh(2), example_inputs=(x,), loss_fn=loss_fn, example_target=y, mode="data")
+
+
+# ---- pipeline_stage tags ----------------------------------------------------------------------
+
+RULE = r"Rule: pipeline_stage\(layer, k\) starts stage k at a whole layer of the model \(blocks.0, blocks.1, blocks.2, blocks.3\)"
+
+
+@pytest.mark.parametrize("tags, text", [
+    ([("blocks.1", 2), ("blocks.3", 1)],
+     r"pipeline_stage tags out of order: 'blocks.1' starts stage 2 but 'blocks.3', later in the model, is tagged stage 1"),
+    ([("blocks.0", 1)], r"pipeline_stage\('blocks.0', 1\): 'blocks.0' is the first layer, which always starts stage 0"),
+    ([("blocks.2.fc2", 1)], r"'blocks.2.fc2' is inside layer 'blocks.2'; tag the whole layer, e.g. "
+                            r"pipeline_stage\('blocks.2', 1\)"),
+    ([("wte", 1)], r"'wte' is not a layer \(its ops run in layer 'blocks.0'\)"),
+    ([("blocks.1", 1), ("blocks.2", 1)], r"'blocks.1' and 'blocks.2' both start stage 1"),
+    ([("blocks.1", 3)], r"leave 3 stage\(s\) \(0 to 2\) for the 1 layer\(s\) from the first layer before 'blocks.1'"),
+])
+def test_bad_stage_tags_get_one_message_with_the_rule(tags, text):
+    x, y = make_batch("tokens", 8)
+    for module, k in tags:
+        autopar.pipeline_stage(module, k)
+    with pytest.raises(autopar.PlanError) as err:
+        autopar.plan(GPT(qkv_bias=False, layers=4, hidden=32), autopar.Mesh(max(k for _, k in tags) + 1),
+                     example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="semi_auto")
+    msg = str(err.value)
+    assert re.search(text, msg), msg
+    assert "fixed boundaries" not in msg and msg.count("Rule:") == 1
+
+
+# ---- annotations left from an earlier plan -----------------------------------------------------
+
+def _semi_auto_plan(model, mesh):
+    x, y = make_batch("vector" if isinstance(model, MLP) else "tokens", 8)
+    loss = F.cross_entropy if isinstance(model, MLP) else lm_loss
+    return autopar.plan(model, mesh, example_inputs=(x,), loss_fn=loss, example_target=y, mode="semi_auto")
+
+
+def test_annotations_of_an_earlier_model_point_to_clear_annotations():
+    old = GPT(qkv_bias=False, layers=2, hidden=32)
+    autopar.shard(old.wte, weight={"tp": autopar.Shard(0)})
+    with pytest.raises(ValueError, match=r"shard\(\) was given a module object \(Embedding\) that is not part of the "
+                                         r"model being planned. .*call autopar.clear_annotations\(\)"):
+        _semi_auto_plan(GPT(qkv_bias=False, layers=2, hidden=32), autopar.Mesh(2, axis_names=("tp",)))
+    autopar.clear_annotations()
+    autopar.pipeline_stage(old.blocks[1], 1)
+    with pytest.raises(ValueError, match=r"pipeline_stage\(\) was given a module object \(Block\) .*"
+                                         r"autopar.clear_annotations\(\)"):
+        _semi_auto_plan(GPT(qkv_bias=False, layers=2, hidden=32), autopar.Mesh(2))
+    autopar.clear_annotations()
+    autopar.shard("layers.*", weight={"mp": autopar.Shard(0)})
+    with pytest.raises(autopar.PlanError, match=r"unknown mesh axis 'mp'.*autopar.clear_annotations\(\)"):
+        _semi_auto_plan(MLP(), autopar.Mesh(2, axis_names=("tp",)))
+
+
+def test_data_mode_warns_that_it_ignores_annotations():
+    x, y = make_batch("vector", 8)
+    autopar.shard("layers.0", weight={"tp": autopar.Shard(0)})
+    autopar.pipeline_stage("layers.1", 1)
+    with pytest.warns(UserWarning, match=r"DATA mode ignores the annotations that are set \(shard\('layers.0'\), "
+                                         r"pipeline_stage\('layers.1', 1\)\).*autopar.clear_annotations\(\)"):
+        plan = autopar.plan(MLP(), autopar.Mesh(2), example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y,
+                            mode="data")
+    assert plan.degrees["dp"] == 2

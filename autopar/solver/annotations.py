@@ -35,6 +35,17 @@ class Annotations:
     def empty(self) -> bool:
         return not (self.params or self.inputs or self.stages)
 
+    def describe(self, limit: int = 4) -> str:
+        """The annotations set, as the calls that made them: "shard('layers.0'), pipeline_stage('blocks.3', 1)"."""
+        name = lambda t: repr(t) if isinstance(t, str) else f"<{type(t).__name__}>"  # noqa: E731
+        calls = ([f"shard({name(a.target)})" for a in self.params] + [f"shard_input({i})" for i in self.inputs]
+                 + [f"pipeline_stage({name(m)}, {k})" for m, k in self.stages])
+        return ", ".join(calls[:limit]) + (f" and {len(calls) - limit} more" if len(calls) > limit else "")
+
+
+LEFTOVER = ("Annotations stay set until autopar.clear_annotations(): if this one is left from an earlier model, "
+            "call autopar.clear_annotations() before annotating this one")
+
 
 ANNOTATIONS = Annotations()
 
@@ -104,13 +115,14 @@ def resolve_params(model: nn.Module, ann: Annotations) -> dict[str, dict]:
     for a in ann.params:
         if isinstance(a.target, nn.Module):
             if id(a.target) not in names:
-                raise ValueError("shard() was given a module that is not part of the model being planned")
+                raise ValueError(f"shard() was given a module object ({type(a.target).__name__}) that is not part of "
+                                 f"the model being planned. {LEFTOVER}")
             matched = [names[id(a.target)]]
         else:
             matched = [n for n in modules if fnmatch.fnmatchcase(n, a.target)]
             if not matched:
                 raise ValueError(f"shard({a.target!r}) matches no module of the model; module names look like "
-                                 f"{list(modules)[1:4]}")
+                                 f"{list(modules)[1:4]}. {LEFTOVER}")
         for mname in matched:
             mod = modules[mname]
             for leaf, placements in a.tensors.items():
@@ -133,7 +145,8 @@ def resolve_stages(model: nn.Module, ann: Annotations) -> dict[str, int]:
     for mod, k in ann.stages:
         if isinstance(mod, nn.Module):
             if id(mod) not in names:
-                raise ValueError("pipeline_stage() was given a module that is not part of the model being planned")
+                raise ValueError(f"pipeline_stage() was given a module object ({type(mod).__name__}) that is not part "
+                                 f"of the model being planned. {LEFTOVER}")
             out[names[id(mod)]] = k
         else:
             out[mod] = k

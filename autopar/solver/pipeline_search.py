@@ -54,6 +54,7 @@ from autopar.solver.inter_op import LayerProfile, PipelinePartition, partition_s
 from autopar.solver.intra_op import InfeasibleError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.problem import Costing, sync_element_bytes, tensor_bytes
+from autopar.solver.stage_tags import check_stage_tags
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -526,6 +527,8 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
         raise PlanError(str(err)) from None
     if not cands:
         return [], [], forced
+    if tags:
+        check_stage_tags(tags, assign_units(traced.gm)[0], traced.gm, cands[0].pp)
     blocker = pipeline_blocker(traced)
     if blocker:
         if forced:
