@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
 import sys
 import tempfile
 import traceback
@@ -19,8 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.allocator import keep_freed_memory
+from autopar.runtime import rank_failure
 
 DEFAULT_TIMEOUT_S = 120.0
+_GRACE_S = 2.0      # after a rank fails, how long the others may take to fail on their own (and say why)
 
 
 class RankError(RuntimeError):
@@ -66,33 +69,50 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
 
 
 def _launch_entry(rank, fn, world, init_method, timeout_s, args, err_dir):
-    init_rank(rank, world, init_method, timeout_s)
     try:
         try:
+            init_rank(rank, world, init_method, timeout_s)
             fn(rank, *args)
         except BaseException:
-            with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
-                f.write(traceback.format_exc())
+            rank_failure.record(err_dir, rank)
             raise
         dist.barrier()  # a rank that finishes early must not tear down while others still connect
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def launch(fn, nprocs: int = 4, args: tuple = (), timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Run ``fn(rank, *args)`` in ``nprocs`` processes; raise ``RankError`` if any rank fails."""
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    """Run ``fn(rank, *args)`` in ``nprocs`` processes; raise ``RankError`` if any rank fails, the
+    failing rank's own error first (``rank_failure.describe``)."""
+    name = f"autopar.launch({getattr(fn, '__name__', fn)})"
+    if rank_failure.bootstrapping():    # a spawned rank re-running the script's top level: no main guard
+        sys.exit(rank_failure.NO_MAIN_GUARD_EXIT)
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ValueError(f"{name}: nprocs must be a whole number >= 1, got {nprocs!r}")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(sys.modules["__main__"], "__file__", None):
+        raise RankError(f"{name}: {getattr(fn, '__name__', fn)} is defined in an interactive session, which the "
+                        "spawned processes cannot import; define it in a module file and import it")
     with tempfile.TemporaryDirectory(prefix="autopar_launch_") as err_dir:
+        ctx = mp.start_processes(_launch_entry, args=(fn, nprocs, rendezvous_file(), timeout_s, tuple(args), err_dir),
+                                 nprocs=nprocs, join=False, start_method="spawn")
         try:
-            mp.start_processes(_launch_entry, args=(fn, nprocs, rendezvous_file(), timeout_s, tuple(args), err_dir),
-                               nprocs=nprocs, join=True, start_method="spawn")
+            while not ctx.join(grace_period=_GRACE_S):
+                pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            own = sorted(f for f in os.listdir(err_dir) if f.endswith(".txt"))
-            if own:  # the ranks whose function raised: the cause, not the peers that lost them
-                detail = "".join(f"\n--- {f[:-4]} ---\n" + open(os.path.join(err_dir, f)).read() for f in own)
-                raise RankError(f"{len(own)} rank(s) failed in {getattr(fn, '__name__', fn)}:{detail}") from None
-            raise RankError(f"a rank failed:\n{err}") from None
+            raise RankError(_launch_failure(name, err, ctx.processes, err_dir)) from None
+
+
+def _launch_failure(name: str, err, processes, err_dir: str) -> str:
+    """The RankError text: deaths (signal, exit code) and raised errors, the cause first. Ranks that
+    torch's join ended itself (SIGTERM after the first failure) are not deaths."""
+    failures = rank_failure.recorded(err_dir)
+    raised = {f.rank for f in failures}
+    deaths = {i: p.exitcode for i, p in enumerate(processes)
+              if i not in raised and p.exitcode and (i == err.error_index or p.exitcode != -signal.SIGTERM)}
+    if rank_failure.NO_MAIN_GUARD_EXIT in deaths.values():
+        return rank_failure.no_main_guard_message(name)
+    return rank_failure.describe(name, failures, deaths) if failures or deaths else f"{name}: a rank failed: {err}"
 
 
 # ---- a persistent pool of ranks ---------------------------------------------------------
@@ -134,23 +154,26 @@ class RankPool:
             raise RankError("this RankPool is broken by an earlier failure; make a new one")
         for box in self._inboxes:
             box.put((fn, args, kwargs))
-        results, errors = {}, {}
+        results, errors = {}, []
         limit = timeout_s or self.timeout_s + 30
+        name = getattr(fn, "__name__", fn)
         try:
             for _ in range(self.nprocs):
                 rank, ok, value = self._outbox.get(timeout=limit)
-                (results if ok else errors)[rank] = value
-                if errors:
+                if ok:
+                    results[rank] = value
+                else:       # arrival order stands in for time: the cause is usually first
+                    errors.append(rank_failure.Failure(rank, len(errors), value))
                     limit = min(limit, self.timeout_s + 10)
         except queue.Empty:
             self.broken = True
-            missing = sorted(set(range(self.nprocs)) - set(results) - set(errors))
-            detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-            raise RankError(f"ranks {missing} did not finish {getattr(fn, '__name__', fn)} in {limit:.0f}s{detail}") from None
+            missing = sorted(set(range(self.nprocs)) - set(results) - {f.rank for f in errors})
+            deaths = {r: self._procs[r].exitcode for r in missing if self._procs[r].exitcode}
+            raise RankError(f"ranks {missing} did not finish {name} in {limit:.0f}s\n"
+                            + rank_failure.describe(name, errors, deaths)) from None
         if errors:
             self.broken = True
-            detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-            raise RankError(f"{len(errors)} rank(s) failed in {getattr(fn, '__name__', fn)}:{detail}")
+            raise RankError(rank_failure.describe(name, errors))
         return [results[r] for r in range(self.nprocs)]
 
     def close(self) -> None:
