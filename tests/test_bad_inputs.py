@@ -142,3 +142,26 @@ def test_data_mode_warns_that_it_ignores_annotations():
         plan = autopar.plan(MLP(), autopar.Mesh(2), example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y,
                             mode="data")
     assert plan.degrees["dp"] == 2
+
+
+# ---- a memory cap nothing fits ----------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, axes, tag, candidate", [
+    ("data", None, False, "mesh (2,), no memory options"),
+    ("semi_auto", None, False, "mesh (2,), "),
+    ("auto", None, False, "mesh (2"),
+    ("semi_auto", ("pp",), False, "mesh (2, 1), pp=2 sub-mesh {'tp': 1}"),          # a named pipeline axis
+    ("semi_auto", None, True, "mesh (2, 1), pp=2 sub-mesh {'tp': 1}"),              # stage tags
+])
+def test_nothing_fits_gives_the_breakdown_on_every_path(mode, axes, tag, candidate):
+    x, y = make_batch("tokens", 32)
+    model = GPT(qkv_bias=False, layers=4, hidden=32)
+    if tag:
+        autopar.pipeline_stage(model.blocks[2], 1)
+    with pytest.raises(autopar.PlanError) as err:
+        autopar.plan(model, autopar.Mesh(2, axis_names=axes, memory_gb=300 / 2**20), example_inputs=(x,),
+                     loss_fn=lm_loss, example_target=y, mode=mode)
+    msg = str(err.value)
+    assert f"the smallest candidate ({candidate}" in msg, msg
+    assert re.search(r"needs [\d.]+ [KM]iB per device \(parameters [\d.]+ KiB, gradients [\d.]+ KiB, optimizer state "
+                     r"[\d.]+ KiB, activations [\d.]+ [KM]iB.*\) but the cap is 300 KiB. About \d+ devices would fit", msg), msg

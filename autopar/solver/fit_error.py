@@ -18,9 +18,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+from autopar.cost_models.memory import training_state_parts
 from autopar.memory_explain import human_bytes
 from autopar.plan import PlanError
-
+from autopar.solver.inter_op import StageMemoryError
 
 
 @dataclass
@@ -37,6 +40,45 @@ class Failure:
     @property
     def breakdown(self) -> dict | None:
         return getattr(self.error, "breakdown", None)
+
+
+class StageFitError(PlanError):
+    """A pipeline candidate no stage partition fits: its mesh, the cap and the per-device ``breakdown``
+    of its smallest partition's fullest rank (``stage_fit_error``)."""
+
+    def __init__(self, message: str, mesh, cap: float, breakdown: dict):
+        super().__init__(message)
+        self.mesh, self.cap, self.breakdown = mesh, cap, breakdown
+
+
+def stage_fit_error(message: str, errors: list, sub_breakdown: dict | None, mesh, cap: float, optimizer: str,
+                    precision: str) -> StageFitError | None:
+    """The StageFitError of a pipeline candidate whose partitions failed with ``errors`` (None when none
+    failed for memory). The stage's training state is split into parameters, gradients and optimizer
+    state in the proportions of one fp32-stored parameter under ``precision`` (exact for a model of one
+    dtype); the sub-plan's gathered parameters and transients are added as ``_stage_memory`` does."""
+    tight = [e for e in errors if isinstance(e, StageMemoryError)]
+    if not tight:
+        return None
+    best = min(tight, key=lambda e: e.state + e.activations)
+    parts = training_state_parts(1.0, torch.float32, optimizer, precision)
+    breakdown = {k: best.state * v / sum(parts) for k, v in zip(("parameters", "gradients", "optimizer state"), parts)}
+    breakdown["activations"] = best.activations
+    for key in ("gathered parameters", "transient"):
+        if (sub_breakdown or {}).get(key):
+            breakdown[key] = sub_breakdown[key]
+    return StageFitError(message, mesh, cap, breakdown)
+
+
+def pipeline_nothing_fits(mesh, failures: list[tuple[str, Exception]], batch: int) -> PlanError | None:
+    """``nothing_fits`` over the pipeline candidates that failed for memory (None if none did)."""
+    sized = pipeline_failures(failures)
+    return nothing_fits(mesh, sized, sized[0].error.cap, batch) if sized else None
+
+
+def pipeline_failures(failures: list[tuple[str, Exception]]) -> list[Failure]:
+    """The (note, error) pipeline failures that carry a memory breakdown, as Failures."""
+    return [Failure(e.mesh, note, e) for note, e in failures if isinstance(e, StageFitError)]
 
 
 STATE = ("parameters", "gradients", "optimizer state", "gathered parameters")

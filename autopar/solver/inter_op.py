@@ -184,24 +184,49 @@ def _objective(tables: _StageTables, cuts: Sequence[int], microbatches: int) -> 
     return float(sum(times) + (microbatches - 1) * max(times))
 
 
-def _min_peak_memory(tables: _StageTables) -> float:
-    """Smallest achievable max stage memory ignoring the budget (a minimax DP), for error messages."""
+class StageMemoryError(ValueError):
+    """No partition fits the memory budget. ``state`` and ``activations``: bytes of the fullest stage of
+    the partition with the least peak (the smallest the model can be cut to), times ``share`` (the
+    stages a rank holds), so that they compare with the per-device budget."""
+
+    def __init__(self, message: str, state: float, activations: float, share: int):
+        super().__init__(message)
+        self.state, self.activations, self.share = state, activations, share
+
+
+def _min_peak_partition(tables: _StageTables) -> tuple[float, list[int]]:
+    """Smallest achievable max stage memory ignoring the budget (a minimax DP) and its cuts, for error messages."""
     num_stages, size = tables.memory.shape[0], tables.memory.shape[1]
     g = np.full(size, np.inf)
     g[0] = 0.0
+    choices = []
     for s in range(num_stages):
-        g = np.where(tables.structural, np.maximum(g[:, None], tables.memory[s]), np.inf).min(axis=0)
-    return float(g[-1])
+        cand = np.where(tables.structural, np.maximum(g[:, None], tables.memory[s]), np.inf)
+        choices.append(np.argmin(cand, axis=0))
+        g = cand.min(axis=0)
+    if not np.isfinite(g[-1]):
+        return float(g[-1]), []
+    cuts = [size - 1]
+    for s in reversed(range(num_stages)):
+        cuts.append(int(choices[s][cuts[-1]]))
+    return float(g[-1]), cuts[::-1]
 
 
-def _infeasible_message(tables: _StageTables, budget: float, share: int, schedule: str, num_stages: int) -> str:
-    peak = _min_peak_memory(tables)
+def _infeasible(layers: Sequence[LayerProfile], tables: _StageTables, budget: float, share: int, schedule: str,
+                num_stages: int) -> StageMemoryError:
+    peak, cuts = _min_peak_partition(tables)
     per = f"budget / {share} virtual stages = {budget / share / GIB:.2f} GiB" if share > 1 else f"budget {budget / GIB:.2f} GiB"
     hint = "the '1f1b' schedule (fewer microbatches in flight than 'gpipe'), " if schedule == "gpipe" else ""
-    return (
+    state = activations = 0.0
+    if cuts:
+        s, (a, b) = max(enumerate(zip(cuts, cuts[1:])), key=lambda x: tables.memory[x[0], x[1][0], x[1][1]])
+        state = sum(x.param_bytes for x in layers[a:b])
+        activations = float(tables.memory[s, a, b]) - state
+    return StageMemoryError(
         f"no partition into {num_stages} stages fits memory: the smallest achievable peak stage memory is "
         f"{peak / GIB:.2f} GiB but each stage may use {per} (schedule {schedule!r}). Use more pipeline stages "
-        f"or devices, {hint}activation checkpointing, sharding within stages (tensor/ZeRO), or a larger budget")
+        f"or devices, {hint}activation checkpointing, sharding within stages (tensor/ZeRO), or a larger budget",
+        state * share, activations * share, share)
 
 
 def _build_partition(layers: Sequence[LayerProfile], tables: _StageTables, cuts: Sequence[int], objective: float,
@@ -241,7 +266,7 @@ def partition_stages(layers: Sequence[LayerProfile], num_stages: int, microbatch
                          virtual_stages)
     objective, cuts = _solve_dp(tables, microbatches)
     if not cuts:
-        raise ValueError(_infeasible_message(tables, memory_budget, v, schedule, num_stages * v))
+        raise _infeasible(layers, tables, memory_budget, v, schedule, num_stages * v)
     return _build_partition(layers, tables, cuts, objective, num_stages, microbatches, schedule, v)
 
 
@@ -261,7 +286,7 @@ def brute_force_partition(layers: Sequence[LayerProfile], num_stages: int, micro
             if objective < best:
                 best, best_cuts = objective, cuts
     if not best_cuts:
-        raise ValueError(_infeasible_message(tables, memory_budget, v, schedule, total))
+        raise _infeasible(layers, tables, memory_budget, v, schedule, total)
     return _build_partition(layers, tables, best_cuts, best, num_stages, microbatches, schedule, v)
 
 

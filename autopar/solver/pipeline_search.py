@@ -51,6 +51,7 @@ from autopar.plan_specs import PlanSpecs
 from autopar.sharding.placements import R, Replicate, Spec, local_shape, shard_factor
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.inter_op import LayerProfile, PipelinePartition, partition_stages
+from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.problem import Costing, sync_element_bytes, tensor_bytes
@@ -325,7 +326,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     solved = {ref: solve(ref)}
     mb, ref_plan, units_ref, _, costs = solved[ref]
     fixed = _fixed_boundaries(cand, units_ref, mb.gm)
-    ranked, reasons = [], []        # (key, m, schedule) of each partition that fits by the reference costs
+    ranked, reasons, errors = [], [], []    # (key, m, schedule) of each partition that fits by the reference costs
     for schedule in schedules:
         for m in counts:
             if schedule == "interleaved_1f1b" and m % cand.pp:
@@ -335,10 +336,13 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
                                           fixed)
             except ValueError as err:
                 reasons.append(f"{schedule} m={m}: {err}")
+                errors.append(err)
                 continue
             ranked.append(((round(t, 12), max(part.rank_memory)), m, schedule))
     if not ranked:
-        raise PipelineRequestError("no pipeline partition fits: " + "; ".join(reasons[:3]))
+        msg = "no pipeline partition fits: " + "; ".join(reasons[:3])
+        raise stage_fit_error(msg, errors, ref_plan.memory_breakdown, cand.full, budget, opts.optimizer,
+                              opts.precision) or PipelineRequestError(msg)
     ranked.sort(key=lambda r: r[0])
     found, failed = None, []
     for _, m, schedule in ranked:
@@ -356,11 +360,14 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
                                          fixed)
         except ValueError as err:
             failed.append(f"{schedule} m={m}: {err}")
+            errors.append(err)
             continue
         found = m
         break
     if found is None:
-        raise PipelineRequestError("no pipeline partition fits at the microbatch counts solved: " + "; ".join(failed[:3]))
+        msg = "no pipeline partition fits at the microbatch counts solved: " + "; ".join(failed[:3])
+        raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts.optimizer,
+                              opts.precision) or PipelineRequestError(msg)
     _check_tags(part, cand, units_m, mb.gm)
     step += sub_plan.grad_sync_overhead
     plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
@@ -534,7 +541,7 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
         if forced:
             raise PlanError(f"cannot pipeline this model: {blocker}")
         return [], [("pp", blocker)], False
-    num_units = len(assign_units(traced.gm)[0])
+    num_units, batch = len(assign_units(traced.gm)[0]), traced.batch_size
     plans, failures = [], []
     progress = opts.progress
     for cand in cands:
@@ -552,15 +559,16 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
             plans.append(plan_pipeline(traced, cand, mode, within, param_ann, input_ann, retracer))
         except (PipelineRequestError, ValueError) as err:
             if forced and len(cands) == 1:
-                raise PlanError(str(err)) from None
-            failures.append((note, str(err)))
+                raise pipeline_nothing_fits(mesh, [(note, err)], batch) or PlanError(str(err)) from None
+            failures.append((note, err))
             if progress is not None:
                 progress.record([], 1)
             continue
         if progress is not None:       # each as it comes: the time budget can stop the search between them
             progress.record(plans[-1:])
     if forced and not plans and failures:
-        raise PlanError("no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in failures[:4]))
+        raise pipeline_nothing_fits(mesh, failures, batch) or PlanError(
+            "no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in failures[:4]))
     return plans, failures, forced
 
 

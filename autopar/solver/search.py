@@ -19,7 +19,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Alternative, Plan, PlanError
 from autopar.sharding.placements import R
 from autopar.solver.accumulation import accumulated, accumulated_time, memory_choices, microbatch_traced, zero_ladder
-from autopar.solver.fit_error import Failure, nothing_fits
+from autopar.solver.fit_error import Failure, nothing_fits, pipeline_failures
 from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
@@ -79,7 +79,8 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     if not plans and not failures:
         raise PlanError("no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in pipe_failures[:4]))
     if not plans:
-        raise nothing_fits(mesh, failures, _cap(mesh, opts), traced.batch_size) from None
+        raise nothing_fits(mesh, failures + pipeline_failures(pipe_failures), _cap(mesh, opts),
+                           traced.batch_size) from None
     for p in plans:
         p.optimizer_time = optimizer_time(p, opts.optimizer)
     plans.sort(key=rank_key)
