@@ -5,6 +5,7 @@ Everything here is JSON-serialisable; ``Plan.from_json(plan.to_json()) == plan``
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -357,24 +358,50 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
+        if not text.strip():
+            raise ValueError("plan JSON is empty (a plan write that did not finish?); make the plan again")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"plan JSON is not valid JSON: {err}") from None
-        return cls.from_dict(data)
+            raise ValueError(f"plan JSON is not valid JSON (truncated, or not a plan file): {err}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"plan JSON holds a {type(data).__name__}, not a plan (an object written by Plan.save)")
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"plan JSON is not a complete autopar plan ({type(err).__name__}: {err}); make the plan "
+                             "again with this autopar version") from None
 
     def save(self, path) -> None:
-        Path(path).write_text(self.to_json())
+        """Write the JSON to ``path`` whole or not at all (a temporary file in the same folder, renamed)."""
+        write_atomic(Path(path), self.to_json())
 
     @classmethod
     def load(cls, path) -> "Plan":
         p = Path(path)
+        if p.is_dir():
+            raise IsADirectoryError(f"{p} is a folder, not a plan file; pass the plan JSON inside it (autopar plan "
+                                    "--out DIR writes DIR/plan.json)")
         if not p.exists():
             raise FileNotFoundError(f"no plan file at {p}")
-        return cls.from_json(p.read_text())
+        try:
+            return cls.from_json(p.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ValueError(f"cannot read the plan file {p}: {err}") from None
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_dict() == other.to_dict()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` in full, or is left as it was (the text goes to a temporary file first)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _upgrade_v1(d: dict) -> None:
