@@ -51,7 +51,8 @@ def _check_mesh(mesh) -> Mesh:
     if isinstance(mesh, int):
         return Mesh(mesh)
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be an autopar.Mesh (or a device count), got {type(mesh).__name__}")
+        raise TypeError(f"mesh must be an autopar.Mesh (or a device count), got {type(mesh).__name__} {mesh!r}; "
+                        "e.g. autopar.Mesh(4) or autopar.Mesh((2, 2), axis_names=('dp', 'tp'))")
     return mesh
 
 
@@ -133,6 +134,8 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
     """Plan (on rank 0, shared with every rank) and build this rank's ParallelModule.
     ``mixed_precision="bf16"``: bf16 compute on working copies of fp32 master weights (a given
     ``plan`` brings its own ``memory_options.mixed_precision``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     mesh = _check_mesh(mesh)
     mode = _mode(mode) if plan is None or mode is not None else ParallelMode.HYBRID
     if any(p.is_meta for p in model.parameters()):

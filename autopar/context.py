@@ -98,8 +98,13 @@ def set_auto_parallel_context(**kwargs) -> None:
         if key == "zero" and value not in (None, 0, 1, 2, 3):
             raise ValueError(f"zero must be None (chosen when memory needs it) or a ZeRO stage 0, 1, 2 or 3, "
                              f"got {value!r}")
-        if key == "accumulation" and value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"accumulation must be None or a positive int, got {value!r}")
+        if key in ("accumulation", "microbatches") and value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{key} must be None or a positive int, got {value!r}")
+        if key in ("memory_budget_gb", "solver_time_limit") and (value is not None or key == "solver_time_limit") and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"{key} must be a number > 0{' or None' if key == 'memory_budget_gb' else ''}, "
+                             f"got {value!r}")
         if key == "mixed_precision" and value not in (None, "bf16"):
             raise ValueError(f"mixed_precision must be None or 'bf16', got {value!r}")
         if key == "grad_compression" and value not in (None, "bf16", "fp16"):

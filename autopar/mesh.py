@@ -126,8 +126,8 @@ class Mesh:
             world = dist.get_world_size()
             if world != self.size:
                 raise ValueError(f"mesh {self!r} has {self.size} devices but the process group has "
-                                 f"{world} ranks; make the mesh size equal the world size (e.g. autopar.Mesh({world})), "
-                                 f"or launch {self.size} processes")
+                                 f"{world} ranks; make the mesh size equal the world size (e.g. "
+                                 f"autopar.Mesh({world})), or launch {self.size} processes")
             dev = "cpu" if dist.get_backend() == "gloo" else "cuda"
             self._device_mesh = init_device_mesh(dev, self.shape, mesh_dim_names=self.axis_names)
         return self._device_mesh

@@ -104,7 +104,8 @@ class ParallelModule(nn.Module):
             what, want, shape = "target", meta["target_dtype"], meta["target_shape"]
         else:
             dtypes = meta["input_dtypes"]
-            what, want, shape = f"input {index}", dtypes[index] if index < len(dtypes) else None, meta["input_shapes"][index]
+            what, shape = f"input {index}", meta["input_shapes"][index]
+            want = dtypes[index] if index < len(dtypes) else None
         if want is None or not isinstance(x, torch.Tensor) or x.dtype == want:
             return
         raise TypeError(f"{what} has dtype {x.dtype} but the model was planned with an example of dtype {want} "

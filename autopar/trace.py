@@ -75,7 +75,11 @@ class _Step(nn.Module):
             return self.model(*args)
         *inputs, target = args
         out = self.model(*inputs)
-        return self.loss_fn(out, target), out
+        return self.loss(out, target), out
+
+    def loss(self, out, target):
+        """Its own frame, so that a failure in ``loss_fn`` is reported as one (``_explain_failure``)."""
+        return self.loss_fn(out, target)
 
 
 def _check_inputs(example_inputs, loss_fn, example_target):
@@ -89,6 +93,9 @@ def _check_inputs(example_inputs, loss_fn, example_target):
     for i, t in enumerate(example_inputs):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"example_inputs[{i}] is a {type(t).__name__}; every example input must be a tensor")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function (output, target) -> scalar loss, e.g. "
+                        f"torch.nn.functional.cross_entropy; got a {type(loss_fn).__name__}")
     if loss_fn is not None and example_target is None:
         raise ValueError("loss_fn was given without example_target: pass example_target=<a target tensor "
                          "with the global batch shape> so the loss can be traced and planned")
@@ -113,11 +120,18 @@ def _user_frame(tb, model: nn.Module):
     return frame_info, module_name
 
 
-def _explain_failure(err: Exception, model: nn.Module) -> TraceError:
+def _explain_failure(err: Exception, model: nn.Module, example_target=None) -> TraceError:
     frame, module = _user_frame(err.__traceback__, model)
     where = f"in module {module!r}" if module else "in the model"
-    line = f" at {frame[0]}:{frame[1]} ({frame[2]})" if frame else ""
+    line = f" at {frame[0]}:{frame[1]} ({frame[2]})" if frame and frame[0] != __file__ else ""
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if any(f.f_code is _Step.loss.__code__ for f, _ in traceback.walk_tb(err.__traceback__)):
+        target = (f" (example_target has shape {list(example_target.shape)}, dtype {example_target.dtype})"
+                  if isinstance(example_target, torch.Tensor) else "")
+        return TraceError(
+            f"autopar could not trace loss_fn(model output, example_target){line}: {type(err).__name__}: {first}\n"
+            f"What to try: check that loss_fn takes the model's output and the target and returns a scalar, and that "
+            f"example_target matches the output{target}.")
     return TraceError(
         f"autopar could not trace the model {where}{line}: {type(err).__name__}: {first}\n"
         "What to try: make control flow independent of tensor values (torch.cond or plain Python on shapes), "
@@ -191,7 +205,7 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
     except TraceError:
         raise
     except Exception as err:  # noqa: BLE001 - every failure is reported with its location
-        raise _explain_failure(err, model) from err
+        raise _explain_failure(err, model, example_target) from err
     traced = _from_exported(ep, model, inputs, example_target, loss_fn is not None)
     traced.input_dtypes = dtypes
     traced.target_dtype = example_target.dtype if example_target is not None else None

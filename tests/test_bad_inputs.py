@@ -83,12 +83,14 @@ def test_loss_that_is_not_one_scalar_is_refused_at_plan_time(loss_fn, text):
 
 # ---- pipeline_stage tags ----------------------------------------------------------------------
 
-RULE = r"Rule: pipeline_stage\(layer, k\) starts stage k at a whole layer of the model \(blocks.0, blocks.1, blocks.2, blocks.3\)"
+RULE = (r"Rule: pipeline_stage\(layer, k\) starts stage k at a whole layer of the model "
+        r"\(blocks.0, blocks.1, blocks.2, blocks.3\); stage numbers increase along the layers")
 
 
 @pytest.mark.parametrize("tags, text", [
     ([("blocks.1", 2), ("blocks.3", 1)],
-     r"pipeline_stage tags out of order: 'blocks.1' starts stage 2 but 'blocks.3', later in the model, is tagged stage 1"),
+     r"pipeline_stage tags out of order: 'blocks.1' starts stage 2 but 'blocks.3', later in the model, is tagged "
+     r"stage 1"),
     ([("blocks.0", 1)], r"pipeline_stage\('blocks.0', 1\): 'blocks.0' is the first layer, which always starts stage 0"),
     ([("blocks.2.fc2", 1)], r"'blocks.2.fc2' is inside layer 'blocks.2'; tag the whole layer, e.g. "
                             r"pipeline_stage\('blocks.2', 1\)"),
@@ -105,7 +107,7 @@ def test_bad_stage_tags_get_one_message_with_the_rule(tags, text):
                      example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="semi_auto")
     msg = str(err.value)
     assert re.search(text, msg), msg
-    assert "fixed boundaries" not in msg and msg.count("Rule:") == 1
+    assert re.search(RULE, msg) and msg.count("Rule:") == 1 and "fixed boundaries" not in msg, msg
 
 
 # ---- annotations left from an earlier plan -----------------------------------------------------
@@ -163,5 +165,48 @@ def test_nothing_fits_gives_the_breakdown_on_every_path(mode, axes, tag, candida
                      loss_fn=lm_loss, example_target=y, mode=mode)
     msg = str(err.value)
     assert f"the smallest candidate ({candidate}" in msg, msg
-    assert re.search(r"needs [\d.]+ [KM]iB per device \(parameters [\d.]+ KiB, gradients [\d.]+ KiB, optimizer state "
-                     r"[\d.]+ KiB, activations [\d.]+ [KM]iB.*\) but the cap is 300 KiB. About \d+ devices would fit", msg), msg
+    assert re.search(r"needs [\d.]+ [KM]iB per device \(parameters [\d.]+ KiB, gradients [\d.]+ KiB, optimizer "
+                     r"state [\d.]+ KiB, activations [\d.]+ [KM]iB.*\) but the cap is 300 KiB. About \d+ devices "
+                     r"would fit", msg), msg
+
+
+# ---- other arguments of the wrong kind ---------------------------------------------------------
+
+def test_arguments_of_the_wrong_kind_name_what_they_got():
+    x, y = make_batch("vector", 8)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        autopar.parallelize("mlp", autopar.Mesh(1), example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y)
+    with pytest.raises(TypeError, match=r"mesh must be an autopar.Mesh \(or a device count\), got tuple \(2, 2\); "
+                                        r"e.g. autopar.Mesh\(4\)"):
+        autopar.plan(MLP(), (2, 2), example_inputs=(x,))
+    with pytest.raises(TypeError, match="loss_fn must be a function .*; got a str"):
+        autopar.plan(MLP(), autopar.Mesh(2), example_inputs=(x,), loss_fn="cross_entropy", example_target=y)
+    with pytest.raises(TypeError, match=r"shard_input\(index, placements\): index is the position of the example "
+                                        r"input \(0, 1, ...\), got 'x'"):
+        autopar.shard_input("x", {"dp": autopar.Shard(0)})
+    with pytest.raises(ValueError, match="microbatches must be None or a positive int, got -2"):
+        autopar.set_auto_parallel_context(microbatches=-2)
+    with pytest.raises(ValueError, match="memory_budget_gb must be a number > 0 or None, got 0"):
+        autopar.set_auto_parallel_context(memory_budget_gb=0)
+
+
+def test_a_loss_that_fails_on_the_target_is_reported_as_the_loss():
+    x, y = make_batch("vector", 8)
+    text = (r"(?s)could not trace loss_fn\(model output, example_target\): ValueError: Expected input batch_size "
+            r"\(8\) to match target batch_size \(4\).*example_target has shape \[4\], dtype torch.int64")
+    with pytest.raises(autopar.TraceError, match=text):
+        autopar.plan(MLP(), autopar.Mesh(2), example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y[:4])
+
+
+@pytest.mark.parametrize("text, error, message", [
+    ("", ValueError, r"plan JSON is empty"),
+    ("[1, 2]", ValueError, r"plan JSON holds a list, not a plan"),
+    ('{"format_version": 2}', ValueError, r"plan JSON is not a complete autopar plan \(KeyError: 'mode'\)"),
+])
+def test_plan_load_of_a_bad_file_names_the_file(tmp_path, text, error, message):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(error, match=rf"cannot read the plan file {re.escape(str(path))}: {message}"):
+        autopar.Plan.load(path)
+    with pytest.raises(IsADirectoryError, match=r"is a folder, not a plan file"):
+        autopar.Plan.load(tmp_path)

@@ -91,6 +91,9 @@ def shard(target, axis: str = "tp", **tensors) -> None:
 
 def shard_input(index: int, placements: dict) -> None:
     """Fix the placement of example input ``index``: ``shard_input(0, {"dp": Shard(0)})``."""
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise TypeError(f"shard_input(index, placements): index is the position of the example input (0, 1, ...), "
+                        f"got {index!r}")
     ANNOTATIONS.inputs[int(index)] = _check_placements(f"shard_input({index})", placements)
 
 

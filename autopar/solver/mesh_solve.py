@@ -181,7 +181,8 @@ def _check_axes(what: str, placements: dict, mesh: Mesh, shape: tuple) -> None:
     for ax, p in placements.items():
         if ax not in mesh.axis_names:
             raise PlanError(f"{what}: unknown mesh axis {ax!r}; the mesh has axes {mesh.axis_names} (name one of "
-                            "them, or call autopar.clear_annotations() if this annotation is left from an earlier plan)")
+                            "them, or call autopar.clear_annotations() if this annotation is left from an earlier "
+                            "plan)")
         if isinstance(p, Shard):
             if not -len(shape) <= p.dim < len(shape):
                 raise PlanError(f"{what}: Shard({p.dim}) is out of range for a tensor of shape {list(shape)}")
