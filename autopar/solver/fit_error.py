@@ -46,28 +46,29 @@ class StageFitError(PlanError):
     """A pipeline candidate no stage partition fits: its mesh, the cap and the per-device ``breakdown``
     of its smallest partition's fullest rank (``stage_fit_error``)."""
 
-    def __init__(self, message: str, mesh, cap: float, breakdown: dict):
+    def __init__(self, message: str, mesh, cap: float, breakdown: dict, options: str):
         super().__init__(message)
-        self.mesh, self.cap, self.breakdown = mesh, cap, breakdown
+        self.mesh, self.cap, self.breakdown, self.options = mesh, cap, breakdown, options
 
 
-def stage_fit_error(message: str, errors: list, sub_breakdown: dict | None, mesh, cap: float, optimizer: str,
-                    precision: str) -> StageFitError | None:
+def stage_fit_error(message: str, errors: list, sub_breakdown: dict | None, mesh, cap: float,
+                    opts) -> StageFitError | None:
     """The StageFitError of a pipeline candidate whose partitions failed with ``errors`` (None when none
     failed for memory). The stage's training state is split into parameters, gradients and optimizer
-    state in the proportions of one fp32-stored parameter under ``precision`` (exact for a model of one
-    dtype); the sub-plan's gathered parameters and transients are added as ``_stage_memory`` does."""
+    state in the proportions of one fp32-stored parameter under ``opts.precision`` (exact for a model of
+    one dtype); the sub-plan's gathered parameters and transients are added as ``_stage_memory`` does."""
     tight = [e for e in errors if isinstance(e, StageMemoryError)]
     if not tight:
         return None
     best = min(tight, key=lambda e: e.state + e.activations)
-    parts = training_state_parts(1.0, torch.float32, optimizer, precision)
+    parts = training_state_parts(1.0, torch.float32, opts.optimizer, opts.precision)
     breakdown = {k: best.state * v / sum(parts) for k, v in zip(("parameters", "gradients", "optimizer state"), parts)}
     breakdown["activations"] = best.activations
     for key in ("gathered parameters", "transient"):
         if (sub_breakdown or {}).get(key):
             breakdown[key] = sub_breakdown[key]
-    return StageFitError(message, mesh, cap, breakdown)
+    options = f"recompute {opts.recompute}" if opts.recompute not in (None, "none") else ""
+    return StageFitError(message, mesh, cap, breakdown, options)
 
 
 def pipeline_nothing_fits(mesh, failures: list[tuple[str, Exception]], batch: int) -> PlanError | None:
@@ -78,7 +79,15 @@ def pipeline_nothing_fits(mesh, failures: list[tuple[str, Exception]], batch: in
 
 def pipeline_failures(failures: list[tuple[str, Exception]]) -> list[Failure]:
     """The (note, error) pipeline failures that carry a memory breakdown, as Failures."""
-    return [Failure(e.mesh, note, e) for note, e in failures if isinstance(e, StageFitError)]
+    return [Failure(e.mesh, ", ".join(filter(None, [note, e.options])), e) for note, e in failures
+            if isinstance(e, StageFitError)]
+
+
+def smallest_of(err: PlanError, earlier: list[tuple[str, Exception]], mesh, cap: float, batch: int) -> PlanError:
+    """``err``, or where it and the ``earlier`` pipeline errors (other recompute choices) came from
+    ``nothing_fits``, the same message over all their candidates."""
+    sized = [f for e in [err, *(e for _, e in earlier)] for f in getattr(e, "failures", [])]
+    return nothing_fits(mesh, sized, cap, batch) if sized else err
 
 
 STATE = ("parameters", "gradients", "optimizer state", "gathered parameters")
@@ -96,7 +105,9 @@ def nothing_fits(mesh, failures: list[Failure], cap: float, batch: int) -> PlanE
     options = best.note or "no memory options"
     msg = (f"no plan fits memory on {mesh}: the smallest candidate (mesh {best.mesh.shape}, {options}) needs "
            f"{human_bytes(total)} per device ({shown}) but the cap is {human_bytes(cap)}. ")
-    return PlanError(msg + _more_devices(mesh.size, sized, cap, batch))
+    err = PlanError(msg + _more_devices(mesh.size, sized, cap, batch))
+    err.failures = sized        # the candidates it weighed (``smallest_of`` joins several searches')
+    return err
 
 
 def _more_devices(n: int, sized: list[Failure], cap: float, batch: int) -> str:

@@ -341,8 +341,8 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
             ranked.append(((round(t, 12), max(part.rank_memory)), m, schedule))
     if not ranked:
         msg = "no pipeline partition fits: " + "; ".join(reasons[:3])
-        raise stage_fit_error(msg, errors, ref_plan.memory_breakdown, cand.full, budget, opts.optimizer,
-                              opts.precision) or PipelineRequestError(msg)
+        raise stage_fit_error(msg, errors, ref_plan.memory_breakdown, cand.full, budget, opts) or \
+            PipelineRequestError(msg)
     ranked.sort(key=lambda r: r[0])
     found, failed = None, []
     for _, m, schedule in ranked:
@@ -366,8 +366,8 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
         break
     if found is None:
         msg = "no pipeline partition fits at the microbatch counts solved: " + "; ".join(failed[:3])
-        raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts.optimizer,
-                              opts.precision) or PipelineRequestError(msg)
+        raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts) or \
+            PipelineRequestError(msg)
     _check_tags(part, cand, units_m, mb.gm)
     step += sub_plan.grad_sync_overhead
     plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)

@@ -19,7 +19,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Alternative, Plan, PlanError
 from autopar.sharding.placements import R
 from autopar.solver.accumulation import accumulated, accumulated_time, memory_choices, microbatch_traced, zero_ladder
-from autopar.solver.fit_error import Failure, nothing_fits, pipeline_failures
+from autopar.solver.fit_error import Failure, nothing_fits, pipeline_failures, smallest_of
 from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
@@ -164,7 +164,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
                     pipe_failures.append((f"pipeline ({note or 'no memory options'})", err))
                     break           # a requested pipeline that does not fit: try more recomputation
                 if k == 1:
-                    raise
+                    raise smallest_of(err, pipe_failures, mesh, cap, traced.batch_size) from None
                 failures.append(Failure(mesh, note, err))    # e.g. a microbatch the mesh cannot split
                 break
             plans += [accumulated(p, k, traced, mb) for p in got]
