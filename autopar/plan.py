@@ -21,6 +21,11 @@ class PlanError(ValueError):
     """The request cannot be planned as asked, or a plan does not fit the graph; the message says what to change."""
 
 
+class CandidateError(PlanError):
+    """One layout violates a constraint of the job (e.g. the batch does not divide over its data-parallel
+    size): AUTO drops that candidate with this one-line reason; asked for by the user, it is the error."""
+
+
 def _specs(value):
     """A Spec, or a list of Specs (None for a non-tensor leaf) from their objects or strings."""
     if value is None:

@@ -19,7 +19,7 @@ from autopar.cost_models.zero import zero_axes, zero_collectives
 from autopar.graph.layers import find_layers, tie_groups
 from autopar.graph.retrace import graph_fingerprint
 from autopar.mesh import Mesh
-from autopar.plan import Collective, MemoryOptions, Plan, PlanError
+from autopar.plan import CandidateError, Collective, MemoryOptions, Plan, PlanError
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard, shard_factor
 from autopar.solver.decode import decode, loss_report_collectives, output_specs
@@ -115,7 +115,7 @@ def _axis_roles(traced, cands, mesh: Mesh, input_ann: dict, only) -> None:
         shape = tuple(traced.node(ph).meta["val"].shape)
         dp = math.prod(mesh.shape[a] for a in data)
         if data and shape and shape[0] % dp:
-            raise PlanError(f"the global batch ({shape[0]}, dim 0 of {ph!r}) is not divisible by the data-parallel "
+            raise CandidateError(f"the global batch ({shape[0]}, dim 0 of {ph!r}) is not divisible by the data-parallel "
                             f"size {dp} (mesh axes {[mesh.axis_names[a] for a in data]}); use a batch that is a "
                             f"multiple of {dp}")
         only(ph, lambda spec, s=shape: all(spec[a] == (Shard(0) if s else R) for a in data)

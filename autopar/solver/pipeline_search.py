@@ -244,7 +244,12 @@ def _microbatch_counts(batch: int, dp: int, opts) -> list[int]:
             raise PipelineRequestError(f"microbatches={m} leaves {batch // m} samples per microbatch, not divisible "
                                        f"by the data-parallel size {dp}")
         return [m]
-    return [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % dp == 0]
+    counts = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % dp == 0]
+    if not counts:
+        raise PipelineRequestError(f"the global batch {batch} is not divisible by the data-parallel size {dp} of "
+                                   "the stages: no microbatch count splits it evenly; use a batch that is a multiple "
+                                   f"of {dp}")
+    return counts
 
 
 def _schedules(opts, pp: int, num_units: int) -> list[str]:

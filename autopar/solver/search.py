@@ -16,7 +16,7 @@ from autopar.context import ParallelMode
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer
 from autopar.mesh import Mesh
-from autopar.plan import Alternative, Plan, PlanError
+from autopar.plan import Alternative, CandidateError, Plan, PlanError
 from autopar.sharding.placements import R
 from autopar.solver.accumulation import accumulated, accumulated_time, memory_choices, microbatch_traced, zero_ladder
 from autopar.solver.fit_error import Failure, nothing_fits, pipeline_failures, smallest_of
@@ -217,6 +217,11 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
             progress.record(plans[-1:], 0, step_time)
         except (InfeasibleError, DominatedError, SolverTimeoutError) as err:
             failures.append((m, err))
+            progress.record([], 1, step_time)
+        except CandidateError as err:
+            if mode != ParallelMode.AUTO:
+                raise               # the user's own mesh: the error is theirs to fix
+            failures.append((m, err))   # AUTO's candidate: dropped, its reason listed
             progress.record([], 1, step_time)
     ddp = ((mesh.size,), ("dp",))
     if mode == ParallelMode.AUTO and len(meshes) > 1 and not progress.out_of_time() and ddp not in skip:

@@ -1,0 +1,37 @@
+"""A candidate layout that violates a constraint of the job is dropped by AUTO with a one-line
+reason in the alternatives, never an exception that ends the search (issue 15, part 4); the same
+constraint on the user's own mesh is the error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.plan import CandidateError
+from examples.models import GPT, lm_loss
+
+
+def _job():
+    with torch.device("meta"):
+        model = GPT(vocab=128, hidden=48, heads=6, layers=2, seq=16)
+    x = torch.randint(0, 128, (4, 16))
+    return model, x
+
+
+def test_auto_drops_candidates_the_batch_does_not_divide():
+    model, x = _job()
+    plan = autopar.plan(model, autopar.Mesh(6, device="h100"), example_inputs=(x,), loss_fn=lm_loss,
+                        example_target=x, mode="auto")
+    assert 4 % plan.degrees["dp"] == 0, plan.degrees
+    dropped = [a.note for a in plan.alternatives if not a.fits]
+    assert any(n.startswith("mesh (6,)") and "not divisible by the data-parallel size 6" in n for n in dropped), dropped
+    assert any(n.startswith("mesh (3, 2)") and "not divisible by the data-parallel size 3" in n for n in dropped)
+    assert any("sub-mesh {'dp': 3}" in n and "no microbatch count splits it evenly" in n for n in dropped), dropped
+    assert any("2 layers < 3 stages" in n for n in dropped), dropped
+
+
+def test_the_users_own_mesh_that_the_batch_does_not_divide_is_the_error():
+    model, x = _job()
+    with pytest.raises(CandidateError, match=r"global batch \(4.*not divisible by the data-parallel size 3.*multiple of 3"):
+        autopar.plan(model, autopar.Mesh((3, 2), axis_names=("dp", "tp"), device="h100"), example_inputs=(x,),
+                     loss_fn=lm_loss, example_target=x, mode="semi_auto")
