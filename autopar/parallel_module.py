@@ -330,16 +330,23 @@ class ParallelModule(nn.Module):
         if self._zero is not None:
             self._zero.refresh_shards()
 
-    def save(self, path, optimizer=None) -> None:
-        """Save a reshardable checkpoint: the full state (rank 0 writes) plus each rank's optimizer state."""
+    def save(self, path, optimizer=None, *, step: int | None = None, async_: bool = False):
+        """Save a sharded checkpoint (a directory): each rank writes its pieces of the model and of
+        ``optimizer``'s state, with its RNG state and ``step`` (default: the optimizer's). It loads under
+        any plan and world size (``load``). Atomic: a failed save leaves the previous checkpoint. With
+        ``async_=True`` it returns once the state is copied, with a future that completes when the
+        checkpoint is in place (runtime/checkpoint.py)."""
         from autopar.runtime.checkpoint import save_checkpoint
 
-        save_checkpoint(self, path, optimizer)
+        return save_checkpoint(self, path, optimizer, step=step, async_=async_)
 
-    def load(self, path, optimizer=None) -> None:
+    def load(self, path, optimizer=None) -> int | None:
+        """Load a checkpoint saved by ``save`` under any plan and world size: this rank's pieces of the
+        model (and of the optimizer state, into ``optimizer``, built like the saving one) and its RNG
+        state. Returns the step the checkpoint recorded."""
         from autopar.runtime.checkpoint import load_checkpoint
 
-        load_checkpoint(self, path, optimizer)
+        return load_checkpoint(self, path, optimizer)
 
 
 def _meta(traced) -> dict:
