@@ -211,3 +211,127 @@ def test_pieces_and_zero_shards_map_to_the_full_tensor():
                         seen[box] += 1
             copies = math.prod(mesh) // math.prod(mesh[a] for a, p in enumerate(spec) if isinstance(p, Shard))
             assert torch.equal(seen, torch.full(shape, float(copies))), (shape, spec, d)
+
+
+# ---- bad inputs, failed saves ----------------------------------------------------------------------
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except autopar.CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def _errors_job(rank, plan_json: str, root: str):
+    from pathlib import Path
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    out = {}
+    pm, opt, batch = _build(plan_json)
+    _train(pm, opt, batch, 1)
+    pm.save(f"{root}/good", optimizer=opt)
+    good = pm.full_state_dict()
+    big = functools.partial(GPT, vocab=80, hidden=32, heads=4, layers=2, seq=8, qkv_bias=False)
+    x, y = make_batch("tokens", BATCH, vocab=65, seq=8)
+    other = autopar.parallelize(big(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                                mode="data")
+    out["vocab"] = _error(lambda: other.load(f"{root}/good"))
+    if rank == 0:
+        Path(f"{root}/afile").write_text("not a directory")
+        Path(f"{root}/empty").mkdir()
+    torch.distributed.barrier()
+    out["unwritable"] = _error(lambda: pm.save(f"{root}/afile/ckpt", optimizer=opt))
+    out["missing"] = _error(lambda: pm.load(f"{root}/nothing"))
+    out["empty"] = _error(lambda: pm.load(f"{root}/empty"))
+    out["file"] = _error(lambda: pm.load(f"{root}/afile"))
+    out["sgd"] = _error(lambda: pm.load(f"{root}/good", optimizer=torch.optim.SGD(pm.parameters(), lr=0.1)))
+    decay = [p for n, p in pm.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in pm.named_parameters() if not n.endswith("weight")]
+    two = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=LR)
+    out["groups"] = _error(lambda: pm.load(f"{root}/good", optimizer=two))
+    # a save that fails on one rank (a full disk) leaves the previous checkpoint in place
+    _train(pm, opt, batch, 1)
+    write = FileSystemWriter.write_data
+    if rank == 1:
+        def full_disk(self, plan, planner):
+            raise OSError(28, "No space left on device")
+        FileSystemWriter.write_data = full_disk
+    try:
+        out["full_disk"] = _error(lambda: pm.save(f"{root}/good", optimizer=opt))
+    finally:
+        FileSystemWriter.write_data = write
+    fresh, fresh_opt, _ = _build(plan_json, seed=rank + 1)
+    fresh.load(f"{root}/good", optimizer=fresh_opt)
+    again = fresh.full_state_dict()
+    out["previous_kept"] = all(torch.equal(good[k], again[k]) for k in good)
+    out["left_over"] = sorted(p.name for p in Path(root).iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def errors(tmp_path_factory):
+    results = run_ranks(2, _errors_job, _plan_json("data2"), str(tmp_path_factory.mktemp("errors")))
+    for k in results[0]:
+        assert results[0][k] == results[1][k] or k == "file", (k, results)     # every rank raises the same
+    return results[0]
+
+
+def test_checkpoint_of_a_model_with_another_vocabulary_names_the_tensor_and_both_shapes(errors):
+    msg = errors["vocab"]
+    assert "'wte.weight'" in msg and "[65, 32]" in msg and "[80, 32]" in msg and "checkpoint at" in msg, msg
+    assert "build the model with the checkpoint's configuration" in msg, msg
+
+
+def test_saving_to_an_unwritable_path_says_where_and_what_to_do(errors):
+    msg = errors["unwritable"]
+    assert msg.startswith("cannot write a checkpoint at ") and "afile/ckpt" in msg, msg
+    assert "afile is a file, not a directory" in msg and "save it under a directory this process can write" in msg, msg
+
+
+def test_loading_a_path_that_is_not_a_checkpoint(errors):
+    assert "no checkpoint at" in errors["missing"] and "does not exist" in errors["missing"], errors["missing"]
+    assert "is not a checkpoint: it has no .metadata file" in errors["empty"], errors["empty"]
+    assert "is a file, not a checkpoint" in errors["file"], errors["file"]
+
+
+def test_loading_optimizer_state_into_another_kind_or_group_layout(errors):
+    msg = errors["sgd"]
+    assert "torch.optim.adamw.AdamW" in msg and "torch.optim.sgd.SGD" in msg and "build the optimizer as" in msg, msg
+    msg = errors["groups"]
+    assert "1 param group(s)" in msg and "has 2" in msg and "param groups" in msg, msg
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_loadable(errors):
+    msg = errors["full_disk"]
+    assert "saving the checkpoint at" in msg and "rank 1" in msg and "No space left on device" in msg, msg
+    assert "previous checkpoint there, if any, is unchanged" in msg, msg
+    assert errors["previous_kept"] and errors["left_over"] == [], errors
+
+
+def _async_job(rank, plan_json: str, root: str):
+    """Async saves copy the state before returning: training on does not change what they write."""
+    pm, opt, batch = _build(plan_json)
+    states, futures = [], []
+    for i in range(2):          # the second waits for the first, then replaces it
+        _train(pm, opt, batch, 1)
+        futures.append(pm.save(f"{root}/ckpt", optimizer=opt, async_=True))
+        states.append(pm.full_state_dict())
+        _train(pm, opt, batch, 1)          # runs while the checkpoint is written
+        if i == 0:
+            futures[0].result()
+            fresh, fresh_opt, _ = _build(plan_json, seed=rank + 1)
+            fresh.load(f"{root}/ckpt", optimizer=fresh_opt)
+            first = fresh.full_state_dict()
+    paths = [f.result() for f in futures]
+    fresh, fresh_opt, _ = _build(plan_json, seed=rank + 1)
+    step = fresh.load(f"{root}/ckpt", optimizer=fresh_opt)
+    second = fresh.full_state_dict()
+    return {"paths": paths, "step": step, "first": all(torch.equal(states[0][k], first[k]) for k in first),
+            "second": all(torch.equal(states[1][k], second[k]) for k in second)}
+
+
+def test_async_save_writes_the_state_at_the_call(tmp_path):
+    for r in run_ranks(2, _async_job, _plan_json("zero3"), str(tmp_path)):
+        assert r == {"paths": [str(tmp_path / "ckpt")] * 2, "step": 3, "first": True, "second": True}, r

@@ -47,6 +47,7 @@ import copy
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -133,8 +134,9 @@ def _make_tmp(path: Path) -> Path:
         except CheckpointError as e:
             error = str(e)
         except OSError as e:
-            error = (f"cannot write a checkpoint at {path}: {e.strerror or e} ({e.filename}); save it under a "
-                     "directory this process can write")
+            why = (f"{e.filename} is a file, not a directory" if isinstance(e, (FileExistsError, NotADirectoryError))
+                   else f"{e.strerror or e} ({e.filename})")
+            error = f"cannot write a checkpoint at {path}: {why}; save it under a directory this process can write"
     got = [str(tmp) if tmp else None, error]
     if _dist():
         dist.broadcast_object_list(got, src=0)
@@ -272,7 +274,9 @@ def load_checkpoint(pmodel, path, optimizer=None) -> int | None:
     path = Path(path)
     metadata = _open(path)
     meta = {META: None}
-    dcp.load(meta, storage_reader=FileSystemReader(path), planner=LoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():     # each rank reads this small entry alone, on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(meta, storage_reader=FileSystemReader(path), planner=LoadPlanner(), no_dist=True)
     meta = meta[META]
     restore = Restore(pmodel, str(path), metadata.state_dict_metadata, meta, _rank())
     restore.model()

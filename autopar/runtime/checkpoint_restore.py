@@ -86,8 +86,8 @@ class Restore:
         kind = f"{cls.__module__}.{cls.__qualname__}"
         if kind != info["class"]:
             self.problems.append(f"the checkpoint at {self.where} holds optimizer state of {info['class']} but the "
-                                 f"optimizer given is {kind}; build a {info['class'].rpartition('.')[2]} with the same "
-                                 "param groups to resume, or load without optimizer= to keep only the model")
+                                 f"optimizer given is {kind}; build the optimizer as {info['class']} with the same param "
+                                 "groups to resume, or load without optimizer= to keep only the model")
             return
         names = param_names(self.pmodel, optimizer)
         saved = info["groups"]
