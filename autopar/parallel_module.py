@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.collectives import comm
 from autopar.collectives.groups import bound_axes
+from autopar.errors import CheckpointError
 from autopar.plan import PlanError
 from autopar.runtime.program import RankProgram
 from autopar.sharding.placements import Partial, Replicate, Shard, replicated, shard_factor
@@ -312,16 +314,28 @@ class ParallelModule(nn.Module):
             out[name] = self._gather(name, g, d.spec)
         return out
 
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a full (unsharded) state dict: each rank keeps its pieces."""
+    def load_full_state_dict(self, state) -> None:
+        """Load a full (unsharded) state dict: each rank reads only its pieces. ``state`` is a dict of
+        tensors, or a path to one on disk (``torch.save`` file, memory-mapped; ``.safetensors`` file or
+        a directory of them, read lazily), so a plain checkpoint loads without any rank reading it whole."""
+        from autopar.runtime.state_files import open_state_dict, read_piece, shape_of
+
+        where = ""
+        if isinstance(state, (str, os.PathLike)):
+            where, state = f" in {state}", open_state_dict(state)
         mesh = self.plan.mesh
         for name, d in self.plan.params.items():
             if d.kind == "constant" or not self.program.has(name):
                 continue
             key = next((a for a in d.aliases if a in state), None)
             if key is None:
-                raise KeyError(f"state dict has no entry for {name!r} (or its aliases {d.aliases})")
-            piece = local_piece(state[key], d.spec, self._coords, mesh.shape)
+                raise KeyError(f"state dict{where} has no entry for {name!r} (or its aliases {d.aliases})")
+            src = state[key]
+            if shape_of(src) != tuple(d.shape):
+                raise CheckpointError(f"tensor {key!r} has shape {list(shape_of(src))}{where or ' in the state dict'} "
+                                      f"but {list(d.shape)} in this model: it comes from a model of another "
+                                      "configuration (vocabulary, hidden size, ...); build the model like that one")
+            piece = read_piece(src, d.spec, self._coords, mesh.shape)
             if self._zero is not None and self._zero.handles(name):
                 self._zero.load_piece(name, piece)
                 continue

@@ -335,3 +335,33 @@ def _async_job(rank, plan_json: str, root: str):
 def test_async_save_writes_the_state_at_the_call(tmp_path):
     for r in run_ranks(2, _async_job, _plan_json("zero3"), str(tmp_path)):
         assert r == {"paths": [str(tmp_path / "ckpt")] * 2, "step": 3, "first": True, "second": True}, r
+
+
+def _plain_files_job(rank, plan_json: str, root: str):
+    """A plain state dict on disk (torch.save, safetensors) loads into a plan, each rank reading its pieces."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(5)
+    want = MODEL().state_dict()
+    if rank == 0:
+        torch.save(want, f"{root}/model.pt")
+        save_file({k: v.clone() for k, v in want.items()}, f"{root}/model.safetensors")     # untied copies
+        small = functools.partial(GPT, vocab=60, hidden=32, heads=4, layers=2, seq=8, qkv_bias=False)
+        torch.save(small().state_dict(), f"{root}/small.pt")
+    torch.distributed.barrier()
+    out = {}
+    for name in ("model.pt", "model.safetensors"):
+        pm, _, _ = _build(plan_json)
+        pm.load_full_state_dict(f"{root}/{name}")
+        got = pm.full_state_dict()
+        out[name] = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    out["small"] = _error(lambda: pm.load_full_state_dict(f"{root}/small.pt"))
+    out["ckpt_dir"] = _error(lambda: pm.load(f"{root}/model.pt"))
+    return out
+
+
+def test_plain_state_dict_files_load_into_a_plan(tmp_path):
+    for r in run_ranks(2, _plain_files_job, _plan_json("tp2"), str(tmp_path)):
+        assert r["model.pt"] and r["model.safetensors"], r
+        assert "'wte.weight' has shape [60, 32] in " in r["small"] and "[65, 32] in this model" in r["small"], r
+        assert "pmodel.load_full_state_dict(path)" in r["ckpt_dir"], r
