@@ -40,9 +40,11 @@ PLANS = {   # name: (ranks, mesh shape, axis names, mode, annotate, zero, pipeli
     "zero2_4": (4, (4,), None, "data", None, 2, None),
     "pp2": (2, (2,), ("pp",), "auto", None, 0, "1f1b"),
     "pp2tp2": (4, (2, 2), ("pp", "tp"), "semi_auto", _megatron, 0, "gpipe"),
+    "3d": (8, (2, 2, 2), ("pp", "dp", "tp"), "semi_auto", _megatron, 0, "1f1b"),
 }
 PAIRS = [("data4", "auto2"), ("tp4", "data2"), ("auto4", "dp2tp2"), ("data2", "tp4"), ("zero3", "tp2"),
-         ("pp2", "data2"), ("zero1_dp2tp2", "zero3"), ("pp2tp2", "zero2_4")]
+         ("pp2", "data2"), ("zero1_dp2tp2", "zero3"), ("pp2tp2", "zero2_4"),
+         ("3d", "tp2")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,23 +114,31 @@ def _read(path) -> dict:
     return torch.load(out, weights_only=False)
 
 
+class _Saved:
+    """The source runs of PAIRS, saved on first use: every source plan of one world size in one job."""
+
+    def __init__(self, root):
+        self.root, self._runs = root, {}
+
+    def __getitem__(self, name: str) -> dict:
+        if name not in self._runs:
+            n = PLANS[name][0]
+            mine = {a: _plan_json(a) for a in sorted({a for a, _ in PAIRS}) if PLANS[a][0] == n}
+            per_rank = run_ranks(n, _save_job, mine, str(self.root))
+            for a in mine:
+                self._runs[a] = {**per_rank[0][a], "rands": [r[a]["rand"] for r in per_rank]}
+        return self._runs[name]
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    names = sorted({a for a, _ in PAIRS})
-    results = {}
-    for n in (2, 4):
-        mine = {name: _plan_json(name) for name in names if PLANS[name][0] == n}
-        per_rank = run_ranks(n, _save_job, mine, str(root))
-        for name in mine:
-            results[name] = {**per_rank[0][name], "rands": [r[name]["rand"] for r in per_rank]}
-    return root, results
+    return _Saved(tmp_path_factory.mktemp("ckpt"))
 
 
-@pytest.mark.parametrize("src,dst", PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
+@pytest.mark.parametrize("src,dst", [pytest.param(a, b, marks=pytest.mark.slow) if PLANS[a][0] == 8 else (a, b)
+                                     for a, b in PAIRS], ids=[f"{a}->{b}" for a, b in PAIRS])
 def test_checkpoint_reshards_with_optimizer_state(saved, src, dst):
-    root, results = saved
-    a = results[src]
+    a, root = saved[src], saved.root
     got = run_ranks(PLANS[dst][0], _load_job, src, dst, _plan_json(dst), str(root))
     before, after = _read(root / src), _read(root / f"{src}-{dst}")
     # the checkpoint holds the full state the source run had when it saved ...
@@ -157,7 +167,8 @@ def test_checkpoint_reshards_with_optimizer_state(saved, src, dst):
 
 def test_replicated_pieces_are_written_once(saved):
     """A DATA plan on 4 ranks holds 4 copies of everything, on 2 ranks 2 copies: both checkpoints hold one."""
-    root, _ = saved
+    root = saved.root
+    assert saved["data4"] and saved["data2"]         # both saved
     one = 3 * sum(p.numel() * 4 for p in MODEL().parameters())        # parameters and AdamW's 2 moments
     written = {n: sum(f.stat().st_size for f in (root / n).glob("*.distcp")) for n in ("data4", "data2")}
     assert one <= written["data4"] < 2 * one, (written, one)
