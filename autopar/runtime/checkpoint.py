@@ -198,9 +198,10 @@ def _abandon(tmp: Path) -> None:
 
 
 def _commit(tmp: Path, path: Path, group) -> None:
-    """Rank 0 puts the finished checkpoint in place of the previous one; every rank waits for it."""
+    """Rank 0 puts the finished checkpoint in place of the previous one; every rank waits for it
+    (rank 0 deletes the previous one after)."""
+    old = None
     if _rank() == 0:
-        old = None
         if path.exists():
             old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:12]}")
             os.replace(path, old)
@@ -210,10 +211,10 @@ def _commit(tmp: Path, path: Path, group) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     if _dist():
         dist.barrier(group=group)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # ---- async -------------------------------------------------------------------------------------
