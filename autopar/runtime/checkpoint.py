@@ -43,6 +43,7 @@ in Adafactor) is refused with a message. LR schedulers keep their own ``state_di
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import os
 import shutil
@@ -79,6 +80,16 @@ def _world() -> int:
     return dist.get_world_size() if _dist() else 1
 
 
+@contextlib.contextmanager
+def _single_process(on: bool = True):
+    """DCP warns whenever it runs without a process group; here that is meant (one process, or a
+    rank reading a small entry alone)."""
+    with warnings.catch_warnings():
+        if on:
+            warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
+        yield
+
+
 def _all_gather(obj) -> list:
     if not _dist():
         return [obj]
@@ -108,7 +119,8 @@ def save_checkpoint(pmodel, path, optimizer=None, step: int | None = None, async
     writer = FileSystemWriter(tmp, sync_files=True)
     if not async_:
         try:
-            dcp.save(state, storage_writer=writer, planner=SavePlanner(), no_dist=not _dist())
+            with _single_process(not _dist()):
+                dcp.save(state, storage_writer=writer, planner=SavePlanner(), no_dist=not _dist())
         except (Exception, CheckpointException) as e:
             _abandon(tmp)
             raise _failed(path, e) from None
@@ -275,8 +287,7 @@ def load_checkpoint(pmodel, path, optimizer=None) -> int | None:
     path = Path(path)
     metadata = _open(path)
     meta = {META: None}
-    with warnings.catch_warnings():     # each rank reads this small entry alone, on purpose
-        warnings.simplefilter("ignore", UserWarning)
+    with _single_process():             # each rank reads this small entry alone
         dcp.load(meta, storage_reader=FileSystemReader(path), planner=LoadPlanner(), no_dist=True)
     meta = meta[META]
     restore = Restore(pmodel, str(path), metadata.state_dict_metadata, meta, _rank())
@@ -289,7 +300,8 @@ def load_checkpoint(pmodel, path, optimizer=None) -> int | None:
         problems += [p for p in ps if p not in problems]
     if problems:
         raise CheckpointError("\n".join(problems))
-    dcp.load(restore.template, storage_reader=FileSystemReader(path), planner=LoadPlanner(), no_dist=not _dist())
+    with _single_process(not _dist()):
+        dcp.load(restore.template, storage_reader=FileSystemReader(path), planner=LoadPlanner(), no_dist=not _dist())
     restore.finish()
     return meta.get("step")
 
