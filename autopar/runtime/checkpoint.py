@@ -290,6 +290,10 @@ def load_checkpoint(pmodel, path, optimizer=None) -> int | None:
     with _single_process():             # each rank reads this small entry alone
         dcp.load(meta, storage_reader=FileSystemReader(path), planner=LoadPlanner(), no_dist=True)
     meta = meta[META]
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if not isinstance(found, int) or found > FORMAT:
+        raise CheckpointError(f"the checkpoint at {path} has format {found}, which this autopar (format {FORMAT}) "
+                              "cannot read; load it with the autopar that wrote it, or a newer one")
     restore = Restore(pmodel, str(path), metadata.state_dict_metadata, meta, _rank())
     restore.model()
     if optimizer is not None:

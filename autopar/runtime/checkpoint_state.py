@@ -8,8 +8,8 @@ Keys (one flat dict; DCP's own flattening is off):
     ``optim.state.<name>.<key>``    optimizer state: a parameter-shaped tensor (``Pieces``, also
                                     under ZeRO, whose flat shards map back to element ranges), or a
                                     scalar (``step``: a plain tensor or Python value)
-    ``autopar``                     ``Meta``-like dict written by rank 0: format, world size, plan
-                                    summary, step, optimizer class, param groups by name, state keys
+    ``autopar``                     a dict rank 0 writes: format, world size, plan summary, step, and
+                                    the optimizer's class, param groups (by name) and state keys
     ``rng.rank<r>``                 rank r's torch RNG states
 
 A piece is described by ``Layout``: the runs of the full tensor the rank's piece holds
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from autopar.errors import CheckpointError
-from autopar.sharding.boxes import boxes, flat_rects, runs
+from autopar.sharding.boxes import boxes, flat_rects, runs, slices
 
 MODEL, OPTIM, META = "model.", "optim.state.", "autopar"
 
@@ -94,7 +94,7 @@ class LoadPlanner(DefaultLoadPlanner):
 
 @dataclass
 class Layout:
-    """Where a rank's tensor of parameter ``name`` lies in the full tensor of ``shape``: ``held``
+    """Where a rank's tensor of one parameter lies in the full tensor of ``shape``: ``held``
     (``boxes.runs``) for the piece the plan gives the rank; ``flat`` = (lo, hi, piece shape) when
     the tensor is a ZeRO shard holding elements ``[lo, hi)`` of that piece's flattening."""
 
@@ -105,18 +105,14 @@ class Layout:
     def pieces(self, t: torch.Tensor) -> Pieces:
         t = t.detach()
         if self.flat is None:
-            return Pieces(self.shape, [(g, t[_slices(loc, s)]) for g, loc, s in boxes(self.held)])
+            return Pieces(self.shape, [(g, t[slices(loc, s)]) for g, loc, s in boxes(self.held)])
         lo, hi, shape = self.flat
         parts = []
         for off, sizes, start in flat_rects(shape, lo, hi):
             rect = t[start - lo:start - lo + math.prod(sizes)].view(sizes)
             for g, loc, s in boxes(self.held, off, sizes):
-                parts.append((g, rect[_slices([a - b for a, b in zip(loc, off)], s)]))
+                parts.append((g, rect[slices([a - b for a, b in zip(loc, off)], s)]))
         return Pieces(self.shape, parts)
-
-
-def _slices(offsets, sizes) -> tuple:
-    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
 def layout(pmodel, name: str, shard: bool) -> Layout:

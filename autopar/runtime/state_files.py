@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from autopar.errors import CheckpointError
-from autopar.sharding.boxes import boxes, runs
+from autopar.sharding.boxes import boxes, runs, slices
 
 PLAIN = (".pt", ".pth", ".bin")
 
@@ -75,13 +75,10 @@ def read_piece(src, spec, coords, mesh_shape) -> torch.Tensor:
     found = boxes(held)
     if len(found) == 1 and found[0][2] == shape and isinstance(src, torch.Tensor):
         return src
-    reads = [(loc, s, src[_slices(g, s)]) for g, loc, s in found]
+    reads = [(loc, s, src[slices(g, s)]) for g, loc, s in found]
     dtype = reads[0][2].dtype if reads else getattr(src, "dtype", torch.float32)
     out = torch.empty([sum(n for _, n in r) for r in held], dtype=dtype)
     for loc, s, part in reads:
-        out[_slices(loc, s)] = part
+        out[slices(loc, s)] = part
     return out
 
-
-def _slices(offsets, sizes) -> tuple:
-    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))

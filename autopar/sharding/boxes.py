@@ -74,6 +74,11 @@ def boxes(held: list[list[tuple[int, int]]], lo=None, sizes=None) -> list[tuple[
             for combo in itertools.product(*per_dim)]
 
 
+def slices(offsets, sizes) -> tuple:
+    """The index of a box: ``t[slices(offsets, sizes)]``."""
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+
+
 def flat_rects(shape, lo: int, hi: int) -> list[tuple[tuple, tuple, int]]:
     """(offsets, sizes, flat start) of rectangles of a tensor of ``shape`` covering the flat range
     ``[lo, hi)`` in row-major order; each rectangle is one contiguous flat run."""
