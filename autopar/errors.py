@@ -1,5 +1,9 @@
-"""TraceError: the model could not be traced (raised by trace.py and opaque_functions.py)."""
+"""Error classes: TraceError (trace.py, opaque_functions.py), CheckpointError (runtime/checkpoint*.py)."""
 
 
 class TraceError(RuntimeError):
     """The model could not be traced; the message names the module and source line."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message says what is wrong, where, and what to do."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.collectives import comm
 from autopar.collectives.groups import bound_axes
+from autopar.errors import CheckpointError
 from autopar.plan import PlanError
 from autopar.runtime.program import RankProgram
 from autopar.sharding.placements import Partial, Replicate, Shard, replicated, shard_factor
@@ -329,16 +331,28 @@ class ParallelModule(nn.Module):
             out[name] = self._gather(name, g, d.spec)
         return out
 
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a full (unsharded) state dict: each rank keeps its pieces."""
+    def load_full_state_dict(self, state) -> None:
+        """Load a full (unsharded) state dict: each rank reads only its pieces. ``state`` is a dict of
+        tensors, or a path to one on disk (``torch.save`` file, memory-mapped; ``.safetensors`` file or
+        a directory of them, read lazily), so a plain checkpoint loads without any rank reading it whole."""
+        from autopar.runtime.state_files import open_state_dict, read_piece, shape_of
+
+        where = ""
+        if isinstance(state, (str, os.PathLike)):
+            where, state = f" in {state}", open_state_dict(state)
         mesh = self.plan.mesh
         for name, d in self.plan.params.items():
             if d.kind == "constant" or not self.program.has(name):
                 continue
             key = next((a for a in d.aliases if a in state), None)
             if key is None:
-                raise KeyError(f"state dict has no entry for {name!r} (or its aliases {d.aliases})")
-            piece = local_piece(state[key], d.spec, self._coords, mesh.shape)
+                raise KeyError(f"state dict{where} has no entry for {name!r} (or its aliases {d.aliases})")
+            src = state[key]
+            if shape_of(src) != tuple(d.shape):
+                raise CheckpointError(f"tensor {key!r} has shape {list(shape_of(src))}{where or ' in the state dict'} "
+                                      f"but {list(d.shape)} in this model: it comes from a model of another "
+                                      "configuration (vocabulary, hidden size, ...); build the model like that one")
+            piece = read_piece(src, d.spec, self._coords, mesh.shape)
             if self._zero is not None and self._zero.handles(name):
                 self._zero.load_piece(name, piece)
                 continue
@@ -347,16 +361,23 @@ class ParallelModule(nn.Module):
         if self._zero is not None:
             self._zero.refresh_shards()
 
-    def save(self, path, optimizer=None) -> None:
-        """Save a reshardable checkpoint: the full state (rank 0 writes) plus each rank's optimizer state."""
+    def save(self, path, optimizer=None, *, step: int | None = None, async_: bool = False):
+        """Save a sharded checkpoint (a directory): each rank writes its pieces of the model and of
+        ``optimizer``'s state, with its RNG state and ``step`` (default: the optimizer's). It loads under
+        any plan and world size (``load``). Atomic: a failed save leaves the previous checkpoint. With
+        ``async_=True`` it returns once the state is copied, with a future that completes when the
+        checkpoint is in place (runtime/checkpoint.py)."""
         from autopar.runtime.checkpoint import save_checkpoint
 
-        save_checkpoint(self, path, optimizer)
+        return save_checkpoint(self, path, optimizer, step=step, async_=async_)
 
-    def load(self, path, optimizer=None) -> None:
+    def load(self, path, optimizer=None) -> int | None:
+        """Load a checkpoint saved by ``save`` under any plan and world size: this rank's pieces of the
+        model (and of the optimizer state, into ``optimizer``, built like the saving one) and its RNG
+        state. Returns the step the checkpoint recorded."""
         from autopar.runtime.checkpoint import load_checkpoint
 
-        load_checkpoint(self, path, optimizer)
+        return load_checkpoint(self, path, optimizer)
 
 
 def _meta(traced) -> dict:
