@@ -122,10 +122,11 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     each layout's memory is S + A/k (state and gathered weights, activations of B/k rows, both
     >= 0), so the least over layouts is concave in 1/k and M(k') >= (k / k') · M(k). A bound under the budget
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
-    Pipelines run their own microbatches (k = 1 only) and are tried under every recompute
-    choice, a candidate only until it fits: with more recomputation a pipeline that already fits
-    could only pick a larger microbatch (a heuristic, not a bound; the published 530B and 1T
-    layouts need recomputation to fit at all). Every k
+    Pipelines run their own microbatches (k = 1 only). With recomputation they are tried while
+    no plan fits yet (or when a pipeline was asked for), a candidate only until it fits: with
+    more recomputation a pipeline that already fits could only pick a larger microbatch. Both
+    are heuristics, not bounds (the published 530B and 1T layouts need recomputation to fit at
+    all; GPT 6.7B on 16 V100s spent 25 s on recomputed pipelines that lost). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
     which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls.
     (plans, failures, pipeline failures) as in :func:`_candidates`."""
@@ -145,7 +146,8 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
             k = ks[i]
             if progress.out_of_time():
                 return plans, failures, pipe_failures
-            pipelines = k == 1 and not opts.zero
+            pipelines = k == 1 and not opts.zero and (rc == "none" or opts.recompute is not None
+                                                      or pipeline_request or progress.cutoff() is None)
             if pipeline_request and not pipelines:
                 break               # only pipelines were asked for
             progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
