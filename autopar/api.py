@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
@@ -17,6 +19,7 @@ from autopar.graph.retrace import Retracer, graph_fingerprint
 from autopar.mesh import Mesh
 from autopar.parallel_module import ParallelModule
 from autopar.plan import Plan, PlanError
+from autopar.runtime.agreement import check_agreement, digest, model_summary, tensor_summary
 from autopar.runtime.grad_sync import broadcast_state
 from autopar.runtime.launch import init_from_env
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
@@ -151,8 +154,9 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
     elif mesh.size != 1:
         raise RuntimeError(f"mesh {mesh!r} has {mesh.size} devices but torch.distributed is not initialized: run "
                            "under torchrun or autopar.launch (or use a Mesh(1))")
-    broadcast_state(model)           # one model on every rank, whatever each rank's seed was
     given = _read_plan(plan) if plan is not None else None
+    _agree_at_start(model, mesh, mode, example_inputs, example_target, given)
+    broadcast_state(model)           # one model on every rank, whatever each rank's seed was
     mp = _mixed_precision(mixed_precision)
     if given is not None:
         if mixed_precision is not None and mixed_precision != given.memory_options.mixed_precision:
@@ -192,7 +196,20 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
             ctx = get_auto_parallel_context()
             the_plan = choose(plans, model, lambda m, p: build_parallel_module(m, _graph_copy(traced), p, retracer),
                               tuple(example_inputs), example_target, ctx["autotune_steps"], ctx["autotune_slack"])
+    check_agreement({"traced graph": graph_fingerprint(traced.gm), "plan": digest(the_plan.to_json())},
+                    "after planning")
     return build_parallel_module(model, traced, the_plan, retracer)
+
+
+def _agree_at_start(model, mesh, mode, example_inputs, example_target, given) -> None:
+    """Every rank was started with the same versions, mesh, mode, model, examples and given plan
+    (``runtime/agreement.py``): a mismatch is an error on every rank before any other collective."""
+    inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    check_agreement({"autopar version": getattr(sys.modules.get("autopar"), "__version__", None),
+                     "torch version": torch.__version__, "mesh": repr(mesh), "mode": str(mode),
+                     "model": model_summary(model), "example inputs": tensor_summary(inputs),
+                     "example target": tensor_summary([example_target]),
+                     "given plan": digest(given.to_json()) if given is not None else None}, "at start-up")
 
 
 def _graph_copy(traced: Traced) -> Traced:

@@ -1,4 +1,5 @@
-"""Error classes: TraceError (trace.py, opaque_functions.py), CheckpointError (runtime/checkpoint*.py)."""
+"""Error classes: TraceError (trace.py, opaque_functions.py), CheckpointError (runtime/checkpoint*.py),
+RankMismatchError (runtime/agreement.py)."""
 
 
 class TraceError(RuntimeError):
@@ -7,3 +8,7 @@ class TraceError(RuntimeError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message says what is wrong, where, and what to do."""
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks started differently (model, inputs, mesh, plan, versions): the message names the rank and field."""
