@@ -28,20 +28,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Ratio, header, interleaved  # noqa: E402
+from common import Ratio, gpt_of, header, interleaved  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 CFG = {"vocab": 1024, "hidden": 256, "heads": 8, "layers": 4, "seq": 128, "batch": 16}
 QUICK_CFG = {"vocab": 1024, "hidden": 128, "heads": 4, "layers": 2, "seq": 64, "batch": 8}
-
-
-def _model(cfg):
-    from examples.models import GPT
-
-    torch.manual_seed(0)
-    return GPT(vocab=cfg["vocab"], hidden=cfg["hidden"], heads=cfg["heads"], layers=cfg["layers"], seq=cfg["seq"])
 
 
 def _gather_save(pm, opt, path: str) -> None:
@@ -64,10 +57,10 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int, zero: int, root: str)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
     y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
-    plan = autopar.plan(_model(cfg), autopar.Mesh(world), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+    plan = autopar.plan(gpt_of(cfg), autopar.Mesh(world), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
                         mode="data")
     plan = dataclasses.replace(plan, memory_options=dataclasses.replace(plan.memory_options, zero=zero))
-    pm = autopar.parallelize(_model(cfg), autopar.Mesh(world), example_inputs=(x,), loss_fn=lm_loss,
+    pm = autopar.parallelize(gpt_of(cfg), autopar.Mesh(world), example_inputs=(x,), loss_fn=lm_loss,
                              example_target=y, plan=plan)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
@@ -102,7 +95,7 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int, zero: int, root: str)
     dist.all_reduce(ret, op=dist.ReduceOp.MAX)
     sizes = {k: sum(f.stat().st_size for f in Path(f"{root}/{k}").iterdir()) for k in ("sync", "gather")}
     return {"times": times, "async_return": ret.tolist(), "sizes": sizes,
-            "params": sum(p.numel() for p in _model(cfg).parameters())}
+            "params": sum(p.numel() for p in gpt_of(cfg).parameters())}
 
 
 def main() -> None:

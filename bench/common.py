@@ -139,6 +139,14 @@ def run_fresh(module: str, func: str, kwargs: dict, timeout_s: float = 600) -> d
     raise RuntimeError(f"{module}.{func} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
 
 
+def gpt_of(cfg: dict):
+    """The example GPT of a bench config (vocab, hidden, heads, layers, seq), seeded."""
+    from examples.models import GPT
+
+    torch.manual_seed(0)
+    return GPT(vocab=cfg["vocab"], hidden=cfg["hidden"], heads=cfg["heads"], layers=cfg["layers"], seq=cfg["seq"])
+
+
 def header(title: str) -> str:
     import datetime
 

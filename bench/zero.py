@@ -25,20 +25,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Ratio, header, interleaved  # noqa: E402
+from common import Ratio, gpt_of, header, interleaved  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 CFG = {"vocab": 1024, "hidden": 256, "heads": 8, "layers": 4, "seq": 128, "batch": 16}
 QUICK_CFG = {"vocab": 1024, "hidden": 256, "heads": 8, "layers": 2, "seq": 64, "batch": 8}
-
-
-def _model(cfg):
-    from examples.models import GPT
-
-    torch.manual_seed(0)
-    return GPT(vocab=cfg["vocab"], hidden=cfg["hidden"], heads=cfg["heads"], layers=cfg["layers"], seq=cfg["seq"])
 
 
 def rank_batch(cfg, rank: int, world: int):
@@ -87,7 +80,7 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int) -> dict:
         memory[name] = memory_fn
 
     # DDP
-    ddp = DDP(_model(cfg))
+    ddp = DDP(gpt_of(cfg))
     opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
 
     def make_torch_step(module, opt):
@@ -104,11 +97,11 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int) -> dict:
     add("ddp", s, lambda s=s: s(True))
 
     # autopar: one DATA plan, forced to each ZeRO stage
-    base = autopar.plan(_model(cfg), autopar.Mesh(world), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+    base = autopar.plan(gpt_of(cfg), autopar.Mesh(world), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
                         mode="data")
     for zero in (0, 1, 2, 3):
         plan = dataclasses.replace(base, memory_options=dataclasses.replace(base.memory_options, zero=zero))
-        pm = autopar.parallelize(_model(cfg), autopar.Mesh(world), example_inputs=(x,), loss_fn=lm_loss,
+        pm = autopar.parallelize(gpt_of(cfg), autopar.Mesh(world), example_inputs=(x,), loss_fn=lm_loss,
                                  example_target=y, plan=plan)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
@@ -129,7 +122,7 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int) -> dict:
     # FSDP2
     mesh = init_device_mesh("cpu", (world,))
     for name, reshard in (("fsdp2-reshard", True), ("fsdp2-keep", False)):
-        m = _model(cfg)
+        m = gpt_of(cfg)
         for blk in m.blocks:
             fully_shard(blk, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
@@ -148,7 +141,7 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int) -> dict:
             t /= world
         first[k] = float(t)
     return {"times": times, "held": held, "first_loss": first,
-            "params": sum(p.numel() for p in _model(cfg).parameters())}
+            "params": sum(p.numel() for p in gpt_of(cfg).parameters())}
 
 
 def main() -> None:
