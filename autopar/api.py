@@ -19,7 +19,7 @@ from autopar.graph.retrace import Retracer, graph_fingerprint
 from autopar.mesh import Mesh
 from autopar.parallel_module import ParallelModule
 from autopar.plan import Plan, PlanError
-from autopar.runtime.agreement import check_agreement, digest, model_summary, tensor_summary
+from autopar.runtime.agreement import check_agreement, model_summary, plan_digest, tensor_summary
 from autopar.runtime.grad_sync import broadcast_state
 from autopar.runtime.launch import init_from_env
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
@@ -196,7 +196,7 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
             ctx = get_auto_parallel_context()
             the_plan = choose(plans, model, lambda m, p: build_parallel_module(m, _graph_copy(traced), p, retracer),
                               tuple(example_inputs), example_target, ctx["autotune_steps"], ctx["autotune_slack"])
-    check_agreement({"traced graph": graph_fingerprint(traced.gm), "plan": digest(the_plan.to_json())},
+    check_agreement({"traced graph": graph_fingerprint(traced.gm), "plan": plan_digest(the_plan)},
                     "after planning")
     return build_parallel_module(model, traced, the_plan, retracer)
 
@@ -209,7 +209,7 @@ def _agree_at_start(model, mesh, mode, example_inputs, example_target, given) ->
                      "torch version": torch.__version__, "mesh": repr(mesh), "mode": str(mode),
                      "model": model_summary(model), "example inputs": tensor_summary(inputs),
                      "example target": tensor_summary([example_target]),
-                     "given plan": digest(given.to_json()) if given is not None else None}, "at start-up")
+                     "given plan": plan_digest(given) if given is not None else None}, "at start-up")
 
 
 def _graph_copy(traced: Traced) -> Traced:

@@ -47,3 +47,24 @@ def test_ranks_started_differently_fail_together_naming_rank_and_field(what, fie
 def test_ranks_started_alike_agree():
     for message, _ in run_ranks(2, _start, "nothing"):
         assert message is None
+
+
+def _given_plan(rank):
+    torch.manual_seed(0)
+    model = GPT(vocab=64, hidden=32, heads=4, layers=1, seq=8)
+    x = torch.randint(0, 64, (4, 8))
+    mesh = autopar.Mesh(2)
+    plan = autopar.plan(model, mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=x,
+                        mode="data" if rank == 0 else "stand_alone")
+    try:
+        autopar.parallelize(model, mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=x, plan=plan)
+    except RankMismatchError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_given_different_plans_fail_naming_the_plan():
+    """Plans each rank made for itself agree when their decisions do (solve times differ): this one
+    differs in mode and layouts."""
+    for message in run_ranks(2, _given_plan):
+        assert message is not None and "rank 1's given plan differs from rank 0's" in message, message

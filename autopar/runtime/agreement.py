@@ -5,6 +5,7 @@ instead of the hang or the wrong training that ranks running different jobs woul
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,19 @@ def model_summary(model: torch.nn.Module) -> list[str]:
 def digest(value) -> str:
     """A short hash of ``repr(value)``: for fields too large to gather whole (a plan)."""
     return hashlib.sha1(repr(value).encode()).hexdigest()[:12]
+
+
+RUN_FIELDS = ("mode", "mesh", "degrees", "nodes", "params", "inputs", "outputs", "microbatches", "schedule",
+              "stages", "pipeline", "memory_options", "grad_compression", "optimizer", "fingerprint",
+              "accumulation_trace")
+
+
+def plan_digest(plan) -> str:
+    """A digest of what a plan makes a rank run (layouts, mesh, schedule, memory options), not of
+    what it predicts or how long it took to find: ranks that plan for themselves from the same
+    graph agree on it though their solve times differ."""
+    data = json.loads(plan.to_json())
+    return digest({k: data.get(k) for k in RUN_FIELDS})
 
 
 def _first_difference(ref, other, rank: int) -> str:
@@ -56,4 +70,4 @@ def check_agreement(fields: dict, when: str) -> None:
                     "random shapes and differing environments)")
 
 
-__all__ = ["check_agreement", "digest", "model_summary", "tensor_summary"]
+__all__ = ["check_agreement", "digest", "model_summary", "plan_digest", "tensor_summary"]
