@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from autopar.solver import exhaustive
-from autopar.solver.intra_op import (
-    EdgeCost, InfeasibleError, IntraOpProblem, NodeChoices, brute_force, evaluate, solve_intra_op)
+from autopar.solver.brute_force import brute_force
+from autopar.solver.intra_op import EdgeCost, InfeasibleError, IntraOpProblem, NodeChoices, evaluate, solve_intra_op
 
 
 def random_problem(rng: np.random.Generator) -> IntraOpProblem:
@@ -286,7 +286,8 @@ def test_memory_floor_is_a_lower_bound_and_short_cuts_hopeless_budgets(seed, mon
     memory explanation and no time solve under the budget, and a cutoff still reports the stronger
     unbudgeted domination first."""
     from autopar.solver import intra_op
-    from autopar.solver.intra_op import DominatedError, memory_floor, replace
+    from autopar.solver.intra_op import DominatedError, replace
+    from autopar.solver.memory_floor import memory_floor
 
     rng = np.random.default_rng(seed)
     p = random_problem(rng)

@@ -76,7 +76,6 @@ certifies wrong optima on one-hot + linear models like this one (google/or-tools
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from dataclasses import dataclass, replace
@@ -86,6 +85,7 @@ from ortools.sat.python import cp_model
 
 from autopar.solver.class_graph import HUGE_COST, ClassGraph, InfeasibleError, is_forbidden, recover_choices, reduce_graph
 from autopar.solver.exhaustive import enumerate_best, small_enough
+from autopar.solver.memory_floor import memory_floor
 from autopar.solver.pricing import dual_bound, priced_search
 
 GIB = float(1 << 30)
@@ -388,27 +388,6 @@ def evaluate(p: IntraOpProblem, choice: list[int]) -> tuple[float, float]:
     return (math.inf if forbidden else total), memory
 
 
-def memory_floor(p: IntraOpProblem) -> float:
-    """A lower bound on any assignment's memory: each node's least over its allowed, unforbidden
-    strategies plus each edge's least over its unforbidden pairs (the coupling ignored). Above
-    the budget, no assignment fits, and the time solves are skipped (Llama-7B on (4, 4) and
-    (8, 2) at batch 256: 360.7 GiB of 80, 5.4 s each before)."""
-    total = 0.0
-    for n in p.nodes:
-        compute = np.asarray(n.compute, dtype=float)
-        ok = ~is_forbidden(compute)
-        if n.allowed is not None:
-            ok &= np.isin(np.arange(len(compute)), list(n.allowed))
-        if not ok.any():
-            return 0.0              # infeasible for another reason: let the solve say which
-        total += float(np.asarray(n.memory, dtype=float)[ok].min())
-    for e in p.edges:
-        if e.memory is not None:
-            ok = ~is_forbidden(np.asarray(e.cost, dtype=float))
-            total += float(np.asarray(e.memory, dtype=float)[ok].min()) if ok.any() else 0.0
-    return total
-
-
 def edge_memory(p: IntraOpProblem, choice: list[int]) -> float:
     """Bytes the edges' chosen pairs keep (sum of G)."""
     return sum(float(e.memory[choice[e.src], choice[e.dst]]) for e in p.edges if e.memory is not None)
@@ -583,43 +562,5 @@ def _class_hint(class_of: list[int], choice: list[int] | None) -> dict[int, int]
     return None if choice is None else {a: s for a, s in zip(class_of, choice)}
 
 
-def brute_force(p: IntraOpProblem, max_assignments: int = 2_000_000) -> IntraOpSolution:
-    """Exhaustive search over tie classes and allowed strategies (tests and small problems only)."""
-    start = time.perf_counter()
-    _validate(p)
-    class_of = _tie_classes(p)
-    roots = list(dict.fromkeys(class_of))
-    options = []
-    for r in roots:
-        group = [v for v in range(len(p.nodes)) if class_of[v] == r]
-        opts = set(range(len(p.nodes[r].compute)))
-        for v in group:
-            opts &= set(p.nodes[v].allowed) if p.nodes[v].allowed is not None else opts
-        options.append(sorted(opts))
-    if math.prod(len(o) for o in options) > max_assignments:
-        raise ValueError(f"brute_force: more than {max_assignments} assignments; use solve_intra_op")
-    combos = np.array(list(itertools.product(*options)), dtype=int).reshape(-1, len(roots))
-    col = {r: i for i, r in enumerate(roots)}
-    choice = combos[:, [col[class_of[v]] for v in range(len(p.nodes))]]
-    objective = np.zeros(len(choice))
-    memory = np.zeros(len(choice))
-    for v, n in enumerate(p.nodes):
-        c = np.asarray(n.compute, dtype=float)
-        objective += np.where(is_forbidden(c), np.inf, c)[choice[:, v]]
-        memory += np.asarray(n.memory, dtype=float)[choice[:, v]]
-    for e in p.edges:
-        c = np.asarray(e.cost, dtype=float)
-        objective += np.where(is_forbidden(c), np.inf, c)[choice[:, e.src], choice[:, e.dst]]
-        if e.memory is not None:
-            memory += np.asarray(e.memory, dtype=float)[choice[:, e.src], choice[:, e.dst]]
-    if p.memory_budget is not None:
-        objective = np.where(memory <= p.memory_budget, objective, np.inf)
-    best = int(np.argmin(objective)) if len(objective) else 0
-    if not len(objective) or not np.isfinite(objective[best]):
-        raise InfeasibleError("brute_force: no assignment fits the memory budget and avoids forbidden choices")
-    return IntraOpSolution([int(s) for s in choice[best]], float(objective[best]), "OPTIMAL",
-                           time.perf_counter() - start, float(memory[best]), 0)
-
-
 __all__ = ["HUGE_COST", "DominatedError", "EdgeCost", "InfeasibleError", "IntraOpProblem", "IntraOpSolution", "NodeChoices",
-           "SolverTimeoutError", "brute_force", "evaluate", "solve_intra_op"]
+           "SolverTimeoutError", "evaluate", "solve_intra_op"]
