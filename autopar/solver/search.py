@@ -147,7 +147,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
             if progress.out_of_time():
                 return plans, failures, pipe_failures
             pipelines = k == 1 and not opts.zero and (rc == "none" or opts.recompute is not None
-                                                      or pipeline_request or progress.cutoff() is None)
+                                                      or pipeline_request or not progress.fitting)
             if pipeline_request and not pipelines:
                 break               # only pipelines were asked for
             progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
