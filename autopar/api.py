@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from autopar.build_module import build_parallel_module
 from autopar.context import ParallelMode, get_auto_parallel_context
+from autopar.gc_pause import fewer_collections
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer, graph_fingerprint
 from autopar.mesh import Mesh
@@ -96,9 +97,10 @@ def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_targ
     tracker = SearchProgress(time_budget, display or (progress if callable(progress) else None))
     tracker.enter("tracing the training step")
     try:
-        traced = trace(model, example_inputs, loss_fn, example_target, mp)
-        retracer = Retracer(model, example_inputs, loss_fn, example_target, mp)
-        return _plan_traced(model, traced, retracer, mesh, mode, mixed_precision=mp, progress=tracker)[0]
+        with fewer_collections():
+            traced = trace(model, example_inputs, loss_fn, example_target, mp)
+            retracer = Retracer(model, example_inputs, loss_fn, example_target, mp)
+            return _plan_traced(model, traced, retracer, mesh, mode, mixed_precision=mp, progress=tracker)[0]
     finally:
         if display is not None:
             display.close()
@@ -176,7 +178,8 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
         top_k = get_auto_parallel_context()["autotune_top_k"] if mode == ParallelMode.AUTO and mesh.size > 1 else 1
         if rank == 0:
             try:
-                plans = _plan_traced(model, traced, retracer, mesh, mode, max(1, top_k), mp)
+                with fewer_collections():
+                    plans = _plan_traced(model, traced, retracer, mesh, mode, max(1, top_k), mp)
             except Exception as e:  # noqa: BLE001 - re-raised on every rank below
                 err = e
         if dist.is_initialized() and dist.get_world_size() > 1:
