@@ -49,15 +49,37 @@ def _compress_hook(dtype):
     return hook
 
 
+class _SyncedFirst(torch.nn.Module):
+    """What DDP wraps: ``program``, with the parameters DDP sums registered here too, last first
+    (DDP's own guess at the order their gradients become ready), so that DDP lists them in that order."""
+
+    def __init__(self, program: torch.nn.Module, synced: list[tuple[str, torch.nn.Parameter]]):
+        super().__init__()
+        self.program = program
+        for name, p in reversed(synced):
+            self.register_parameter(name.replace(".", "__"), p)
+
+    def forward(self, *args, **kwargs):
+        return self.program(*args, **kwargs)
+
+
 def wrap_ddp(module: torch.nn.Module, group, ignore: list[str], compression: str | None, bucket_mb: float = 25.0):
-    """DDP over ``group`` summing gradients; parameters named in ``ignore`` are left alone."""
+    """DDP over ``group`` summing gradients; parameters named in ``ignore`` are left alone.
+
+    Its buckets are fixed before the first step (in the parameters' reverse order), not rebuilt
+    after it in the order the first backward made the gradients ready, which is what DDP does by
+    default: where a gradient lies in a bucket decides the order its ranks' parts are summed in
+    (over more than 2 ranks), so a module built to resume from a checkpoint would otherwise sum its
+    first step in another order than the run that saved it, and not train on bit for bit."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    # DDP spells the names of the root module's own parameters ".name" when it builds its buckets
-    # and "name" elsewhere: list both, or a root-level parameter is synced although ignored.
-    DDP._set_params_and_buffers_to_ignore_for_model(module, list(ignore) + ["." + n for n in ignore if "." not in n])
-    ddp = DDP(module, process_group=group, forward_sync_buffers=False, bucket_cap_mb=bucket_mb,
+    skip = set(ignore)
+    synced = [(n, p) for n, p in module.named_parameters() if n not in skip and p.requires_grad]
+    wrapper = _SyncedFirst(module, synced)
+    DDP._set_params_and_buffers_to_ignore_for_model(wrapper, [f"program.{n}" for n in ignore])
+    ddp = DDP(wrapper, process_group=group, forward_sync_buffers=False, bucket_cap_mb=bucket_mb,
               gradient_as_bucket_view=True)
+    ddp.reducer._push_all_rebuilt_params()      # the first forward builds the buckets in that order, once
     if compression is None:
         ddp.register_comm_hook(group, _sum_hook)
     else:
