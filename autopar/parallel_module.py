@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.collectives import comm
-from autopar.collectives.groups import bound_axes
+from autopar.collectives.groups import bound_axes, group_name
 from autopar.collectives.watch import guard, note
 from autopar.comm_timeout import comm_timeout_s, using, world_group
 from autopar.errors import CheckpointError
@@ -192,6 +192,9 @@ class ParallelModule(nn.Module):
         if acc is not None:
             acc.before_backward()
         quiet = self._ddp is not None and acc is not None and not acc.syncing
+        if self._ddp is not None:
+            note("broadcast", group_name(self._ddp.process_group, "dp"), "fwd",
+                 detail="that DDP runs in its forward to share its rebuilt gradient buckets (after its first step)")
         with self._ddp.no_sync() if quiet else contextlib.nullcontext():
             loss = runner(*xs, target=tgt)[meta["loss_index"]]   # the model's other outputs (logits) die here
             report = self._start_global_loss(loss)      # the loss report overlaps backward
