@@ -71,7 +71,7 @@ def test_guard_names_the_collective_the_step_and_what_to_do():
             raise RuntimeError(GLOO_LOST)
     msg = str(err.value)
     assert "failed in the p2p receive of the gradient of transfer 0 (add), microbatch 1, from rank 3: a peer rank " \
-           "closed its connection, so it died" in msg, msg
+           "closed its connection: it died (killed or crashed)" in msg, msg
     assert "Check rank 3's log for the first error" in msg and err.value.peer == 3
     assert msg.endswith("(torch.distributed: Connection closed by peer [127.0.0.1]:1234)"), msg
 
@@ -204,7 +204,8 @@ def test_a_rank_killed_mid_step_is_named_and_its_peer_fails_at_once(tmp_path):
     assert msg.startswith("autopar.launch(_train): rank 1 was killed by signal SIGKILL: it did not raise."), msg
     peer = _read(tmp_path, "rank0")
     assert peer["message"].startswith("rank 0: pmodel.step (step 3 of this process) failed in the all_reduce over "
-                                      "mesh axis 'dp' (backward): a peer rank closed its connection, so it died"), peer
+                                      "mesh axis 'dp' (backward): a peer rank closed its connection: it died "
+                                      "(killed or crashed)"), peer
     assert "Check the other ranks' logs for the first error" in peer["message"]
     assert peer["t"] - _read(tmp_path, "event")["t"] < TIMEOUT_S        # at once, not after the timeout
     assert ended < TIMEOUT_S + _GRACE_S + SLACK_S, ended

@@ -92,9 +92,9 @@ def message(what: str, how: str, op: Op | None, timeout_s: float, err: BaseExcep
                 f"without closing its connections. Check {logs} (autopar.launch names the rank that stalled or "
                 f"died first); if that rank is only slow, {raise_it}")
     elif how == "lost":
-        text = (f"{me}{what} failed in {where}: a peer rank closed its connection, so it died (killed, crashed, "
-                f"or ended by an error of its own). Check {logs} for the first error (autopar.launch reports it "
-                "first); this rank only lost its peer")
+        text = (f"{me}{what} failed in {where}: a peer rank closed its connection: it died (killed or crashed) "
+                "or failed (an error of its own, or a timeout waiting for another rank). Check "
+                f"{logs} for the first error (autopar.launch reports it first); this rank only lost its peer")
     else:
         text = (f"{me}{what} failed in {where}: torch.distributed reported an error, most likely because a peer "
                 f"rank died or stalled. Check {logs} for the first error; if a rank is only slow, {raise_it}")

@@ -99,7 +99,8 @@ def _launch_entry(rank, fn, world, init_method, timeout_s, args, err_dir):
 
 def launch(fn, nprocs: int = 4, args: tuple = (), timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Run ``fn(rank, *args)`` in ``nprocs`` processes; raise ``RankError`` if any rank fails, the
-    failing rank's own error first (``rank_failure.describe``)."""
+    failing rank's own error first (``rank_failure.describe``). ``timeout_s``: the default process
+    group's timeout, which autopar's communication timeout follows unless ``comm_timeout_s`` is set."""
     name = f"autopar.launch({getattr(fn, '__name__', fn)})"
     if rank_failure.bootstrapping():    # a spawned rank re-running the script's top level: no main guard
         sys.exit(rank_failure.NO_MAIN_GUARD_EXIT)
