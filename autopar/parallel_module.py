@@ -194,7 +194,7 @@ class ParallelModule(nn.Module):
         quiet = self._ddp is not None and acc is not None and not acc.syncing
         if self._ddp is not None:
             note("broadcast", group_name(self._ddp.process_group, "dp"), "fwd",
-                 detail="that DDP runs in its forward to share its rebuilt gradient buckets (after its first step)")
+                 detail="that DDP runs in its first forward to agree on its gradient buckets")
         with self._ddp.no_sync() if quiet else contextlib.nullcontext():
             loss = runner(*xs, target=tgt)[meta["loss_index"]]   # the model's other outputs (logits) die here
             report = self._start_global_loss(loss)      # the loss report overlaps backward

@@ -166,8 +166,8 @@ def _read(folder: str, name: str) -> dict:
 
 
 def _train(rank, plan: str, what: str, folder: str):
-    """Four steps; rank 1 dies in the middle of step 3's backward, or sleeps before step 3 (after step 2,
-    where DDP rebuilds its buckets)."""
+    """Four steps; rank 1 dies in the middle of step 3's backward, or sleeps before step 3 (well past DDP's
+    first forward, where it agrees on its buckets)."""
     torch.manual_seed(0)
     if plan == "pipeline":
         autopar.set_auto_parallel_context(schedule="1f1b", microbatches=2)
@@ -223,7 +223,7 @@ def _stalled_collective(rank, seconds):
                              loss_fn=F.cross_entropy, example_target=y, mode="data", comm_timeout_s=seconds)
     try:
         pm.step(x, target=y)
-        pm.step(x, target=y)            # past DDP's bucket rebuild
+        pm.step(x, target=y)            # well past DDP's first forward, where it agrees on its buckets
         if rank == 1:
             time.sleep(seconds + 1.5)
             return None

@@ -181,7 +181,9 @@ def _launch_failure(name: str, procs, err_dir: str, timeout_s: float) -> str:
     raised = {f.rank for f in failures}
     running = [i for i, p in enumerate(procs) if p.is_alive() and i not in raised]
     stacks = rank_failure.request_stacks(err_dir, {i: procs[i].pid for i in running})
-    deaths = {i: p.exitcode for i, p in enumerate(procs) if i not in raised and p.exitcode}
+    asked = {i: -(rank_failure.STACK_SIGNAL or 0) for i in stacks}     # a rank exiting as it was asked: not a death
+    deaths = {i: p.exitcode for i, p in enumerate(procs)
+              if i not in raised and p.exitcode and p.exitcode != asked.get(i)}
     if rank_failure.NO_MAIN_GUARD_EXIT in deaths.values():
         return rank_failure.no_main_guard_message(name)
     return rank_failure.describe(name, failures, deaths, stacks, waited)

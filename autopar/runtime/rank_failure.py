@@ -23,7 +23,7 @@ from dataclasses import dataclass
 _PEER_LOST = re.compile(r"^autopar\.errors\.CommError:|Connection closed by peer|Connection reset by peer|Broken pipe|"
                         r"remote worker crash|communicator was aborted|NCCL.*(?:abort|watchdog)|recvBytes|"
                         r"Socket Timeout|Timed out waiting", re.I)
-_STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
+STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 _STACK_LINES = 40           # the first lines (innermost calls) of a running rank's stack dump that the message shows
 _stack_file: list = []      # keeps the dump's file open in the rank
 
@@ -62,20 +62,21 @@ def record(err_dir: str, rank: int) -> None:
 
 def dump_stack_on_request(err_dir: str, rank: int) -> None:
     """In a rank: write every thread's Python stack to ``err_dir/rank<rank>.stack`` on SIGUSR1."""
-    if _STACK_SIGNAL is None:
+    if STACK_SIGNAL is None:
         return
     f = open(os.path.join(err_dir, f"rank{rank}.stack"), "w")
     _stack_file.append(f)
-    faulthandler.register(_STACK_SIGNAL, file=f, all_threads=True)
+    signal.signal(STACK_SIGNAL, signal.SIG_IGN)    # what faulthandler restores as the interpreter exits: a
+    faulthandler.register(STACK_SIGNAL, file=f, all_threads=True)     # late request must not kill the rank
 
 
 def request_stacks(err_dir: str, pids: dict[int, int], wait_s: float = 0.5) -> dict[int, str]:
     """Ask running ranks (rank -> pid) for their stacks; rank -> the stack text ("" when none came)."""
-    if _STACK_SIGNAL is None or not pids:
+    if STACK_SIGNAL is None or not pids:
         return {r: "" for r in pids}
     for pid in pids.values():
         try:
-            os.kill(pid, _STACK_SIGNAL)
+            os.kill(pid, STACK_SIGNAL)
         except OSError:
             pass
     paths = {r: os.path.join(err_dir, f"rank{r}.stack") for r in pids}
