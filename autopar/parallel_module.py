@@ -192,7 +192,7 @@ class ParallelModule(nn.Module):
         if acc is not None:
             acc.before_backward()
         quiet = self._ddp is not None and acc is not None and not acc.syncing
-        if self._ddp is not None:
+        if getattr(self._ddp, "process_group", None) is not None:      # torch's DDP (not ZeRO-3's runner)
             note("broadcast", group_name(self._ddp.process_group, "dp"), "fwd",
                  detail="that DDP runs in its first forward to agree on its gradient buckets")
         with self._ddp.no_sync() if quiet else contextlib.nullcontext():
