@@ -25,7 +25,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.collectives.comm import COUNTER
-from autopar.collectives.groups import group_name
+from autopar.collectives.groups import group_name, span_group
+from autopar.collectives.watch import guard, note
+from autopar.comm_timeout import comm_timeout_s, world_group
 
 
 def _sum_hook(group, bucket):
@@ -129,7 +131,8 @@ def broadcast_state(model: torch.nn.Module, bucket_mb: float = 25.0) -> None:
         size += nbytes
     for bucket in buckets:
         flat = _flatten_dense_tensors([b.detach() for b in bucket])
-        dist.broadcast(flat, src=0)
+        note("broadcast", detail="of rank 0's parameters and buffers")
+        dist.broadcast(flat, src=0, group=world_group())
         with torch.no_grad():
             for b, new in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 b.copy_(new)
@@ -162,6 +165,7 @@ class Accumulation:
         self._held: dict[int, torch.Tensor] = {}
         self.local = False      # gradients hold local (unsummed) parts from no_sync steps
         self.syncing = True
+        self.timeout_s = comm_timeout_s()       # its groups' timeout, named when a peer fails in opt.step()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -213,7 +217,8 @@ class Accumulation:
 def _flush_before_optimizer_step(optimizer, args, kwargs) -> None:
     for acc in list(_PENDING):
         if acc.owns_any(p for g in optimizer.param_groups for p in g["params"]):
-            acc.flush()
+            with guard("optimizer.step (summing the gradients of no_sync steps)", acc.timeout_s):
+                acc.flush()
 
 
 register_optimizer_step_pre_hook(_flush_before_optimizer_step)
@@ -242,13 +247,7 @@ def setup_grad_sync(program: torch.nn.Module, sync: dict, axes: dict, mesh, acc:
         if extra:
             add_axis_sync_hooks(p, [axes[a].group for a in sorted(extra, key=mesh.axis_names.index)], acc)
     if main:
-        if len(main) == mesh.ndim:
-            group = dist.group.WORLD
-        elif len(main) == 1:
-            group = axes[next(iter(main))].group
-        else:
-            dm = mesh.device_mesh()
-            group = dm[tuple(a for a in mesh.axis_names if a in main)]._flatten().get_group()
+        group = axes[next(iter(main))].group if len(main) == 1 else span_group(mesh, main)
         ignore += [name for name, _ in program.named_buffers()]
         ddp = wrap_ddp(program, group, ignore, compression)
     return ddp
