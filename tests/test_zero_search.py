@@ -100,6 +100,12 @@ def test_bad_zero_settings_are_refused():
     autopar.set_auto_parallel_context(zero=1, schedule="1f1b", microbatches=2)
     with pytest.raises(PlanError, match=r"zero=1 is not supported with a pipeline yet .* use zero=0"):
         _plan(autopar.Mesh(2, axis_names=("pp",)))
+    autopar.reset_auto_parallel_context()
+    for mode in ("semi_auto", "stand_alone"):      # found by tests/test_fuzz.py: was "no pipeline plan fits: "
+        autopar.set_auto_parallel_context(zero=2)
+        with pytest.raises(PlanError, match=r"zero=2 shards .* mesh .* has 1 device: there is nothing to shard it "
+                                            r"over; use zero=0 \(or leave zero unset\)"):
+            _plan(autopar.Mesh(1), mode)
 
 
 def test_nothing_fits_names_the_smallest_candidate_and_a_device_count_that_fits():

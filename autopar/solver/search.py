@@ -62,6 +62,10 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                             "or schedule): use zero=0 for pipelined plans, or drop the pipeline")
         stages = [0]                # a pipeline was asked for: ZeRO does not run with one yet
         ks = ks[:1]                 # and the pipeline runs the microbatches, not accumulation
+    if stages[0] and mesh.size == 1:
+        raise PlanError(f"zero={stages[0]} shards training state over a parameter's data-parallel replicas, but mesh "
+                        f"{mesh!r} has 1 device: there is nothing to shard it over; use zero=0 (or leave zero unset) "
+                        "on one device")
     plans, failures, pipe_failures, traces = [], [], [], {}
     for z in stages:
         if z and mesh.size == 1:
