@@ -69,19 +69,29 @@ def _chunks(t, micro):
 
 
 def reference_run(model_fn, loss_fn, x, y, steps: int = STEPS, lr: float | None = None, eps: float = 1e-8,
-                  optim: str = "sgd", micro: int = 1, setup=None, clip: float | None = None):
-    """Single-device training: ``loss.backward()`` per micro-batch, then the optimizer's step."""
+                  optim: str = "sgd", micro: int = 1, setup=None, clip: float | None = None,
+                  mixed_precision: str | None = None):
+    """Single-device training: ``loss.backward()`` per micro-batch, then the optimizer's step.
+    ``mixed_precision="bf16"``: the same policy as autopar's (and FSDP2's): every step computes on
+    bf16 copies of the fp32 parameters, floating inputs cast to bf16, the loss reported in fp32."""
     torch.manual_seed(0)
     model = model_fn()
     if setup is not None:
         setup(model)
     opt = make_optimizer(model.parameters(), optim, lr if lr is not None else LR[optim], eps)
     xs, ys = _chunks(x, micro), _chunks(y, micro)
+    low = {"bf16": torch.bfloat16}[mixed_precision] if mixed_precision else None
 
     def step(m):
-        loss = loss_fn(model(xs[m]), ys[m])
+        if low is None:
+            out = model(xs[m])
+        else:
+            working = {k: v.to(low) if v.is_floating_point() else v for k, v in model.named_parameters()}
+            xm = xs[m].to(low) if xs[m].is_floating_point() else xs[m]
+            out = torch.func.functional_call(model, working, (xm,))
+        loss = loss_fn(out, ys[m])
         loss.backward()
-        return loss.detach()
+        return loss.detach().float()
 
     names = {id(p): n for n, p in model.named_parameters()}
     clip_fn = None if clip is None else lambda: torch.nn.utils.clip_grad_norm_(
@@ -146,6 +156,45 @@ def assert_same_training(ref, par, rtol: float = 1e-5, what: str = "", tensor_rt
         want = torch.cat([pb[k].double().flatten() for k in keys])
         err = rel_error(got, want)
         assert err <= rtol, f"{what} params after step {i + 1}: whole-model relative error {err:.3e} > {rtol:.0e}"
+
+
+TORCH_NOISE_FACTOR = 2.0
+
+
+def assert_within_torch_noise(ref, par, torch_run, what: str = "", factor: float = TORCH_NOISE_FACTOR,
+                              floor: float = 1e-5):
+    """The bar where data parallelism reorders sums (docs/testing.md): ``par`` no further from the
+    single-device ``ref`` than ``factor`` x where torch's own data parallelism (``torch_run``, on the
+    same job) lands, or ``floor``: every loss; at every step the worst gradient tensor and the whole
+    gradient; the worst parameter tensor and the whole model after every step."""
+    def bound(err: float) -> float:
+        return max(factor * err, floor)
+
+    for i, (a, t, b) in enumerate(zip(par["losses"], torch_run["losses"], ref["losses"])):
+        ours, theirs = abs(a - b) / max(abs(b), 1e-6), abs(t - b) / max(abs(b), 1e-6)
+        assert ours <= bound(theirs), f"{what} loss {i}: {ours:.3e} from one device, torch {theirs:.3e}"
+    for key in ("grads", "params"):
+        for i, (ours_s, theirs_s, want) in enumerate(zip(par[key], torch_run[key], ref[key])):
+            keys = sorted(k for k, w in want.items() if w.is_floating_point())
+            for name, measure in (("worst tensor", lambda s: max(rel_error(s[k], want[k]) for k in keys)),
+                                  ("whole model", lambda s: rel_error(torch.cat([s[k].flatten() for k in keys]),
+                                                                      torch.cat([want[k].flatten() for k in keys])))):
+                ours, theirs = measure(ours_s), measure(theirs_s)
+                assert ours <= bound(theirs), (f"{what} {key} at step {i + 1}, {name}: {ours:.3e} from one device, "
+                                               f"torch {theirs:.3e}")
+
+
+def distance(run, ref) -> float:
+    """The largest relative difference of ``run`` from ``ref`` over the losses, and over the whole
+    model's gradient and parameters as one vector each, at every step: the measure for mixed
+    precision, where a tensor whose gradient is ~0 is all rounding (docs/testing.md)."""
+    d = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(run["losses"], ref["losses"]))
+    for key in ("grads", "params"):
+        for got, want in zip(run[key], ref[key]):
+            keys = sorted(k for k, w in want.items() if w.is_floating_point())
+            d = max(d, rel_error(torch.cat([got[k].flatten() for k in keys]),
+                                 torch.cat([want[k].flatten() for k in keys])))
+    return d
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -1,0 +1,242 @@
+"""The property a fuzz ``Case`` (``fuzz_cases.py``) must satisfy, and running one case.
+
+A case either
+
+* **trains**: every rank's losses, gathered gradients and updated parameters equal the single-device
+  run (``oracle.reference_run``, same seed, batch, optimizer, micro-batches and clipping) at 1e-5
+  relative in fp32 (``oracle.assert_same_training``), or, where the plan reorders sums and that
+  bar fails, no further from it than torch DDP lands on the same job, measured in the same case
+  (``oracle.assert_within_torch_noise``). Under mixed precision the single-device run uses the
+  same bf16 policy and the bar is 2x torch FSDP2's distance from it (docs/testing.md). The plan
+  must also use the memory options the case fixed; or
+* is **refused**: every rank (or the HYBRID plan's ``autopar.plan`` call) raises the same error,
+  of an autopar error type, raised by autopar's own code with a message (never a raw torch
+  exception, never a hang, never one rank failing alone).
+
+Anything else is a **failure**. ``check_case(case, run_ranks)`` runs a case with a ``run_ranks(n,
+fn, *args)`` (the suite's shared pool, or bench/fuzz.py's) and returns its ``Outcome``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+import traceback
+from dataclasses import dataclass
+
+import autopar
+from autopar.errors import CheckpointError, RankMismatchError, TraceError
+from autopar.plan import PlanError
+from fuzz_cases import Case
+from fuzz_models import batch_of, build, loss_of
+from oracle import assert_same_training, assert_within_torch_noise, distance, parallel_run, reference_run
+from torch_baseline import splits, torch_dp_run
+
+DEVICE = "a100-80gb"            # plans do not depend on this machine's calibration (docs/testing.md)
+AUTOPAR_ERRORS = (PlanError, TraceError, RankMismatchError, CheckpointError, ValueError, TypeError)
+TORCH_FACTOR = 2.0              # mixed precision: at most this x torch FSDP2's distance (test_mixed_precision.py)
+_AUTOPAR_DIR = os.path.dirname(os.path.abspath(autopar.__file__))
+
+
+@dataclass
+class Outcome:
+    case: Case
+    status: str                 # "trained", "refused" or "failed"
+    detail: str = ""            # the refusal's message, or what failed
+    plan: str = ""              # degrees, microbatches and memory options of the plan that ran
+    bar: str = ""               # "1e-5", "torch DDP noise" or "2x FSDP2 (bf16)"
+    seconds: float = 0.0
+
+
+def error_record(err: BaseException) -> dict:
+    """Type, message, and the file of the innermost frame that raised it (autopar's own or not)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return {"type": type(err).__name__, "message": str(err), "file": frames[-1].filename if frames else "",
+            "autopar": isinstance(err, AUTOPAR_ERRORS) and bool(frames)
+            and os.path.abspath(frames[-1].filename).startswith(_AUTOPAR_DIR) and len(str(err)) >= 20,
+            "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-3000:]}
+
+
+def annotate(case: Case, model=None) -> None:
+    """The case's SEMI_AUTO annotations: weight placements and pipeline stage tags."""
+    for a in case.shards:
+        place = autopar.Replicate() if a.dim is None else autopar.Shard(a.dim)
+        tensors = {"weight": {a.axis: place}}
+        if a.bias:
+            tensors["bias"] = {a.axis: autopar.Shard(0)}
+        autopar.shard(a.module, **tensors)
+    for module, stage in case.stages:
+        autopar.pipeline_stage(module, stage)
+
+
+def apply_options(case: Case) -> None:
+    opts = {k: getattr(case, k) for k in ("zero", "recompute", "accumulation") if getattr(case, k) is not None}
+    if opts:
+        autopar.set_auto_parallel_context(**opts)
+
+
+def _mesh(case: Case, cap_gb: float | None = None) -> autopar.Mesh:
+    return autopar.Mesh(case.shape, axis_names=case.axis_names, device=DEVICE, memory_gb=cap_gb)
+
+
+def memory_cap(case: Case) -> float | None:
+    """GiB per device: ``case.memory_fraction`` x the peak of the model's one-device plan (None: no cap)."""
+    if case.memory_fraction is None:
+        return None
+    x, y = batch_of(case.model, case.batch)
+    one = autopar.plan(build(case.model), autopar.Mesh(1, device=DEVICE), example_inputs=(x.chunk(case.micro)[0],),
+                       loss_fn=loss_of(case.model), example_target=y.chunk(case.micro)[0], mode="stand_alone",
+                       mixed_precision=case.mixed_precision)
+    return case.memory_fraction * max(one.memory_per_device) / 2**30
+
+
+def hybrid_plan(case: Case, cap_gb: float | None) -> str:
+    """The plan a HYBRID case applies: made by ``autopar.plan`` in the case's ``source`` mode, as JSON."""
+    autopar.reset_auto_parallel_context()
+    autopar.clear_annotations()
+    try:
+        apply_options(case)
+        x, y = batch_of(case.model, case.batch)
+        xs, ys = x.chunk(case.micro)[0], y.chunk(case.micro)[0]
+        if case.source in ("semi_auto", "auto"):
+            annotate(case)
+        return autopar.plan(build(case.model), _mesh(case, cap_gb), example_inputs=(xs,), loss_fn=loss_of(case.model),
+                            example_target=ys, mode=case.source, mixed_precision=case.mixed_precision).to_json()
+    finally:
+        autopar.reset_auto_parallel_context()
+        autopar.clear_annotations()
+
+
+def rank_job(rank: int, case: Case, plan_json: str | None, cap_gb: float | None) -> dict:
+    """One rank's training through autopar: ``{"run": oracle result}`` or ``{"error": error_record}``."""
+    try:
+        apply_options(case)
+        x, y = batch_of(case.model, case.batch)
+        kw = {}
+        if case.mode == "hybrid":
+            kw["plan"], mode = autopar.Plan.from_json(plan_json), None
+        else:
+            mode = case.mode
+            if case.mixed_precision:
+                kw["mixed_precision"] = case.mixed_precision
+        setup = functools.partial(annotate, case) if case.mode in ("semi_auto", "auto") else None
+        return {"run": parallel_run(rank, functools.partial(build, case.model), loss_of(case.model), x, y, _mesh(case, cap_gb),
+                                    mode, steps=case.steps, optim=case.optim, micro=case.micro, clip=case.clip,
+                                    setup=setup, **kw)}
+    except Exception as err:  # noqa: BLE001 - judged by the parent (check_case)
+        return {"error": error_record(err)}
+
+
+def plan_summary(plan: autopar.Plan) -> str:
+    """Degrees, microbatches, schedule, memory options, how many parameters are split, collectives."""
+    d = plan.degrees
+    split = sum(any(isinstance(p, autopar.Shard) for p in dec.spec) for dec in plan.params.values())
+    return (f"dp={d['dp']} tp={d['tp']} pp={d['pp']} mb={plan.microbatches} {plan.schedule}; "
+            f"{plan.memory_options.summary()}; {split}/{len(plan.params)} params split, "
+            f"{len(plan.collectives(0))} collectives")
+
+
+def _forced_options_kept(case: Case, plan: autopar.Plan) -> str:
+    """What the plan changed of the options the case fixed ('' when nothing)."""
+    mo, wrong = plan.memory_options, []
+    if case.zero is not None and mo.zero != case.zero:
+        wrong.append(f"zero={case.zero} asked, plan has {mo.zero}")
+    if case.recompute is not None and mo.recompute != case.recompute:
+        wrong.append(f"recompute={case.recompute!r} asked, plan has {mo.recompute!r}")
+    if case.accumulation is not None and mo.accumulation != case.accumulation:
+        wrong.append(f"accumulation={case.accumulation} asked, plan has {mo.accumulation}")
+    if mo.mixed_precision != case.mixed_precision:
+        wrong.append(f"mixed_precision={case.mixed_precision!r} asked, plan has {mo.mixed_precision!r}")
+    return "; ".join(wrong)
+
+
+def _reorders_sums(plan: autopar.Plan) -> bool:
+    d = plan.degrees
+    return max(d["dp"], d["tp"], d["pp"], plan.microbatches, plan.memory_options.accumulation) > 1
+
+
+def _torch_world(case: Case, plan: autopar.Plan) -> int | None:
+    """The rank count torch's baseline runs on: the plan's dp degree where it can, else 2 (None: cannot split)."""
+    for w in dict.fromkeys([plan.degrees["dp"], 2, 4]):
+        if w in (2, 4) and splits(case.batch, case.micro, w):
+            return w
+    return None
+
+
+def judge(case: Case, runs: list[dict], run_ranks) -> tuple[str, str]:
+    """('' or what failed, the bar used) for the ranks' training results."""
+    model_fn, loss_fn = functools.partial(build, case.model), loss_of(case.model)
+    x, y = batch_of(case.model, case.batch)
+    common = dict(steps=case.steps, optim=case.optim, micro=case.micro, clip=case.clip)
+    ref = reference_run(model_fn, loss_fn, x, y, mixed_precision=case.mixed_precision, **common)
+    plan = autopar.Plan.from_json(runs[0]["plan"])
+    if case.mixed_precision:
+        torch_run = run_ranks(2, torch_dp_run, model_fn, loss_fn, x, y, mixed_precision=case.mixed_precision,
+                              **common)[0]
+        bar = TORCH_FACTOR * distance(torch_run, ref)
+        worst = max(distance(r, ref) for r in runs)
+        msg = "" if worst <= bar else f"{worst:.3e} from the single-device bf16 run; torch FSDP2 lands {bar / 2:.3e}"
+        return msg, "2x FSDP2 (bf16)"
+    try:
+        for rank, r in enumerate(runs):
+            assert_same_training(ref, r, 1e-5, f"rank {rank}")
+        return "", "1e-5"
+    except AssertionError as strict:
+        w = _torch_world(case, plan)
+        if not _reorders_sums(plan) or w is None:
+            return str(strict), "1e-5"
+        torch_run = run_ranks(w, torch_dp_run, model_fn, loss_fn, x, y, **common)[0]
+        try:
+            for rank, r in enumerate(runs):
+                assert_within_torch_noise(ref, r, torch_run, f"rank {rank}")
+        except AssertionError as noisy:
+            return f"{noisy} (1e-5 bar: {strict})", f"torch DDP noise ({w} ranks)"
+        return "", f"torch DDP noise ({w} ranks)"
+
+
+def _refusal(errors: list[dict], n: int) -> str | None:
+    """Rank 0's message when every rank raised an autopar error (None otherwise). The other ranks may
+    say it differently: a planning error is raised on rank 0 and reported by the others as
+    "planning failed on rank 0: ..." (``api.parallelize``)."""
+    if len(errors) == n and all(e["autopar"] for e in errors):
+        return f"{errors[0]['type']}: {errors[0]['message']}"
+    return None
+
+
+def check_case(case: Case, run_ranks) -> Outcome:
+    """Run ``case`` and judge it by the property of the module docstring."""
+    t0 = time.perf_counter()
+
+    def done(status, detail="", plan="", bar=""):
+        return Outcome(case, status, detail, plan, bar, time.perf_counter() - t0)
+
+    plan_json = None
+    cap_gb = memory_cap(case)
+    if case.mode == "hybrid":
+        try:
+            plan_json = hybrid_plan(case, cap_gb)
+        except Exception as err:  # noqa: BLE001 - judged here
+            rec = error_record(err)
+            if rec["autopar"]:
+                return done("refused", f"{rec['type']}: {rec['message']}")
+            return done("failed", f"autopar.plan for the HYBRID plan raised; not a clear autopar refusal:\n"
+                                  f"{rec['traceback']}")
+    try:
+        results = run_ranks(case.ranks, rank_job, case, plan_json, cap_gb)
+    except autopar.RankError as err:        # a hang (pool timeout) or a rank that died
+        return done("failed", f"ranks did not all return: {str(err)[-3000:]}")
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        refusal = _refusal(errors, case.ranks)
+        if refusal is not None:
+            return done("refused", refusal)
+        worst = next((e for e in errors if not e["autopar"]), errors[0])
+        return done("failed", f"{len(errors)} of {case.ranks} ranks raised; not a clear autopar refusal on every "
+                              f"rank:\n{worst['traceback']}")
+    runs = [r["run"] for r in results]
+    plan = autopar.Plan.from_json(runs[0]["plan"])
+    changed = _forced_options_kept(case, plan)
+    if changed:
+        return done("failed", f"the plan did not keep the options the case fixed: {changed}", plan_summary(plan))
+    msg, bar = judge(case, runs, run_ranks)
+    return done("failed" if msg else "trained", msg, plan_summary(plan), bar)
