@@ -76,6 +76,18 @@ def test_accumulation_that_does_not_divide_the_batch_is_refused():
         autopar.plan(MODEL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="data")
 
 
+@pytest.mark.parametrize("mode", ["data", "auto"])
+def test_accumulation_that_leaves_microbatches_dp_cannot_split_says_so(mode):
+    """Found by tests/test_fuzz.py: was "no plan fits memory", though no memory cap was involved."""
+    x, y = make_batch("tokens", 8)
+    autopar.set_auto_parallel_context(accumulation=8)
+    with pytest.raises(autopar.PlanError, match=r"^no plan can be made on Mesh\(dp=2.*: accumulation 8: the global batch "
+                                                r"\(1, .* not divisible by the data-parallel size 2.*\(accumulation 8 runs "
+                                                r"the global batch of 8 as 8 microbatches of 1; a smaller accumulation"):
+        autopar.plan(MODEL(), autopar.Mesh(2, axis_names=("dp",)), example_inputs=(x,), loss_fn=lm_loss,
+                     example_target=y, mode=mode)
+
+
 def test_accumulation_with_a_pipeline_is_refused():
     x, y = make_batch("tokens", 8)
     autopar.set_auto_parallel_context(accumulation=2)

@@ -65,7 +65,7 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
             if not shape:
                 continue
             if shape[0] % mesh.size:
-                raise PlanError(f"the global batch ({shape[0]}, dim 0 of input {ph!r}) is not divisible by the "
+                raise CandidateError(f"the global batch ({shape[0]}, dim 0 of input {ph!r}) is not divisible by the "
                                 f"data-parallel size {mesh.size}; use a batch that is a multiple of {mesh.size}")
             only(ph, lambda spec: all(p == Shard(0) for p in spec))
         for ph in list(traced.params) + list(traced.buffers) + list(traced.constants):
