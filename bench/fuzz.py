@@ -88,7 +88,8 @@ def _line(i: int, n: int, o: Outcome) -> str:
     what = (f"{c.model.family} {c.ranks}r {c.shape}{c.axis_names or ''} {c.mode}{'<' + c.source if c.source else ''}"
             f" {c.optim} mp={c.mixed_precision} z={c.zero} rc={c.recompute} acc={c.accumulation} micro={c.micro}")
     tail = o.plan + (f" [{o.bar}]" if o.bar else "") if o.status == "trained" else o.detail.splitlines()[0][:160]
-    return f"[{i + 1}/{n}] {o.status:8s} {o.seconds:5.1f}s  {what}  ::  {tail}"
+    line = f"[{i + 1}/{n}] {o.status:8s} {o.seconds:5.1f}s  {what}  ::  {tail}"
+    return line + (f"\n    case: {c!r}\n    " + o.detail[-2000:].replace("\n", "\n    ") if o.status == "failed" else "")
 
 
 def _summary(outcomes: list[Outcome], shrunk: list[dict], elapsed: float, at: int) -> str:
@@ -128,7 +129,7 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--seed", type=int, default=None, help="draws the same cases again (default: random, printed)")
     ap.add_argument("--shrink-budget", type=int, default=40, help="case runs spent shrinking each failure")
-    ap.add_argument("--timeout", type=float, default=60.0, help="process-group timeout (s): a hang fails after it")
+    ap.add_argument("--timeout", type=float, default=90.0, help="process-group timeout (s): a hang fails after it")
     ap.add_argument("--json", default=None, help="write every outcome here")
     args = ap.parse_args()
     at = args.seed if args.seed is not None else random.randrange(2**31)

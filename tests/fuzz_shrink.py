@@ -9,6 +9,7 @@ shrinks each distinct failure here, with a bounded number of runs.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterator
 
 from fuzz_cases import Case
@@ -23,7 +24,8 @@ def signature(outcome: Outcome) -> str:
     if d.startswith("ranks did not all return"):
         return "hang"
     if "not a clear autopar refusal" in d:
-        return "error " + d.strip().splitlines()[-1].split(":")[0]
+        found = re.search(r"\b(\w*(?:Error|Exception))\b", d.split("\n", 1)[-1])
+        return "error " + (found.group(1) if found else "")
     if d.startswith("the plan did not keep"):
         return "options"
     return "training differs"

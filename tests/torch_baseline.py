@@ -14,15 +14,19 @@ import torch.distributed as dist
 from oracle import LR, STEPS, _chunks, _train, make_optimizer
 
 
-def splits(batch: int, micro: int, world: int) -> bool:
-    """Whether every micro-batch of ``batch`` rows splits evenly over ``world`` ranks."""
-    return batch % micro == 0 and (batch // micro) % world == 0
+def splits(batch: int, micro: int, world: int, accumulate: int = 1) -> bool:
+    """Whether every micro-batch of ``batch`` rows (cut ``micro`` x ``accumulate`` ways) splits evenly over
+    ``world`` ranks."""
+    return batch % (micro * accumulate) == 0 and (batch // (micro * accumulate)) % world == 0
 
 
 def torch_dp_run(rank, model_fn, loss_fn, x, y, steps: int = STEPS, optim: str = "sgd", micro: int = 1,
-                 clip: float | None = None, lr: float | None = None, mixed_precision: str | None = None):
+                 clip: float | None = None, lr: float | None = None, mixed_precision: str | None = None,
+                 accumulate: int = 1):
     """DDP (or FSDP2 under ``mixed_precision="bf16"``) over every rank of the default group, each rank
-    on its rows of every micro-batch; losses are the global means, gradients and parameters gathered."""
+    on its rows of every micro-batch; losses are the global means, gradients and parameters gathered.
+    ``accumulate``: each micro-batch runs as that many backward passes of ``loss / accumulate`` (as a
+    plan's accumulation or pipeline microbatches do), its loss the mean of theirs."""
     world = dist.get_world_size()
     torch.manual_seed(0)
     model = model_fn()
@@ -40,12 +44,13 @@ def torch_dp_run(rank, model_fn, loss_fn, x, y, steps: int = STEPS, optim: str =
     xs, ys = _chunks(x, micro), _chunks(y, micro)
 
     def step(m):
-        xl, yl = xs[m].chunk(world)[rank], ys[m].chunk(world)[rank]
-        loss = loss_fn(wrapped(xl), yl)
-        loss.backward()
-        total = loss.detach().float().clone()
+        total = torch.zeros(())
+        for xa, ya in zip(xs[m].chunk(accumulate), ys[m].chunk(accumulate)):
+            loss = loss_fn(wrapped(xa.chunk(world)[rank]), ya.chunk(world)[rank])
+            (loss / accumulate).backward()
+            total += loss.detach().float()
         dist.all_reduce(total)
-        return total / world
+        return total / (world * accumulate)
 
     def full(tensors):
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in tensors.items()}
