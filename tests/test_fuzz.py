@@ -66,23 +66,35 @@ def test_random_jobs_train_like_one_device_or_are_refused_clearly(case):
     assert outcome.status != "failed", f"{outcome.detail}\nreplay: check_case({case!r}, run_ranks)"
 
 
-def _stand_alone_runs(case: Case):
+def _stand_alone_run(case: Case) -> dict:
+    """The single-device run as if a rank had returned it (with a stand-alone plan)."""
     x, y = batch_of(case.model, case.batch)
-    ref = reference_run(functools.partial(build, case.model), loss_of(case.model), x, y, steps=case.steps)
+    ref = reference_run(functools.partial(build, case.model), loss_of(case.model), x, y, steps=case.steps,
+                        mixed_precision=case.mixed_precision)
     plan = autopar.plan(build(case.model), autopar.Mesh(1), example_inputs=(x,), loss_fn=loss_of(case.model),
-                        example_target=y, mode="stand_alone")
-    return ref, dict(copy.deepcopy(ref), plan=plan.to_json(), optim="sgd")
+                        example_target=y, mode="stand_alone", mixed_precision=case.mixed_precision)
+    return dict(copy.deepcopy(ref), plan=plan.to_json(), optim="sgd")
 
 
 def test_the_property_fails_a_run_that_differs_from_one_device():
     case = Case(MLP, 4, (1,), None, "stand_alone")
-    _, run = _stand_alone_runs(case)
+    run = _stand_alone_run(case)
     assert judge(case, [run], run_ranks) == ("", "1e-5")
     run["grads"][0]["head.weight"] *= 1 + 1e-4      # past 1e-5, and past fp32's own distance from float64
     msg, bar = judge(case, [run], run_ranks)
     assert msg.startswith("against the float64 run: rank 0 grads at step 1, worst tensor: 1.0"), msg
     assert "1e-5 bar: rank 0 grad before step 1 head.weight: relative error 1.0" in msg, msg
     assert bar.startswith("fp32 noise (one device, DDP on 2 ranks"), bar
+
+
+def test_the_bf16_property_fails_a_gradient_off_by_5_percent():
+    case = Case(MLP, 4, (1,), None, "stand_alone", mixed_precision="bf16")
+    run = _stand_alone_run(case)
+    assert judge(case, [run], run_ranks)[0] == ""
+    for g in run["grads"][0].values():
+        g *= 1.05
+    msg, bar = judge(case, [run], run_ranks)
+    assert "from the single-device bf16 run" in msg and "from the float64 run" in msg, msg
 
 
 def test_only_an_autopar_error_on_every_rank_is_a_refusal():
