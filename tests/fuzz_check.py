@@ -6,7 +6,7 @@ A case either
   run (``oracle.reference_run``, same seed, batch, optimizer, micro-batches and clipping) at 1e-5
   relative in fp32 (``oracle.assert_same_training``); or, where that bar fails, they are as close
   to the exact result (the same training in float64) as fp32 training in torch itself gets, measured
-  in the same case (``oracle.assert_within_torch_noise``, 2x the furthest of: the one-device fp32
+  in the same case (``oracle.assert_within_torch_noise``, 4x the furthest of: the one-device fp32
   run, torch DDP over 2 or 4 ranks with each step cut into the plan's microbatches, one device
   accumulating over those microbatches). Reordered sums (data, tensor and pipeline parallelism,
   accumulation) move an ill-conditioned model's fp32 gradients past 1e-5: a transformer with
@@ -45,6 +45,7 @@ AUTOPAR_ERRORS = (PlanError, TraceError, RankMismatchError, CheckpointError, Val
 SOLVER_SECONDS = 3.0            # per CP-SAT solve: the fuzzer tests lowering, not plan quality (a capped SEMI_AUTO
                                 # search of a toy model took 78 s at the default 10 s, past the ranks' timeout)
 TORCH_FACTOR = 2.0              # mixed precision: at most this x torch's distance (test_mixed_precision.py)
+EXACT_FACTOR = 4.0              # fp32 vs float64: two summation orders land up to 2x apart (docs/testing.md)
 _AUTOPAR_DIR = os.path.dirname(os.path.abspath(autopar.__file__))
 
 
@@ -237,7 +238,7 @@ def judge(case: Case, runs: list[dict], run_ranks) -> tuple[str, str]:
         exact = _exact_run(case)
         try:
             for rank, r in enumerate(runs):
-                assert_within_torch_noise(exact, r, [ref, *torch_runs], f"rank {rank}")
+                assert_within_torch_noise(exact, r, [ref, *torch_runs], f"rank {rank}", factor=EXACT_FACTOR)
         except AssertionError as noisy:
             return f"against the float64 run: {noisy} (1e-5 bar: {strict})", f"fp32 noise (one device, {names})"
         return "", f"fp32 noise (one device, {names})"

@@ -39,6 +39,10 @@ CASES = {
     "bf16 data parallel": Case(MLP, 8, (2,), None, "data", optim="adamw", mixed_precision="bf16"),
     "hybrid under a memory cap": Case(MLP, 8, (2,), None, "hybrid", source="auto", memory_fraction=0.6),
     "refused: ZeRO with a pipeline": Case(MLP, 4, (2,), ("pp",), "auto", zero=2),
+    "ill-conditioned row-parallel (fp32 noise bar)": Case(    # 1.9e-5 from one device, as plain torch split so
+        TransformerSpec(vocab=16, seq=2, hidden=8, heads=2, ffn=8, layers=2, tied=True, fused_qkv=False, bias=True,
+                        norm="layer", act="gelu"), 16, (2,), ("tp",), "semi_auto", micro=2, steps=1,
+        shards=(Annotation("blocks.*.fc2", "tp", 1),)),
 }
 
 
@@ -51,6 +55,9 @@ def test_each_fixed_case_takes_its_path(name):
         assert outcome.status == "refused" and "not supported with a pipeline" in outcome.detail, outcome
         return
     assert outcome.status == "trained", outcome.detail
+    if "noise bar" in name:
+        assert outcome.bar.startswith("fp32 noise"), outcome.bar
+        return
     plan = outcome.plan
     expect = {"tensor parallel": "none; 6/34 params split", "dp x tp, ZeRO-2, accumulation": "ZeRO-2, accumulation 2",
               "tagged pipeline, recompute": "pp=2", "bf16 data parallel": "bf16", "hybrid under a memory cap": ""}
