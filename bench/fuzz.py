@@ -89,7 +89,9 @@ def _line(i: int, n: int, o: Outcome) -> str:
             f" {c.optim} mp={c.mixed_precision} z={c.zero} rc={c.recompute} acc={c.accumulation} micro={c.micro}")
     tail = o.plan + (f" [{o.bar}]" if o.bar else "") if o.status == "trained" else o.detail.splitlines()[0][:160]
     line = f"[{i + 1}/{n}] {o.status:8s} {o.seconds:5.1f}s  {what}  ::  {tail}"
-    return line + (f"\n    case: {c!r}\n    " + o.detail[-2000:].replace("\n", "\n    ") if o.status == "failed" else "")
+    if o.status != "failed":
+        return line
+    return line + f"\n    case: {c!r}\n    " + o.detail[-2000:].replace("\n", "\n    ")
 
 
 def _summary(outcomes: list[Outcome], shrunk: list[dict], elapsed: float, at: int) -> str:

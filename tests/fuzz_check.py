@@ -60,11 +60,15 @@ class Outcome:
 
 
 def error_record(err: BaseException) -> dict:
-    """Type, message, and the file of the innermost frame that raised it (autopar's own or not)."""
+    """Type, message, where it was raised, and whether it is autopar's own: an autopar error type raised
+    by a ``raise`` statement in autopar's code, with a message (a ValueError that a builtin such as
+    ``min()`` raised inside autopar is not: "min() arg is an empty sequence" says nothing to a user)."""
     frames = traceback.extract_tb(err.__traceback__)
-    return {"type": type(err).__name__, "message": str(err), "file": frames[-1].filename if frames else "",
-            "autopar": isinstance(err, AUTOPAR_ERRORS) and bool(frames)
-            and os.path.abspath(frames[-1].filename).startswith(_AUTOPAR_DIR) and len(str(err)) >= 20,
+    last = frames[-1] if frames else None
+    own = (last is not None and os.path.abspath(last.filename).startswith(_AUTOPAR_DIR)
+           and (last.line or "").lstrip().startswith("raise"))
+    return {"type": type(err).__name__, "message": str(err), "file": last.filename if last else "",
+            "autopar": isinstance(err, AUTOPAR_ERRORS) and own and len(str(err)) >= 20,
             "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-3000:]}
 
 
@@ -133,9 +137,9 @@ def rank_job(rank: int, case: Case, plan_json: str | None, cap_gb: float | None)
             if case.mixed_precision:
                 kw["mixed_precision"] = case.mixed_precision
         setup = functools.partial(annotate, case) if case.mode in ("semi_auto", "auto") else None
-        return {"run": parallel_run(rank, functools.partial(build, case.model), loss_of(case.model), x, y, _mesh(case, cap_gb),
-                                    mode, steps=case.steps, optim=case.optim, micro=case.micro, clip=case.clip,
-                                    setup=setup, **kw)}
+        return {"run": parallel_run(rank, functools.partial(build, case.model), loss_of(case.model), x, y,
+                                    _mesh(case, cap_gb), mode, steps=case.steps, optim=case.optim, micro=case.micro,
+                                    clip=case.clip, setup=setup, **kw)}
     except Exception as err:  # noqa: BLE001 - judged by the parent (check_case)
         rec = error_record(err)
         if not rec["autopar"]:

@@ -93,8 +93,8 @@ def simpler(case: Case) -> Iterator[Case]:
         yield case.replace(shards=case.shards[:i] + case.shards[i + 1:])
     if case.stages:
         yield case.replace(stages=())
-    for field, plain in (("memory_fraction", None), ("mixed_precision", None), ("zero", None), ("recompute", None), ("accumulation", None),
-                         ("clip", None), ("optim", "sgd"), ("steps", 1)):
+    for field, plain in (("memory_fraction", None), ("mixed_precision", None), ("zero", None), ("recompute", None),
+                         ("accumulation", None), ("clip", None), ("optim", "sgd"), ("steps", 1)):
         if getattr(case, field) != plain:
             yield case.replace(**{field: plain})
     if case.micro > 1:

@@ -88,6 +88,18 @@ def test_accumulation_that_leaves_microbatches_dp_cannot_split_says_so(mode):
                      example_target=y, mode=mode)
 
 
+@pytest.mark.parametrize("mode,names", [("data", None), ("auto", ("dp",))])
+def test_microbatches_of_one_row_on_one_device_train_like_one_device(mode, names):
+    """Found by tests/test_fuzz.py: DATA (and a named dp axis) forced Shard(0) on inputs of one row, which no
+    candidate offers (a dim of size 1 is never split): 'min() arg is an empty sequence' while planning."""
+    x, y = make_batch("tokens", 4)
+    autopar.set_auto_parallel_context(accumulation=4)
+    ref = reference_run(MODEL, lm_loss, x, y)
+    r = parallel_run(0, MODEL, lm_loss, x, y, autopar.Mesh(1, axis_names=names), mode)
+    assert autopar.Plan.from_json(r["plan"]).accumulation_trace.size == 1
+    assert_same_training(ref, r, 1e-5, f"{mode} accumulation 4 of 4 rows")
+
+
 def test_accumulation_with_a_pipeline_is_refused():
     x, y = make_batch("tokens", 8)
     autopar.set_auto_parallel_context(accumulation=2)
