@@ -14,7 +14,7 @@ import autopar
 from autopar.plan import PlanError
 from conftest import run_ranks
 from examples.models import GPT, lm_loss
-from oracle import assert_same_training, make_batch, parallel_run, reference_run
+from oracle import assert_same_training, distance, make_batch, parallel_run, reference_run
 
 MODEL = functools.partial(GPT, qkv_bias=False, layers=2, hidden=32)
 BATCH = 16
@@ -148,8 +148,6 @@ def test_zero_under_bf16_mixed_precision_trains_like_bf16_without_it():
     ZeRO-3 gathers bf16 weights per layer, so a tied weight's two uses meet in another order: it
     must be no further from the fp32 one-device run than 2x the bf16 plan without ZeRO (the
     yardstick of tests/test_mixed_precision.py)."""
-    from test_mixed_precision import _distance
-
     x, y = make_batch("tokens", BATCH)
     ref = reference_run(MODEL, lm_loss, x, y, steps=2)
     plain = run_ranks(2, _mixed_job, 0)
@@ -159,4 +157,4 @@ def test_zero_under_bf16_mixed_precision_trains_like_bf16_without_it():
             if zero == 1:
                 assert_same_training(r0, r, 1e-6, f"bf16 ZeRO-{zero} vs bf16")
             else:
-                assert _distance(r, ref) <= 2 * _distance(r0, ref), (_distance(r, ref), _distance(r0, ref))
+                assert distance(r, ref) <= 2 * distance(r0, ref), (distance(r, ref), distance(r0, ref))
