@@ -29,6 +29,7 @@ GPT = TransformerSpec(vocab=32, seq=4, hidden=8, heads=2, ffn=16, layers=2, tied
                       norm="layer", act="gelu")
 MLP = MLPSpec(d_in=8, widths=(16, 16), acts=("gelu", "tanh"), bias=(True, False), classes=5)
 MEGATRON = (Annotation("layers.0.fc", "tp", 0, True), Annotation("layers.1.fc", "tp", 1))
+MEGATRON_D1 = (Annotation("layers.0.fc", "d1", 0, True), Annotation("layers.1.fc", "d1", 1))
 
 CASES = {
     "tensor parallel": Case(GPT, 4, (2,), ("tp",), "semi_auto", optim="adamw",
@@ -39,6 +40,7 @@ CASES = {
                                        stages=(("blocks.1", 1),)),
     "bf16 data parallel": Case(MLP, 8, (2,), None, "data", optim="adamw", mixed_precision="bf16"),
     "hybrid under a memory cap": Case(MLP, 8, (2,), None, "hybrid", source="auto", memory_fraction=0.6),
+    "auto on an unnamed mesh, annotated": Case(MLP, 8, (2, 2), None, "auto", shards=MEGATRON_D1),
     "refused: ZeRO with a pipeline": Case(MLP, 4, (2,), ("pp",), "auto", zero=2),
     "ill-conditioned row-parallel (fp32 noise bar)": Case(    # 1.9e-5 from one device, as plain torch split so
         TransformerSpec(vocab=16, seq=2, hidden=8, heads=2, ffn=8, layers=2, tied=True, fused_qkv=False, bias=True,
@@ -61,7 +63,8 @@ def test_each_fixed_case_takes_its_path(name):
         return
     plan = outcome.plan
     expect = {"tensor parallel": "none; 6/34 params split", "dp x tp, ZeRO-2, accumulation": "ZeRO-2, accumulation 2",
-              "tagged pipeline, recompute": "pp=2", "bf16 data parallel": "bf16", "hybrid under a memory cap": ""}
+              "tagged pipeline, recompute": "pp=2", "bf16 data parallel": "bf16", "hybrid under a memory cap": "",
+              "auto on an unnamed mesh, annotated": ""}
     assert expect[name] in plan, plan
     unsplit = ("bf16 data parallel", "tagged pipeline, recompute")     # whole weights on every rank or stage
     assert not plan.split("; ")[2].startswith("0/") or name in unsplit, plan
