@@ -96,10 +96,12 @@ STATE = ("parameters", "gradients", "optimizer state", "gathered parameters")
 def nothing_fits(mesh, failures: list[Failure], cap: float, batch: int) -> PlanError:
     """The PlanError for a search in which no candidate fits ``cap`` bytes per device."""
     sized = [f for f in failures if f.breakdown]
-    if not sized and isinstance(failures[0].error, CandidateError):     # not memory: e.g. a microbatch dp cannot split
+    if not sized and isinstance(failures[0].error, PlanError):      # not memory: no layout can be made at all
         k = _k(failures[0].note)
-        rows = (f" (accumulation {k} runs the global batch of {batch} as {k} microbatches of {batch // k}; a smaller "
-                "accumulation keeps more rows in each)") if k > 1 else ""
+        rows = ""
+        if k > 1 and isinstance(failures[0].error, CandidateError):
+            rows = (f" (accumulation {k} runs the global batch of {batch} as {k} microbatches of {batch // k}; a "
+                    "smaller accumulation keeps more rows in each)")
         return PlanError(f"no plan can be made on {mesh}: {failures[0]}{rows}")
     if not sized:
         return PlanError(f"no plan fits memory on {mesh}: {failures[0]}")
