@@ -27,10 +27,12 @@ from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
 from autopar.solver.progress import SearchProgress
 
 
-def candidate_meshes(mesh: Mesh) -> list[Mesh]:
+def candidate_meshes(mesh: Mesh, annotated: frozenset = frozenset()) -> list[Mesh]:
     """An unnamed mesh may be re-factored into 1-D and 2-D (dp, tp) meshes: the free 1-D mesh
     (the solver picks each op's split) and every (dp, tp). (DDP's layout joins them in
-    ``make_plans``: ``ddp_candidate``.)"""
+    ``make_plans``: ``ddp_candidate``.) ``annotated``: the axes the user's annotations name; only
+    candidates with all of them are kept, the mesh as given first when it has them (its default
+    names d0, d1, ...), and the mesh as given when none has them (its error names the axis)."""
     if mesh.named or mesh.size == 1:
         return [mesh]
     n = mesh.size
@@ -38,7 +40,17 @@ def candidate_meshes(mesh: Mesh) -> list[Mesh]:
     for dp in range(2, n):
         if n % dp == 0:
             out.append(mesh.reshape((dp, n // dp), ("dp", "tp")))
-    return out
+    if not annotated:
+        return out
+    out = [m for m in out if annotated <= set(m.axis_names)]
+    if annotated <= set(mesh.axis_names) and all((m.shape, m.axis_names) != (mesh.shape, mesh.axis_names) for m in out):
+        out.insert(0, mesh)
+    return out or [mesh]
+
+
+def annotated_axes(param_ann: dict, input_ann: dict) -> frozenset:
+    """The mesh axes the user's annotations place on (parameters and inputs)."""
+    return frozenset(a for placements in (*param_ann.values(), *input_ann.values()) for a in placements)
 
 
 def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
@@ -63,6 +75,10 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                             "or schedule): use zero=0 for pipelined plans, or drop the pipeline")
         stages = [0]                # a pipeline was asked for: ZeRO does not run with one yet
         ks = ks[:1]                 # and the pipeline runs the microbatches, not accumulation
+    if stages[0] and mesh.size == 1:
+        raise PlanError(f"zero={stages[0]} shards training state over a parameter's data-parallel replicas, but mesh "
+                        f"{mesh!r} has 1 device: there is nothing to shard it over; use zero=0 (or leave zero unset) "
+                        "on one device")
     plans, failures, pipe_failures, traces = [], [], [], {}
     for z in stages:
         if z and mesh.size == 1:
@@ -137,8 +153,10 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     (plans, failures, pipeline failures) as in :func:`_candidates`."""
     plans, failures, pipe_failures = [], [], []
     progress = opts.progress
-    keys = [(m.shape, m.axis_names) for m in (candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh])]
-    if mode == ParallelMode.AUTO and len(keys) > 1:
+    annotated = annotated_axes(param_ann, input_ann)
+    meshes = candidate_meshes(mesh, annotated) if mode == ParallelMode.AUTO else [mesh]
+    keys = [(m.shape, m.axis_names) for m in meshes]
+    if mode == ParallelMode.AUTO and len(keys) > 1 and not annotated:
         keys.append(((mesh.size,), ("dp",)))        # DDP's layout (``ddp_candidate``)
     done: dict = {}                 # mesh key -> index into ks from which it cannot win
     pipe_fit: set = set()           # pipeline candidates (full mesh key) that fit with less recomputation
@@ -235,7 +253,8 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
                                                                dataclasses.replace(opts, progress=progress),
                                                                param_ann, input_ann, retracer, pipe_skip)
                                                 if pipelines else ([], [], False))
-    meshes = [] if pipeline_only else candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
+    annotated = annotated_axes(param_ann, input_ann)
+    meshes = [] if pipeline_only else candidate_meshes(mesh, annotated) if mode == ParallelMode.AUTO else [mesh]
     plans, failures = list(pipe_plans), []
     for m in meshes:
         if progress.out_of_time():
@@ -255,7 +274,8 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
             failures.append((m, err))   # AUTO's candidate: dropped, its reason listed
             progress.record([], 1, step_time)
     ddp = ((mesh.size,), ("dp",))
-    if mode == ParallelMode.AUTO and len(meshes) > 1 and not progress.out_of_time() and ddp not in skip:
+    if (mode == ParallelMode.AUTO and len(meshes) > 1 and not annotated and not progress.out_of_time()
+            and ddp not in skip):       # DDP's layout keeps every weight whole: not where annotations split one
         got = ddp_candidate(traced, mesh, _within_budget(opts, progress), failures, microbatches, progress.cutoff())
         progress.record(got, 1 - len(got), step_time)
         plans += got
