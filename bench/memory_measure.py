@@ -322,6 +322,10 @@ CASES = {c.name: c for c in [
     Case("gpt dp2 zero3", "gpt", 8, (2,), mode="data", context=(("zero", 3),)),
     Case("gpt dp2 recompute full", "gpt", 8, (2,), mode="data", context=(("recompute", "full"),)),
     Case("gpt dp2 recompute selective", "gpt", 8, (2,), mode="data", context=(("recompute", "selective"),)),
+    # memory_fit's plan at 2.7x (RESULTS §8i: predicted 4 % under the cap, live 1.7 % over it): tied
+    # embedding, tensor parallel, ZeRO-1 over the replicated weights, accumulation, recomputation
+    Case("gpt tp4 zero1 accumulation 4 recompute full", "gpt", 16, (4,), ("tp",),
+         context=(("zero", 1), ("accumulation", 4), ("recompute", "full"))),
 ]}
 
 

@@ -50,11 +50,11 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autopar.collectives.comm import COUNTER
-from autopar.cost_models.zero import gather_unit
+from autopar.cost_models.zero import ZERO_BUCKET_MB, gather_unit
 from autopar.plan import PlanError
 from autopar.runtime.program import _owner
 
-BUCKET_MB = 25.0
+BUCKET_MB = ZERO_BUCKET_MB
 
 
 def check_zero_supported(plan, pipelined: bool) -> None:

@@ -12,6 +12,8 @@ import math
 import time
 from dataclasses import dataclass
 
+import torch
+
 from autopar.context import ParallelMode
 from autopar.cost_models.compute import total_flops
 from autopar.cost_models.memory import training_state_parts
@@ -214,7 +216,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
     redistribution, memo = traced.meta.setdefault("costing_memo", {}).setdefault((mesh.shape, repr(device)), ({}, {}))
     costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers),
-                      recompute=opts.recompute or "none", zero=opts.zero or 0,
+                      recompute=opts.recompute or "none", zero=opts.zero or 0, microbatches=microbatches,
                       grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),
                       _redistribution=redistribution, _memo=memo)
     names = dict(traced.params)
@@ -222,12 +224,13 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     ties = tie_groups(find_layers(traced.gm, names))
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
     built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
+    held = step_input_bytes(traced, microbatches)
     try:
-        sol, gathered, transient = _solve_within(traced, cands, built, costing, budget, microbatches, cutoff)
+        sol, gathered, transient = _solve_within(traced, cands, built, costing, budget - held, microbatches, cutoff)
         layers = zero_layer_buffers(traced.gm, cands, built, sol.choice, costing, traced.params)
     except InfeasibleError as err:
         if getattr(err, "choice", None) is not None:
-            err.breakdown = memory_parts(traced, cands, built, err.choice, costing)
+            err.breakdown = {**memory_parts(traced, cands, built, err.choice, costing), "inputs": held}
         raise
     nodes, params, inputs, colls = decode(traced.gm, cands, built, sol.choice, costing, mesh.axis_names, traced)
     outputs = output_specs(traced.gm, nodes, params, inputs, traced)
@@ -240,8 +243,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     return Plan(mode=mode, mesh=mesh, degrees=degrees_of(roles, mesh.axis_names, mesh.shape), axis_roles=roles,
                 nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
-                memory_per_device=[float(sol.memory) + gathered + transient] * mesh.size, memory_bound=sol.bound,
-                memory_breakdown=_breakdown(built, sol, traced, gathered - layers, transient, layers, costing.zero),
+                memory_per_device=[float(sol.memory) + gathered + transient + held] * mesh.size, memory_bound=sol.bound,
+                memory_breakdown=_breakdown(built, sol, traced, gathered - layers, transient, layers, costing.zero, held),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 grad_compression=opts.grad_compression, optimizer=opts.optimizer, memory_budget=budget,
@@ -252,6 +255,15 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                                              reduce_dtype="bf16" if opts.grad_compression == "bf16" else "fp32",
                                              recompute=opts.recompute or "none", zero=opts.zero or 0),
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
+
+
+def step_input_bytes(traced, microbatches: int = 1) -> float:
+    """Bytes of the step's inputs and target on every rank for the whole step: ``pmodel.step`` takes
+    the global batch on each rank (``microbatches`` times the traced microbatch's)."""
+    names = [*traced.inputs, *([traced.target] if traced.target else [])]
+    by_name = {n.name: n for n in traced.gm.graph.nodes}
+    vals = [by_name[n].meta.get("val") for n in names if n in by_name]
+    return float(microbatches * sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)))
 
 
 def _candidates(traced, mesh_shape: tuple):
@@ -312,7 +324,7 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
         node_bytes = sol.memory - edge_memory(built.problem, sol.choice)
         resharded = resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
         layer_buffers = zero_layer_buffers(traced.gm, cands, built, sol.choice, costing, traced.params)
-        transient = transient_bytes(traced.gm, cands, built, sol.choice, costing, params)
+        transient = transient_bytes(traced.gm, cands, built, sol.choice, costing, traced.params)
         gathered = resharded + layer_buffers
         over = node_bytes + gathered + transient - budget
         if over <= 0:
@@ -354,12 +366,12 @@ def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> d
     params = set(traced.params)
     out["gathered parameters"] = (resharded_param_bytes(traced.gm, cands, built, choice, costing, params)
                                   + zero_layer_buffers(traced.gm, cands, built, choice, costing, traced.params))
-    out["transient"] = transient_bytes(traced.gm, cands, built, choice, costing, params)
+    out["transient"] = transient_bytes(traced.gm, cands, built, choice, costing, traced.params)
     return out
 
 
 def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0, layers: float = 0.0,
-               zero: int = 0) -> dict:
+               zero: int = 0, inputs: float = 0.0) -> dict:
     """Peak bytes per device: parameter training state vs activations kept for backward
     (``gathered``: parameters kept in a placement other than the stored one, see
     ``resharded_param_bytes``; ``transient``: the largest op's gradients in backward,
@@ -378,4 +390,6 @@ def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0
     if layers:
         out["ZeRO-3 gathered layers" if zero == 3 else "ZeRO-2 gradient bucket"] = layers
     out["transient"] = transient
+    if inputs:
+        out["inputs"] = inputs
     return out

@@ -384,9 +384,9 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
 
 def _extra(sub_plan: Plan) -> float:
     """Bytes a stage holds beyond its partition's state and in-flight activations: the sub-plan's
-    gathered parameters and backward transients (``_stage_memory``)."""
+    gathered parameters, backward transients and the step's inputs (``_stage_memory``)."""
     sub = sub_plan.memory_breakdown or {}
-    return sub.get("gathered parameters", 0.0) + sub.get("transient", 0.0)
+    return sub.get("gathered parameters", 0.0) + sub.get("transient", 0.0) + sub.get("inputs", 0.0)
 
 
 def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_plan: Plan) -> None:
@@ -400,7 +400,7 @@ def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_pla
     state = sum(sum(p.param_bytes for p in costs.profiles[a:b])
                 for (a, b), r in ((st.layers, st.rank) for st in part.stages) if r == fullest)
     plan.memory_breakdown = {"params+grads+optimizer": state, "activations": part.rank_memory[fullest] - state}
-    for key in ("gathered parameters", "transient"):
+    for key in ("gathered parameters", "transient", "inputs"):
         if key in sub:
             plan.memory_breakdown[key] = sub[key]
 
