@@ -30,7 +30,7 @@ device's allocator must hold, and what "fits the cap" is judged by. The torch ba
 is the fastest torch contender whose live peak fits ("person's best"); both FSDP2 forms are printed.
 
     .venv/bin/python bench/memory_fit.py [--nprocs 4] [--reps 8] [--state-over-cap 2.7 | --cap-fraction 0.3]
-                                         [--quick] [--no-autotune]
+                                         [--cfg default|deep|quick] [--no-autotune]
 """
 from __future__ import annotations
 
@@ -42,13 +42,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Ratio, header, interleaved  # noqa: E402
 from memory_measure import SavedTensorMeter, _key, live_peak, unique_bytes  # noqa: E402
 from recompute import Checkpointed  # noqa: E402  (torch.utils.checkpoint around one block)
-from zero import CFG, _model, rank_batch  # noqa: E402  (the GPT of bench/zero.py, the same job as RESULTS §7)
+from common import gpt_of as _model  # noqa: E402  (the seeded example GPT of a config)
+from zero import CFG, rank_batch  # noqa: E402  (the job of bench/zero.py, RESULTS §7)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 QUICK_CFG = {"vocab": 512, "hidden": 128, "heads": 4, "layers": 2, "seq": 64, "batch": 8}
+# deep and thin: 24 layers of hidden 128, a small vocabulary and short rows, so that one layer's
+# transients (its gathered weights, its gradients, its recomputed activations) and the logits are a
+# small part of the state: the shape on which a plan can come near the 4x of 4 ranks sharding it all
+DEEP_CFG = {"vocab": 256, "hidden": 128, "heads": 4, "layers": 24, "seq": 32, "batch": 8}
+CFGS = {"default": CFG, "quick": QUICK_CFG, "deep": DEEP_CFG}
 
 
 def _local(t):
@@ -156,12 +162,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cap-fraction", type=float, default=None)
     ap.add_argument("--state-over-cap", type=float, default=2.7)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cfg", choices=sorted(CFGS), default="default",
+                    help="the GPT: default (bench/zero.py's, 4 layers of 256), deep (24 layers of 128), quick (2 of 128)")
+    ap.add_argument("--quick", action="store_true", help="--cfg quick")
     ap.add_argument("--no-autotune", action="store_true", help="AUTO's predicted best alone (autotune_top_k=1)")
     args = ap.parse_args()
     from autopar.runtime.launch import RankPool
 
-    cfg = QUICK_CFG if args.quick else CFG
+    cfg = CFGS["quick" if args.quick else args.cfg]
     need = ddp_need(cfg, args.nprocs)
     state = 16 * sum(p.numel() for p in _model(cfg).parameters())
     cap = args.cap_fraction * need if args.cap_fraction else state / args.state_over_cap
