@@ -21,9 +21,12 @@ CASES = ["gpt dp2 fp32", "gpt dp2 bf16 params", "gpt tp2 fp32", "gpt pp2 1f1b m4
 # (the tied embedding's gradient waiting through backward beside the earlier microbatches'
 # gradients, each fresh weight gradient beside its ``.grad``, DDP's bucket beside the local sums),
 # and the tensor-parallel ZeRO-1 plan of ``bench/memory_fit.py`` (also ZeRO-1's bucket copies after
-# backward: 0.75 of the live peak before).
+# backward: 0.75 of the live peak before). On a deep, thin GPT: ZeRO-3's reduce-scatter of a layer
+# (its gradients, the (d, C) input and gloo's copy of it; the padded copies the runtime made are
+# gone) and the tied weight gathered again for backward.
 LIVE_CASES = ["gpt dp2 zero1", "gpt dp2 zero2 accumulation 2", "gpt dp2 recompute full", "gpt dp2 accumulation 2",
-              "gpt tp4 zero1 accumulation 4 recompute full"]
+              "gpt tp4 zero1 accumulation 4 recompute full", "gpt-deep tp4 zero1 accumulation 2 recompute full",
+              "gpt-deep dp4 zero3 accumulation 2 recompute full"]
 LIVE_FLOOR = 0.999      # the scalars (losses, AdamW's step counts) and the local input slices are not modelled
 
 

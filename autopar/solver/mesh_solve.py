@@ -18,18 +18,19 @@ from autopar.context import ParallelMode
 from autopar.cost_models.compute import total_flops
 from autopar.cost_models.memory import training_state_parts
 from autopar.cost_models.zero import zero_axes, zero_collectives
+from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.graph.layers import find_layers, tie_groups
 from autopar.graph.retrace import graph_fingerprint
 from autopar.mesh import Mesh
 from autopar.plan import CandidateError, Collective, MemoryOptions, Plan, PlanError
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard, shard_factor
-from autopar.solver.decode import decode, loss_report_collectives, output_specs
+from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
 from autopar.solver.progress import SearchProgress
 from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
-                                    sync_element_bytes, transient_bytes, zero_layer_buffers)
+                                    resharded_region_inputs, sync_element_bytes, transient_bytes, zero_layer_buffers)
 
 
 @dataclass
@@ -244,7 +245,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
                 memory_per_device=[float(sol.memory) + gathered + transient + held] * mesh.size, memory_bound=sol.bound,
-                memory_breakdown=_breakdown(built, sol, traced, gathered - layers, transient, layers, costing.zero, held),
+                memory_breakdown=_breakdown(built, sol, traced, gathered - layers, transient, layers, costing.zero, held,
+                                            zero_unsynced_bytes(traced, cands, built, sol.choice, costing)),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 grad_compression=opts.grad_compression, optimizer=opts.optimizer, memory_budget=budget,
@@ -321,8 +323,10 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
             raise
         if attempt:
             sol = dataclasses.replace(sol, bound=True)
-        node_bytes = sol.memory - edge_memory(built.problem, sol.choice)
-        resharded = resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
+        node_bytes = sol.memory - edge_memory(built.problem, sol.choice) + zero_unsynced_bytes(traced, cands, built,
+                                                                                               sol.choice, costing)
+        resharded = (resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
+                     + resharded_region_inputs(traced.gm, cands, built, sol.choice, costing))
         layer_buffers = zero_layer_buffers(traced.gm, cands, built, sol.choice, costing, traced.params)
         transient = transient_bytes(traced.gm, cands, built, sol.choice, costing, traced.params)
         gathered = resharded + layer_buffers
@@ -346,6 +350,43 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
     return dataclasses.replace(sol, memory=node_bytes, objective=objective), gathered, transient
 
 
+def zero_unsynced_bytes(traced, cands, built, choice: list[int], costing: Costing) -> float:
+    """``zero_unsynced_parts`` summed."""
+    return sum(zero_unsynced_parts(traced, cands, built, choice, costing))
+
+
+def zero_unsynced_parts(traced, cands, built, choice: list[int], costing: Costing) -> tuple[float, float, float]:
+    """Bytes of training state a rank holds beyond the ILP's node memory under ZeRO: the ILP shards
+    a parameter's state over every axis it is replicated on (``zero_axes``), the runtime over the
+    axes its gradient is summed on (``grad_sync``, ``runtime/zero.py``): a parameter replicated on an
+    axis that does not sum its gradient (a row-parallel layer's bias, whose gradient every rank
+    holds whole) keeps its state whole there. Returns (parameters, gradients, optimizer state) bytes."""
+    if not costing.zero:
+        return 0.0, 0.0, 0.0
+    chosen = {n: cands.strategies[n][choice[i]] for i, n in enumerate(built.names)}
+    shape = costing.mesh_shape
+    rule = grad_sync_rule(traced.gm.graph, trainable_params(traced.gm.graph, set(traced.params),
+                                                            loss_output(traced.gm, traced)),
+                          ChosenSpecs(chosen), len(shape))
+    by_name = {n.name: n for n in traced.gm.graph.nodes}
+    extra = [0.0, 0.0, 0.0]
+    for ph in traced.params:
+        if ph not in chosen:
+            continue
+        axes, d = zero_axes(chosen[ph].output, shape)
+        synced = rule.param_axes.get(ph, frozenset())
+        d_sync = math.prod(shape[a] for a in axes if a in synced)
+        if d_sync == d:
+            continue
+        v = by_name[ph].meta["val"]
+        w, g, o = training_state_parts(v.numel() / shard_factor(chosen[ph].output, shape), v.dtype,
+                                       costing.optimizer, costing.precision)
+        for i, (part, stage) in enumerate(((w, 3), (g, 2), (o, 1))):
+            if costing.zero >= stage:
+                extra[i] += part / d_sync - part / d
+    return extra[0], extra[1], extra[2]
+
+
 def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> dict[str, float]:
     """Per-device bytes of an assignment by kind: parameters, gradients, optimizer state (each as
     its ZeRO stage leaves it), activations, gathered parameters, backward transients."""
@@ -363,15 +404,19 @@ def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> d
         out["parameters"] += w / (d if costing.zero >= 3 else 1)
         out["gradients"] += g / (d if costing.zero >= 2 else 1)
         out["optimizer state"] += o / (d if costing.zero >= 1 else 1)
+    for key, part in zip(("parameters", "gradients", "optimizer state"),
+                         zero_unsynced_parts(traced, cands, built, choice, costing)):
+        out[key] += part
     params = set(traced.params)
     out["gathered parameters"] = (resharded_param_bytes(traced.gm, cands, built, choice, costing, params)
+                                  + resharded_region_inputs(traced.gm, cands, built, choice, costing)
                                   + zero_layer_buffers(traced.gm, cands, built, choice, costing, traced.params))
     out["transient"] = transient_bytes(traced.gm, cands, built, choice, costing, traced.params)
     return out
 
 
 def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0, layers: float = 0.0,
-               zero: int = 0, inputs: float = 0.0) -> dict:
+               zero: int = 0, inputs: float = 0.0, unsynced: float = 0.0) -> dict:
     """Peak bytes per device: parameter training state vs activations kept for backward
     (``gathered``: parameters kept in a placement other than the stored one, see
     ``resharded_param_bytes``; ``transient``: the largest op's gradients in backward,
@@ -384,7 +429,7 @@ def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0
             state += mem
         else:
             acts += mem
-    out = {"params+grads+optimizer": state, "activations": acts}
+    out = {"params+grads+optimizer": state + unsynced, "activations": acts}
     if gathered:
         out["gathered parameters"] = gathered
     if layers:
