@@ -53,11 +53,11 @@ from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import span_group
 from autopar.collectives.watch import guard
 from autopar.comm_timeout import comm_timeout_s
-from autopar.cost_models.zero import gather_unit
+from autopar.cost_models.zero import ZERO_BUCKET_MB, gather_unit
 from autopar.plan import PlanError
 from autopar.runtime.program import _owner
 
-BUCKET_MB = 25.0
+BUCKET_MB = ZERO_BUCKET_MB
 
 
 def check_zero_supported(plan, pipelined: bool) -> None:
