@@ -638,7 +638,7 @@ def _param_grad_terms(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem
         for i, a in enumerate(tensor_inputs(node)):
             if a.name in params and a in need and i < len(st.inputs):
                 nbytes = tensor_bytes(a) / max(1, shard_factor(st.inputs[i], c.mesh_shape))
-                view = storage_key(node) == storage_key(a)   # a view's gradient is its output's: counted
+                view = _same_storage(node, a)   # a view's gradient is its output's: counted
                 uses.setdefault(a, []).append((pos, node.name, nbytes, storage_key(a) if view else ("fresh", pos, i)))
     fresh: dict[str, dict] = {}
     waiting = []
@@ -717,6 +717,13 @@ def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: 
         ci = np.array([pos_d[s] for s in d_specs])
         c._memo[key] = table[np.ix_(ri, ci)]
     return EdgeCost(index[src.name], index[dst.name], c._memo[key])
+
+
+def _same_storage(a: fx.Node, b: fx.Node) -> bool:
+    """Whether two values share a storage (``storage_key`` is a weak storage reference or, for a value
+    without a tensor storage such as an opaque function's output, a tuple: only like compare)."""
+    ka, kb = storage_key(a), storage_key(b)
+    return type(ka) is type(kb) and ka == kb
 
 
 __all__ = ["GRAD_BUCKET_BYTES", "grad_sync_overhead", "Costing", "build_problem", "BuiltProblem", "redistribution_time", "grad_sync_inputs", "work_split",
