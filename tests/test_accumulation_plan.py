@@ -76,6 +76,42 @@ def test_accumulation_that_does_not_divide_the_batch_is_refused():
         autopar.plan(MODEL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="data")
 
 
+@pytest.mark.parametrize("mode", ["data", "auto"])
+def test_accumulation_that_leaves_microbatches_dp_cannot_split_says_so(mode):
+    """Found by tests/test_fuzz.py: was "no plan fits memory", though no memory cap was involved."""
+    x, y = make_batch("tokens", 8)
+    autopar.set_auto_parallel_context(accumulation=8)
+    want = (r"^no plan can be made on Mesh\(dp=2.*: accumulation 8: the global batch \(1, .* not divisible by the "
+            r"data-parallel size 2.*\(accumulation 8 runs the global batch of 8 as 8 microbatches of 1; a smaller")
+    with pytest.raises(autopar.PlanError, match=want):
+        autopar.plan(MODEL(), autopar.Mesh(2, axis_names=("dp",)), example_inputs=(x,), loss_fn=lm_loss,
+                     example_target=y, mode=mode)
+
+
+def test_an_annotation_that_cannot_be_applied_under_accumulation_is_not_called_memory():
+    """Found by tests/test_fuzz.py: a fixed accumulation's microbatch failing for any reason but memory was
+    reported as "no plan fits memory"."""
+    x, y = make_batch("tokens", 8)
+    autopar.set_auto_parallel_context(accumulation=2)
+    autopar.shard("wte", weight={"tp": autopar.Shard(0)})
+    want = r"^no plan can be made on Mesh\(tp=3.*: accumulation 2: wte.weight: dimension 0 of size 128 is not divisible"
+    with pytest.raises(autopar.PlanError, match=want):
+        autopar.plan(MODEL(), autopar.Mesh(3, axis_names=("tp",)), example_inputs=(x,), loss_fn=lm_loss,
+                     example_target=y, mode="semi_auto")
+
+
+@pytest.mark.parametrize("mode,names", [("data", None), ("auto", ("dp",))])
+def test_microbatches_of_one_row_on_one_device_train_like_one_device(mode, names):
+    """Found by tests/test_fuzz.py: DATA (and a named dp axis) forced Shard(0) on inputs of one row, which no
+    candidate offers (a dim of size 1 is never split): 'min() arg is an empty sequence' while planning."""
+    x, y = make_batch("tokens", 4)
+    autopar.set_auto_parallel_context(accumulation=4)
+    ref = reference_run(MODEL, lm_loss, x, y)
+    r = parallel_run(0, MODEL, lm_loss, x, y, autopar.Mesh(1, axis_names=names), mode)
+    assert autopar.Plan.from_json(r["plan"]).accumulation_trace.size == 1
+    assert_same_training(ref, r, 1e-5, f"{mode} accumulation 4 of 4 rows")
+
+
 def test_accumulation_with_a_pipeline_is_refused():
     x, y = make_batch("tokens", 8)
     autopar.set_auto_parallel_context(accumulation=2)

@@ -23,7 +23,7 @@ import autopar
 from autopar import Shard
 from conftest import run_ranks
 from examples.models import GPT, lm_loss
-from oracle import _train, make_optimizer, parallel_run, rel_error
+from oracle import _train, distance, make_optimizer, parallel_run
 
 BF16 = torch.bfloat16
 TORCH_FACTOR = 2.0
@@ -107,18 +107,6 @@ def _fsdp_job(rank):
                   lambda: full({n: p.grad for n, p in model.named_parameters() if p.grad is not None}), opt, STEPS)
 
 
-def _distance(run, ref) -> float:
-    """The largest relative difference over the losses, and over the whole model's gradient and
-    parameters as one vector each, at every step (a tensor whose gradient is ~0 is all rounding in
-    bf16, as the key biases' are in fp32: docs/testing.md)."""
-    d = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(run["losses"], ref["losses"]))
-    for key in ("grads", "params"):
-        for got, want in zip(run[key], ref[key]):
-            keys = sorted(k for k, w in want.items() if w.is_floating_point())
-            d = max(d, rel_error(torch.cat([got[k].flatten() for k in keys]), torch.cat([want[k].flatten() for k in keys])))
-    return d
-
-
 @pytest.fixture(scope="module")
 def references():
     x, y = _data()
@@ -135,10 +123,10 @@ def test_mixed_precision_trains_like_one_device_under_the_same_policy(name, refe
         assert plan.degrees["tp"] == 2, plan.degrees
     if name == "pp":
         assert plan.degrees["pp"] == 2, plan.degrees
-    torch_d = _distance(references["fsdp"], ref)
+    torch_d = distance(references["fsdp"], ref)
     for r in results:
         assert r["inspect"] == {"torch.bfloat16"}, f"{name}: rank computed with {r['inspect']}, not bf16 copies"
-        d = _distance(r, ref)
+        d = distance(r, ref)
         assert d <= TORCH_FACTOR * torch_d, (f"{name}: {d:.3e} from the single-device bf16 run; torch FSDP2 "
                                              f"lands {torch_d:.3e}")
     assert 0 < torch_d < 2e-2, f"torch FSDP2 lands {torch_d:.3e} from the bf16 reference: the reference is off"

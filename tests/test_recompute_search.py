@@ -157,3 +157,50 @@ def test_auto_recomputed_pipeline_trains_like_one_device():
         plan = autopar.Plan.from_json(r["plan"])
         assert plan.degrees["pp"] == 2 and plan.memory_options.recompute != "none", plan.memory_options
         assert_same_training(ref, r, what=f"pipeline {plan.memory_options.summary()}")
+
+
+def _stages_and_plan(mesh):
+    stages = []
+    x = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+
+    def seen(progress):
+        if not stages or stages[-1] != progress.stage:
+            stages.append(progress.stage)
+
+    plan = autopar.plan(PIPE_MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=x, mode="auto",
+                        progress=seen)
+    return stages, plan
+
+
+def test_state_needs_pipeline_compares_the_state_over_a_node_with_the_cap():
+    from autopar.cost_models.memory import param_numel
+    from autopar.solver.mesh_solve import PlanOptions
+    from autopar.solver.search import state_needs_pipeline
+    from autopar.trace import trace
+
+    x = torch.zeros(8, 32, dtype=torch.long)
+    traced = trace(PIPE_MODEL(), (x,), lm_loss, x)
+    state = 16 * param_numel(traced.gm)           # fp32 AdamW: weights, gradients, two moments
+    opts = PlanOptions()
+    for per_node, cap in [(2, state / 2 * 0.99), (2, state / 2 * 1.01), (4, state / 4 * 0.99)]:
+        mesh = autopar.Mesh(8, gpus_per_node=per_node, memory_gb=cap / 2**30)
+        assert state_needs_pipeline(traced, mesh, opts, cap) == (cap < state / per_node), (per_node, cap)
+
+
+def test_recomputed_pipelines_come_before_the_accumulation_ladder_when_the_state_needs_them(monkeypatch):
+    """When nothing fits at k = 1 and the state over a node exceeds the cap, the recomputed
+    pipelines are tried before accumulation 2; they can only add candidates, so the plan found
+    is predicted no slower than the one the ladder-first order finds (here it is the pipeline)."""
+    from autopar.solver import search
+
+    mesh = autopar.Mesh(2, memory_gb=_pipe_capped_mesh().memory_gb)
+    monkeypatch.setattr(search, "state_needs_pipeline", lambda *a: False)
+    ladder_stages, ladder_first = _stages_and_plan(mesh)
+    monkeypatch.setattr(search, "state_needs_pipeline", lambda *a: True)
+    stages, plan = _stages_and_plan(mesh)
+    first = stages.index("ZeRO-0, recompute full, accumulation 1: pipelines first")
+    assert first < stages.index("ZeRO-0, recompute none, accumulation 2"), stages
+    assert not any("pipelines first" in s for s in ladder_stages)
+    assert plan.step_time <= ladder_first.step_time
+    assert plan.degrees["pp"] == 2 and plan.memory_options.recompute != "none", plan.memory_options
+    assert max(plan.memory_per_device) <= mesh.memory_gb * 2**30

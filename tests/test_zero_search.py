@@ -14,7 +14,7 @@ import autopar
 from autopar.plan import PlanError
 from conftest import run_ranks
 from examples.models import GPT, lm_loss
-from oracle import assert_same_training, make_batch, parallel_run, reference_run
+from oracle import assert_same_training, distance, make_batch, parallel_run, reference_run
 
 MODEL = functools.partial(GPT, qkv_bias=False, layers=2, hidden=32)
 BATCH = 16
@@ -100,6 +100,12 @@ def test_bad_zero_settings_are_refused():
     autopar.set_auto_parallel_context(zero=1, schedule="1f1b", microbatches=2)
     with pytest.raises(PlanError, match=r"zero=1 is not supported with a pipeline yet .* use zero=0"):
         _plan(autopar.Mesh(2, axis_names=("pp",)))
+    autopar.reset_auto_parallel_context()
+    for mode in ("semi_auto", "stand_alone"):      # found by tests/test_fuzz.py: was "no pipeline plan fits: "
+        autopar.set_auto_parallel_context(zero=2)
+        with pytest.raises(PlanError, match=r"zero=2 shards .* mesh .* has 1 device: there is nothing to shard it "
+                                            r"over; use zero=0 \(or leave zero unset\)"):
+            _plan(autopar.Mesh(1), mode)
 
 
 def test_nothing_fits_names_the_smallest_candidate_and_a_device_count_that_fits():
@@ -142,8 +148,6 @@ def test_zero_under_bf16_mixed_precision_trains_like_bf16_without_it():
     ZeRO-3 gathers bf16 weights per layer, so a tied weight's two uses meet in another order: it
     must be no further from the fp32 one-device run than 2x the bf16 plan without ZeRO (the
     yardstick of tests/test_mixed_precision.py)."""
-    from test_mixed_precision import _distance
-
     x, y = make_batch("tokens", BATCH)
     ref = reference_run(MODEL, lm_loss, x, y, steps=2)
     plain = run_ranks(2, _mixed_job, 0)
@@ -153,4 +157,4 @@ def test_zero_under_bf16_mixed_precision_trains_like_bf16_without_it():
             if zero == 1:
                 assert_same_training(r0, r, 1e-6, f"bf16 ZeRO-{zero} vs bf16")
             else:
-                assert _distance(r, ref) <= 2 * _distance(r0, ref), (_distance(r, ref), _distance(r0, ref))
+                assert distance(r, ref) <= 2 * distance(r0, ref), (distance(r, ref), distance(r0, ref))

@@ -50,6 +50,9 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autopar.collectives.comm import COUNTER
+from autopar.collectives.groups import span_group
+from autopar.collectives.watch import guard
+from autopar.comm_timeout import comm_timeout_s
 from autopar.cost_models.zero import ZERO_BUCKET_MB, gather_unit
 from autopar.plan import PlanError
 from autopar.runtime.program import _owner
@@ -67,12 +70,9 @@ def check_zero_supported(plan, pipelined: bool) -> None:
 
 def axes_group(axes: tuple[str, ...], groups: dict, mesh):
     """The process group spanning the mesh axes ``axes`` (``groups``: axis -> AxisGroup)."""
-    if len(axes) == mesh.ndim:
-        return dist.group.WORLD
     if len(axes) == 1:
         return groups[axes[0]].group
-    dm = mesh.device_mesh()
-    return dm[tuple(a for a in mesh.axis_names if a in axes)]._flatten().get_group()
+    return span_group(mesh, axes)
 
 
 class _Sharded:
@@ -152,6 +152,7 @@ class ZeroSync:
             mod.register_parameter(leaf, self.sharded[name][1].shard if name in self.sharded else p)
         self.syncing = True
         self.local = False          # working gradients hold local parts of no_sync steps
+        self.timeout_s = comm_timeout_s()       # its groups' timeout, named when a peer fails in opt.step()
         _LIVE.add(self)
 
     # ---- Accumulation's interface ---------------------------------------------------------------
@@ -351,13 +352,15 @@ def _params_of(optimizer):
 def _flush_before_step(optimizer, args, kwargs) -> None:
     for z in list(_LIVE):
         if z.local and z.owns_any(_params_of(optimizer)):
-            z.flush()
+            with guard("optimizer.step (ZeRO: summing the gradients of no_sync steps)", z.timeout_s):
+                z.flush()
 
 
 def _gather_after_step(optimizer, args, kwargs) -> None:
     for z in list(_LIVE):
         if z.owns_any(_params_of(optimizer)):
-            z.all_gather()
+            with guard("optimizer.step (ZeRO: all-gathering the updated parameters)", z.timeout_s):
+                z.all_gather()
 
 
 register_optimizer_step_pre_hook(_flush_before_step)

@@ -22,7 +22,7 @@ import torch
 
 from autopar.cost_models.memory import training_state_parts
 from autopar.memory_explain import human_bytes
-from autopar.plan import PlanError
+from autopar.plan import CandidateError, PlanError
 from autopar.solver.inter_op import StageMemoryError
 
 
@@ -96,6 +96,13 @@ STATE = ("parameters", "gradients", "optimizer state", "gathered parameters")
 def nothing_fits(mesh, failures: list[Failure], cap: float, batch: int) -> PlanError:
     """The PlanError for a search in which no candidate fits ``cap`` bytes per device."""
     sized = [f for f in failures if f.breakdown]
+    if not sized and isinstance(failures[0].error, PlanError):      # not memory: no layout can be made at all
+        k = _k(failures[0].note)
+        rows = ""
+        if k > 1 and isinstance(failures[0].error, CandidateError):
+            rows = (f" (accumulation {k} runs the global batch of {batch} as {k} microbatches of {batch // k}; a "
+                    "smaller accumulation keeps more rows in each)")
+        return PlanError(f"no plan can be made on {mesh}: {failures[0]}{rows}")
     if not sized:
         return PlanError(f"no plan fits memory on {mesh}: {failures[0]}")
     best = min(sized, key=lambda f: sum(f.breakdown.values()))

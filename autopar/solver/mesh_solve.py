@@ -68,9 +68,10 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
             if not shape:
                 continue
             if shape[0] % mesh.size:
-                raise PlanError(f"the global batch ({shape[0]}, dim 0 of input {ph!r}) is not divisible by the "
+                raise CandidateError(f"the global batch ({shape[0]}, dim 0 of input {ph!r}) is not divisible by the "
                                 f"data-parallel size {mesh.size}; use a batch that is a multiple of {mesh.size}")
-            only(ph, lambda spec: all(p == Shard(0) for p in spec))
+            split = _batch_split(shape)
+            only(ph, lambda spec: all(p == split for p in spec))
         for ph in list(traced.params) + list(traced.buffers) + list(traced.constants):
             only(ph, lambda spec: all(isinstance(p, Replicate) for p in spec))
         _keep_batch_split(traced, cands, allowed)
@@ -121,8 +122,14 @@ def _axis_roles(traced, cands, mesh: Mesh, input_ann: dict, only) -> None:
             raise CandidateError(f"the global batch ({shape[0]}, dim 0 of {ph!r}) is not divisible by the data-parallel "
                             f"size {dp} (mesh axes {[mesh.axis_names[a] for a in data]}); use a batch that is a "
                             f"multiple of {dp}")
-        only(ph, lambda spec, s=shape: all(spec[a] == (Shard(0) if s else R) for a in data)
+        only(ph, lambda spec, s=shape: all(spec[a] == _batch_split(s) for a in data)
              and all(isinstance(spec[a], Replicate) for a in tensor))
+
+
+def _batch_split(shape: tuple) -> Shard | Replicate:
+    """How a data-parallel axis holds an input: Shard(0); whole for a scalar, and for a batch of one row
+    (then every data-parallel axis has size 1, the same layout; no candidate shards a dim of size 1)."""
+    return Shard(0) if shape and shape[0] > 1 else R
 
 
 def _keep_batch_split(traced, cands, allowed: dict) -> None:

@@ -13,6 +13,7 @@ import math
 import time
 
 from autopar.context import ParallelMode
+from autopar.cost_models.memory import param_numel, parameter_nodes, training_state_bytes
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer
 from autopar.mesh import Mesh
@@ -26,10 +27,12 @@ from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
 from autopar.solver.progress import SearchProgress
 
 
-def candidate_meshes(mesh: Mesh) -> list[Mesh]:
+def candidate_meshes(mesh: Mesh, annotated: frozenset = frozenset()) -> list[Mesh]:
     """An unnamed mesh may be re-factored into 1-D and 2-D (dp, tp) meshes: the free 1-D mesh
     (the solver picks each op's split) and every (dp, tp). (DDP's layout joins them in
-    ``make_plans``: ``ddp_candidate``.)"""
+    ``make_plans``: ``ddp_candidate``.) ``annotated``: the axes the user's annotations name; only
+    candidates with all of them are kept, the mesh as given first when it has them (its default
+    names d0, d1, ...), and the mesh as given when none has them (its error names the axis)."""
     if mesh.named or mesh.size == 1:
         return [mesh]
     n = mesh.size
@@ -37,7 +40,17 @@ def candidate_meshes(mesh: Mesh) -> list[Mesh]:
     for dp in range(2, n):
         if n % dp == 0:
             out.append(mesh.reshape((dp, n // dp), ("dp", "tp")))
-    return out
+    if not annotated:
+        return out
+    out = [m for m in out if annotated <= set(m.axis_names)]
+    if annotated <= set(mesh.axis_names) and all((m.shape, m.axis_names) != (mesh.shape, mesh.axis_names) for m in out):
+        out.insert(0, mesh)
+    return out or [mesh]
+
+
+def annotated_axes(param_ann: dict, input_ann: dict) -> frozenset:
+    """The mesh axes the user's annotations place on (parameters and inputs)."""
+    return frozenset(a for placements in (*param_ann.values(), *input_ann.values()) for a in placements)
 
 
 def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
@@ -62,6 +75,10 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                             "or schedule): use zero=0 for pipelined plans, or drop the pipeline")
         stages = [0]                # a pipeline was asked for: ZeRO does not run with one yet
         ks = ks[:1]                 # and the pipeline runs the microbatches, not accumulation
+    if stages[0] and mesh.size == 1:
+        raise PlanError(f"zero={stages[0]} shards training state over a parameter's data-parallel replicas, but mesh "
+                        f"{mesh!r} has 1 device: there is nothing to shard it over; use zero=0 (or leave zero unset) "
+                        "on one device")
     plans, failures, pipe_failures, traces = [], [], [], {}
     for z in stages:
         if z and mesh.size == 1:
@@ -124,7 +141,11 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
     Pipelines run their own microbatches (k = 1 only). With recomputation they are tried while
     no plan fits yet (or when a pipeline was asked for), a candidate only until it fits: with
-    more recomputation a pipeline that already fits could only pick a larger microbatch. Both
+    more recomputation a pipeline that already fits could only pick a larger microbatch. When
+    nothing fits at k = 1 and the state split over a node exceeds the cap
+    (``state_needs_pipeline``), the recomputed pipelines are tried right after k = 1, before the
+    accumulation ladder: otherwise a time budget can end the search at a ladder plan that fits only
+    by tensor parallelism across nodes (Table 1's 1T row: 1.9 TFLOP/s per GPU instead of ~160). Both
     are heuristics, not bounds (the published 530B and 1T layouts need recomputation to fit at
     all; GPT 6.7B on 16 V100s spent 25 s on recomputed pipelines that lost). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
@@ -132,13 +153,16 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     (plans, failures, pipeline failures) as in :func:`_candidates`."""
     plans, failures, pipe_failures = [], [], []
     progress = opts.progress
-    keys = [(m.shape, m.axis_names) for m in (candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh])]
-    if mode == ParallelMode.AUTO and len(keys) > 1:
+    annotated = annotated_axes(param_ann, input_ann)
+    meshes = candidate_meshes(mesh, annotated) if mode == ParallelMode.AUTO else [mesh]
+    keys = [(m.shape, m.axis_names) for m in meshes]
+    if mode == ParallelMode.AUTO and len(keys) > 1 and not annotated:
         keys.append(((mesh.size,), ("dp",)))        # DDP's layout (``ddp_candidate``)
     done: dict = {}                 # mesh key -> index into ks from which it cannot win
     pipe_fit: set = set()           # pipeline candidates (full mesh key) that fit with less recomputation
     pipeline_request = "pp" in mesh.axis_names or bool(opts.microbatches or opts.schedule)
     cap = _cap(mesh, opts)
+    early: set = set()             # recompute choices whose pipelines were tried before the accumulation ladder
     for rc in choices:
         i = 0
         below: dict = {}            # mesh key -> the k under which it cannot fit (this recompute choice)
@@ -146,8 +170,8 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
             k = ks[i]
             if progress.out_of_time():
                 return plans, failures, pipe_failures
-            pipelines = k == 1 and not opts.zero and (rc == "none" or opts.recompute is not None
-                                                      or pipeline_request or not progress.fitting)
+            pipelines = k == 1 and not opts.zero and rc not in early and (
+                rc == "none" or opts.recompute is not None or pipeline_request or not progress.fitting)
             if pipeline_request and not pipelines:
                 break               # only pipelines were asked for
             progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
@@ -184,8 +208,31 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
             failures += here
             pipe_failures += pipe_failed + [(f"mesh {m.shape} ({note or 'no memory options'})", e)
                                             for m, e in failed if isinstance(e, DominatedError)]
+            if pipelines and k == 1 and rc == choices[0] and not progress.fitting \
+                    and state_needs_pipeline(traced, mesh, opts, cap):
+                for more in choices[1:]:
+                    if progress.fitting or progress.out_of_time():
+                        break
+                    progress.enter(f"ZeRO-0, recompute {more}, accumulation 1: pipelines first")
+                    got, _, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=more),
+                                                      param_ann, input_ann, retracer, skip=set(keys), pipe_skip=pipe_fit)
+                    early.add(more)
+                    plans += got
+                    pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got}
+                    pipe_failures += pipe_failed
             i += 1
     return plans, failures, pipe_failures
+
+
+def state_needs_pipeline(traced, mesh: Mesh, opts: PlanOptions, cap: float) -> bool:
+    """Whether the training state, split over one node's devices (the widest tensor parallelism that
+    stays on a node's links), exceeds the cap: then a layout without pipeline stages fits only by
+    sharding the state over more devices than a node (tensor parallelism across nodes, ZeRO), and
+    Megatron's published layouts from 39B parameters up pipeline with recomputation instead."""
+    params = parameter_nodes(traced.gm)
+    dtype = params[0].meta["val"].dtype if params else None
+    state = training_state_bytes(param_numel(traced.gm), dtype, opts.optimizer, opts.precision)
+    return state / min(mesh.size, mesh.gpus_per_node or mesh.size) > cap
 
 
 def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
@@ -206,7 +253,8 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
                                                                dataclasses.replace(opts, progress=progress),
                                                                param_ann, input_ann, retracer, pipe_skip)
                                                 if pipelines else ([], [], False))
-    meshes = [] if pipeline_only else candidate_meshes(mesh) if mode == ParallelMode.AUTO else [mesh]
+    annotated = annotated_axes(param_ann, input_ann)
+    meshes = [] if pipeline_only else candidate_meshes(mesh, annotated) if mode == ParallelMode.AUTO else [mesh]
     plans, failures = list(pipe_plans), []
     for m in meshes:
         if progress.out_of_time():
@@ -226,7 +274,8 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
             failures.append((m, err))   # AUTO's candidate: dropped, its reason listed
             progress.record([], 1, step_time)
     ddp = ((mesh.size,), ("dp",))
-    if mode == ParallelMode.AUTO and len(meshes) > 1 and not progress.out_of_time() and ddp not in skip:
+    if (mode == ParallelMode.AUTO and len(meshes) > 1 and not annotated and not progress.out_of_time()
+            and ddp not in skip):       # DDP's layout keeps every weight whole: not where annotations split one
         got = ddp_candidate(traced, mesh, _within_budget(opts, progress), failures, microbatches, progress.cutoff())
         progress.record(got, 1 - len(got), step_time)
         plans += got

@@ -1,0 +1,65 @@
+"""torch's own data parallelism on the same job as an oracle run: the noise bar of docs/testing.md.
+
+Where data parallelism reorders sums, a parallel run cannot meet single-device training bit for
+bit; there the bar is how far torch's own data parallelism lands from the single-device run on
+the same job, measured in the same test: DDP in fp32, FSDP2 with
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` under mixed precision.
+``torch_dp_run`` is called on every rank of a pool and returns what ``oracle.reference_run`` does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from oracle import LR, STEPS, _chunks, _train, make_optimizer
+
+
+def splits(batch: int, micro: int, world: int, accumulate: int = 1) -> bool:
+    """Whether every micro-batch of ``batch`` rows (cut ``micro`` x ``accumulate`` ways) splits evenly over
+    ``world`` ranks."""
+    return batch % (micro * accumulate) == 0 and (batch // (micro * accumulate)) % world == 0
+
+
+def torch_dp_run(rank, model_fn, loss_fn, x, y, steps: int = STEPS, optim: str = "sgd", micro: int = 1,
+                 clip: float | None = None, lr: float | None = None, mixed_precision: str | None = None,
+                 accumulate: int = 1):
+    """DDP (or FSDP2 under ``mixed_precision="bf16"``) over every rank of the default group, each rank
+    on its rows of every micro-batch; losses are the global means, gradients and parameters gathered.
+    ``accumulate``: each micro-batch runs as that many backward passes of ``loss / accumulate`` (as a
+    plan's accumulation or pipeline microbatches do), its loss the mean of theirs."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = model_fn()
+    if mixed_precision:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        wrapped = fully_shard(model, mesh=init_device_mesh("cpu", (world,)), mp_policy=policy)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)
+    opt = make_optimizer(model.parameters(), optim, lr if lr is not None else LR[optim])
+    xs, ys = _chunks(x, micro), _chunks(y, micro)
+
+    def step(m):
+        total = torch.zeros(())
+        for xa, ya in zip(xs[m].chunk(accumulate), ys[m].chunk(accumulate)):
+            loss = loss_fn(wrapped(xa.chunk(world)[rank]), ya.chunk(world)[rank])
+            (loss / accumulate).backward()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        return total / (world * accumulate)
+
+    def full(tensors):
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in tensors.items()}
+
+    def clip_fn():
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    return _train(step, lambda: full(model.state_dict()),
+                  lambda: full({names[id(p)]: p.grad for p in model.parameters() if p.grad is not None}),
+                  opt, steps, micro, clip_fn if clip is not None else None)
