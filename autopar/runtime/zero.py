@@ -115,6 +115,17 @@ class _AxisSet:
             size += nbytes
 
 
+def write_rows(inp: torch.Tensor, at: int, grad: torch.Tensor, sp) -> None:
+    """Write ``grad`` (``sp.n`` elements) into columns ``[at, at + sp.c)`` of the reduce-scatter input
+    ``inp`` of shape (d, C): row r holds elements [r c, (r + 1) c), the last row's tail stays zero."""
+    flat = grad.detach().reshape(-1)
+    full, rest = divmod(sp.n, sp.c) if sp.c else (0, 0)
+    if full:
+        inp[:full, at:at + sp.c].copy_(flat[:full * sp.c].view(full, sp.c))
+    if rest:
+        inp[full, at:at + rest].copy_(flat[full * sp.c:])
+
+
 class ZeroSync:
     """ZeRO-1/2 gradient sync and parameter update of one per-rank program (module docstring).
 
@@ -236,12 +247,7 @@ class ZeroSync:
         for sp in bucket:
             g = sp.working.grad
             if g is not None:
-                flat = g.detach().reshape(-1)
-                full, rest = divmod(sp.n, sp.c) if sp.c else (0, 0)
-                if full:
-                    inp[:full, at:at + sp.c].copy_(flat[:full * sp.c].view(full, sp.c))
-                if rest:
-                    inp[full, at:at + rest].copy_(flat[full * sp.c:])
+                write_rows(inp, at, g, sp)
                 if self.stage >= 2:
                     sp.working.grad = None          # its bytes are in the bucket now
             at += sp.c

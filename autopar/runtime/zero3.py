@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from autopar.collectives.comm import COUNTER
 from autopar.cost_models.zero import gather_unit
-from autopar.runtime.zero import ZeroSync, _Sharded, axes_group
+from autopar.runtime.zero import ZeroSync, _Sharded, axes_group, write_rows
 
 
 class Zero3Gather(nn.Module):
@@ -105,12 +105,7 @@ class _Zero3GatherFn(torch.autograd.Function):
         at = 0
         for g, sp in zip(grads, mod.items):
             if g is not None:
-                flat = g.detach().reshape(-1)
-                full, rest = divmod(sp.n, sp.c) if sp.c else (0, 0)
-                if full:
-                    inp[:full, at:at + sp.c].copy_(flat[:full * sp.c].view(full, sp.c))
-                if rest:
-                    inp[full, at:at + rest].copy_(flat[full * sp.c:])
+                write_rows(inp, at, g, sp)
             at += sp.c
         inp = inp.view(-1)
         out = inp.new_empty(inp.numel() // mod.d)

@@ -346,20 +346,26 @@ def _edges_of(by_name: dict, names: list[str], index: dict, cands: Candidates, c
     parameter in another placement, the gathered copy's bytes (``_gathered_matrix``, the edge's
     ``memory``). They depend on the graph, the candidates, the mesh and the device only."""
     edges = []
+    for n, node, i, a, src, idx in _graph_edges(names, by_name, index):
+        edge = _edge(src, idx, node, i, cands, index, c)
+        if src.name in params and node in need and saves_input(node, a, mask):
+            kept = _gathered_matrix(a, cands.strategies[src.name], cands.strategies[n], i, c)
+            edge = dataclasses.replace(edge, memory=kept if kept.any() else None)
+        edges.append(edge)
+    return edges
+
+
+def _graph_edges(names: list[str], by_name: dict, index: dict):
+    """(consumer name, consumer, input position, input, producer, output index) of every edge between
+    solved nodes, in one fixed order (the problem's edge list is built in it)."""
     for n in names:
         node = by_name[n]
         if node.op != "call_function":
             continue
         for i, a in enumerate(tensor_inputs(node)):
             src, idx = producer(a)
-            if src.name not in index:
-                continue
-            edge = _edge(src, idx, node, i, cands, index, c)
-            if src.name in params and node in need and saves_input(node, a, mask):
-                kept = _gathered_matrix(a, cands.strategies[src.name], cands.strategies[n], i, c)
-                edge = dataclasses.replace(edge, memory=kept if kept.any() else None)
-            edges.append(edge)
-    return edges
+            if src.name in index:
+                yield n, node, i, a, src, idx
 
 
 def resharded_param_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],
@@ -413,27 +419,20 @@ def _with_region_input_copies(edges: list[EdgeCost], gm: fx.GraphModule, by_name
     (``_region_input_uses``): bytes under the consumer's input placement where it differs from the
     producer's output placement, per edge (two consumers of one copy are both charged)."""
     uses = _region_input_uses(gm, c)
-    out, pos = list(edges), 0
-    for n in names:
-        node = by_name[n]
-        if node.op != "call_function":
+    out = list(edges)
+    for pos, (n, _, i, _, src, idx) in enumerate(_graph_edges(names, by_name, index)):
+        if (n, i) not in uses:
             continue
-        for i, a in enumerate(tensor_inputs(node)):
-            src, idx = producer(a)
-            if src.name not in index:
-                continue
-            if (n, i) in uses:
-                e = out[pos]
-                nbytes = tensor_bytes(src, idx)
-                s_specs = [st.output if idx is None else st.output[idx] for st in cands.strategies[src.name]]
-                kept = np.zeros((len(s_specs), len(cands.strategies[n])))
-                for j, st in enumerate(cands.strategies[n]):
-                    if i < len(st.inputs):
-                        kept[:, j] = [0.0 if sp == st.inputs[i] else nbytes / shard_factor(st.inputs[i], c.mesh_shape)
-                                      for sp in s_specs]
-                if kept.any():
-                    out[pos] = dataclasses.replace(e, memory=kept if e.memory is None else e.memory + kept)
-            pos += 1
+        e = out[pos]
+        nbytes = tensor_bytes(src, idx)
+        s_specs = [st.output if idx is None else st.output[idx] for st in cands.strategies[src.name]]
+        kept = np.zeros((len(s_specs), len(cands.strategies[n])))
+        for j, st in enumerate(cands.strategies[n]):
+            if i < len(st.inputs):
+                kept[:, j] = [0.0 if sp == st.inputs[i] else nbytes / shard_factor(st.inputs[i], c.mesh_shape)
+                              for sp in s_specs]
+        if kept.any():
+            out[pos] = dataclasses.replace(e, memory=kept if e.memory is None else e.memory + kept)
     return out
 
 
