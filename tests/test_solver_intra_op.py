@@ -325,7 +325,7 @@ def test_a_solve_out_of_time_says_which_setting_to_raise(monkeypatch):
     monkeypatch.setattr(intra_op, "_run", lambda *a, **k: (_Unknown(), cp_model.UNKNOWN))
     p = random_problem(np.random.default_rng(2))       # one the reductions leave to CP-SAT
     p.memory_budget = float(sum(nd.memory.max() for nd in p.nodes))
-    with pytest.raises(intra_op.SolverTimeoutError, match=r"CP-SAT found no assignment within 10 s .*status UNKNOWN\); "
-                       r"raise the solver's time limit \(autopar.set_auto_parallel_context\(solver_time_limit=\.\.\.\)\) "
-                       r"or the memory cap"):
+    want = (r"CP-SAT found no assignment within 10 s .*status UNKNOWN\); raise the solver's time limit "
+            r"\(autopar.set_auto_parallel_context\(solver_time_limit=\.\.\.\)\) or the memory cap")
+    with pytest.raises(intra_op.SolverTimeoutError, match=want):
         solve_intra_op(p)
