@@ -7,16 +7,18 @@ from autopar.api import parallelize, plan
 from autopar.collectives.comm import count_collectives
 from autopar.context import (ParallelMode, get_auto_parallel_context, reset_auto_parallel_context,
                              set_auto_parallel_context)
-from autopar.errors import CheckpointError, TraceError
+from autopar.errors import CheckpointError, CommError, RankMismatchError, TraceError
 from autopar.mesh import Mesh
 from autopar.parallel_module import ParallelModule
 from autopar.plan import Plan, PlanError
 from autopar.runtime.launch import RankError, launch
+from autopar.runtime.resume import CheckpointManager, latest_checkpoint
 from autopar.sharding.placements import Partial, Replicate, Shard
 from autopar.solver.annotations import clear_annotations, pipeline_stage, shard, shard_input
 
 __all__ = ["parallelize", "plan", "Mesh", "ParallelMode", "Plan", "ParallelModule", "Shard", "Replicate", "Partial",
            "shard", "shard_input", "pipeline_stage", "clear_annotations", "set_auto_parallel_context",
            "get_auto_parallel_context", "reset_auto_parallel_context", "launch", "RankError", "PlanError",
-           "TraceError", "CheckpointError", "count_collectives"]
+           "TraceError", "CheckpointError", "CommError", "RankMismatchError", "count_collectives", "CheckpointManager",
+           "latest_checkpoint"]
 __version__ = "0.1.0"

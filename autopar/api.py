@@ -13,7 +13,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.build_module import build_parallel_module
-from autopar.context import ParallelMode, get_auto_parallel_context
+from autopar.collectives.watch import guard, note
+from autopar.comm_timeout import comm_timeout_s, using, world_group
+from autopar.context import ParallelMode, check_comm_timeout, get_auto_parallel_context
+from autopar.gc_pause import fewer_collections
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer, graph_fingerprint
 from autopar.mesh import Mesh
@@ -69,12 +72,13 @@ def _warn_unused_annotations(mode: ParallelMode, stacklevel: int) -> None:
 
 
 def _plan_traced(model, traced: Traced, retracer: Retracer, mesh: Mesh, mode: ParallelMode,
-                 top_k: int = 1, mixed_precision=None, progress: SearchProgress | None = None) -> list[Plan]:
-    """The ``top_k`` best predicted plans, best first."""
+                 top_k: int = 1, mixed_precision=None, progress: SearchProgress | None = None,
+                 warn_level: int = 4) -> list[Plan]:
+    """The ``top_k`` best predicted plans, best first (``warn_level``: the stack level of the user's call)."""
     if mode == ParallelMode.HYBRID:
         raise PlanError("HYBRID mode applies a complete plan: pass plan=<Plan or path to plan JSON>")
     if mode not in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO):
-        _warn_unused_annotations(mode, stacklevel=4)       # the user's plan() or parallelize() call
+        _warn_unused_annotations(mode, stacklevel=warn_level)       # the user's plan() or parallelize() call
     param_ann = resolve_params(model, ANNOTATIONS) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     input_ann = dict(ANNOTATIONS.inputs) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     opts = dataclasses.replace(_options(mixed_precision), progress=progress)
@@ -96,9 +100,10 @@ def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_targ
     tracker = SearchProgress(time_budget, display or (progress if callable(progress) else None))
     tracker.enter("tracing the training step")
     try:
-        traced = trace(model, example_inputs, loss_fn, example_target, mp)
-        retracer = Retracer(model, example_inputs, loss_fn, example_target, mp)
-        return _plan_traced(model, traced, retracer, mesh, mode, mixed_precision=mp, progress=tracker)[0]
+        with fewer_collections():
+            traced = trace(model, example_inputs, loss_fn, example_target, mp)
+            retracer = Retracer(model, example_inputs, loss_fn, example_target, mp)
+            return _plan_traced(model, traced, retracer, mesh, mode, mixed_precision=mp, progress=tracker)[0]
     finally:
         if display is not None:
             display.close()
@@ -124,19 +129,49 @@ def _check_plan(plan: Plan, traced: Traced, mesh: Mesh) -> Plan:
     return plan
 
 
-def _broadcast_plans(plans: list[Plan] | None) -> list[Plan]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+# how long the other ranks wait for rank 0 to plan (torch's default timeout): planning is not
+# communication, and a search may run for minutes; rank 0 dying while it plans is still seen at once
+PLANNING_WAIT_S = 1800.0
+
+
+def _planning_group():
+    """Every rank, with the planning wait as timeout; made (a collective) before rank 0 starts planning."""
+    return world_group(max(comm_timeout_s(), PLANNING_WAIT_S))
+
+
+def _share_plans(err: Exception | None, plans: list[Plan] | None, group) -> list[Plan]:
+    """Rank 0's planning outcome on every rank: its plans, or its error raised everywhere."""
+    if group is None:
+        if err is not None:
+            raise err
         return plans
+    box = [repr(err) if err is not None else None]
+    note("broadcast_object_list", detail=f"of rank 0's planning outcome (rank 0 plans while the others wait, "
+                                         f"at most {max(comm_timeout_s(), PLANNING_WAIT_S):g} s)")
+    dist.broadcast_object_list(box, src=0, group=group)
+    if box[0] is not None:
+        if err is not None:
+            raise err
+        raise PlanError(f"planning failed on rank 0: {box[0]}")
     box = [[p.to_json(indent=None) for p in plans] if plans is not None else None]
-    dist.broadcast_object_list(box, src=0)
+    note("broadcast_object_list", detail="of the plans from rank 0")
+    dist.broadcast_object_list(box, src=0, group=group)
     return [Plan.from_json(text) for text in box[0]]
 
 
 def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None,
-                plan=None, mixed_precision=None) -> ParallelModule:
+                plan=None, mixed_precision=None, comm_timeout_s: float | None = None) -> ParallelModule:
     """Plan (on rank 0, shared with every rank) and build this rank's ParallelModule.
     ``mixed_precision="bf16"``: bf16 compute on working copies of fp32 master weights (a given
-    ``plan`` brings its own ``memory_options.mixed_precision``)."""
+    ``plan`` brings its own ``memory_options.mixed_precision``). ``comm_timeout_s``: seconds any of
+    its collectives or point-to-point waits may take before a ``CommError`` (a peer died or
+    stalled); default: the context's, else the default process group's timeout."""
+    check_comm_timeout(comm_timeout_s)
+    with using(comm_timeout_s), guard("autopar.parallelize"):
+        return _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, plan, mixed_precision)
+
+
+def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, plan, mixed_precision) -> ParallelModule:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     mesh = _check_mesh(mesh)
@@ -170,25 +205,18 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
     rank = dist.get_rank() if dist.is_initialized() else 0
     if given is not None:
         the_plan = _check_plan(given, traced, mesh)
-        _warn_unused_annotations(ParallelMode.HYBRID, stacklevel=3)
+        _warn_unused_annotations(ParallelMode.HYBRID, stacklevel=4)
     else:
         err, plans = None, None
         top_k = get_auto_parallel_context()["autotune_top_k"] if mode == ParallelMode.AUTO and mesh.size > 1 else 1
+        group = _planning_group() if dist.is_initialized() and dist.get_world_size() > 1 else None
         if rank == 0:
             try:
-                plans = _plan_traced(model, traced, retracer, mesh, mode, max(1, top_k), mp)
+                with fewer_collections():
+                    plans = _plan_traced(model, traced, retracer, mesh, mode, max(1, top_k), mp, warn_level=5)
             except Exception as e:  # noqa: BLE001 - re-raised on every rank below
                 err = e
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [repr(err) if err is not None else None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is not None:
-                if err is not None:
-                    raise err
-                raise PlanError(f"planning failed on rank 0: {box[0]}")
-        elif err is not None:
-            raise err
-        plans = _broadcast_plans(plans)
+        plans = _share_plans(err, plans, group)
         the_plan = plans[0]
         if len(plans) > 1:
             from autopar.autotune import choose

@@ -51,6 +51,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from autopar.collectives.watch import note
+from autopar.comm_timeout import world_group
+from autopar.errors import CommError
 from autopar.plan import AutotuneTrial, Plan
 
 
@@ -147,12 +150,15 @@ class _Timer:
                 for i in order:                 # a new order each round, the same on every rank
                     pm, opt = runs[i]
                     if dist.is_initialized():
-                        dist.barrier()
+                        note("barrier", detail="before a timed autotune step")
+                        dist.barrier(group=world_group())
                     t0 = time.perf_counter()
                     try:
                         pm.step(*self.inputs, target=self.target)
                         opt.step()
                         opt.zero_grad(set_to_none=True)
+                    except CommError:
+                        raise
                     except Exception as err:
                         raise RuntimeError(f"autotune: plan {plan_label(self.plans[i])} was built but failed while "
                                            f"timed: {failure(err)}") from err
@@ -177,7 +183,8 @@ class _Timer:
         per_rank = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             per_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, mine)    # a plan that failed on any rank runs on none
+            note("all_gather_object", detail="of which autotune plans each rank could build")
+            dist.all_gather_object(per_rank, mine, group=world_group())    # a plan that failed on any rank runs on none
         for rank, errors in enumerate(per_rank):
             for i, reason in errors.items():
                 if not self.errors[i]:
@@ -191,7 +198,8 @@ class _Timer:
         """Per plan, the slowest rank's median step (inf for a plan that did not run)."""
         med = torch.tensor([statistics.median(t) if t else float("inf") for t in self.samples], dtype=torch.float64)
         if dist.is_initialized():
-            dist.all_reduce(med, op=dist.ReduceOp.MAX)
+            note("all_reduce", detail="of the autotune step times")
+            dist.all_reduce(med, op=dist.ReduceOp.MAX, group=world_group())
         return med.tolist()
 
     def free(self) -> None:

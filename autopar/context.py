@@ -59,6 +59,9 @@ _DEFAULTS: dict[str, Any] = {
     "autotune_top_k": 6,
     "autotune_steps": 8,
     "autotune_slack": 1.5,
+    # seconds any collective or point-to-point wait may take before the rank raises autopar.CommError
+    # (a peer died or stalled); None: the default process group's timeout (autopar/comm_timeout.py)
+    "comm_timeout_s": None,
 }
 
 
@@ -77,6 +80,13 @@ def _check(key: str, value) -> None:
     if key == "autotune_slack" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1):
         raise ValueError(f"autotune_slack must be a number >= 1 (trial plans predicted within slack x the best), "
                          f"got {value!r}")
+
+
+def check_comm_timeout(value) -> None:
+    """``comm_timeout_s`` is None or a number of seconds > 0."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise ValueError(f"comm_timeout_s must be a number of seconds > 0 (or None: the default process group's "
+                         f"timeout), got {value!r}")
 
 
 _context: dict[str, Any] = _defaults()
@@ -105,6 +115,8 @@ def set_auto_parallel_context(**kwargs) -> None:
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise ValueError(f"{key} must be a number > 0{' or None' if key == 'memory_budget_gb' else ''}, "
                              f"got {value!r}")
+        if key == "comm_timeout_s":
+            check_comm_timeout(value)
         if key == "mixed_precision" and value not in (None, "bf16"):
             raise ValueError(f"mixed_precision must be None or 'bf16', got {value!r}")
         if key == "grad_compression" and value not in (None, "bf16", "fp16"):

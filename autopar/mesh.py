@@ -115,9 +115,11 @@ class Mesh:
         return m
 
     def device_mesh(self):
-        """torch's DeviceMesh over the default process group (created once, on first use)."""
+        """torch's DeviceMesh over the default process group (created once, on first use), its groups made
+        with the communication timeout in force (``autopar.comm_timeout``)."""
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
+
+        from autopar.comm_timeout import device_mesh
 
         if self._device_mesh is None:
             if not dist.is_initialized():
@@ -129,7 +131,7 @@ class Mesh:
                                  f"{world} ranks; make the mesh size equal the world size (e.g. "
                                  f"autopar.Mesh({world})), or launch {self.size} processes")
             dev = "cpu" if dist.get_backend() == "gloo" else "cuda"
-            self._device_mesh = init_device_mesh(dev, self.shape, mesh_dim_names=self.axis_names)
+            self._device_mesh = device_mesh(dev, self.shape, self.axis_names)
         return self._device_mesh
 
     def group(self, axis: str):

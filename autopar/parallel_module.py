@@ -11,7 +11,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.collectives import comm
-from autopar.collectives.groups import bound_axes
+from autopar.collectives.groups import bound_axes, group_name
+from autopar.collectives.watch import guard, note
+from autopar.comm_timeout import comm_timeout_s, using, world_group
 from autopar.errors import CheckpointError
 from autopar.plan import PlanError
 from autopar.runtime.program import RankProgram
@@ -40,6 +42,17 @@ class ParallelModule(nn.Module):
         self._state_keys = state_keys or []
         object.__setattr__(self, "_acc", accumulation)
         object.__setattr__(self, "_zero", zero)      # runtime.zero.ZeroSync under plan.memory_options.zero
+        self.comm_timeout_s = comm_timeout_s()       # the timeout its groups were made with (autopar.comm_timeout)
+        object.__setattr__(self, "_world", world_group() if dist.is_initialized() else None)
+        self._steps = 0
+
+    def _guard(self, what: str):
+        """Where a peer rank dies or stalls past ``comm_timeout_s``, raise a ``CommError`` naming ``what``."""
+        return guard(what, self.comm_timeout_s)
+
+    def _guard_step(self):
+        self._steps += 1
+        return self._guard(f"pmodel.step (step {self._steps} of this process)")
 
     # ---- introspection -------------------------------------------------------------------
     @property
@@ -156,14 +169,15 @@ class ParallelModule(nn.Module):
         """Forward + backward on this rank's part of the global batch; returns the global mean loss.
         A plan with accumulation k runs it as k microbatches one after another (each loss scaled by
         1/k, gradients summed locally and synced once, with the last)."""
-        if self._chunks == 1:
-            return self._step(inputs, target, local_batch)
-        chunks = self._accumulation_chunks(inputs, target, local_batch)
-        losses = []
-        for j, (xs, t) in enumerate(chunks):
-            with self.no_sync() if j < len(chunks) - 1 else contextlib.nullcontext():
-                losses.append(self._step(xs, t, local_batch, 1.0 / len(chunks)))
-        return torch.stack(losses).mean()
+        with self._guard_step():
+            if self._chunks == 1:
+                return self._step(inputs, target, local_batch)
+            chunks = self._accumulation_chunks(inputs, target, local_batch)
+            losses = []
+            for j, (xs, t) in enumerate(chunks):
+                with self.no_sync() if j < len(chunks) - 1 else contextlib.nullcontext():
+                    losses.append(self._step(xs, t, local_batch, 1.0 / len(chunks)))
+            return torch.stack(losses).mean()
 
     def _step(self, inputs, target, local_batch: bool, scale: float = 1.0) -> torch.Tensor:
         meta = self._traced_meta
@@ -178,6 +192,9 @@ class ParallelModule(nn.Module):
         if acc is not None:
             acc.before_backward()
         quiet = self._ddp is not None and acc is not None and not acc.syncing
+        if getattr(self._ddp, "process_group", None) is not None:      # torch's DDP (not ZeRO-3's runner)
+            note("broadcast", group_name(self._ddp.process_group, "dp"), "fwd",
+                 detail="that DDP runs in its first forward to agree on its gradient buckets")
         with self._ddp.no_sync() if quiet else contextlib.nullcontext():
             loss = runner(*xs, target=tgt)[meta["loss_index"]]   # the model's other outputs (logits) die here
             report = self._start_global_loss(loss)      # the loss report overlaps backward
@@ -222,12 +239,13 @@ class ParallelModule(nn.Module):
     def forward(self, *inputs, local_batch: bool = False):
         """Forward only: the model's output, in the structure the model returns, each tensor gathered in full
         (with accumulation, the microbatches' outputs joined along dim 0)."""
-        if self._chunks > 1:
-            outs = [tree_flatten(self._forward(xs, local_batch))[0]
-                    for xs, _ in self._accumulation_chunks(inputs, None, local_batch)]
-            return tree_unflatten([_join(j, [o[j] for o in outs]) for j in range(len(outs[0]))],
-                                  self._traced_meta["output_tree"])
-        return self._forward(inputs, local_batch)
+        with self._guard("pmodel(...) (forward)"):
+            if self._chunks > 1:
+                outs = [tree_flatten(self._forward(xs, local_batch))[0]
+                        for xs, _ in self._accumulation_chunks(inputs, None, local_batch)]
+                return tree_unflatten([_join(j, [o[j] for o in outs]) for j in range(len(outs[0]))],
+                                      self._traced_meta["output_tree"])
+            return self._forward(inputs, local_batch)
 
     def _forward(self, inputs, local_batch: bool):
         xs, _ = self._local_inputs(inputs, None, local_batch)
@@ -249,6 +267,10 @@ class ParallelModule(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global gradient norm over all shards (2-norm or inf-norm): every rank adds its
         pieces' ``|g|^p`` divided by how many ranks hold that same piece (``_replicas``)."""
+        with self._guard("pmodel.clip_grad_norm_"):
+            return self._clip_grad_norm(max_norm, norm_type)
+
+    def _clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
         self._flush_grads()
         local = torch.zeros((), dtype=torch.float64)
         grads = []
@@ -260,7 +282,9 @@ class ParallelModule(nn.Module):
             else:
                 local += (g.abs() ** norm_type).sum() / replicas
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+            note("all_reduce", "+".join(self.plan.mesh.axis_names), "step", detail="of the gradient norm")
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM,
+                            group=self._world)
         total = local if norm_type == math.inf else local ** (1.0 / norm_type)
         coef = float(max_norm) / (float(total) + 1e-6)
         if coef < 1.0:
@@ -298,11 +322,16 @@ class ParallelModule(nn.Module):
         if shard_factor(spec, mesh.shape) == 1 or not dist.is_initialized():
             return local.clone()
         parts = [torch.empty_like(local) for _ in range(mesh.size)]
-        dist.all_gather(parts, local.contiguous())
+        note("all_gather", "+".join(mesh.axis_names), detail=f"of {name}")
+        dist.all_gather(parts, local.contiguous(), group=self._world)
         return assemble({mesh.coords(r): parts[r] for r in range(mesh.size)}, spec, mesh.shape)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered in full; same keys and shapes as model.state_dict()."""
+        with self._guard("pmodel.full_state_dict"):
+            return self._full_state_dict()
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
         for name, d in self.plan.params.items():
             if d.kind == "constant" or all(a in self._extra_state for a in d.aliases):
@@ -318,6 +347,10 @@ class ParallelModule(nn.Module):
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter's gradient gathered in full (canonical names; zeros where none)."""
+        with self._guard("pmodel.full_grad_dict"):
+            return self._full_grad_dict()
+
+    def _full_grad_dict(self) -> dict[str, torch.Tensor]:
         self._flush_grads()
         out = {}
         for name, d in self.plan.params.items():
@@ -369,7 +402,8 @@ class ParallelModule(nn.Module):
         checkpoint is in place (runtime/checkpoint.py)."""
         from autopar.runtime.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, optimizer, step=step, async_=async_)
+        with using(self.comm_timeout_s):
+            return save_checkpoint(self, path, optimizer, step=step, async_=async_)
 
     def load(self, path, optimizer=None) -> int | None:
         """Load a checkpoint saved by ``save`` under any plan and world size: this rank's pieces of the
@@ -377,7 +411,8 @@ class ParallelModule(nn.Module):
         state. Returns the step the checkpoint recorded."""
         from autopar.runtime.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path, optimizer)
+        with using(self.comm_timeout_s):
+            return load_checkpoint(self, path, optimizer)
 
 
 def _meta(traced) -> dict:

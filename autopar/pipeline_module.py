@@ -24,10 +24,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_unflatten
 
+from autopar.comm_timeout import new_group
 from autopar.trace import compute_dtype
 from autopar.collectives import comm
 from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import AxisGroup, axis_groups, bound_axes
+from autopar.collectives.watch import note
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.parallel_module import ParallelModule, _to_replicate
 from autopar.passes.split_stages import forward_only, split_stages
@@ -55,7 +57,7 @@ def _tie_groups(owners: dict[str, list[int]], per_pp: int, my_rank: int) -> dict
     for key in sorted({tuple(v) for v in owners.values() if len(v) > 1}):
         for sub in range(per_pp):
             ranks = [c * per_pp + sub for c in key]
-            g = dist.new_group(ranks=ranks) if dist.is_initialized() else None
+            g = new_group(ranks) if dist.is_initialized() else None
             if my_rank in ranks:
                 groups[key] = g
     return groups
@@ -191,6 +193,10 @@ class PipelineModule(ParallelModule):
     # ---- running -------------------------------------------------------------------------
     def step(self, *inputs, target=None, local_batch: bool = False) -> torch.Tensor:
         """Forward + backward of every microbatch on this rank's stages; returns the global mean loss."""
+        with self._guard_step():
+            return self._pipeline_step(inputs, target, local_batch)
+
+    def _pipeline_step(self, inputs, target, local_batch: bool) -> torch.Tensor:
         meta = self._traced_meta
         if meta["target_shape"] is not None and target is None:
             raise ValueError("step() needs target= (the model was planned with a loss_fn and example_target)")
@@ -216,6 +222,7 @@ class PipelineModule(ParallelModule):
         if dist.is_initialized():
             loss = loss.detach().clone().reshape(())
             src = self._executor.peer(len(self.plan.stages) - 1)
+            note("broadcast", "pp", detail=f"of the loss from rank {src}")
             dist.broadcast(loss, src=src, group=self._axes["pp"].group)
         return loss
 
@@ -242,6 +249,10 @@ class PipelineModule(ParallelModule):
     def forward(self, *inputs, local_batch: bool = False):
         """Forward only: the model's output on every rank, in the structure the model returns; each tensor
         leaf is gathered in full and its microbatches concatenated along dim 0."""
+        with self._guard("pmodel(...) (forward)"):
+            return self._pipeline_forward(inputs, local_batch)
+
+    def _pipeline_forward(self, inputs, local_batch: bool):
         mbs = self._microbatches(inputs, None, local_batch)
         self.program.new_step()
         outs = self._executor.run(self.program.compute_tensor, mbs, 1.0, train=False)
@@ -269,7 +280,9 @@ class PipelineModule(ParallelModule):
         else:
             full = torch.empty(tuple(val.shape), dtype=val.dtype)
         if dist.is_initialized():
-            dist.broadcast(full, src=self._executor.peer(len(self.plan.stages) - 1), group=self._axes["pp"].group)
+            src = self._executor.peer(len(self.plan.stages) - 1)
+            note("broadcast", "pp", detail=f"of output leaf {j} from rank {src}")
+            dist.broadcast(full, src=src, group=self._axes["pp"].group)
         return full
 
     # ---- gradients and state -----------------------------------------------------------------
@@ -287,7 +300,8 @@ class PipelineModule(ParallelModule):
         if not dist.is_initialized():
             return mine.clone()
         parts = [torch.empty(shape, dtype=dtype) for _ in range(mesh.size)]
-        dist.all_gather(parts, mine)
+        note("all_gather", "+".join(mesh.axis_names), detail=f"of {name}")
+        dist.all_gather(parts, mine, group=self._world)
         owner = self._owners.get(name, [0])[0]
         pieces = {mesh.coords(r): parts[r] for r in range(mesh.size) if r // self._per_pp == owner}
         full_pieces = {(0,) + c[1:]: v for c, v in pieces.items()}

@@ -194,6 +194,8 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
         model = working_copy(model, dtype)
         inputs = tuple(cast_floating(x.to("meta"), dtype) for x in inputs)
         example_target = example_target.to("meta") if example_target is not None else None
+    if loss_fn is not None and any(_aliases(example_target, x) for x in inputs):
+        example_target = example_target.clone()    # its own placeholder, as in every microbatch trace
     args = inputs + ((example_target,) if loss_fn is not None else ())
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta:
@@ -214,6 +216,15 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
         traced.meta["stored_dtypes"] = stored      # the masters' dtypes (the graph sees the working copies')
         _retarget_device(traced.gm, device)
     return traced
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether export would see one tensor (it keeps a single placeholder for inputs that alias,
+    e.g. a language model's tokens passed as the target too: then the graph reads the model's
+    input from the target's placeholder, unlike the traces of microbatches, sliced apart)."""
+    if a is b or a.is_meta or b.is_meta:
+        return a is b or (a.is_meta and b.is_meta)
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _from_exported(ep, model, inputs, example_target, has_loss) -> Traced:

@@ -30,11 +30,12 @@ device's allocator must hold, and what "fits the cap" is judged by. The torch ba
 is the fastest torch contender whose live peak fits ("person's best"); both FSDP2 forms are printed.
 
     .venv/bin/python bench/memory_fit.py [--nprocs 4] [--reps 8] [--state-over-cap 2.7 | --cap-fraction 0.3]
-                                         [--quick] [--no-autotune]
+                                         [--cfg default|deep|quick] [--no-autotune]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -42,13 +43,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Ratio, header, interleaved  # noqa: E402
 from memory_measure import SavedTensorMeter, _key, live_peak, unique_bytes  # noqa: E402
 from recompute import Checkpointed  # noqa: E402  (torch.utils.checkpoint around one block)
-from zero import CFG, _model, rank_batch  # noqa: E402  (the GPT of bench/zero.py, the same job as RESULTS §7)
+from common import gpt_of as _model  # noqa: E402  (the seeded example GPT of a config)
+from zero import CFG, rank_batch  # noqa: E402  (the job of bench/zero.py, RESULTS §7)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 QUICK_CFG = {"vocab": 512, "hidden": 128, "heads": 4, "layers": 2, "seq": 64, "batch": 8}
+# deep and thin: 24 layers of hidden 128, a small vocabulary and short rows, so that one layer's
+# transients (its gathered weights, its gradients, its recomputed activations) and the logits are a
+# small part of the state: the shape on which a plan can come near the 4x of 4 ranks sharding it all
+DEEP_CFG = {"vocab": 256, "hidden": 128, "heads": 4, "layers": 24, "seq": 32, "batch": 8}
+CFGS = {"default": CFG, "quick": QUICK_CFG, "deep": DEEP_CFG}
 
 
 def _local(t):
@@ -73,7 +80,8 @@ def ddp_need(cfg, world: int) -> float:
     return max(plan.memory_per_device)
 
 
-def rank_run(rank: int, cfg: dict, reps: int, warmup: int, cap_gb: float, autotune: bool = True) -> dict:
+def rank_run(rank: int, cfg: dict, reps: int, warmup: int, cap_gb: float, autotune: bool = True,
+             plan_path: str | None = None) -> dict:
     import autopar
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -86,11 +94,11 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int, cap_gb: float, autotu
     fns = {}
 
     def torch_step(module, opt, parts: int = 1):
-        def step(meter=None):
+        def step(count: bool = True):
             params = list(module.parameters())
-            meter = meter or SavedTensorMeter()
+            meter = SavedTensorMeter()
             meter.exclude |= {_key(_local(p))[0] for p in params}
-            with meter.hooks():
+            with meter.hooks() if count else contextlib.nullcontext():
                 for xs, ys in zip(xl.chunk(parts), yl.chunk(parts)):
                     (lm_loss(module(xs), ys) / parts).backward()
             held = _held(params, opt, meter)
@@ -120,15 +128,19 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int, cap_gb: float, autotu
 
     if not autotune:
         autopar.set_auto_parallel_context(autotune_top_k=1)  # the predicted best alone, not AUTO's measured pick
-    pm = autopar.parallelize(_model(cfg), autopar.Mesh(world, memory_gb=cap_gb), example_inputs=(x,),
-                             loss_fn=lm_loss, example_target=y, mode="auto")
+    if plan_path:                   # AUTO's plan made beforehand (``--plan``), applied as is
+        pm = autopar.parallelize(_model(cfg), autopar.Mesh(world, memory_gb=cap_gb), example_inputs=(x,),
+                                 loss_fn=lm_loss, example_target=y, mode="hybrid", plan=autopar.Plan.load(plan_path))
+    else:
+        pm = autopar.parallelize(_model(cfg), autopar.Mesh(world, memory_gb=cap_gb), example_inputs=(x,),
+                                 loss_fn=lm_loss, example_target=y, mode="auto")
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
-    def auto_step(meter=None):
+    def auto_step(count: bool = True):
         params = list(pm.parameters())
-        meter = meter or SavedTensorMeter()
+        meter = SavedTensorMeter()
         meter.exclude |= {_key(p)[0] for p in params}
-        with meter.hooks():
+        with meter.hooks() if count else contextlib.nullcontext():
             pm.step(x, target=y)
         held = _held(params, opt, meter)
         opt.step()
@@ -137,10 +149,11 @@ def rank_run(rank: int, cfg: dict, reps: int, warmup: int, cap_gb: float, autotu
     fns["autopar-auto"] = auto_step
     held_by["autopar-auto"] = (pm, opt)
 
-    times = interleaved({k: (lambda f=f: f()) for k, f in fns.items()}, reps=reps, warmup=warmup, shuffle=True)
+    times = interleaved({k: (lambda f=f: f(count=False)) for k, f in fns.items()}, reps=reps, warmup=warmup, shuffle=True)
     held = {k: f() for k, f in fns.items()}
     peak = {k: torch.tensor([float(sum(v.values()))]) for k, v in held.items()}
-    live = {k: torch.tensor([float(live_peak(f, *held_by[k], x, y))]) for k, f in fns.items()}
+    # the live peak of a plain step: the counting hooks above change what a checkpointed region keeps
+    live = {k: torch.tensor([float(live_peak(lambda f=f: f(count=False), *held_by[k], x, y))]) for k, f in fns.items()}
     for t in [*peak.values(), *live.values()]:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {"times": times, "held": held, "peak": {k: float(t) for k, t in peak.items()},
@@ -156,24 +169,31 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cap-fraction", type=float, default=None)
     ap.add_argument("--state-over-cap", type=float, default=2.7)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cfg", choices=sorted(CFGS), default="default",
+                    help="the GPT: default (bench/zero.py's, 4 layers of 256), deep (24 layers of 128), quick (2 of 128)")
+    ap.add_argument("--quick", action="store_true", help="--cfg quick")
     ap.add_argument("--no-autotune", action="store_true", help="AUTO's predicted best alone (autotune_top_k=1)")
+    ap.add_argument("--plan", default=None,
+                    help="a plan JSON AUTO made for this job and cap (autopar.plan(..., mode='auto').save): applied as "
+                         "is, so the ranks do not each plan (AUTO's predicted best alone)")
     args = ap.parse_args()
     from autopar.runtime.launch import RankPool
 
-    cfg = QUICK_CFG if args.quick else CFG
+    cfg = CFGS["quick" if args.quick else args.cfg]
     need = ddp_need(cfg, args.nprocs)
     state = 16 * sum(p.numel() for p in _model(cfg).parameters())
     cap = args.cap_fraction * need if args.cap_fraction else state / args.state_over_cap
     pool = RankPool(args.nprocs, timeout_s=900)
     try:
-        res = pool.run(rank_run, cfg, args.reps, args.warmup, cap / 2**30, not args.no_autotune, timeout_s=1800)[0]
+        res = pool.run(rank_run, cfg, args.reps, args.warmup, cap / 2**30, not args.no_autotune, args.plan,
+                       timeout_s=3600)[0]
     finally:
         pool.close()
-    print(header(f"Fitting under a cap: GPT {cfg} on {args.nprocs} gloo CPU ranks, cap {cap / 2**20:.1f} MiB: the "
+    print(header(f"Fitting under a cap: GPT {cfg} on {args.nprocs} gloo CPU ranks, cap {cap / 2**20:.3f} MiB: the "
                  f"replicated training state {state / 2**20:.1f} MiB is {state / cap:.2f}x the cap, DDP's predicted need "
                  f"{need / 2**20:.1f} MiB per rank; {args.reps} rounds"))
-    print(f"AUTO chose ({'autotuned' if not args.no_autotune else 'predicted best'}): {res['degrees']}, {res['plan']}; predicted peak {res['predicted'] / 2**20:.1f} MiB "
+    how = "plan file, predicted best" if args.plan else "autotuned" if not args.no_autotune else "predicted best"
+    print(f"AUTO chose ({how}): {res['degrees']}, {res['plan']}; predicted peak {res['predicted'] / 2**20:.3f} MiB "
           f"({ {k: round(v / 2**20, 2) for k, v in res['breakdown'].items()} } MiB)")
     t, live = res["times"], res["live"]
     fitting = [k for k in ("fsdp2-ckpt", "fsdp2-ckpt-acc2") if live[k] <= cap]
@@ -191,7 +211,7 @@ def main() -> None:
         h = {k: v / 2**20 for k, v in res["held"][name].items()}
         med = Ratio(name, name, t[name], t[name]).median_a
         print(f"{name:16s} {med * 1e3:8.1f} {h['params']:8.2f} {h['grads']:8.2f} {h['optimizer']:8.2f} "
-              f"{h['activations']:8.2f} {res['peak'][name] / 2**20:8.2f} {live[name] / 2**20:9.2f} "
+              f"{h['activations']:8.2f} {res['peak'][name] / 2**20:8.2f} {live[name] / 2**20:9.3f} "
               f"{'yes' if live[name] <= cap else 'no':>8s}")
 
 if __name__ == "__main__":

@@ -292,14 +292,17 @@ def _models():
         # vocab 2048 x seq 64: the logits are a good part of the activations, as in GPT-2
         "gpt": functools.partial(GPT, vocab=2048, hidden=128, heads=4, layers=2, seq=64),
         "gpt_large": functools.partial(GPT, vocab=4096, hidden=256, heads=8, layers=4, seq=128),
+        # deep and thin (bench/memory_fit.py --cfg deep, fewer layers): row-parallel biases whose
+        # gradients are not summed, residual streams redistributed into recomputed layers
+        "gpt_deep": functools.partial(GPT, vocab=256, hidden=64, heads=4, layers=6, seq=32),
         "llama": functools.partial(Llama, vocab=2048, hidden=128, heads=4, layers=2, seq=64, ffn=256),
         "gpt2": functools.partial(GPT, vocab=50257, hidden=768, heads=12, layers=12, seq=1024),          # 124M
         "gpt_1.3b": functools.partial(GPT, vocab=50257, hidden=2048, heads=16, layers=24, seq=1024),
     }
 
 
-_SEQ = {"gpt": 64, "gpt_large": 128, "llama": 64, "gpt2": 1024, "gpt_1.3b": 1024}
-_VOCAB = {"gpt": 2048, "gpt_large": 4096, "llama": 2048, "gpt2": 50257, "gpt_1.3b": 50257}
+_SEQ = {"gpt_deep": 32, "gpt": 64, "gpt_large": 128, "llama": 64, "gpt2": 1024, "gpt_1.3b": 1024}
+_VOCAB = {"gpt_deep": 256, "gpt": 2048, "gpt_large": 4096, "llama": 2048, "gpt2": 50257, "gpt_1.3b": 50257}
 
 CASES = {c.name: c for c in [
     Case("gpt dp2 fp32", "gpt", 8, (2,), mode="data"),
@@ -322,6 +325,14 @@ CASES = {c.name: c for c in [
     Case("gpt dp2 zero3", "gpt", 8, (2,), mode="data", context=(("zero", 3),)),
     Case("gpt dp2 recompute full", "gpt", 8, (2,), mode="data", context=(("recompute", "full"),)),
     Case("gpt dp2 recompute selective", "gpt", 8, (2,), mode="data", context=(("recompute", "selective"),)),
+    # memory_fit's plan at 2.7x (RESULTS §8i: predicted 4 % under the cap, live 1.7 % over it): tied
+    # embedding, tensor parallel, ZeRO-1 over the replicated weights, accumulation, recomputation
+    Case("gpt tp4 zero1 accumulation 4 recompute full", "gpt", 16, (4,), ("tp",),
+         context=(("zero", 1), ("accumulation", 4), ("recompute", "full"))),
+    Case("gpt-deep tp4 zero1 accumulation 2 recompute full", "gpt_deep", 8, (4,), ("tp",),
+         context=(("zero", 1), ("accumulation", 2), ("recompute", "full"))),
+    Case("gpt-deep dp4 zero3 accumulation 2 recompute full", "gpt_deep", 8, (4,), ("dp",), mode="data",
+         context=(("zero", 3), ("accumulation", 2), ("recompute", "full"))),
 ]}
 
 

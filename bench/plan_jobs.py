@@ -33,13 +33,13 @@ def main() -> None:
     for key in args.jobs.split(","):
         title, factory, n, device, mp = JOBS[key]
         model, inputs, loss, target = factory()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         p = autopar.plan(model, autopar.Mesh(n, device=device), example_inputs=inputs, loss_fn=loss,
                          example_target=target, mode="auto", mixed_precision=mp, progress=args.progress,
                          time_budget=args.time_budget)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         d = p.degrees
-        print(f"{title} on {n} x {device}: {wall:.1f} s | dp={d['dp']} tp={d['tp']} pp={d['pp']} "
+        print(f"{title} on {n} x {device}: {wall:.1f} s ({cpu:.1f} s CPU, load {os.getloadavg()[0]:.1f}) | dp={d['dp']} tp={d['tp']} pp={d['pp']} "
               f"microbatches={p.microbatches} {p.schedule} | {p.memory_options.summary()} | "
               f"step {p.step_time:.2f} s | peak {max(p.memory_per_device) / 2**30:.2f} GiB"
               + (f" | {p.search_note}" if p.search_note else ""), flush=True)

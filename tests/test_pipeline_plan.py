@@ -65,8 +65,8 @@ def test_embedding_dominated_model_partition_matches_brute_force_and_fits():
     peaks = [max(s.memory for s in partition_stages(profiles, 2, 4, "1f1b", fixed_boundaries=[c]).stages)
              for c in range(1, 5)]
     free = _plan(model, autopar.Mesh((2,), axis_names=("pp",)), schedule="1f1b", microbatches=4)
-    # what a stage holds beyond its partition (the sub-plan's gathered weights, backward transients)
-    extra = free.memory_breakdown.get("gathered parameters", 0.0) + free.memory_breakdown.get("transient", 0.0)
+    # what a stage holds beyond its partition (the sub-plan's gathered weights, backward transients, inputs)
+    extra = sum(free.memory_breakdown.get(k, 0.0) for k in ("gathered parameters", "transient", "inputs"))
     budget = min(peaks) * 1.0001 + extra                             # only the memory-optimal cut fits
     plan = _plan(model, autopar.Mesh((2,), axis_names=("pp",)), memory_budget_gb=budget / 2**30,
                  schedule="1f1b", microbatches=4)

@@ -114,10 +114,10 @@ def test_pipeline_stage_memory_drops_what_recomputation_does_not_save():
 PIPE_MODEL = functools.partial(GPT, vocab=128, hidden=64, heads=4, layers=4, seq=32, qkv_bias=False)
 
 
-def _pipe_plan(mesh, rc=None, microbatches=None):
+def _pipe_plan(mesh, rc=None, microbatches=None, schedule=None):
     x = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     if rc:
-        autopar.set_auto_parallel_context(recompute=rc, microbatches=microbatches)
+        autopar.set_auto_parallel_context(recompute=rc, microbatches=microbatches, schedule=schedule)
     try:
         return autopar.plan(PIPE_MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=x, mode="auto")
     finally:
@@ -125,12 +125,15 @@ def _pipe_plan(mesh, rc=None, microbatches=None):
 
 
 def _pipe_capped_mesh() -> autopar.Mesh:
-    """A 2-stage pipeline mesh whose cap lies between the least peaks (8 microbatches of one
-    example) with and without recomputation."""
-    peak = {rc: max(_pipe_plan(autopar.Mesh((2,), axis_names=("pp",)), rc, 8).memory_per_device)
+    """A 2-stage pipeline mesh whose cap lies between the least peaks (over 4 and 8 microbatches,
+    1F1B and interleaved: an interleaved rank posts receive buffers for two stages) with and without
+    recomputation."""
+    peak = {rc: min(max(_pipe_plan(autopar.Mesh((2,), axis_names=("pp",)), rc, m, sched).memory_per_device)
+                    for m in (4, 8) for sched in ("1f1b", "interleaved_1f1b"))
             for rc in ("none", "full")}
     assert peak["full"] < peak["none"]
-    return autopar.Mesh((2,), axis_names=("pp",), memory_gb=(peak["full"] + peak["none"]) / 2 / 2**30)
+    cap = peak["full"] + 0.75 * (peak["none"] - peak["full"])   # room for AUTO's own choice of m and schedule
+    return autopar.Mesh((2,), axis_names=("pp",), memory_gb=cap / 2**30)
 
 
 def test_auto_pipelines_with_recomputation_when_nothing_else_fits():
@@ -154,3 +157,50 @@ def test_auto_recomputed_pipeline_trains_like_one_device():
         plan = autopar.Plan.from_json(r["plan"])
         assert plan.degrees["pp"] == 2 and plan.memory_options.recompute != "none", plan.memory_options
         assert_same_training(ref, r, what=f"pipeline {plan.memory_options.summary()}")
+
+
+def _stages_and_plan(mesh):
+    stages = []
+    x = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+
+    def seen(progress):
+        if not stages or stages[-1] != progress.stage:
+            stages.append(progress.stage)
+
+    plan = autopar.plan(PIPE_MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=x, mode="auto",
+                        progress=seen)
+    return stages, plan
+
+
+def test_state_needs_pipeline_compares_the_state_over_a_node_with_the_cap():
+    from autopar.cost_models.memory import param_numel
+    from autopar.solver.mesh_solve import PlanOptions
+    from autopar.solver.search import state_needs_pipeline
+    from autopar.trace import trace
+
+    x = torch.zeros(8, 32, dtype=torch.long)
+    traced = trace(PIPE_MODEL(), (x,), lm_loss, x)
+    state = 16 * param_numel(traced.gm)           # fp32 AdamW: weights, gradients, two moments
+    opts = PlanOptions()
+    for per_node, cap in [(2, state / 2 * 0.99), (2, state / 2 * 1.01), (4, state / 4 * 0.99)]:
+        mesh = autopar.Mesh(8, gpus_per_node=per_node, memory_gb=cap / 2**30)
+        assert state_needs_pipeline(traced, mesh, opts, cap) == (cap < state / per_node), (per_node, cap)
+
+
+def test_recomputed_pipelines_come_before_the_accumulation_ladder_when_the_state_needs_them(monkeypatch):
+    """When nothing fits at k = 1 and the state over a node exceeds the cap, the recomputed
+    pipelines are tried before accumulation 2; they can only add candidates, so the plan found
+    is predicted no slower than the one the ladder-first order finds (here it is the pipeline)."""
+    from autopar.solver import search
+
+    mesh = autopar.Mesh(2, memory_gb=_pipe_capped_mesh().memory_gb)
+    monkeypatch.setattr(search, "state_needs_pipeline", lambda *a: False)
+    ladder_stages, ladder_first = _stages_and_plan(mesh)
+    monkeypatch.setattr(search, "state_needs_pipeline", lambda *a: True)
+    stages, plan = _stages_and_plan(mesh)
+    first = stages.index("ZeRO-0, recompute full, accumulation 1: pipelines first")
+    assert first < stages.index("ZeRO-0, recompute none, accumulation 2"), stages
+    assert not any("pipelines first" in s for s in ladder_stages)
+    assert plan.step_time <= ladder_first.step_time
+    assert plan.degrees["pp"] == 2 and plan.memory_options.recompute != "none", plan.memory_options
+    assert max(plan.memory_per_device) <= mesh.memory_gb * 2**30

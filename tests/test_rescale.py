@@ -93,3 +93,39 @@ def test_the_runtime_traces_what_planning_rescaled():
     built = microbatch_trace(big, 2, retracer, rescale=False)
     assert built is not planned and not built.meta.get("rescaled")
     assert graph_fingerprint(built.gm) == graph_fingerprint(planned.gm)
+
+
+class _CountingRetracer(Retracer):
+    """A Retracer that records the batch sizes it traces."""
+
+    def __call__(self, batch):
+        self.__dict__.setdefault("batches", []).append(batch)
+        return super().__call__(batch)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-target", "input-as-target"])
+def test_the_global_step_serves_as_a_reference(shared):
+    """The global graph matches the microbatch graphs (also where the tokens are passed again as
+    the target: trace gives the target its own placeholder), so one reference trace suffices."""
+    model = GPT(vocab=64, hidden=32, heads=4, layers=1, seq=8)
+    x = torch.randint(0, 64, (16, 8))
+    y = x if shared else x.clone()
+    big, retracer = trace(model, (x,), _lm_loss, y), _CountingRetracer(model, (x,), _lm_loss, y)
+    got = microbatch_trace(big, 2, retracer)
+    assert got.meta.get("rescaled")
+    assert retracer.batches == [reference_batches(16)[0]]
+    direct = trace(model, (x[:2],), _lm_loss, y[:2])
+    assert got.gm.code == direct.gm.code and _vals(got.gm) == _vals(direct.gm)
+
+
+def test_a_global_graph_that_differs_falls_back_to_the_second_reference(monkeypatch):
+    from autopar.graph import retrace
+
+    model = GPT(vocab=64, hidden=32, heads=4, layers=1, seq=8)
+    x = torch.randint(0, 64, (16, 8))
+    big, retracer = trace(model, (x,), _lm_loss, x), _CountingRetracer(model, (x,), _lm_loss, x)
+    real = retrace.rescaled
+    monkeypatch.setattr(retrace, "rescaled", lambda first, second, b: None if second is big else real(first, second, b))
+    got = microbatch_trace(big, 2, retracer)
+    assert got.meta.get("rescaled") and retracer.batches == list(reference_batches(16))
+    assert got.gm.code == trace(model, (x[:2],), _lm_loss, x[:2]).gm.code

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.collectives.groups import axis as _axis
+from autopar.collectives.watch import note
 
 
 @dataclass
@@ -40,7 +41,9 @@ class CommCounter:
 
     def record(self, kind: str, t: torch.Tensor, axis: str, phase: str, parts: int = 1) -> None:
         """Bytes are the collective's full size, as the plan lists them (``step_bytes``): an
-        all-gather of ``parts`` pieces counts its output, ``t`` being one rank's piece."""
+        all-gather of ``parts`` pieces counts its output, ``t`` being one rank's piece. Every call is
+        also noted for the error a failure raises (``watch.note``), counted or not."""
+        note(kind, axis, self.phase_override or phase)
         if self.enabled:
             self.calls.append((kind, t.numel() * t.element_size() * parts, axis, self.phase_override or phase))
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from autopar.comm_timeout import comm_timeout_s, span_groups, world_group
+
 _local = threading.local()
 
 
@@ -54,25 +56,42 @@ def current_axes() -> dict[str, AxisGroup] | None:
     return stack[-1] if stack else None
 
 
-_DM_CACHE: dict = {}
+_DM_CACHE: dict = {}        # (shape, axis names, timeout) -> (the default group then, DeviceMesh)
+_SPANS: dict = {}           # (shape, axis names, dims, timeout) -> (the default group then, group)
 
 
 def axis_groups(mesh) -> dict[str, AxisGroup]:
-    """Process groups of every axis of ``mesh`` (DeviceMesh created once per mesh shape)."""
-    key = (mesh.shape, mesh.axis_names)
-    if mesh._device_mesh is None and key in _DM_CACHE:
-        mesh._device_mesh = _DM_CACHE[key]
+    """Process groups of every axis of ``mesh`` (DeviceMesh created once per mesh shape and communication
+    timeout, its groups made with that timeout)."""
+    key = (mesh.shape, mesh.axis_names, comm_timeout_s())
+    world, cached = _DM_CACHE.get(key, (None, None))
+    if mesh._device_mesh is None and world is dist.group.WORLD:
+        mesh._device_mesh = cached
     dm = mesh.device_mesh()
-    _DM_CACHE[key] = dm
+    _DM_CACHE[key] = (dist.group.WORLD, dm)
     coords = mesh.coords(dist.get_rank())
     groups = {n: AxisGroup(n, dm.get_group(n), s, c) for n, s, c in zip(mesh.axis_names, mesh.shape, coords)}
     for g in groups.values():
         _NAMES[id(g.group)] = g.name
-    _NAMES[id(dist.group.WORLD)] = "+".join(mesh.axis_names)
+    for world in (dist.group.WORLD, world_group()):
+        _NAMES[id(world)] = "+".join(mesh.axis_names)
     return groups
 
 
 _NAMES: dict[int, str] = {}
+
+
+def span_group(mesh, axes) -> object:
+    """The process group over the ranks that differ from this one only on the mesh ``axes`` (names; all of
+    them: every rank), made once per mesh, axes and timeout with the communication timeout in force."""
+    dims = tuple(i for i, n in enumerate(mesh.axis_names) if n in axes)
+    key = (mesh.shape, mesh.axis_names, dims, comm_timeout_s())
+    world, group = _SPANS.get(key, (None, None))
+    if world is not dist.group.WORLD:
+        group = span_groups(tuple(mesh.shape), dims)[0]
+        _SPANS[key] = (dist.group.WORLD, group)
+    _NAMES.setdefault(id(group), "+".join(mesh.axis_names[d] for d in dims))
+    return group
 
 
 def group_name(group, default: str) -> str:

@@ -46,6 +46,34 @@ from .comm import axis_collective_time
 from .devices import DeviceSpec
 
 
+ZERO_BUCKET_MB = 25.0      # the runtime's bucket cap (``runtime/zero.py``), MiB of padded gradients
+
+
+def zero1_bucket_bytes(buckets: list[tuple[int, int]], d: int, input_copied: bool) -> float:
+    """Bytes ZeRO-1's reduce-scatter of its largest bucket holds beside the training state, after
+    backward: the ``(d, C)`` input the working gradients are copied into, a second copy where the
+    collective copies its input (gloo's ``reduce_scatter_single`` does), and this rank's ``C``
+    output. ``buckets``: (``C``, bytes per element) of each bucket (``zero_buckets``)."""
+    return max((width * e * (d * (2 if input_copied else 1) + 1) for width, e in buckets), default=0.0)
+
+
+def zero_buckets(params: list[tuple[str, int, int]], d: int, bucket_mb: float = ZERO_BUCKET_MB) -> list[tuple[int, int]]:
+    """The runtime's buckets of one axis set (``runtime/zero.py``): ``params`` as (name, elements,
+    bytes per element), cut in name order where the padded bytes would pass ``bucket_mb`` or the
+    element size changes; (width ``C``: the sum of the chunks ``ceil(n / d)``, bytes per element)
+    of each bucket."""
+    out: list[list[int]] = []
+    size = 0.0
+    for _, numel, e in sorted(params):
+        c = shard_elements(numel, d)
+        if not out or size + c * d * e > bucket_mb * 2 ** 20 or e != out[-1][1]:
+            out.append([0, e])
+            size = 0.0
+        out[-1][0] += c
+        size += c * d * e
+    return [(w, e) for w, e in out]
+
+
 def gather_unit(name: str) -> str:
     """The unit ZeRO-3 gathers at once for parameter ``name``: its name up to the first numeric
     part ("blocks.0"), else its owner module ("ln_f")."""

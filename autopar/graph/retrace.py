@@ -40,9 +40,10 @@ class Retracer:
 
 def microbatch_trace(traced, batch: int, retracer: Retracer | None, rescale: bool = True):
     """The training step with every input and the target cut to ``batch`` rows (cached). With
-    ``rescale`` (planning), derived from the traces at the two ``reference_batches`` when they
-    differ only in batch-affine sizes (``graph/rescale.py``), else traced
-    again; the runtime traces (``rescale=False``) and checks the plan's fingerprint."""
+    ``rescale`` (planning), derived from two traces that differ only in batch-affine sizes
+    (``graph/rescale.py``): the first of the ``reference_batches`` and the global step itself,
+    or, where the global graph differs otherwise (an input passed again as the target is one
+    placeholder there), the second reference (one export more); else traced again; the runtime traces (``rescale=False``) and checks the plan's fingerprint."""
     cache = traced.meta.setdefault("microbatch_traces", {})
     if batch == traced.batch_size:
         return traced
@@ -53,8 +54,10 @@ def microbatch_trace(traced, batch: int, retracer: Retracer | None, rescale: boo
         refs = reference_batches(traced.batch_size) if rescale else None
         mb = None
         if refs is not None and batch not in refs:
-            first, second = (microbatch_trace(traced, b, retracer) for b in refs)
-            mb = rescaled(first, second, batch)
+            first = microbatch_trace(traced, refs[0], retracer)
+            mb = rescaled(first, traced, batch)     # the global step as the second point, where it matches
+            if mb is None:
+                mb = rescaled(first, microbatch_trace(traced, refs[1], retracer), batch)
             if mb is not None:
                 mb.meta["rescaled"] = True
         if mb is None:

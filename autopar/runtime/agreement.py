@@ -10,6 +10,8 @@ import json
 import torch
 import torch.distributed as dist
 
+from autopar.collectives.watch import note
+from autopar.comm_timeout import world_group
 from autopar.errors import RankMismatchError
 
 
@@ -59,7 +61,8 @@ def check_agreement(fields: dict, when: str) -> None:
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, fields)
+    note("all_gather_object", detail=f"of what each rank was started with ({when})")
+    dist.all_gather_object(gathered, fields, group=world_group())
     for rank, other in enumerate(gathered[1:], start=1):
         for key, ref in gathered[0].items():
             if other.get(key) != ref:

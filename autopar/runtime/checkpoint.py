@@ -58,6 +58,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from autopar.comm_timeout import comm_timeout_s, new_group, world_group
 from autopar.errors import CheckpointError
 from autopar.runtime.checkpoint_restore import Restore, rng_state
 from autopar.runtime.checkpoint_state import (META, LoadPlanner, Pieces, SavePlanner, merge_optimizer_info,
@@ -94,7 +95,7 @@ def _all_gather(obj) -> list:
     if not _dist():
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=world_group())
     return out
 
 
@@ -120,11 +121,12 @@ def save_checkpoint(pmodel, path, optimizer=None, step: int | None = None, async
     if not async_:
         try:
             with _single_process(not _dist()):
-                dcp.save(state, storage_writer=writer, planner=SavePlanner(), no_dist=not _dist())
+                dcp.save(state, storage_writer=writer, planner=SavePlanner(), no_dist=not _dist(),
+                         process_group=world_group() if _dist() else None)
         except (Exception, CheckpointException) as e:
             _abandon(tmp)
             raise _failed(path, e) from None
-        _commit(tmp, path, None)
+        _commit(tmp, path, world_group() if _dist() else None)
         return None
     group, pool = _async_resources()
     upload = dcp.async_save(_staged(state), storage_writer=writer, planner=SavePlanner(), process_group=group,
@@ -151,7 +153,7 @@ def _make_tmp(path: Path) -> Path:
             error = f"cannot write a checkpoint at {path}: {why}; save it under a directory this process can write"
     got = [str(tmp) if tmp else None, error]
     if _dist():
-        dist.broadcast_object_list(got, src=0)
+        dist.broadcast_object_list(got, src=0, group=world_group())
     if got[1]:
         raise CheckpointError(got[1])
     return Path(got[0])
@@ -262,10 +264,11 @@ def _staged(state: dict) -> dict:
 
 
 def _async_resources():
-    """The gloo group async saves coordinate over (not the training one) and the thread that renames."""
-    world = dist.group.WORLD if _dist() else None
-    if _ASYNC.get("world") is not world or "pool" not in _ASYNC:
-        _ASYNC.update(world=world, group=dist.new_group(backend="gloo") if _dist() else None,
+    """The gloo group async saves coordinate over (not the training one; made with the communication timeout
+    in force) and the thread that renames."""
+    world = (dist.group.WORLD, comm_timeout_s()) if _dist() else None
+    if _ASYNC.get("world") != world or "pool" not in _ASYNC:
+        _ASYNC.update(world=world, group=new_group(backend="gloo") if _dist() else None,
                       pool=concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="autopar-ckpt"))
     return _ASYNC["group"], _ASYNC["pool"]
 
@@ -305,7 +308,8 @@ def load_checkpoint(pmodel, path, optimizer=None) -> int | None:
     if problems:
         raise CheckpointError("\n".join(problems))
     with _single_process(not _dist()):
-        dcp.load(restore.template, storage_reader=FileSystemReader(path), planner=LoadPlanner(), no_dist=not _dist())
+        dcp.load(restore.template, storage_reader=FileSystemReader(path), planner=LoadPlanner(), no_dist=not _dist(),
+                 process_group=world_group() if _dist() else None)
     restore.finish()
     return meta.get("step")
 

@@ -25,7 +25,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.collectives.comm import COUNTER
-from autopar.collectives.groups import group_name
+from autopar.collectives.groups import group_name, span_group
+from autopar.collectives.watch import guard, note
+from autopar.comm_timeout import comm_timeout_s, world_group
 
 
 def _sum_hook(group, bucket):
@@ -49,15 +51,37 @@ def _compress_hook(dtype):
     return hook
 
 
+class _SyncedFirst(torch.nn.Module):
+    """What DDP wraps: ``program``, with the parameters DDP sums registered here too, last first
+    (DDP's own guess at the order their gradients become ready), so that DDP lists them in that order."""
+
+    def __init__(self, program: torch.nn.Module, synced: list[tuple[str, torch.nn.Parameter]]):
+        super().__init__()
+        self.program = program
+        for name, p in reversed(synced):
+            self.register_parameter(name.replace(".", "__"), p)
+
+    def forward(self, *args, **kwargs):
+        return self.program(*args, **kwargs)
+
+
 def wrap_ddp(module: torch.nn.Module, group, ignore: list[str], compression: str | None, bucket_mb: float = 25.0):
-    """DDP over ``group`` summing gradients; parameters named in ``ignore`` are left alone."""
+    """DDP over ``group`` summing gradients; parameters named in ``ignore`` are left alone.
+
+    Its buckets are fixed before the first step (in the parameters' reverse order), not rebuilt
+    after it in the order the first backward made the gradients ready, which is what DDP does by
+    default: where a gradient lies in a bucket decides the order its ranks' parts are summed in
+    (over more than 2 ranks), so a module built to resume from a checkpoint would otherwise sum its
+    first step in another order than the run that saved it, and not train on bit for bit."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    # DDP spells the names of the root module's own parameters ".name" when it builds its buckets
-    # and "name" elsewhere: list both, or a root-level parameter is synced although ignored.
-    DDP._set_params_and_buffers_to_ignore_for_model(module, list(ignore) + ["." + n for n in ignore if "." not in n])
-    ddp = DDP(module, process_group=group, forward_sync_buffers=False, bucket_cap_mb=bucket_mb,
+    skip = set(ignore)
+    synced = [(n, p) for n, p in module.named_parameters() if n not in skip and p.requires_grad]
+    wrapper = _SyncedFirst(module, synced)
+    DDP._set_params_and_buffers_to_ignore_for_model(wrapper, [f"program.{n}" for n in ignore])
+    ddp = DDP(wrapper, process_group=group, forward_sync_buffers=False, bucket_cap_mb=bucket_mb,
               gradient_as_bucket_view=True)
+    ddp.reducer._push_all_rebuilt_params()      # the first forward builds the buckets in that order, once
     if compression is None:
         ddp.register_comm_hook(group, _sum_hook)
     else:
@@ -107,7 +131,8 @@ def broadcast_state(model: torch.nn.Module, bucket_mb: float = 25.0) -> None:
         size += nbytes
     for bucket in buckets:
         flat = _flatten_dense_tensors([b.detach() for b in bucket])
-        dist.broadcast(flat, src=0)
+        note("broadcast", detail="of rank 0's parameters and buffers")
+        dist.broadcast(flat, src=0, group=world_group())
         with torch.no_grad():
             for b, new in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 b.copy_(new)
@@ -140,6 +165,7 @@ class Accumulation:
         self._held: dict[int, torch.Tensor] = {}
         self.local = False      # gradients hold local (unsummed) parts from no_sync steps
         self.syncing = True
+        self.timeout_s = comm_timeout_s()       # its groups' timeout, named when a peer fails in opt.step()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -191,7 +217,8 @@ class Accumulation:
 def _flush_before_optimizer_step(optimizer, args, kwargs) -> None:
     for acc in list(_PENDING):
         if acc.owns_any(p for g in optimizer.param_groups for p in g["params"]):
-            acc.flush()
+            with guard("optimizer.step (summing the gradients of no_sync steps)", acc.timeout_s):
+                acc.flush()
 
 
 register_optimizer_step_pre_hook(_flush_before_optimizer_step)
@@ -220,13 +247,7 @@ def setup_grad_sync(program: torch.nn.Module, sync: dict, axes: dict, mesh, acc:
         if extra:
             add_axis_sync_hooks(p, [axes[a].group for a in sorted(extra, key=mesh.axis_names.index)], acc)
     if main:
-        if len(main) == mesh.ndim:
-            group = dist.group.WORLD
-        elif len(main) == 1:
-            group = axes[next(iter(main))].group
-        else:
-            dm = mesh.device_mesh()
-            group = dm[tuple(a for a in mesh.axis_names if a in main)]._flatten().get_group()
+        group = axes[next(iter(main))].group if len(main) == 1 else span_group(mesh, main)
         ignore += [name for name, _ in program.named_buffers()]
         ddp = wrap_ddp(program, group, ignore, compression)
     return ddp

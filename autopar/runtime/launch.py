@@ -4,15 +4,22 @@
 alive and runs many functions in them (tests and benchmarks share one pool).
 Rendezvous uses a fresh ``file://`` path (no port race); each rank runs with one intra-op
 thread and every process group has a timeout, so a dead rank fails the run instead of hanging.
+
+When a rank fails, ``launch`` gives the others time to fail on their own (their peer died or
+stalled: ``CommError``; ``_settle``), asks any rank still running for its Python stack
+(``faulthandler`` on SIGUSR1: a stalled rank says where it is), ends the rest, and raises one
+``RankError`` with the cause first (``rank_failure.describe``).
 """
 from __future__ import annotations
 
 import datetime
+import multiprocessing.connection
 import os
 import queue
 import signal
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -20,10 +27,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.allocator import keep_freed_memory
+from autopar.collectives.watch import guard, note
+from autopar.comm_timeout import DEFAULT_TIMEOUT_S, comm_timeout_s
 from autopar.runtime import rank_failure
-
-DEFAULT_TIMEOUT_S = 120.0
 _GRACE_S = 2.0      # after a rank fails, how long the others may take to fail on their own (and say why)
+_POLL_S = 0.05      # how often launch looks for a rank's recorded error while all are running
+_MIN_SETTLE_S = 0.5     # with no cause known, the least time before the one rank left running is called stalled
 
 
 class RankError(RuntimeError):
@@ -51,8 +60,10 @@ def init_rank(rank: int, world: int, init_method: str, timeout_s: float = DEFAUL
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
-    """Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set): initialize the default group (env://).
+def init_from_env(timeout_s: float | None = None) -> bool:
+    """Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set): initialize the default group (env://) with
+    ``timeout_s`` (default: the communication timeout in force: ``parallelize``'s or the context's
+    ``comm_timeout_s``, else ``DEFAULT_TIMEOUT_S``).
 
     Returns True when it initialized a group; False when one exists or the env has none.
     """
@@ -64,19 +75,23 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         keep_freed_memory()
-    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+    seconds = timeout_s if timeout_s is not None else comm_timeout_s()
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=seconds))
     return True
 
 
 def _launch_entry(rank, fn, world, init_method, timeout_s, args, err_dir):
+    rank_failure.dump_stack_on_request(err_dir, rank)
     try:
         try:
             init_rank(rank, world, init_method, timeout_s)
             fn(rank, *args)
+            with guard(f"autopar.launch (rank {rank} returned from {getattr(fn, '__name__', fn)})", timeout_s):
+                note("barrier", detail="where every rank waits for the others to return")
+                dist.barrier()  # a rank that finishes early must not tear down while others still connect
         except BaseException:
             rank_failure.record(err_dir, rank)
             raise
-        dist.barrier()  # a rank that finishes early must not tear down while others still connect
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -84,7 +99,8 @@ def _launch_entry(rank, fn, world, init_method, timeout_s, args, err_dir):
 
 def launch(fn, nprocs: int = 4, args: tuple = (), timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Run ``fn(rank, *args)`` in ``nprocs`` processes; raise ``RankError`` if any rank fails, the
-    failing rank's own error first (``rank_failure.describe``)."""
+    failing rank's own error first (``rank_failure.describe``). ``timeout_s``: the default process
+    group's timeout, which autopar's communication timeout follows unless ``comm_timeout_s`` is set."""
     name = f"autopar.launch({getattr(fn, '__name__', fn)})"
     if rank_failure.bootstrapping():    # a spawned rank re-running the script's top level: no main guard
         sys.exit(rank_failure.NO_MAIN_GUARD_EXIT)
@@ -96,23 +112,81 @@ def launch(fn, nprocs: int = 4, args: tuple = (), timeout_s: float = DEFAULT_TIM
     with tempfile.TemporaryDirectory(prefix="autopar_launch_") as err_dir:
         ctx = mp.start_processes(_launch_entry, args=(fn, nprocs, rendezvous_file(), timeout_s, tuple(args), err_dir),
                                  nprocs=nprocs, join=False, start_method="spawn")
+        procs = ctx.processes
         try:
-            while not ctx.join(grace_period=_GRACE_S):
-                pass
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            raise RankError(_launch_failure(name, err, ctx.processes, err_dir)) from None
+            if _wait_first_failure(procs, err_dir):
+                raise RankError(_launch_failure(name, procs, err_dir, timeout_s))
+        finally:
+            _end(procs)
 
 
-def _launch_failure(name: str, err, processes, err_dir: str) -> str:
-    """The RankError text: deaths (signal, exit code) and raised errors, the cause first. Ranks that
-    torch's join ended itself (SIGTERM after the first failure) are not deaths."""
+def _wait_first_failure(procs, err_dir: str) -> bool:
+    """Wait until every process has ended (False) or one has failed (True): it died, or it recorded an
+    error (noticed before its exit, which takes a second or more: the interpreter tears torch down)."""
+    while True:
+        running = [p for p in procs if p.exitcode is None]
+        if any(p.exitcode for p in procs) or rank_failure.any_recorded(err_dir):
+            return True
+        if not running:
+            return False
+        multiprocessing.connection.wait([p.sentinel for p in running], timeout=_POLL_S)
+
+
+def _join_all(procs, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+
+
+def _end(procs) -> None:
+    """SIGTERM the processes still running, then SIGKILL those that ignore it."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    _join_all(procs, _GRACE_S)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def _settle(procs, err_dir: str, timeout_s: float) -> float:
+    """After the first failure, give the other ranks time to fail on their own; the seconds waited.
+
+    With a cause known (a rank died, or raised an error other than a lost peer) that is ``_GRACE_S``.
+    Otherwise every error so far is a lost or timed-out peer, and the rank that stalled is the one
+    left running once all the others have failed, which can take up to one more communication
+    timeout (a rank may be waiting on a rank that already failed but has not exited yet): wait until
+    one rank is left (at least ``_MIN_SETTLE_S``), or that timeout (a CommError's, else the default
+    group's) and ``_GRACE_S`` have passed."""
+    start = time.monotonic()
+    while True:
+        failures = rank_failure.recorded(err_dir)
+        raised = {f.rank for f in failures}
+        running = [p for i, p in enumerate(procs) if p.exitcode is None and i not in raised]
+        caused = any(p.exitcode and i not in raised for i, p in enumerate(procs)) or any(
+            not f.lost_peer for f in failures)
+        waited = time.monotonic() - start
+        limit = _GRACE_S + (0.0 if caused else max([f.timeout_s for f in failures if f.timeout_s] or [timeout_s]))
+        if not running or waited >= limit or (not caused and len(running) == 1 and waited >= _MIN_SETTLE_S):
+            return waited
+        multiprocessing.connection.wait([p.sentinel for p in running], timeout=_POLL_S)
+
+
+def _launch_failure(name: str, procs, err_dir: str, timeout_s: float) -> str:
+    """The RankError text, once the others have had time to fail on their own (``_settle``): deaths
+    (signal, exit code), raised errors, and ranks still running (with their stacks), the cause first."""
+    waited = _settle(procs, err_dir, timeout_s)
     failures = rank_failure.recorded(err_dir)
     raised = {f.rank for f in failures}
-    deaths = {i: p.exitcode for i, p in enumerate(processes)
-              if i not in raised and p.exitcode and (i == err.error_index or p.exitcode != -signal.SIGTERM)}
+    running = [i for i, p in enumerate(procs) if p.is_alive() and i not in raised]
+    stacks = rank_failure.request_stacks(err_dir, {i: procs[i].pid for i in running})
+    asked = {i: -(rank_failure.STACK_SIGNAL or 0) for i in stacks}     # a rank exiting as it was asked: not a death
+    deaths = {i: p.exitcode for i, p in enumerate(procs)
+              if i not in raised and p.exitcode and p.exitcode != asked.get(i)}
     if rank_failure.NO_MAIN_GUARD_EXIT in deaths.values():
         return rank_failure.no_main_guard_message(name)
-    return rank_failure.describe(name, failures, deaths) if failures or deaths else f"{name}: a rank failed: {err}"
+    return rank_failure.describe(name, failures, deaths, stacks, waited)
 
 
 # ---- a persistent pool of ranks ---------------------------------------------------------

@@ -21,12 +21,13 @@ it), so the run completes.
 Values between stages on the same rank (interleaved schedules) go through a local mailbox.
 After the last action every pending send is waited on. Collectives inside a stage (tensor
 parallel) run in the same order on every rank of the stage's (dp, tp) group, so they match.
+Every wait is bounded by the communication timeout (``autopar.comm_timeout``) and noted
+(``watch.note``: the transfer, microbatch and peer rank), so the ``CommError`` that
+``pmodel.step`` raises when a peer stage died or stalled names them.
 """
 from __future__ import annotations
 
 import datetime
-import os
-
 from dataclasses import dataclass, field
 
 import torch
@@ -34,12 +35,11 @@ import torch.distributed as dist
 
 from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import bound_axes
+from autopar.collectives.watch import note
+from autopar.comm_timeout import comm_timeout_s
 from autopar.passes.split_stages import StageGraph, Transfer
 from autopar.runtime.program import fill_slots
 from autopar.schedule import Action, Schedule
-
-
-RECV_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("AUTOPAR_P2P_TIMEOUT", "300")))
 
 
 @dataclass
@@ -67,6 +67,7 @@ class PipelineExecutor:
     axes: dict
     loss_result: int | None               # original output index of the loss
     output_result: int | None
+    timeout_s: float = field(default_factory=comm_timeout_s)     # each wait's bound: the timeout when built
     _mailbox: dict = field(default_factory=dict)
     _posted: dict = field(default_factory=dict)
 
@@ -98,13 +99,10 @@ class PipelineExecutor:
         if key not in self._posted:
             return self._mailbox.pop(key)
         work, buf = self._posted.pop(key)
-        try:
-            work.wait(timeout=RECV_TIMEOUT)
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"pipeline rank {self.my_rank} waited {RECV_TIMEOUT.total_seconds():.0f}s for the "
-                f"{'gradient' if backward else 'activation'} of transfer {t.index} ({t.value}), microbatch {mb}, "
-                f"from rank {self.peer(t.dst if backward else t.src)}: the stages disagree on the schedule") from err
+        stage = t.dst if backward else t.src
+        src = self.peer(stage)
+        note("p2p receive", peer=src, detail=f"{_what(t, mb, backward)} from rank {src} (pipeline stage {stage})")
+        work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         COUNTER.record("recv", buf, "pp", "bwd" if backward else "fwd")
         return buf
 
@@ -120,7 +118,9 @@ class PipelineExecutor:
             self._mailbox[(t.index, mb, backward)] = value
             return
         COUNTER.record("send", value, "pp", "bwd" if backward else "fwd")
-        works.append((dist.isend(value, dst=dst, tag=t.tag(mb, backward, len(self.transfers))), value))
+        stage = t.src if backward else t.dst
+        works.append((dist.isend(value, dst=dst, tag=t.tag(mb, backward, len(self.transfers))), value,
+                      dict(peer=dst, detail=f"{_what(t, mb, backward)} to rank {dst} (pipeline stage {stage})")))
 
     def run(self, tensor_of, microbatches: list[tuple[list, object]], scale: float, train: bool = True) -> list:
         """Run every action of this rank; returns the last stage's per-microbatch results."""
@@ -138,8 +138,9 @@ class PipelineExecutor:
                 self._forward(a, call, tensor_of, microbatches, pending, results, works, train, a.stage == last)
             else:
                 self._backward(a, call, pending, scale, works, a.stage == last)
-        for w, _ in works:
-            w.wait()
+        for w, _, op in works:
+            note("p2p send", **op)
+            w.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         self._mailbox.clear()
         return [results[i] for i in sorted(results)]
 
@@ -188,3 +189,7 @@ class PipelineExecutor:
             if t.floating:
                 g = leaf.grad if leaf.grad is not None else torch.zeros(t.shape, dtype=t.dtype)
                 self._send(t, a.microbatch, True, g, works)
+
+
+def _what(t: Transfer, mb: int, backward: bool) -> str:
+    return f"of the {'gradient' if backward else 'activation'} of transfer {t.index} ({t.value}), microbatch {mb},"

@@ -50,11 +50,14 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autopar.collectives.comm import COUNTER
-from autopar.cost_models.zero import gather_unit
+from autopar.collectives.groups import span_group
+from autopar.collectives.watch import guard
+from autopar.comm_timeout import comm_timeout_s
+from autopar.cost_models.zero import ZERO_BUCKET_MB, gather_unit
 from autopar.plan import PlanError
 from autopar.runtime.program import _owner
 
-BUCKET_MB = 25.0
+BUCKET_MB = ZERO_BUCKET_MB
 
 
 def check_zero_supported(plan, pipelined: bool) -> None:
@@ -67,12 +70,9 @@ def check_zero_supported(plan, pipelined: bool) -> None:
 
 def axes_group(axes: tuple[str, ...], groups: dict, mesh):
     """The process group spanning the mesh axes ``axes`` (``groups``: axis -> AxisGroup)."""
-    if len(axes) == mesh.ndim:
-        return dist.group.WORLD
     if len(axes) == 1:
         return groups[axes[0]].group
-    dm = mesh.device_mesh()
-    return dm[tuple(a for a in mesh.axis_names if a in axes)]._flatten().get_group()
+    return span_group(mesh, axes)
 
 
 class _Sharded:
@@ -115,6 +115,17 @@ class _AxisSet:
             size += nbytes
 
 
+def write_rows(inp: torch.Tensor, at: int, grad: torch.Tensor, sp) -> None:
+    """Write ``grad`` (``sp.n`` elements) into columns ``[at, at + sp.c)`` of the reduce-scatter input
+    ``inp`` of shape (d, C): row r holds elements [r c, (r + 1) c), the last row's tail stays zero."""
+    flat = grad.detach().reshape(-1)
+    full, rest = divmod(sp.n, sp.c) if sp.c else (0, 0)
+    if full:
+        inp[:full, at:at + sp.c].copy_(flat[:full * sp.c].view(full, sp.c))
+    if rest:
+        inp[full, at:at + rest].copy_(flat[full * sp.c:])
+
+
 class ZeroSync:
     """ZeRO-1/2 gradient sync and parameter update of one per-rank program (module docstring).
 
@@ -152,6 +163,7 @@ class ZeroSync:
             mod.register_parameter(leaf, self.sharded[name][1].shard if name in self.sharded else p)
         self.syncing = True
         self.local = False          # working gradients hold local parts of no_sync steps
+        self.timeout_s = comm_timeout_s()       # its groups' timeout, named when a peer fails in opt.step()
         _LIVE.add(self)
 
     # ---- Accumulation's interface ---------------------------------------------------------------
@@ -235,12 +247,7 @@ class ZeroSync:
         for sp in bucket:
             g = sp.working.grad
             if g is not None:
-                flat = g.detach().reshape(-1)
-                full, rest = divmod(sp.n, sp.c) if sp.c else (0, 0)
-                if full:
-                    inp[:full, at:at + sp.c].copy_(flat[:full * sp.c].view(full, sp.c))
-                if rest:
-                    inp[full, at:at + rest].copy_(flat[full * sp.c:])
+                write_rows(inp, at, g, sp)
                 if self.stage >= 2:
                     sp.working.grad = None          # its bytes are in the bucket now
             at += sp.c
@@ -351,13 +358,15 @@ def _params_of(optimizer):
 def _flush_before_step(optimizer, args, kwargs) -> None:
     for z in list(_LIVE):
         if z.local and z.owns_any(_params_of(optimizer)):
-            z.flush()
+            with guard("optimizer.step (ZeRO: summing the gradients of no_sync steps)", z.timeout_s):
+                z.flush()
 
 
 def _gather_after_step(optimizer, args, kwargs) -> None:
     for z in list(_LIVE):
         if z.owns_any(_params_of(optimizer)):
-            z.all_gather()
+            with guard("optimizer.step (ZeRO: all-gathering the updated parameters)", z.timeout_s):
+                z.all_gather()
 
 
 register_optimizer_step_pre_hook(_flush_before_step)

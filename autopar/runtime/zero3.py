@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from autopar.collectives.comm import COUNTER
 from autopar.cost_models.zero import gather_unit
-from autopar.runtime.zero import ZeroSync, _Sharded, axes_group
+from autopar.runtime.zero import ZeroSync, _Sharded, axes_group, write_rows
 
 
 class Zero3Gather(nn.Module):
@@ -87,24 +87,32 @@ class _Zero3GatherFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mod: Zero3Gather, *shards):
         ctx.mod = mod
-        ctx.shard_meta = [(s.shape, s.dtype) for s in shards]
+        ctx.shard_meta = [(s.shape, s.dtype, s.device) for s in shards]
         return tuple(mod.gather(shards, "fwd"))
 
     @staticmethod
     def backward(ctx, *grads):
         mod = ctx.mod
         mod.cache = None                            # every use of this layer's parameters is done
-        cols = []
-        for g, sp, (shape, dtype) in zip(grads, mod.items, ctx.shard_meta):
-            # reduced in the shard's (master) dtype: under bf16 mixed precision the gradients of the
-            # bf16 gathered weights are summed in fp32, as the plan's reduce_dtype says
-            flat = g.reshape(-1).to(dtype) if g is not None else torch.zeros(sp.n, dtype=dtype)
-            cols.append(F.pad(flat, (0, sp.c * mod.d - sp.n)).view(mod.d, sp.c))
-        inp = torch.cat(cols, dim=1).reshape(-1)
+        # the (d, C) input, column block j parameter j's padded gradient viewed (d, c_j), written in
+        # place (no padded copy per gradient, no concatenation): reduced in the shards' (master)
+        # dtype, so under bf16 mixed precision the bf16 weights' gradients are summed in fp32, as
+        # the plan's reduce_dtype says
+        dtype, device = ctx.shard_meta[0][1], ctx.shard_meta[0][2]
+        for _, dt, _ in ctx.shard_meta[1:]:
+            dtype = torch.promote_types(dtype, dt)
+        inp = torch.zeros(mod.d, sum(sp.c for sp in mod.items), dtype=dtype, device=device)
+        at = 0
+        for g, sp in zip(grads, mod.items):
+            if g is not None:
+                write_rows(inp, at, g, sp)
+            at += sp.c
+        inp = inp.view(-1)
         out = inp.new_empty(inp.numel() // mod.d)
         COUNTER.record("reduce_scatter", inp, mod.label, "bwd")
         dist.reduce_scatter_single(out, inp, group=mod.group)
-        return (None, *out.split([sp.c for sp in mod.items]))
+        pieces = out.split([sp.c for sp in mod.items])
+        return (None, *(p if p.dtype == dt else p.to(dt) for p, (_, dt, _) in zip(pieces, ctx.shard_meta)))
 
 
 class Zero3:

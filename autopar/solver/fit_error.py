@@ -5,12 +5,12 @@ of its intra-op solve; where the solver found its smallest assignment, the error
 assignment's per-device bytes by kind (``mesh_solve.memory_parts``). The message names the
 candidate with the least memory, its breakdown, and an estimate of the device count that fits:
 
-    N' = n · 2^j,  the least j >= 1 with  S · n / N' + a <= cap,
+    N' = n · 2^j,  the least j >= 1 with  S · n / N' + 1.1 a + i <= cap,
 
 where S is the least training state (parameters, gradients, optimizer state, gathered weights) of
-any candidate on each of the n devices (split further by ZeRO-3 or tensor parallelism) and ``a``
+any candidate on each of the n devices (split further by ZeRO-3 or tensor parallelism), ``a``
 the least activations and transients of a microbatch of one row per device (accumulation and
-recomputation shrink them that far). ``j`` is capped where the batch runs out of rows. It is an
+recomputation shrink them that far; ``_more_devices``) and ``i`` the step's inputs. ``j`` is capped where the batch runs out of rows. It is an
 estimate: the message says so (``tests/test_zero_search.py`` checks that it fits).
 """
 from __future__ import annotations
@@ -118,11 +118,20 @@ def nothing_fits(mesh, failures: list[Failure], cap: float, batch: int) -> PlanE
 
 
 def _more_devices(n: int, sized: list[Failure], cap: float, batch: int) -> str:
-    """N' = n · 2^j, the least j with  S · n / N' + a <= cap:  S the least state (STATE) of any
-    candidate, ``a`` the least activations + transients of one row per device (a candidate's,
-    scaled from its microbatch of B / (k · n) rows, as if every device split the batch)."""
+    """N' = n · 2^j, the least j with  S · n / N' + 1.1 a + i <= cap:  S the least state (STATE) of
+    any candidate, ``a`` the least activations + transient of one row per device (a candidate's,
+    scaled from its microbatch of B / (k · n) rows by s = k · n / B as if every device split the
+    batch: the activations by s, the transient by max(s, 1), since the parameter gradients in it
+    do not shrink with the rows; 10 % more for the other layouts a larger mesh takes), ``i`` the
+    step's inputs (the global batch on every device)."""
     state = min(sum(f.breakdown.get(key, 0.0) for key in STATE) for f in sized)
-    row = min(sum(v for key, v in f.breakdown.items() if key not in STATE) * _k(f.note) * n / batch for f in sized)
+    inputs = min(f.breakdown.get("inputs", 0.0) for f in sized)
+
+    def one_row(f: Failure) -> float:
+        s = _k(f.note) * n / batch
+        rest = sum(v for key, v in f.breakdown.items() if key not in STATE and key not in ("inputs", "transient"))
+        return rest * s + f.breakdown.get("transient", 0.0) * max(s, 1.0)
+    row = 1.1 * min(one_row(f) for f in sized) + inputs
     if row >= cap:
         return (f"One row of the batch per device already needs {human_bytes(row)} of activations: split the layers "
                 "with tensor or pipeline parallelism, recompute activations, or use devices with more memory.")

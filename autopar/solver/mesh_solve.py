@@ -12,22 +12,25 @@ import math
 import time
 from dataclasses import dataclass
 
+import torch
+
 from autopar.context import ParallelMode
 from autopar.cost_models.compute import total_flops
 from autopar.cost_models.memory import training_state_parts
 from autopar.cost_models.zero import zero_axes, zero_collectives
+from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.graph.layers import find_layers, tie_groups
 from autopar.graph.retrace import graph_fingerprint
 from autopar.mesh import Mesh
 from autopar.plan import CandidateError, Collective, MemoryOptions, Plan, PlanError
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard, shard_factor
-from autopar.solver.decode import decode, loss_report_collectives, output_specs
+from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
 from autopar.solver.progress import SearchProgress
 from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
-                                    sync_element_bytes, transient_bytes, zero_layer_buffers)
+                                    resharded_region_inputs, sync_element_bytes, transient_bytes, zero_layer_buffers)
 
 
 @dataclass
@@ -221,7 +224,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
     redistribution, memo = traced.meta.setdefault("costing_memo", {}).setdefault((mesh.shape, repr(device)), ({}, {}))
     costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers),
-                      recompute=opts.recompute or "none", zero=opts.zero or 0,
+                      recompute=opts.recompute or "none", zero=opts.zero or 0, microbatches=microbatches,
                       grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),
                       _redistribution=redistribution, _memo=memo)
     names = dict(traced.params)
@@ -229,12 +232,13 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     ties = tie_groups(find_layers(traced.gm, names))
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
     built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
+    held = step_input_bytes(traced, microbatches)
     try:
-        sol, gathered, transient = _solve_within(traced, cands, built, costing, budget, microbatches, cutoff)
+        sol, gathered, transient = _solve_within(traced, cands, built, costing, budget - held, microbatches, cutoff)
         layers = zero_layer_buffers(traced.gm, cands, built, sol.choice, costing, traced.params)
     except InfeasibleError as err:
         if getattr(err, "choice", None) is not None:
-            err.breakdown = memory_parts(traced, cands, built, err.choice, costing)
+            err.breakdown = {**memory_parts(traced, cands, built, err.choice, costing), "inputs": held}
         raise
     nodes, params, inputs, colls = decode(traced.gm, cands, built, sol.choice, costing, mesh.axis_names, traced)
     outputs = output_specs(traced.gm, nodes, params, inputs, traced)
@@ -247,8 +251,9 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     return Plan(mode=mode, mesh=mesh, degrees=degrees_of(roles, mesh.axis_names, mesh.shape), axis_roles=roles,
                 nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
-                memory_per_device=[float(sol.memory) + gathered + transient] * mesh.size, memory_bound=sol.bound,
-                memory_breakdown=_breakdown(built, sol, traced, gathered - layers, transient, layers, costing.zero),
+                memory_per_device=[float(sol.memory) + gathered + transient + held] * mesh.size, memory_bound=sol.bound,
+                memory_breakdown=_breakdown(built, sol, traced, gathered - layers, transient, layers, costing.zero, held,
+                                            zero_unsynced_bytes(traced, cands, built, sol.choice, costing)),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 grad_compression=opts.grad_compression, optimizer=opts.optimizer, memory_budget=budget,
@@ -259,6 +264,15 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                                              reduce_dtype="bf16" if opts.grad_compression == "bf16" else "fp32",
                                              recompute=opts.recompute or "none", zero=opts.zero or 0),
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
+
+
+def step_input_bytes(traced, microbatches: int = 1) -> float:
+    """Bytes of the step's inputs and target on every rank for the whole step: ``pmodel.step`` takes
+    the global batch on each rank (``microbatches`` times the traced microbatch's)."""
+    names = [*traced.inputs, *([traced.target] if traced.target else [])]
+    by_name = {n.name: n for n in traced.gm.graph.nodes}
+    vals = [by_name[n].meta.get("val") for n in names if n in by_name]
+    return float(microbatches * sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)))
 
 
 def _candidates(traced, mesh_shape: tuple):
@@ -316,10 +330,12 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
             raise
         if attempt:
             sol = dataclasses.replace(sol, bound=True)
-        node_bytes = sol.memory - edge_memory(built.problem, sol.choice)
-        resharded = resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
+        node_bytes = sol.memory - edge_memory(built.problem, sol.choice) + zero_unsynced_bytes(traced, cands, built,
+                                                                                               sol.choice, costing)
+        resharded = (resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
+                     + resharded_region_inputs(traced.gm, cands, built, sol.choice, costing))
         layer_buffers = zero_layer_buffers(traced.gm, cands, built, sol.choice, costing, traced.params)
-        transient = transient_bytes(traced.gm, cands, built, sol.choice, costing, params)
+        transient = transient_bytes(traced.gm, cands, built, sol.choice, costing, traced.params)
         gathered = resharded + layer_buffers
         over = node_bytes + gathered + transient - budget
         if over <= 0:
@@ -341,6 +357,43 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
     return dataclasses.replace(sol, memory=node_bytes, objective=objective), gathered, transient
 
 
+def zero_unsynced_bytes(traced, cands, built, choice: list[int], costing: Costing) -> float:
+    """``zero_unsynced_parts`` summed."""
+    return sum(zero_unsynced_parts(traced, cands, built, choice, costing))
+
+
+def zero_unsynced_parts(traced, cands, built, choice: list[int], costing: Costing) -> tuple[float, float, float]:
+    """Bytes of training state a rank holds beyond the ILP's node memory under ZeRO: the ILP shards
+    a parameter's state over every axis it is replicated on (``zero_axes``), the runtime over the
+    axes its gradient is summed on (``grad_sync``, ``runtime/zero.py``): a parameter replicated on an
+    axis that does not sum its gradient (a row-parallel layer's bias, whose gradient every rank
+    holds whole) keeps its state whole there. Returns (parameters, gradients, optimizer state) bytes."""
+    if not costing.zero:
+        return 0.0, 0.0, 0.0
+    chosen = {n: cands.strategies[n][choice[i]] for i, n in enumerate(built.names)}
+    shape = costing.mesh_shape
+    rule = grad_sync_rule(traced.gm.graph, trainable_params(traced.gm.graph, set(traced.params),
+                                                            loss_output(traced.gm, traced)),
+                          ChosenSpecs(chosen), len(shape))
+    by_name = {n.name: n for n in traced.gm.graph.nodes}
+    extra = [0.0, 0.0, 0.0]
+    for ph in traced.params:
+        if ph not in chosen:
+            continue
+        axes, d = zero_axes(chosen[ph].output, shape)
+        synced = rule.param_axes.get(ph, frozenset())
+        d_sync = math.prod(shape[a] for a in axes if a in synced)
+        if d_sync == d:
+            continue
+        v = by_name[ph].meta["val"]
+        w, g, o = training_state_parts(v.numel() / shard_factor(chosen[ph].output, shape), v.dtype,
+                                       costing.optimizer, costing.precision)
+        for i, (part, stage) in enumerate(((w, 3), (g, 2), (o, 1))):
+            if costing.zero >= stage:
+                extra[i] += part / d_sync - part / d
+    return extra[0], extra[1], extra[2]
+
+
 def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> dict[str, float]:
     """Per-device bytes of an assignment by kind: parameters, gradients, optimizer state (each as
     its ZeRO stage leaves it), activations, gathered parameters, backward transients."""
@@ -358,15 +411,19 @@ def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> d
         out["parameters"] += w / (d if costing.zero >= 3 else 1)
         out["gradients"] += g / (d if costing.zero >= 2 else 1)
         out["optimizer state"] += o / (d if costing.zero >= 1 else 1)
+    for key, part in zip(("parameters", "gradients", "optimizer state"),
+                         zero_unsynced_parts(traced, cands, built, choice, costing)):
+        out[key] += part
     params = set(traced.params)
     out["gathered parameters"] = (resharded_param_bytes(traced.gm, cands, built, choice, costing, params)
+                                  + resharded_region_inputs(traced.gm, cands, built, choice, costing)
                                   + zero_layer_buffers(traced.gm, cands, built, choice, costing, traced.params))
-    out["transient"] = transient_bytes(traced.gm, cands, built, choice, costing, params)
+    out["transient"] = transient_bytes(traced.gm, cands, built, choice, costing, traced.params)
     return out
 
 
 def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0, layers: float = 0.0,
-               zero: int = 0) -> dict:
+               zero: int = 0, inputs: float = 0.0, unsynced: float = 0.0) -> dict:
     """Peak bytes per device: parameter training state vs activations kept for backward
     (``gathered``: parameters kept in a placement other than the stored one, see
     ``resharded_param_bytes``; ``transient``: the largest op's gradients in backward,
@@ -379,10 +436,12 @@ def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0
             state += mem
         else:
             acts += mem
-    out = {"params+grads+optimizer": state, "activations": acts}
+    out = {"params+grads+optimizer": state + unsynced, "activations": acts}
     if gathered:
         out["gathered parameters"] = gathered
     if layers:
         out["ZeRO-3 gathered layers" if zero == 3 else "ZeRO-2 gradient bucket"] = layers
     out["transient"] = transient
+    if inputs:
+        out["inputs"] = inputs
     return out

@@ -337,7 +337,8 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
             if schedule == "interleaved_1f1b" and m % cand.pp:
                 continue
             try:
-                part, t, opt = _partition(costs, batch // m, cand.pp, m, schedule, budget - _extra(ref_plan), link,
+                part, t, opt = _partition(costs, batch // m, cand.pp, m, schedule,
+                                          budget - _extra(ref_plan) - _buffers(costs, batch // m, m, schedule), link,
                                           fixed)
             except ValueError as err:
                 reasons.append(f"{schedule} m={m}: {err}")
@@ -361,7 +362,8 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
             solved[m] = solve(m)
         mb, sub_plan, units_m, unit_of, costs_m = solved[m]
         try:        # the partition at m's own costs (a partition that fit by the reference's may not)
-            part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule, budget - _extra(sub_plan), link,
+            part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule,
+                                         budget - _extra(sub_plan) - _buffers(costs_m, batch // m, m, schedule), link,
                                          fixed)
         except ValueError as err:
             failed.append(f"{schedule} m={m}: {err}")
@@ -377,32 +379,42 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     step += sub_plan.grad_sync_overhead
     plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
     plan.collective_list = pipeline_collectives(mb.gm, plan, link)
-    _stage_memory(plan, part, costs_m, sub_plan)
+    _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule))
     plan.optimizer_time = opt
     return plan
 
 
 def _extra(sub_plan: Plan) -> float:
     """Bytes a stage holds beyond its partition's state and in-flight activations: the sub-plan's
-    gathered parameters and backward transients (``_stage_memory``)."""
+    gathered parameters, backward transients and the step's inputs (``_stage_memory``)."""
     sub = sub_plan.memory_breakdown or {}
-    return sub.get("gathered parameters", 0.0) + sub.get("transient", 0.0)
+    return sub.get("gathered parameters", 0.0) + sub.get("transient", 0.0) + sub.get("inputs", 0.0)
 
 
-def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_plan: Plan) -> None:
+def _buffers(costs: UnitCosts, batch: int, m: int, schedule: str) -> float:
+    """Bytes of a rank's receive buffers: the runtime posts every receive of the step when it starts
+    (``runtime/pipeline.py``), m activations in and m gradients back per boundary of its stage
+    (two stages per rank when interleaved), each at most the largest unit's output."""
+    largest = max((x.out_bytes for x in costs.at(batch)), default=0.0)
+    return 2.0 * m * largest * (2 if "interleaved" in schedule else 1)
+
+
+def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_plan: Plan, buffers: float = 0.0) -> None:
     """Per rank: the partition's state + in-flight saved activations, plus the sub-plan's gathered
     parameters and backward workspace ('transient': its largest op, the loss for a language model,
     so an overestimate for stages without it). ``memory_breakdown`` is the fullest rank's."""
     sub = sub_plan.memory_breakdown or {}
-    extra = _extra(sub_plan)
+    extra = _extra(sub_plan) + buffers
     plan.memory_per_device = [m + extra for m in plan.memory_per_device]
     fullest = max(range(len(part.rank_memory)), key=lambda r: part.rank_memory[r])
     state = sum(sum(p.param_bytes for p in costs.profiles[a:b])
                 for (a, b), r in ((st.layers, st.rank) for st in part.stages) if r == fullest)
     plan.memory_breakdown = {"params+grads+optimizer": state, "activations": part.rank_memory[fullest] - state}
-    for key in ("gathered parameters", "transient"):
+    for key in ("gathered parameters", "transient", "inputs"):
         if key in sub:
             plan.memory_breakdown[key] = sub[key]
+    if buffers:
+        plan.memory_breakdown["pipeline buffers"] = buffers
 
 
 def _with_pp(spec):

@@ -34,10 +34,11 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_models.comm import GRAD_BUCKET_BYTES, axis_collective_time, bucketed_collective_time
-from autopar.cost_models.compute import (OpCost, grad_nodes, local_node_cost, node_cost, optimizer_step_time,
+from autopar.cost_models.compute import (OpCost, grad_nodes, is_parameter, local_node_cost, node_cost, optimizer_step_time,
                                          node_signature)
 from autopar.cost_models.memory import saved_bytes_by_node, saves_input, storage_key, training_state_parts
-from autopar.cost_models.zero import gather_unit, sharded_state, zero3_gathered_bytes, zero_axes
+from autopar.cost_models.zero import (gather_unit, shard_elements, sharded_state, zero1_bucket_bytes, zero3_gathered_bytes,
+                                      zero_axes, zero_buckets)
 from autopar.cost_models.recompute import saved_bytes_after
 from autopar.graph.recompute_regions import choices_for, find_regions
 from autopar.sharding.candidates import Candidates, producer
@@ -61,6 +62,8 @@ class Costing:
     recompute: str | dict = "none"  # activation recomputation: its forward runs again, its saves are dropped
     zero: int = 0                   # ZeRO stage over the axes a parameter is replicated on
     grad_element_bytes: int | None = None   # bytes per gradient element as synced (``sync_element_bytes``)
+    microbatches: int = 1           # microbatches per step (accumulation or a pipeline's): the gradients of
+                                    # the earlier ones are held while a later one's are computed
     _redistribution: dict = field(default_factory=dict, repr=False)  # (src, dst, bytes) -> seconds
     _memo: dict = field(default_factory=dict, repr=False)  # node costs, edge tables, edge lists (``build_problem``)
 
@@ -320,6 +323,8 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     if ("edges", id(cands)) not in c._memo:
         c._memo[("edges", id(cands))] = _edges_of(by_name, names, index, cands, c, params, need, mask)
     edges = list(c._memo[("edges", id(cands))])
+    if c.recompute not in (None, "none"):
+        edges = _with_region_input_copies(edges, gm, by_name, names, index, cands, c)
     ties_idx = [[index[t] for t in g if t in index] for g in ties]
     ties_idx = [g for g in ties_idx if len(g) > 1 and len({len(cands.strategies[names[i]]) for i in g}) == 1]
     prob = IntraOpProblem(nodes, edges, memory_budget, ties_idx, time_limit_s)
@@ -341,20 +346,26 @@ def _edges_of(by_name: dict, names: list[str], index: dict, cands: Candidates, c
     parameter in another placement, the gathered copy's bytes (``_gathered_matrix``, the edge's
     ``memory``). They depend on the graph, the candidates, the mesh and the device only."""
     edges = []
+    for n, node, i, a, src, idx in _graph_edges(names, by_name, index):
+        edge = _edge(src, idx, node, i, cands, index, c)
+        if src.name in params and node in need and saves_input(node, a, mask):
+            kept = _gathered_matrix(a, cands.strategies[src.name], cands.strategies[n], i, c)
+            edge = dataclasses.replace(edge, memory=kept if kept.any() else None)
+        edges.append(edge)
+    return edges
+
+
+def _graph_edges(names: list[str], by_name: dict, index: dict):
+    """(consumer name, consumer, input position, input, producer, output index) of every edge between
+    solved nodes, in one fixed order (the problem's edge list is built in it)."""
     for n in names:
         node = by_name[n]
         if node.op != "call_function":
             continue
         for i, a in enumerate(tensor_inputs(node)):
             src, idx = producer(a)
-            if src.name not in index:
-                continue
-            edge = _edge(src, idx, node, i, cands, index, c)
-            if src.name in params and node in need and saves_input(node, a, mask):
-                kept = _gathered_matrix(a, cands.strategies[src.name], cands.strategies[n], i, c)
-                edge = dataclasses.replace(edge, memory=kept if kept.any() else None)
-            edges.append(edge)
-    return edges
+            if src.name in index:
+                yield n, node, i, a, src, idx
 
 
 def resharded_param_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],
@@ -382,6 +393,71 @@ def resharded_param_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltPro
                 continue
             seen.add((a.name, spec))
             total += tensor_bytes(a) / shard_factor(spec, c.mesh_shape)
+    return total
+
+
+def _region_input_uses(gm: fx.GraphModule, c: Costing) -> set[tuple[str, int]]:
+    """(consumer, input position) of each use of a region's input inside a recomputed region: the
+    checkpoint keeps the input as the consumer takes it (after any redistribution), so a consumer
+    that takes it in another placement than its producer's keeps a copy for backward."""
+    uses = set()
+    for r in find_regions(gm, choices_for(gm.graph, c.recompute)):
+        inside = set(r.nodes)
+        for v in gm.graph.nodes:
+            if v.name not in inside or v.op != "call_function":
+                continue
+            for i, a in enumerate(tensor_inputs(v)):
+                if producer(a)[0].name not in inside and isinstance(a.meta.get("val"), torch.Tensor) \
+                        and not is_parameter(producer(a)[0]):
+                    uses.add((v.name, i))
+    return uses
+
+
+def _with_region_input_copies(edges: list[EdgeCost], gm: fx.GraphModule, by_name: dict, names: list[str],
+                              index: dict, cands: Candidates, c: Costing) -> list[EdgeCost]:
+    """``edges`` (in ``_edges_of``'s order) with the memory of a region input's redistributed copy
+    (``_region_input_uses``): bytes under the consumer's input placement where it differs from the
+    producer's output placement, per edge (two consumers of one copy are both charged)."""
+    uses = _region_input_uses(gm, c)
+    out = list(edges)
+    for pos, (n, _, i, _, src, idx) in enumerate(_graph_edges(names, by_name, index)):
+        if (n, i) not in uses:
+            continue
+        e = out[pos]
+        nbytes = tensor_bytes(src, idx)
+        s_specs = [st.output if idx is None else st.output[idx] for st in cands.strategies[src.name]]
+        kept = np.zeros((len(s_specs), len(cands.strategies[n])))
+        for j, st in enumerate(cands.strategies[n]):
+            if i < len(st.inputs):
+                kept[:, j] = [0.0 if sp == st.inputs[i] else nbytes / shard_factor(st.inputs[i], c.mesh_shape)
+                              for sp in s_specs]
+        if kept.any():
+            out[pos] = dataclasses.replace(e, memory=kept if e.memory is None else e.memory + kept)
+    return out
+
+
+def resharded_region_inputs(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],
+                            c: Costing) -> float:
+    """Bytes of the redistributed copies of recomputed regions' inputs under an assignment, one per
+    (input, placement) (what the lowering keeps; the ILP charges them per edge)."""
+    if c.recompute in (None, "none"):
+        return 0.0
+    by_name = {n.name: n for n in gm.graph.nodes}
+    seen, total = set(), 0.0
+    for name, i in _region_input_uses(gm, c):
+        if name not in built.index:
+            continue
+        a = tensor_inputs(by_name[name])[i]
+        src, idx = producer(a)
+        if src.name not in built.index:
+            continue
+        st = cands.strategies[name][choice[built.index[name]]]
+        out = cands.strategies[src.name][choice[built.index[src.name]]].output
+        have = out if idx is None else out[idx]
+        if i >= len(st.inputs) or st.inputs[i] == have or (src.name, idx, st.inputs[i]) in seen:
+            continue
+        seen.add((src.name, idx, st.inputs[i]))
+        total += tensor_bytes(src, idx) / shard_factor(st.inputs[i], c.mesh_shape)
     return total
 
 
@@ -425,9 +501,9 @@ def zero_layer_buffers(gm: fx.GraphModule, cands: Candidates, built: BuiltProble
 
 
 def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int],
-                    c: Costing, params: set[str]) -> float:
+                    c: Costing, params: dict[str, str]) -> float:
     """Workspace above the saved activations at the step's peak (a max, not a sum: added to the
-    plan's predicted memory after the solve, not in the ILP).
+    plan's predicted memory after the solve, not in the ILP). ``params``: placeholder -> parameter name.
 
     Per op that needs a gradient, ``g(n)``: the local gradients live while its backward runs --
     its output's and its non-parameter inputs' (each storage once: a view's gradient is a view)
@@ -438,15 +514,35 @@ def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, 
     ``remat(R)`` (local bytes under the chosen placements), is live with the gradients of its ops::
 
         transient = max( max_{n in no region} g(n),  max_R [ remat(R) + max_{n in R} g(n) ] )
+
+    Parameter gradients count in ``g(n)`` where they exist beside the state's own gradient term
+    (``_param_grad_terms``): with ZeRO 0/1 and several microbatches per step, a parameter's fresh
+    gradient (local bytes as op ``n`` takes it) is a buffer of its own until autograd adds it into
+    the ``.grad`` the earlier microbatches left; and a weight with several users (a tied
+    embedding and lm-head) has its first computed gradient waiting in autograd's input buffer
+    from its last user's backward to its first user's (the whole backward of a GPT), under
+    accumulation and under ZeRO-2/3 (whose state holds 1/d of the gradients; ZeRO-3 also keeps the
+    weight gathered again for the last user until then) -- with one
+    microbatch and ZeRO 0/1 that buffer becomes ``.grad``, but each later user's contribution is
+    still a buffer of its own.
+
+    ZeRO-1 reduce-scatters after backward, when the activations (and gathered parameter copies) are
+    gone, from a copy of its largest bucket (``zero1_after_backward``): the transient is at least
+    that copy less what backward freed. ZeRO-3 reduce-scatters each layer's gradients in backward
+    when its gathered weights are done with (``zero3_reduce_scatter``): the transient is at least that
+    less ZeRO-3's gathered layers, which the total holds anyway. Without ZeRO, several microbatches keep their local sums
+    in gradients of their own beside the synced gradients' buffer (DDP's bucket, allocated once
+    and held; a pipeline's flat buffer at the sum), so the data-parallel gradients count twice.
     """
     by_name = {n.name: n for n in gm.graph.nodes}
     mask = 1 if getattr(c.device, "name", "") != "cpu" else None
     saved = saved_bytes_by_node(gm, dropout_mask_bytes=mask)
     need = grad_nodes(gm.graph)
+    fresh, waiting = _param_grad_terms(gm, cands, built, choice, c, params, need)
     grads: dict[str, float] = {}
-    for name in built.names:
-        node = by_name[name]
-        if node.op != "call_function" or node not in need:
+    for pos, node in enumerate(gm.graph.nodes):
+        name = node.name
+        if name not in built.index or node.op != "call_function" or node not in need:
             continue
         st = cands.strategies[name][choice[built.index[name]]]
         out_shard = max(1, shard_factor(_outs(st)[0], c.mesh_shape))
@@ -456,6 +552,11 @@ def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, 
         for i, a in enumerate(tensor_inputs(node)):
             if a in need and a.name not in params and i < len(st.inputs):
                 live.setdefault(storage_key(a), tensor_bytes(a) / max(1, shard_factor(st.inputs[i], c.mesh_shape)))
+        for key, nbytes in fresh.get(name, {}).items():
+            live.setdefault(key, nbytes)
+        for lo, hi, key, nbytes in waiting:
+            if lo <= pos < hi:
+                live.setdefault(key, nbytes)
         grads[name] = sum(live.values()) + _saved_pair(saved, name)[1] / max(out_shard, in_shard)
     regions = find_regions(gm, choices_for(gm.graph, c.recompute)) if c.recompute not in (None, "none") else []
     inside = {n for r in regions for n in r.nodes}
@@ -464,7 +565,94 @@ def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, 
         remat = sum(_local_saved(by_name[n], cands.strategies[n][choice[built.index[n]]], saved, c)
                     for n in r.nodes if n in built.index)
         peak = max(peak, remat + max((grads.get(n, 0.0) for n in r.nodes), default=0.0))
+    if c.zero == 1:
+        freed = sum(float(built.problem.nodes[i].memory[choice[i]]) for i, n in enumerate(built.names) if n not in params)
+        freed += resharded_param_bytes(gm, cands, built, choice, c, set(params))
+        peak = max(peak, zero1_after_backward(gm, cands, built, choice, c, params) - freed)
+    if c.zero == 3:
+        rs = zero3_reduce_scatter(gm, cands, built, choice, c, params) + sum(w[3] for w in waiting)
+        peak = max(peak, rs - zero_layer_buffers(gm, cands, built, choice, c, params))
+    if c.zero == 0 and c.microbatches > 1:
+        peak += sum(g for _, _, g, _, _ in _replicated_grads(gm, cands, built, choice, c, params))
     return peak
+
+
+def zero3_reduce_scatter(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
+                         params: dict[str, str]) -> float:
+    """Bytes beside the state and the saved activations while ZeRO-3 reduce-scatters its largest
+    layer in backward (``runtime/zero3.py``): the layer's gradients in full, the ``(d, C)`` input they
+    are copied into (twice where the collective copies it: gloo) and the ``C`` output."""
+    units: dict[tuple, list[float]] = {}
+    for name, local, grad, axes, d in _replicated_grads(gm, cands, built, choice, c, params):
+        u = units.setdefault((gather_unit(name), axes, d), [0.0, 0.0])
+        u[0] += grad
+        u[1] += shard_elements(local, d) * grad / max(local, 1)
+    copies = 2 if getattr(c.device, "name", "") == "cpu" else 1
+    return max((g + chunk * (d * copies + 1) for (_, _, d), (g, chunk) in units.items()), default=0.0)
+
+
+def zero1_after_backward(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
+                         params: dict[str, str]) -> float:
+    """Bytes beside the training state while ZeRO-1 reduce-scatters its largest bucket after backward
+    (``cost_models.zero.zero1_bucket_bytes``, the runtime's buckets per set of axes; gloo, on CPU,
+    copies the collective's input)."""
+    sets: dict[tuple, list[tuple[str, int, int]]] = {}
+    for name, local, grad, axes, d in _replicated_grads(gm, cands, built, choice, c, params):
+        sets.setdefault((axes, d), []).append((name, local, int(round(grad / max(local, 1)))))
+    copied = getattr(c.device, "name", "") == "cpu"
+    return max((zero1_bucket_bytes(zero_buckets(ps, d), d, copied) for (_, d), ps in sets.items()), default=0.0)
+
+
+def _replicated_grads(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
+                      params: dict[str, str]) -> list[tuple[str, int, float, tuple, int]]:
+    """(name, local elements, local gradient bytes, axes, d) of each parameter replicated over mesh
+    axes of d > 1 ranks (``zero_axes``): those whose gradients a data-parallel sync sums."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for ph, name in params.items():
+        if ph not in built.index:
+            continue
+        v = by_name[ph].meta["val"]
+        st = cands.strategies[ph][choice[built.index[ph]]]
+        axes, d = zero_axes(st.output, c.mesh_shape)
+        if d == 1:
+            continue
+        local = int(v.numel() // shard_factor(st.output, c.mesh_shape))
+        out.append((name, local, training_state_parts(local, v.dtype, c.optimizer, c.precision)[1], tuple(axes), d))
+    return out
+
+
+def _param_grad_terms(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
+                      params: set[str], need: frozenset) -> tuple[dict[str, dict], list[tuple[int, int, object, float]]]:
+    """The parameter gradients ``transient_bytes`` adds (its docstring): ({user node: {key: bytes}}
+    of fresh gradients that are buffers of their own, local bytes as the user takes the parameter;
+    [(first use, last use, key, bytes)] of tied weights' waiting gradients, local bytes as stored,
+    live while the backward runs through the nodes at graph positions ``first <= pos < last``)."""
+    held = c.microbatches > 1 and c.zero < 2      # earlier microbatches' .grad beside each fresh gradient
+    uses: dict[fx.Node, list[tuple[int, str, float, object]]] = {}
+    for pos, node in enumerate(gm.graph.nodes):
+        if node.op != "call_function" or node not in need or node.name not in built.index:
+            continue
+        st = cands.strategies[node.name][choice[built.index[node.name]]]
+        for i, a in enumerate(tensor_inputs(node)):
+            if a.name in params and a in need and i < len(st.inputs):
+                nbytes = tensor_bytes(a) / max(1, shard_factor(st.inputs[i], c.mesh_shape))
+                view = _same_storage(node, a)   # a view's gradient is its output's: counted
+                uses.setdefault(a, []).append((pos, node.name, nbytes, storage_key(a) if view else ("fresh", pos, i)))
+    fresh: dict[str, dict] = {}
+    waiting = []
+    for a, us in uses.items():
+        tied = len({u[1] for u in us}) > 1
+        for pos, name, nbytes, key in us:
+            if held or (tied and pos != us[-1][0]):
+                fresh.setdefault(name, {})[key] = nbytes
+        if tied and (held or c.zero >= 2):
+            stored = cands.strategies[a.name][choice[built.index[a.name]]].output if a.name in built.index else ()
+            nbytes = tensor_bytes(a) / max(1, shard_factor(stored, c.mesh_shape)) if stored else us[-1][2]
+            # ZeRO-3 also keeps the weight its last use gathered again in backward until the first
+            # use's backward is done (``runtime/zero3.py``'s cache of a layer's gathered weights)
+            waiting.append((us[0][0], us[-1][0], ("waiting", a.name), nbytes * (2 if c.zero == 3 else 1)))
+    return fresh, waiting
 
 
 def _local_saved(node: fx.Node, st: Strategy, saved: dict, c: Costing) -> float:
@@ -528,6 +716,13 @@ def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: 
         ci = np.array([pos_d[s] for s in d_specs])
         c._memo[key] = table[np.ix_(ri, ci)]
     return EdgeCost(index[src.name], index[dst.name], c._memo[key])
+
+
+def _same_storage(a: fx.Node, b: fx.Node) -> bool:
+    """Whether two values share a storage (``storage_key`` is a weak storage reference or, for a value
+    without a tensor storage such as an opaque function's output, a tuple: only like compare)."""
+    ka, kb = storage_key(a), storage_key(b)
+    return type(ka) is type(kb) and ka == kb
 
 
 __all__ = ["GRAD_BUCKET_BYTES", "grad_sync_overhead", "Costing", "build_problem", "BuiltProblem", "redistribution_time", "grad_sync_inputs", "work_split",

@@ -13,6 +13,7 @@ import math
 import time
 
 from autopar.context import ParallelMode
+from autopar.cost_models.memory import param_numel, parameter_nodes, training_state_bytes
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer
 from autopar.mesh import Mesh
@@ -140,7 +141,11 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
     Pipelines run their own microbatches (k = 1 only). With recomputation they are tried while
     no plan fits yet (or when a pipeline was asked for), a candidate only until it fits: with
-    more recomputation a pipeline that already fits could only pick a larger microbatch. Both
+    more recomputation a pipeline that already fits could only pick a larger microbatch. When
+    nothing fits at k = 1 and the state split over a node exceeds the cap
+    (``state_needs_pipeline``), the recomputed pipelines are tried right after k = 1, before the
+    accumulation ladder: otherwise a time budget can end the search at a ladder plan that fits only
+    by tensor parallelism across nodes (Table 1's 1T row: 1.9 TFLOP/s per GPU instead of ~160). Both
     are heuristics, not bounds (the published 530B and 1T layouts need recomputation to fit at
     all; GPT 6.7B on 16 V100s spent 25 s on recomputed pipelines that lost). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
@@ -157,6 +162,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     pipe_fit: set = set()           # pipeline candidates (full mesh key) that fit with less recomputation
     pipeline_request = "pp" in mesh.axis_names or bool(opts.microbatches or opts.schedule)
     cap = _cap(mesh, opts)
+    early: set = set()             # recompute choices whose pipelines were tried before the accumulation ladder
     for rc in choices:
         i = 0
         below: dict = {}            # mesh key -> the k under which it cannot fit (this recompute choice)
@@ -164,8 +170,8 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
             k = ks[i]
             if progress.out_of_time():
                 return plans, failures, pipe_failures
-            pipelines = k == 1 and not opts.zero and (rc == "none" or opts.recompute is not None
-                                                      or pipeline_request or not progress.fitting)
+            pipelines = k == 1 and not opts.zero and rc not in early and (
+                rc == "none" or opts.recompute is not None or pipeline_request or not progress.fitting)
             if pipeline_request and not pipelines:
                 break               # only pipelines were asked for
             progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
@@ -202,8 +208,31 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
             failures += here
             pipe_failures += pipe_failed + [(f"mesh {m.shape} ({note or 'no memory options'})", e)
                                             for m, e in failed if isinstance(e, DominatedError)]
+            if pipelines and k == 1 and rc == choices[0] and not progress.fitting \
+                    and state_needs_pipeline(traced, mesh, opts, cap):
+                for more in choices[1:]:
+                    if progress.fitting or progress.out_of_time():
+                        break
+                    progress.enter(f"ZeRO-0, recompute {more}, accumulation 1: pipelines first")
+                    got, _, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=more),
+                                                      param_ann, input_ann, retracer, skip=set(keys), pipe_skip=pipe_fit)
+                    early.add(more)
+                    plans += got
+                    pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got}
+                    pipe_failures += pipe_failed
             i += 1
     return plans, failures, pipe_failures
+
+
+def state_needs_pipeline(traced, mesh: Mesh, opts: PlanOptions, cap: float) -> bool:
+    """Whether the training state, split over one node's devices (the widest tensor parallelism that
+    stays on a node's links), exceeds the cap: then a layout without pipeline stages fits only by
+    sharding the state over more devices than a node (tensor parallelism across nodes, ZeRO), and
+    Megatron's published layouts from 39B parameters up pipeline with recomputation instead."""
+    params = parameter_nodes(traced.gm)
+    dtype = params[0].meta["val"].dtype if params else None
+    state = training_state_bytes(param_numel(traced.gm), dtype, opts.optimizer, opts.precision)
+    return state / min(mesh.size, mesh.gpus_per_node or mesh.size) > cap
 
 
 def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
