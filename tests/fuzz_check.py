@@ -8,7 +8,8 @@ A case either
   to the exact result (the same training in float64) as fp32 training in torch itself gets, measured
   in the same case (``oracle.assert_within_torch_noise``, 4x the furthest of: the one-device fp32
   run, torch DDP over 2 or 4 ranks with each step cut into the plan's microbatches, one device
-  accumulating over those microbatches). Reordered sums (data, tensor and pipeline parallelism,
+  accumulating over those microbatches, and for a plan that splits weights one device with every
+  linear layer summed in halves as a Megatron split does). Reordered sums (data, tensor and pipeline parallelism,
   accumulation) move an ill-conditioned model's fp32 gradients past 1e-5: a transformer with
   LayerNorm over 4 features is itself 2e-5 from its float64 run on one device, and DDP lands 1e-6
   from it at one step and 4e-5 at the next, so one torch run alone is a poor bar. Under mixed
@@ -38,7 +39,7 @@ from autopar.plan import PlanError
 from fuzz_cases import Case
 from fuzz_models import batch_of, build, loss_of
 from oracle import assert_same_training, assert_within_torch_noise, distance, parallel_run, reference_run
-from torch_baseline import splits, torch_dp_run
+from torch_baseline import split_linear_run, splits, torch_dp_run
 
 DEVICE = "a100-80gb"            # plans do not depend on this machine's calibration (docs/testing.md)
 AUTOPAR_ERRORS = (PlanError, TraceError, RankMismatchError, CheckpointError, ValueError, TypeError)
@@ -185,8 +186,9 @@ def _torch_jobs(case: Case, plan: autopar.Plan) -> list[tuple[int, int]]:
 
 def _torch_runs(case: Case, plan: autopar.Plan, run_ranks) -> tuple[list[dict], str]:
     """torch's own runs of the case's job, and what they were: DDP (FSDP2 under bf16) on 2 and 4 ranks
-    (``_torch_jobs``), and where the plan cuts each step into microbatches (accumulation, a
-    pipeline), one device accumulating over the same microbatches."""
+    (``_torch_jobs``); where the plan cuts each step into microbatches (accumulation, a pipeline),
+    one device accumulating over the same microbatches; where it splits a weight, one device with
+    every linear layer summed as a Megatron split would (``torch_baseline.split_linear_run``)."""
     model_fn, loss_fn = functools.partial(build, case.model), loss_of(case.model)
     x, y = batch_of(case.model, case.batch)
     common = dict(steps=case.steps, optim=case.optim, micro=case.micro, clip=case.clip,
@@ -199,6 +201,9 @@ def _torch_runs(case: Case, plan: autopar.Plan, run_ranks) -> tuple[list[dict], 
     if inner > 1 and splits(case.batch, case.micro, 1, inner):
         runs.append(reference_run(model_fn, loss_fn, x, y, accumulate=inner, **common))
         names.append(f"one device x {inner} microbatches")
+    if any(isinstance(p, autopar.Shard) for d in plan.params.values() for p in d.spec):
+        runs.append(split_linear_run(model_fn, loss_fn, x, y, **common))
+        names.append("one device, linear layers split in halves")
     return runs, ", ".join(names)
 
 

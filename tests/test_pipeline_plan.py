@@ -157,3 +157,17 @@ def test_named_pp_axis_of_size_one_plans_without_a_pipeline():
     plan = autopar.plan(GPT(qkv_bias=False), autopar.Mesh((1, 2), axis_names=("pp", "tp")), example_inputs=(x,),
                         loss_fn=lm_loss, example_target=y)
     assert plan.degrees["pp"] == 1 and plan.axis_roles["pp"] == "none" and not plan.stages
+
+
+@pytest.mark.parametrize("microbatches", [4, 8])
+def test_a_rescaled_microbatch_trace_keeps_the_masters_dtypes_under_bf16(microbatches):
+    """Found by tests/test_fuzz.py: a microbatch trace derived by rescaling (8 microbatches of a batch of 8:
+    traced at 4 and 2 rows, rescaled to 1) lost the trace's stored dtypes, so a bf16 plan recorded its fp32
+    parameters as bfloat16; the pipeline's gradient gather then all-gathered fp32 on one stage and bf16
+    on the other, and gloo aborted the job ("Received data size doesn't match expected size")."""
+    autopar.set_auto_parallel_context(schedule="1f1b", microbatches=microbatches)
+    plan = autopar.plan(GPT(qkv_bias=False, layers=2, hidden=32), autopar.Mesh((2,), axis_names=("pp",)),
+                        example_inputs=(X,), loss_fn=lm_loss, example_target=Y, mode="semi_auto",
+                        mixed_precision="bf16")
+    assert plan.microbatches == microbatches and plan.memory_options.mixed_precision == "bf16"
+    assert {d.dtype for d in plan.params.values()} == {"float32"}, {n: d.dtype for n, d in plan.params.items()}

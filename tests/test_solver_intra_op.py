@@ -309,3 +309,23 @@ def test_memory_floor_is_a_lower_bound_and_short_cuts_hopeless_budgets(seed, mon
     with pytest.raises(DominatedError, match="cannot beat the best plan so far") as info:
         solve_intra_op(replace(hopeless, cutoff=free.objective - 1e-9))
     assert info.value.unbudgeted
+
+
+def test_a_solve_out_of_time_says_which_setting_to_raise(monkeypatch):
+    """Found by tests/test_fuzz.py (a 3 s limit on a loaded machine): the message named the internal
+    ``time_limit_s``; it names the context key a user sets."""
+    from ortools.sat.python import cp_model
+
+    from autopar.solver import intra_op
+
+    class _Unknown:
+        StatusName = staticmethod(lambda status: "UNKNOWN")
+
+    monkeypatch.setattr(exhaustive, "LIMIT", 0)
+    monkeypatch.setattr(intra_op, "_run", lambda *a, **k: (_Unknown(), cp_model.UNKNOWN))
+    p = random_problem(np.random.default_rng(2))       # one the reductions leave to CP-SAT
+    p.memory_budget = float(sum(nd.memory.max() for nd in p.nodes))
+    want = (r"CP-SAT found no assignment within 10 s .*status UNKNOWN\); raise the solver's time limit "
+            r"\(autopar.set_auto_parallel_context\(solver_time_limit=\.\.\.\)\) or the memory cap")
+    with pytest.raises(intra_op.SolverTimeoutError, match=want):
+        solve_intra_op(p)

@@ -1,17 +1,28 @@
-"""torch's own data parallelism on the same job as an oracle run: the noise bar of docs/testing.md.
+"""torch's own runs of an oracle job that sum in another order: the noise bar of docs/testing.md.
 
-Where data parallelism reorders sums, a parallel run cannot meet single-device training bit for
-bit; there the bar is how far torch's own data parallelism lands from the single-device run on
-the same job, measured in the same test: DDP in fp32, FSDP2 with
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` under mixed precision.
-``torch_dp_run`` is called on every rank of a pool and returns what ``oracle.reference_run`` does.
+Where a plan reorders sums, a parallel run cannot meet single-device training bit for bit; there
+the bar is how far torch's own runs of the same job land, measured in the same test:
+
+* ``torch_dp_run`` (on every rank of a pool): DDP in fp32, FSDP2 with
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` under mixed precision;
+* ``split_linear_run`` (one process): every ``nn.Linear`` computed as a Megatron split writes it in
+  plain torch, its weight in 2 x 2 blocks (the input-feature halves' partial products summed, as a
+  row-parallel layer sums them; the output halves concatenated, so backward sums the input gradient
+  from two halves, as a column-parallel layer does). Data parallelism reorders sums over the batch,
+  tensor parallelism over features: only this run reorders those.
+
+Both return what ``oracle.reference_run`` does.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
-from oracle import LR, STEPS, _chunks, _train, make_optimizer
+from oracle import LR, STEPS, _chunks, _train, make_optimizer, reference_run
 
 
 def splits(batch: int, micro: int, world: int, accumulate: int = 1) -> bool:
@@ -63,3 +74,31 @@ def torch_dp_run(rank, model_fn, loss_fn, x, y, steps: int = STEPS, optim: str =
     return _train(step, lambda: full(model.state_dict()),
                   lambda: full({names[id(p)]: p.grad for p in model.parameters() if p.grad is not None}),
                   opt, steps, micro, clip_fn if clip is not None else None)
+
+
+def _split_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` with the weight in 2 x 2 blocks: input halves' partial products summed, output halves
+    concatenated (a dimension of 1 is not split)."""
+    w = self.weight
+    hi, ho = w.shape[1] // 2, w.shape[0] // 2
+    if hi == 0:
+        return F.linear(x, w, self.bias)
+    rows = [slice(0, ho), slice(ho, None)] if ho else [slice(None)]
+    out = torch.cat([x[..., :hi] @ w[r, :hi].T + x[..., hi:] @ w[r, hi:].T for r in rows], dim=-1)
+    return out + self.bias if self.bias is not None else out
+
+
+@contextlib.contextmanager
+def _linear_split():
+    forward = nn.Linear.forward
+    nn.Linear.forward = _split_linear
+    try:
+        yield
+    finally:
+        nn.Linear.forward = forward
+
+
+def split_linear_run(*args, **kwargs):
+    """``oracle.reference_run`` with every ``nn.Linear`` summed as a Megatron split would (module docstring)."""
+    with _linear_split():
+        return reference_run(*args, **kwargs)

@@ -27,6 +27,9 @@ class _Differs(Exception):
     """The two traces differ in more than batch-affine integers."""
 
 
+TRACE_FACTS = ("mixed_precision", "stored_dtypes")   # trace-wide meta a rescaled trace keeps (caches are dropped)
+
+
 def reference_batches(batch: int) -> tuple[int, int] | None:
     """The two microbatch sizes to trace for rescaling a global batch of ``batch`` rows: ``batch``
     over its smallest prime factor, and that over its own; None unless both keep at least 2 rows
@@ -55,7 +58,7 @@ def rescaled(first, second, batch: int):
     except (_Differs, RuntimeError, ValueError, TypeError, IndexError):
         return None
     return dataclasses.replace(
-        first, gm=gm, meta={},
+        first, gm=gm, meta={k: v for k, v in first.meta.items() if k in TRACE_FACTS},
         input_shapes=[(batch,) + tuple(s[1:]) for s in first.input_shapes],
         target_shape=(batch,) + tuple(first.target_shape[1:]) if first.target_shape is not None else None)
 

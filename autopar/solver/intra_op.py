@@ -489,7 +489,8 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise SolverTimeoutError(
                 f"CP-SAT found no assignment within {p.time_limit_s:g} s ({mdl.num_vars} variables, "
-                f"status {solver.StatusName(status)}); raise time_limit_s or coarsen the op groups")
+                f"status {solver.StatusName(status)}); raise the solver's time limit "
+                f"(autopar.set_auto_parallel_context(solver_time_limit=...)) or the memory cap")
         picked = _picked(g, mdl, active, solver)
     choice = _expand(class_of, recover_choices(g, picked))
     objective, memory = evaluate(p, choice)
