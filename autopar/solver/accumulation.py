@@ -43,8 +43,9 @@ def memory_choices(batch: int, mode: ParallelMode, accumulation: int | None,
 
 def zero_ladder(mode: ParallelMode, zero: int | None) -> list[int]:
     """The ZeRO stages to try, in order: the user's, or for AUTO/SEMI_AUTO 0, 1, 2, 3. The
-    search runs the accumulation x recompute frontier at each stage and keeps the fastest plan
-    of all; it stops at the first stage whose plan fits without accumulation or recomputation
+    search runs the accumulation frontier of each stage at one recompute choice, every stage
+    before the next choice (the cheaper lever first), and keeps the fastest plan of all; it drops
+    the stages above the first one whose plan fits without accumulation or recomputation
     and without the cap shaping its layout (``Plan.memory_bound``): a higher stage then only adds
     all-gathers of the weights."""
     if zero is not None:

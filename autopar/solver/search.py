@@ -27,6 +27,15 @@ from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
 from autopar.solver.progress import SearchProgress
 
 
+@dataclasses.dataclass
+class FrontierState:
+    """One ZeRO stage's branch-and-bound facts, kept across recompute choices (``_frontier``)."""
+    done: dict = dataclasses.field(default_factory=dict)   # mesh key -> index into ks from which it cannot win
+    pipe_fit: set = dataclasses.field(default_factory=set)  # pipeline candidates (full mesh key) that fit
+    early: set = dataclasses.field(default_factory=set)     # recompute choices whose pipelines ran before the ladder
+    fitting: bool = False                                   # a plan of this stage fits (at any choice so far)
+
+
 def candidate_meshes(mesh: Mesh, annotated: frozenset = frozenset()) -> list[Mesh]:
     """An unnamed mesh may be re-factored into 1-D and 2-D (dp, tp) meshes: the free 1-D mesh
     (the solver picks each op's split) and every (dp, tp). (DDP's layout joins them in
@@ -80,19 +89,20 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                         f"{mesh!r} has 1 device: there is nothing to shard it over; use zero=0 (or leave zero unset) "
                         "on one device")
     plans, failures, pipe_failures, traces = [], [], [], {}
-    for z in stages:
-        if z and mesh.size == 1:
-            continue                # nothing to shard the state over
-        if progress.out_of_time():
-            break
-        got, failed, pipe_failed = _frontier(traced, model, mesh, mode, dataclasses.replace(opts, zero=z), param_ann,
-                                             input_ann, retracer, ks, choices, traces)
-        plans += got
-        failures += failed
-        pipe_failures += pipe_failed
-        if any(p.memory_options.accumulation == 1 and p.memory_options.recompute == "none" and not p.memory_bound
-               for p in got):
-            break                   # fits freely: a higher stage only adds all-gathers
+    frontiers = {z: FrontierState() for z in stages if not (z and mesh.size == 1)}
+    for rc in choices:              # cheapest lever first: every ZeRO stage before more recomputation
+        for z, state in frontiers.items():
+            if progress.out_of_time():
+                break
+            got, failed, pipe_failed = _frontier(traced, model, mesh, mode, dataclasses.replace(opts, zero=z),
+                                                 param_ann, input_ann, retracer, ks, choices, rc, traces, state)
+            plans += got
+            failures += failed
+            pipe_failures += pipe_failed
+            if any(p.memory_options.accumulation == 1 and p.memory_options.recompute == "none" and not p.memory_bound
+                   for p in got):
+                frontiers = {y: s for y, s in frontiers.items() if y <= z}
+                break               # fits freely: a higher stage only adds all-gathers
     if not plans and not failures:
         raise PlanError("no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in pipe_failures[:4]))
     if not plans:
@@ -124,8 +134,8 @@ def _cap(mesh: Mesh, opts: PlanOptions) -> float:
 
 
 def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict,
-              retracer: Retracer | None, ks: list[int], choices: list, traces: dict):
-    """Branch and bound over (recompute choice, accumulation k, mesh), k ascending
+              retracer: Retracer | None, ks: list[int], choices: list, rc, traces: dict, state: FrontierState):
+    """Branch and bound over (accumulation k, mesh) at recompute choice ``rc`` of ``choices``, k ascending
     (``accumulation.memory_choices``). A mesh stops being tried (``done``: from which k on) when
 
     * its plan at k fits without the cap shaping it (``Plan.memory_bound`` false): at a larger k,
@@ -140,7 +150,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     >= 0), so the least over layouts is concave in 1/k and M(k') >= (k / k') · M(k). A bound under the budget
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
     Pipelines run their own microbatches (k = 1 only). With recomputation they are tried while
-    no plan fits yet (or when a pipeline was asked for), a candidate only until it fits: with
+    no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits: with
     more recomputation a pipeline that already fits could only pick a larger microbatch. When
     nothing fits at k = 1 and the state split over a node exceeds the cap
     (``state_needs_pipeline``), the recomputed pipelines are tried right after k = 1, before the
@@ -149,7 +159,11 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     are heuristics, not bounds (the published 530B and 1T layouts need recomputation to fit at
     all; GPT 6.7B on 16 V100s spent 25 s on recomputed pipelines that lost). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
-    which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls.
+    which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls;
+    ``state``: this ZeRO stage's bounds, carried from one recompute choice to the next
+    (``make_plans`` runs every stage at one choice before the next choice, so that the cheap levers'
+    plans bound the recomputed ones: GPT 6.7B on 16 V100s walked two recomputed ladders at ZeRO-0,
+    40 s of solves, before ZeRO-1 found the 163 s plan that dominates them).
     (plans, failures, pipeline failures) as in :func:`_candidates`."""
     plans, failures, pipe_failures = [], [], []
     progress = opts.progress
@@ -158,69 +172,68 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     keys = [(m.shape, m.axis_names) for m in meshes]
     if mode == ParallelMode.AUTO and len(keys) > 1 and not annotated:
         keys.append(((mesh.size,), ("dp",)))        # DDP's layout (``ddp_candidate``)
-    done: dict = {}                 # mesh key -> index into ks from which it cannot win
-    pipe_fit: set = set()           # pipeline candidates (full mesh key) that fit with less recomputation
+    done, pipe_fit, early = state.done, state.pipe_fit, state.early
     pipeline_request = "pp" in mesh.axis_names or bool(opts.microbatches or opts.schedule)
     cap = _cap(mesh, opts)
-    early: set = set()             # recompute choices whose pipelines were tried before the accumulation ladder
-    for rc in choices:
-        i = 0
-        below: dict = {}            # mesh key -> the k under which it cannot fit (this recompute choice)
-        while i < len(ks) and any(done.get(key, len(ks)) > i for key in keys):
-            k = ks[i]
-            if progress.out_of_time():
-                return plans, failures, pipe_failures
-            pipelines = k == 1 and not opts.zero and rc not in early and (
-                rc == "none" or opts.recompute is not None or pipeline_request or not progress.fitting)
-            if pipeline_request and not pipelines:
-                break               # only pipelines were asked for
-            progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
-            if k not in traces:
-                traces[k] = microbatch_traced(traced, k, retracer)
-            mb = traces[k]
-            note = ", ".join(([f"ZeRO-{opts.zero}"] if opts.zero else []) + ([f"accumulation {k}"] if k > 1 else [])
-                             + ([f"recompute {rc}"] if rc != "none" else []))
-            skip = {key for key, j in done.items() if j <= i} | {key for key, need in below.items() if k < need}
-            try:
-                got, failed, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=rc),
-                                                       param_ann, input_ann, retracer, pipelines=pipelines,
-                                                       microbatches=k, skip=skip, pipe_skip=pipe_fit)
-            except PlanError as err:
-                if k == 1 and pipeline_request and rc != choices[-1]:
-                    pipe_failures.append((f"pipeline ({note or 'no memory options'})", err))
-                    break           # a requested pipeline that does not fit: try more recomputation
-                if k == 1:
-                    raise smallest_of(err, pipe_failures, mesh, cap, traced.batch_size) from None
-                failures.append(Failure(mesh, note, err))    # e.g. a microbatch the mesh cannot split
-                break
-            plans += [accumulated(p, k, traced, mb) for p in got]
-            pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None}
-            for p in got:
-                if not p.memory_bound:  # nothing at this k with more recomputation or at a larger k beats it
-                    key = (p.mesh.shape, p.mesh.axis_names)
-                    done[key] = min(done.get(key, len(ks)), i)
-            for m, e in failed:
-                if isinstance(e, DominatedError) and e.unbudgeted or isinstance(e, PlanError):
-                    done[(m.shape, m.axis_names)] = min(done.get((m.shape, m.axis_names), len(ks)), i)
-                elif isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
-                    below[(m.shape, m.axis_names)] = k * e.least_memory / cap
-            here = [Failure(m, note, e) for m, e in failed if not isinstance(e, DominatedError)]
-            failures += here
-            pipe_failures += pipe_failed + [(f"mesh {m.shape} ({note or 'no memory options'})", e)
-                                            for m, e in failed if isinstance(e, DominatedError)]
-            if pipelines and k == 1 and rc == choices[0] and not progress.fitting \
-                    and state_needs_pipeline(traced, mesh, opts, cap):
-                for more in choices[1:]:
-                    if progress.fitting or progress.out_of_time():
-                        break
-                    progress.enter(f"ZeRO-0, recompute {more}, accumulation 1: pipelines first")
-                    got, _, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=more),
-                                                      param_ann, input_ann, retracer, skip=set(keys), pipe_skip=pipe_fit)
-                    early.add(more)
-                    plans += got
-                    pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got}
-                    pipe_failures += pipe_failed
-            i += 1
+    i = 0
+    below: dict = {}            # mesh key -> the k under which it cannot fit (this recompute choice)
+    while i < len(ks) and any(done.get(key, len(ks)) > i for key in keys):
+        k = ks[i]
+        if progress.out_of_time():
+            return plans, failures, pipe_failures
+        pipelines = k == 1 and not opts.zero and rc not in early and (
+            rc == "none" or opts.recompute is not None or pipeline_request or not state.fitting)
+        if pipeline_request and not pipelines:
+            break               # only pipelines were asked for
+        progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
+        if k not in traces:
+            traces[k] = microbatch_traced(traced, k, retracer)
+        mb = traces[k]
+        note = ", ".join(([f"ZeRO-{opts.zero}"] if opts.zero else []) + ([f"accumulation {k}"] if k > 1 else [])
+                         + ([f"recompute {rc}"] if rc != "none" else []))
+        skip = {key for key, j in done.items() if j <= i} | {key for key, need in below.items() if k < need}
+        try:
+            got, failed, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=rc),
+                                                   param_ann, input_ann, retracer, pipelines=pipelines,
+                                                   microbatches=k, skip=skip, pipe_skip=pipe_fit)
+        except PlanError as err:
+            if k == 1 and pipeline_request and rc != choices[-1]:
+                pipe_failures.append((f"pipeline ({note or 'no memory options'})", err))
+                break           # a requested pipeline that does not fit: try more recomputation
+            if k == 1:
+                raise smallest_of(err, pipe_failures, mesh, cap, traced.batch_size) from None
+            failures.append(Failure(mesh, note, err))    # e.g. a microbatch the mesh cannot split
+            break
+        plans += [accumulated(p, k, traced, mb) for p in got]
+        state.fitting |= bool(got)
+        pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None}
+        for p in got:
+            if not p.memory_bound:  # nothing at this k with more recomputation or at a larger k beats it
+                key = (p.mesh.shape, p.mesh.axis_names)
+                done[key] = min(done.get(key, len(ks)), i)
+        for m, e in failed:
+            if isinstance(e, DominatedError) and e.unbudgeted or isinstance(e, PlanError):
+                done[(m.shape, m.axis_names)] = min(done.get((m.shape, m.axis_names), len(ks)), i)
+            elif isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
+                below[(m.shape, m.axis_names)] = k * e.least_memory / cap
+        here = [Failure(m, note, e) for m, e in failed if not isinstance(e, DominatedError)]
+        failures += here
+        pipe_failures += pipe_failed + [(f"mesh {m.shape} ({note or 'no memory options'})", e)
+                                        for m, e in failed if isinstance(e, DominatedError)]
+        if pipelines and k == 1 and rc == choices[0] and not progress.fitting \
+                and state_needs_pipeline(traced, mesh, opts, cap):
+            for more in choices[1:]:
+                if progress.fitting or progress.out_of_time():
+                    break
+                progress.enter(f"ZeRO-0, recompute {more}, accumulation 1: pipelines first")
+                got, _, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=more),
+                                                  param_ann, input_ann, retracer, skip=set(keys), pipe_skip=pipe_fit)
+                early.add(more)
+                plans += got
+                state.fitting |= bool(got)
+                pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got}
+                pipe_failures += pipe_failed
+        i += 1
     return plans, failures, pipe_failures
 
 
