@@ -260,6 +260,27 @@ def test_dual_bound_never_exceeds_the_budgeted_optimum(seed):
     assert _dual_bound(p, time.perf_counter() + 10, time.perf_counter()) <= expected.objective + 1e-9
 
 
+def test_a_priced_solve_out_of_time_keeps_the_dual_bound_proven_so_far():
+    """The bound's later priced solves can run out of time (Llama-7B's budgeted meshes); the prices
+    already proven still bound the optimum, so the bound is theirs, not -inf (which wasted the 70 %
+    of the time limit the bound may use and left the budgeted solve 30 %)."""
+    from autopar.solver.intra_op import SolverTimeoutError
+    from autopar.solver.pricing import dual_bound
+
+    calls = []
+
+    def at(price):
+        calls.append(price)
+        if len(calls) > 1:
+            raise SolverTimeoutError("out of time")
+        return True, [0], 1.0, 3.0       # proven; 3 GiB used of a 2 GiB budget
+
+    got = dual_bound(2.0, at, cutoff=5.0, deadline=time.perf_counter() + 10, stop=(SolverTimeoutError,))
+    assert len(calls) == 2 and got == pytest.approx(1.0 + calls[0] * (3.0 - 2.0))
+    with pytest.raises(SolverTimeoutError):
+        dual_bound(2.0, lambda price: at(price), cutoff=5.0, deadline=time.perf_counter() + 10)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_cutoff_prunes_only_what_cannot_win(seed):
     """A cutoff above the optimum never prunes (the optimum comes back); one at or below a proven
@@ -329,3 +350,34 @@ def test_a_solve_out_of_time_says_which_setting_to_raise(monkeypatch):
             r"\(autopar.set_auto_parallel_context\(solver_time_limit=\.\.\.\)\) or the memory cap")
     with pytest.raises(intra_op.SolverTimeoutError, match=want):
         solve_intra_op(p)
+
+
+def _workspace_problem(budget: float) -> IntraOpProblem:
+    """One op: strategy 0 is fastest but too big; 1 is faster than 2 but needs a large backward
+    workspace (2 has the smaller row too: dominance must weigh the workspace). A second op adds a
+    sum term to its cheaper strategy."""
+    nodes = [NodeChoices("op", np.array([1.0, 2.0, 3.0]), np.array([10.0, 4.5, 5.0])),
+             NodeChoices("w", np.array([0.0, 0.1]), np.array([1.0, 0.5]))]
+    edges = [EdgeCost(0, 1, np.zeros((3, 2)))]
+    transient = ([np.array([0.0, 8.0, 1.0]), None], [None, np.array([0.5, 0.0])])
+    return IntraOpProblem(nodes, edges, budget, transient=transient)
+
+
+@pytest.mark.parametrize("path", ["enumerate", "cp-sat"])
+def test_the_budget_keeps_room_for_the_workspace_beside_the_row(path, monkeypatch):
+    """Transients (intra_op docstring): the row plus the largest max term plus the sum terms of the
+    picks stay within the budget; without them the row alone decides."""
+    monkeypatch.setattr(exhaustive, "LIMIT", exhaustive.LIMIT if path == "enumerate" else 0)
+    p = _workspace_problem(8.0)
+    got = solve_intra_op(p)
+    assert got.choice == [2, 0], got     # row 5 + 1, workspace 1 + 0.5: 7.5 <= 8 (op 1: 4.5 + 0.5 + 8 > 8)
+    p.transient = None
+    assert solve_intra_op(p).choice == [1, 0]   # row 4.5 + 1 fits; its workspace of 8 is ignored
+
+
+def test_a_workspace_that_cannot_fit_is_named_in_the_infeasible_message():
+    """A row that fits with no room left for the workspace is not 'the smallest memory exceeds the budget'."""
+    p = _workspace_problem(6.2)
+    with pytest.raises(InfeasibleError, match="together with the backward workspace of its largest op") as err:
+        solve_intra_op(p)
+    assert err.value.least_memory is None

@@ -1,5 +1,6 @@
 """Building the intra-op problem: repeated layers are costed once, and that changes nothing."""
 import numpy as np
+import pytest
 import torch
 
 from autopar.cost_models.compute import grad_nodes
@@ -55,3 +56,26 @@ def test_memoised_strategies_equal_enumerating_every_node():
         assert cands.strategies[node.name] == fresh, node.name
         checked += 1
     assert checked > 50
+
+
+@pytest.mark.parametrize("zero, microbatches, recompute", [(0, 1, "none"), (0, 4, "none"), (0, 4, "selective"),
+                                                           (1, 4, "full"), (3, 2, "none")])
+def test_op_transients_never_exceed_the_transients_of_any_assignment(zero, microbatches, recompute):
+    """The solver keeps room for ``op_transients`` (its largest max term plus its sum terms) beside
+    the memory row; they must be lower bounds of ``transient_bytes``, which the total adds after the
+    solve, for every assignment, else the first solve would refuse layouts that fit."""
+    from autopar.solver.problem import op_transients, transient_bytes
+
+    tr = _traced()
+    cands = build_candidates(tr.gm, MESH)
+    costing = Costing(MESH, get_device("a100-80gb"), "adamw", "fp32", frozen_buffers=set(tr.buffers), zero=zero,
+                      microbatches=microbatches, recompute=recompute)
+    built = build_problem(tr.gm, cands, costing, set(tr.params))
+    peak, added = op_transients(tr.gm, cands, built, costing, tr.params)
+    assert any(t is not None for t in peak) and (any(a is not None for a in added) == (zero == 0 and microbatches > 1))
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        choice = [int(rng.integers(len(n.compute))) for n in built.problem.nodes]
+        bound = (max(float(t[s]) for t, s in zip(peak, choice) if t is not None)
+                 + sum(float(a[s]) for a, s in zip(added, choice) if a is not None))
+        assert 0 < bound <= transient_bytes(tr.gm, cands, built, choice, costing, tr.params) * (1 + 1e-12)

@@ -7,9 +7,9 @@ placement than the stored one keeps its gathered copy for backward, which depend
 ``reduce_graph`` applies until nothing changes, each reduction exact:
 
     * drop strategies that no allowed pair of some edge can accompany      (``_prune_forbidden``)
-    * drop strategy s of v when some t is no worse in compute, memory (if budgeted) and in
-      every incident edge's row (time, and edge memory if budgeted): any solution using s stays
-      as good with t                                                        (``_drop_dominated``)
+    * drop strategy s of v when some t is no worse in compute, memory and workspace (if
+      budgeted) and in every incident edge's row (time, and edge memory if budgeted): any
+      solution using s stays as good with t                                 (``_drop_dominated``)
     * a class with one strategy left adds its edge rows (time and memory) to its neighbours
                                                                             (``_fold_fixed``)
     * an edge with R[i,j] = a_i + b_j (and its memory likewise) moves a to u and b to v
@@ -66,6 +66,7 @@ class ClassGraph:
     fixed_memory: float = 0.0  # memory of eliminated classes
     budgeted: bool = False
     edge_memory: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # same keys; only edges keeping bytes
+    workspace: dict[int, np.ndarray] = field(default_factory=dict)  # class -> [k, 2] (sum, max) terms (``Workspace``)
 
     def edge(self, a: int, b: int) -> np.ndarray:
         return self.edges[(a, b)] if a < b else self.edges[(b, a)].T
@@ -94,6 +95,8 @@ class ClassGraph:
 
     def restrict(self, a: int, keep: np.ndarray) -> None:
         self.cands[a], self.compute[a], self.memory[a] = self.cands[a][keep], self.compute[a][keep], self.memory[a][keep]
+        if a in self.workspace:
+            self.workspace[a] = self.workspace[a][keep]
         for b in self.nbrs[a]:
             key = (min(a, b), max(a, b))
             for table in (self.edges, self.edge_memory):
@@ -112,7 +115,18 @@ class ClassGraph:
             return True
         mem = self.memory[a]
         return (float(mem.max() - mem.min()) <= 1e-12 * max(1.0, abs(float(mem.max())))
-                and not any(self.edge_mem(a, b) is not None for b in self.nbrs[a]))
+                and not any(self.edge_mem(a, b) is not None for b in self.nbrs[a])
+                and (a not in self.workspace or not np.ptp(self.workspace[a], axis=0).any()))
+
+
+@dataclass
+class Workspace:
+    """Workspace beside the memory row, on the classes (``intra_op``'s Transients): the budget holds
+    the row + the sum terms of the picks + the largest max term of the picks."""
+    peak: dict[int, np.ndarray] = field(default_factory=dict)    # active class -> max term per candidate
+    added: dict[int, np.ndarray] = field(default_factory=dict)   # active class -> sum term per candidate
+    floor: float = 0.0      # the largest least max term of the classes the reductions removed or fixed
+    fixed: float = 0.0      # the least sum terms of those classes
 
 
 def is_forbidden(x: np.ndarray) -> np.ndarray:
@@ -148,6 +162,8 @@ def _drop_dominated(g: ClassGraph) -> bool:
         if k < 2:
             return None
         columns = [g.compute[a][:, None]] + ([g.memory[a][:, None]] if g.budgeted else [])
+        if g.budgeted and a in g.workspace:
+            columns.append(g.workspace[a])
         columns += [g.edge(a, b) for b in g.nbrs[a]]
         if g.budgeted:
             columns += [m for b in g.nbrs[a] if (m := g.edge_mem(a, b)) is not None]

@@ -7,6 +7,7 @@ candidate positions i_1..i_n (all combinations, ``prod |cands|`` <= ``LIMIT``):
 
     cost(i)   = sum_a c_a[i_a] + sum_{(a,b)} R_ab[i_a, i_b]
     memory(i) = fixed + sum_a m_a[i_a] + sum_{(a,b)} G_ab[i_a, i_b]   (bytes an edge's pair keeps)
+                + sum_a w_a[i_a] + max(floor, max_a t_a[i_a])             (``Workspace``: sum, max terms)
     pick      argmin cost(i)  subject to  memory(i) <= budget,  cost(i) finite
 
 Exact (no rounding of coefficients), so the result is OPTIMAL. Combinations are visited in
@@ -19,7 +20,7 @@ import math
 
 import numpy as np
 
-from autopar.solver.class_graph import ClassGraph
+from autopar.solver.class_graph import ClassGraph, Workspace
 
 LIMIT = 4_000_000       # combinations: enumeration is cheaper than CP-SAT's set-up below this
 CHUNK = 1 << 19
@@ -30,10 +31,11 @@ def small_enough(g: ClassGraph, active: list[int]) -> bool:
 
 
 def enumerate_best(g: ClassGraph, active: list[int], budget: float | None,
-                   objective: str = "time") -> dict[int, int] | None:
+                   objective: str = "time", work: Workspace | None = None) -> dict[int, int] | None:
     """The optimal original strategy per live class (``{class: strategy}``), or None when no
     combination is finite and within ``budget``. ``objective``: "time" (compute + resharding) or
-    "memory" (the smallest memory among the combinations with finite cost)."""
+    "memory" (the smallest memory among the combinations with finite cost). ``work``: workspace
+    the budget also holds."""
     sizes = [len(g.cands[a]) for a in active]
     pos = {a: k for k, a in enumerate(active)}
     edges = [(pos[a], pos[b], m, g.edge_memory.get((a, b))) for (a, b), m in g.edges.items()
@@ -46,9 +48,15 @@ def enumerate_best(g: ClassGraph, active: list[int], budget: float | None,
         idx = np.unravel_index(flat, sizes)
         cost = np.zeros(len(flat))
         memory = np.full(len(flat), base)
+        peak = np.full(len(flat), work.floor if work else 0.0)
         for k, a in enumerate(active):
             cost += g.compute[a][idx[k]]
             memory += g.memory[a][idx[k]]
+            if work and a in work.added:
+                memory += work.added[a][idx[k]]
+            if work and a in work.peak:
+                peak = np.maximum(peak, work.peak[a][idx[k]])
+        memory += peak + (work.fixed if work else 0.0)
         for i, j, m, kept in edges:
             cost += m[idx[i], idx[j]]
             if kept is not None:

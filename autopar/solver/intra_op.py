@@ -67,6 +67,19 @@ and is then bisected a few times; each priced CP-SAT run is hinted with the last
 and the bound's solves may use ``DUAL_SHARE`` of the time limit (a proof saves the budgeted solve,
 which on Llama-7B's (8, 2) mesh at batch 32 runs to the limit and loses anyway).
 
+Transients (``IntraOpProblem.transient``, ``_add_memory``): the step's peak also holds the backward
+workspace of its largest op, a max over ops, and beside it (without ZeRO, under accumulation) a
+second copy of every data-parallel gradient, a sum (``problem.op_transients``: t[v,s] and a[v,s]
+bytes, lower bounds of what the caller adds after the solve). The budgeted CP-SAT model bounds
+them with one more variable,
+    W >= sum_s t[v,s] x[v,s]  for each active class v (members: the max of theirs),
+    W >= min_s t[v,s]         for classes the reductions removed (their pick is not in the model),
+    memory row + sum a[v,s] x[v,s] + W <= M,
+t and a rounded down so that the constraint only removes assignments whose workspace cannot fit;
+the dominance reduction weighs (a, t) like memory (``ClassGraph.workspace``). The unbudgeted optimum is still returned when its row fits (the caller adds the transients and
+solves again if they do not fit). Without the room, most first budgeted solves left none for the
+workspace and were solved again (Llama-7B: two solves to the time limit per candidate mesh).
+
 Infeasible budget (``_memory_error``): the smallest achievable memory is the same problem with
 memory as the objective and no budget, solved by the same reductions and solvers.
 
@@ -83,7 +96,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.sat.python import cp_model
 
-from autopar.solver.class_graph import HUGE_COST, ClassGraph, InfeasibleError, is_forbidden, recover_choices, reduce_graph
+from autopar.solver.class_graph import (HUGE_COST, ClassGraph, InfeasibleError, Workspace, is_forbidden, recover_choices,
+                                       reduce_graph)
 from autopar.solver.exhaustive import enumerate_best, small_enough
 from autopar.solver.memory_floor import memory_floor
 from autopar.solver.pricing import dual_bound, priced_search
@@ -137,6 +151,8 @@ class IntraOpProblem:
     hint: list[int] | None = None  # a feasible assignment (e.g. greedy): CP-SAT starts from it, and it is
                                    # returned (status "FEASIBLE(hint)") if CP-SAT finds nothing in time
     cutoff: float | None = None    # objective a budgeted solve must beat (module docstring, Bound)
+    transient: tuple[list, list] | None = None  # (max terms, sum terms): per node, bytes by strategy (or
+                                   # None) of workspace beside the row (module docstring, Transients)
 
 
 @dataclass
@@ -208,6 +224,12 @@ def _collapse_ties(p: IntraOpProblem) -> tuple[ClassGraph, list[int]]:
         g.cands.append(np.arange(k))
         g.compute.append(np.where(is_forbidden(compute), np.inf, compute))
         g.memory.append(np.where(np.isfinite(memory), memory, np.inf))
+        if p.transient and p.memory_budget is not None:
+            peak = [p.transient[0][v] for v in group if p.transient[0][v] is not None]
+            added = [p.transient[1][v] for v in group if p.transient[1][v] is not None]
+            if peak or added:
+                g.workspace[len(g.cands) - 1] = np.stack([sum(added, np.zeros(k)), np.max(peak, axis=0) if peak
+                                                          else np.zeros(k)], axis=1)
         g.restrict(len(g.cands) - 1, keep)
     return g, class_of
 
@@ -270,22 +292,36 @@ def _add_edge_vars(mdl: _Model, a: int, b: int, matrix: np.ndarray, scale: float
     return terms
 
 
-def _add_memory(mdl: _Model, g: ClassGraph, active: list[int], budget: float, kept: dict) -> None:
-    """sum m x + sum G e <= budget, in units of 1e-9 of the largest spread, memories ceiled,
-    budget floored. ``kept``: edge key -> [(pair variable, bytes)] of the edges keeping bytes
-    (``G``; each edge's smallest allowed pair is in the base)."""
+def _add_memory(mdl: _Model, g: ClassGraph, active: list[int], budget: float, kept: dict,
+                work: Workspace | None = None) -> None:
+    """sum m x + sum G e (+ sum a x + W) <= budget, in units of 1e-9 of the largest spread,
+    memories ceiled, budget floored, workspace floored. ``kept``: edge key -> [(pair variable,
+    bytes)] of the edges keeping bytes (``G``; each edge's smallest allowed pair is in the base).
+    ``work``: the workspace terms (module docstring, Transients)."""
+    work = work or Workspace()
     low = {key: min(b for _, b in pairs) for key, pairs in kept.items() if pairs}
     base = g.fixed_memory + sum(float(g.memory[a].min()) for a in g.alive) + sum(low.values())
+    peak = {a: t for a, t in work.peak.items() if a in mdl.x}
+    added = {a: t for a, t in work.added.items() if a in mdl.x}
     spread = max([float(np.ptp(g.memory[a])) for a in active]
-                 + [max(b for _, b in pairs) - low[key] for key, pairs in kept.items() if pairs], default=0.0)
+                 + [max(b for _, b in pairs) - low[key] for key, pairs in kept.items() if pairs]
+                 + [float(t.max()) for t in [*peak.values(), *added.values()]] + [work.floor], default=0.0)
     if base > budget:
         raise _OverBudget(base)
     if spread == 0:
         return
     unit = spread / _COEF_TARGET
+    room = math.floor((budget - base) / unit)
     terms = [(x, math.ceil((m - g.memory[a].min()) / unit)) for a in active for x, m in zip(mdl.x[a], g.memory[a])]
     terms += [(e, math.ceil((b - low[key]) / unit)) for key, pairs in kept.items() for e, b in pairs]
-    mdl.model.Add(sum(c * x for x, c in terms if c) <= math.floor((budget - base) / unit))
+    terms += [(x, math.floor(b / unit)) for a, t in added.items() for x, b in zip(mdl.x[a], t)]
+    row = sum(c * x for x, c in terms if c)
+    if peak or work.floor > 0:
+        w = mdl.model.NewIntVar(min(math.floor(work.floor / unit), max(room, 0)), max(room, 0), "workspace")
+        for a, t in peak.items():
+            mdl.model.Add(w >= sum(math.floor(b / unit) * x for x, b in zip(mdl.x[a], t) if b >= unit))
+        row = row + w
+    mdl.model.Add(row <= room - math.ceil(work.fixed / unit))
 
 
 class _OverBudget(Exception):
@@ -299,8 +335,25 @@ def _active(g: ClassGraph) -> list[int]:
     return sorted(a for a in g.alive if len(g.cands[a]) > 1 or g.nbrs[a])
 
 
-def _build_model(g: ClassGraph, budget: float | None, hint: dict[int, int] | None = None) -> tuple[_Model, list[int]]:
-    """CP-SAT model of the reduced graph; ``hint`` maps classes to original strategy indices."""
+def _workspace(g: ClassGraph) -> Workspace:
+    """The budget's workspace terms from the classes' (``ClassGraph.workspace``): the active classes'
+    per candidate; the least of those the reductions fixed or removed (a removed class picks
+    among its remaining candidates)."""
+    work = Workspace()
+    active = set(_active(g))
+    for a, w in g.workspace.items():
+        if a in active:
+            work.added[a], work.peak[a] = w[:, 0], w[:, 1]
+        else:
+            work.fixed += float(w[:, 0].min())
+            work.floor = max(work.floor, float(w[:, 1].min()))
+    return work
+
+
+def _build_model(g: ClassGraph, budget: float | None, hint: dict[int, int] | None = None,
+                 work: Workspace | None = None) -> tuple[_Model, list[int]]:
+    """CP-SAT model of the reduced graph; ``hint`` maps classes to original strategy indices;
+    ``work``: the workspace beside the memory row (budgeted only)."""
     active = _active(g)
     mdl = _Model(cp_model.CpModel(), {}, 0)
     for a in active:
@@ -316,7 +369,7 @@ def _build_model(g: ClassGraph, budget: float | None, hint: dict[int, int] | Non
         mem = g.edge_memory.get((a, b)) if budget is not None else None
         terms += _add_edge_vars(mdl, a, b, m, scale, mem, kept.setdefault((a, b), []) if mem is not None else None)
     if budget is not None:
-        _add_memory(mdl, g, active, budget, kept)
+        _add_memory(mdl, g, active, budget, kept, work)
     mdl.model.Minimize(sum(c * x for x, c in terms if c))
     return mdl, active
 
@@ -362,6 +415,15 @@ def _memory_error(p: IntraOpProblem) -> InfeasibleError:
     choice = sol.choice
     smallest = evaluate(p, choice)[1]
     word = "smallest achievable" if sol.status == "OPTIMAL" else "smallest found"
+    if smallest <= p.memory_budget:     # the row fits: the backward workspace beside it does not
+        err = InfeasibleError(
+            f"no strategy assignment fits the memory budget of {p.memory_budget / GIB:.3f} GiB "
+            f"({p.memory_budget:.4g} B) together with the backward workspace of its largest op: the {word} "
+            f"memory without it is {smallest / GIB:.3f} GiB. Use more devices (a larger tensor/data-parallel "
+            f"mesh), smaller microbatches (gradient accumulation), activation checkpointing, or raise the budget")
+        err.choice = choice
+        err.least_memory = None
+        return err
     err = InfeasibleError(
         f"no strategy assignment fits the memory budget: the {word} memory is {smallest / GIB:.3f} GiB "
         f"({smallest:.4g} B) but the budget is {p.memory_budget / GIB:.3f} GiB ({p.memory_budget:.4g} B). "
@@ -471,7 +533,8 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
                 p.memory_budget:
             raise _no_assignment(p)     # nothing left to choose, and it does not fit
     elif small_enough(g, active):
-        status, picked = cp_model.OPTIMAL, enumerate_best(g, active, p.memory_budget)
+        status, picked = cp_model.OPTIMAL, enumerate_best(g, active, p.memory_budget,
+                                                          work=_workspace(g) if p.memory_budget is not None else None)
         if picked is None:
             raise _no_assignment(p)
     elif relax and p.memory_budget is not None and _pair_vars(g) > LAGRANGIAN_PAIRS and \
@@ -479,7 +542,8 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
         return relaxed
     else:
         try:
-            mdl, active = _build_model(g, p.memory_budget, hint=_class_hint(class_of, hint))
+            mdl, active = _build_model(g, p.memory_budget, hint=_class_hint(class_of, hint),
+                                       work=_workspace(g) if p.memory_budget is not None else None)
         except _OverBudget:
             raise _memory_error(p) from None
         num_vars = mdl.num_vars
@@ -545,10 +609,7 @@ def _lagrangian(p: IntraOpProblem, deadline: float, start: float, steps: int = 1
 def _dual_bound(p: IntraOpProblem, deadline: float, start: float, hint: list[int] | None = None) -> float:
     """max over the prices tried of L(lam) (module docstring, Bound; ``pricing.dual_bound``)."""
     at, _ = _priced(p, deadline, start, hint)
-    try:
-        return dual_bound(p.memory_budget / GIB, at, p.cutoff, deadline)
-    except (SolverTimeoutError, InfeasibleError):
-        return -math.inf
+    return dual_bound(p.memory_budget / GIB, at, p.cutoff, deadline, stop=(SolverTimeoutError, InfeasibleError))
 
 
 def _no_assignment(p: IntraOpProblem) -> InfeasibleError:

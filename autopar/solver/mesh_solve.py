@@ -29,7 +29,7 @@ from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
 from autopar.solver.progress import SearchProgress
-from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
+from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, op_transients, resharded_param_bytes,
                                     resharded_region_inputs, sync_element_bytes, transient_bytes, zero_layer_buffers)
 
 
@@ -314,21 +314,30 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
     ILP's budget is lowered by the two maxima of the last solution (or, when that no longer
     lowers it, by the overflow) and the problem solved again. Returns (solution with its memory
     row's bytes less the edges', gathered copies + ZeRO layer buffers, transients). The problem solved is
-    the per-step one (``BuiltProblem.per_step``); the solution's objective is one microbatch's."""
+    the per-step one (``BuiltProblem.per_step``); the solution's objective is one microbatch's.
+    The first solve keeps room for lower bounds of the transients (``op_transients``) where the
+    budget binds, so that it usually fits; where that room makes it infeasible (the row charges a
+    gathered parameter per edge, the total once, so row + room can exceed the budget when the
+    total does not), it is solved without. The lowered re-solves keep no such room: their limit
+    already leaves the last solution's transients out."""
     params = set(traced.params)
     whole = built.per_step(microbatches)
     limit = budget
-    problem = dataclasses.replace(whole, cutoff=None if cutoff is None else cutoff / microbatches)
+    problem = dataclasses.replace(whole, cutoff=None if cutoff is None else cutoff / microbatches,
+                                  transient=op_transients(traced.gm, cands, built, costing, traced.params))
     smallest = None                 # (total bytes, choice) of the smallest assignment tried
-    for attempt in range(tries):
+    for _ in range(tries):
         try:
             sol = solve_intra_op(problem)
         except InfeasibleError as err:
+            if problem.transient is not None and getattr(err, "least_memory", None) is None:
+                problem = dataclasses.replace(problem, transient=None)   # not proven by the row alone:
+                continue                # the row charges gathered copies per edge, the total once
             if smallest is not None and sum(memory_parts(traced, cands, built, err.choice, costing).values()) > \
                     smallest[0]:
                 err.choice = smallest[1]
             raise
-        if attempt:
+        if limit < budget:          # solved under a lowered limit: the budget shaped it
             sol = dataclasses.replace(sol, bound=True)
         node_bytes = sol.memory - edge_memory(built.problem, sol.choice) + zero_unsynced_bytes(traced, cands, built,
                                                                                                sol.choice, costing)

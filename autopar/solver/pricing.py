@@ -48,29 +48,34 @@ def priced_search(budget_gib: float, at: At, ceiling: float, deadline: float, st
     return best
 
 
-def dual_bound(budget_gib: float, at: At, cutoff: float, deadline: float, bisections: int = 4) -> float:
-    """max over the prices tried of L(lam); -inf when no priced solve was proven optimal."""
-    best = -math.inf
+def dual_bound(budget_gib: float, at: At, cutoff: float, deadline: float, bisections: int = 4,
+               stop: tuple[type[Exception], ...] = ()) -> float:
+    """max over the prices tried of L(lam); -inf when no priced solve was proven optimal. A priced
+    solve raising one of ``stop`` (out of time) ends the search with the bound so far: every L(lam)
+    already proven stays a lower bound."""
+    best = [-math.inf]
 
     def fits(price: float) -> bool:
-        nonlocal best
         proven, _, objective, memory = at(price)
         if proven:
-            best = max(best, objective + price * (memory - budget_gib))
+            best[0] = max(best[0], objective + price * (memory - budget_gib))
         return memory <= budget_gib
 
     lo, hi, price = 0.0, None, 1e-4
-    while price < 1e4 and time.perf_counter() < deadline and best < cutoff:
-        if fits(price):
-            hi = price
-            break
-        lo, price = price, price * 8
-    for _ in range(bisections if hi is not None and lo > 0 else 0):
-        if time.perf_counter() > deadline or best >= cutoff:
-            break
-        mid = math.sqrt(lo * hi)
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return best
+    try:
+        while price < 1e4 and time.perf_counter() < deadline and best[0] < cutoff:
+            if fits(price):
+                hi = price
+                break
+            lo, price = price, price * 8
+        for _ in range(bisections if hi is not None and lo > 0 else 0):
+            if time.perf_counter() > deadline or best[0] >= cutoff:
+                break
+            mid = math.sqrt(lo * hi)
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid
+    except stop:
+        pass
+    return best[0]

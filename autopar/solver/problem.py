@@ -545,19 +545,13 @@ def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, 
         if name not in built.index or node.op != "call_function" or node not in need:
             continue
         st = cands.strategies[name][choice[built.index[name]]]
-        out_shard = max(1, shard_factor(_outs(st)[0], c.mesh_shape))
-        in_shard = shard_factor(st.inputs[0], c.mesh_shape) if st.inputs else 1
-        live = {storage_key(node): tensor_bytes(node, 0 if isinstance(node.meta.get("val"), (tuple, list)) else None)
-                / out_shard}
-        for i, a in enumerate(tensor_inputs(node)):
-            if a in need and a.name not in params and i < len(st.inputs):
-                live.setdefault(storage_key(a), tensor_bytes(a) / max(1, shard_factor(st.inputs[i], c.mesh_shape)))
+        live, own = _op_gradients(node, st, need, params, saved, c)
         for key, nbytes in fresh.get(name, {}).items():
             live.setdefault(key, nbytes)
         for lo, hi, key, nbytes in waiting:
             if lo <= pos < hi:
                 live.setdefault(key, nbytes)
-        grads[name] = sum(live.values()) + _saved_pair(saved, name)[1] / max(out_shard, in_shard)
+        grads[name] = sum(live.values()) + own
     regions = find_regions(gm, choices_for(gm.graph, c.recompute)) if c.recompute not in (None, "none") else []
     inside = {n for r in regions for n in r.nodes}
     peak = max((g for n, g in grads.items() if n not in inside), default=0.0)
@@ -575,6 +569,55 @@ def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, 
     if c.zero == 0 and c.microbatches > 1:
         peak += sum(g for _, _, g, _, _ in _replicated_grads(gm, cands, built, choice, c, params))
     return peak
+
+
+def _op_gradients(node: fx.Node, st: Strategy, need, params, saved: dict, c: Costing) -> tuple[dict, float]:
+    """The local gradients live while ``node``'s backward runs under strategy ``st`` (storage key
+    -> bytes: its output's and its non-parameter inputs') and the bytes it saves of its own, its
+    share under ``st`` (``transient_bytes``'s g(n) without the parameter-gradient terms)."""
+    out_shard = max(1, shard_factor(_outs(st)[0], c.mesh_shape))
+    in_shard = shard_factor(st.inputs[0], c.mesh_shape) if st.inputs else 1
+    live = {storage_key(node): tensor_bytes(node, 0 if isinstance(node.meta.get("val"), (tuple, list)) else None)
+            / out_shard}
+    for i, a in enumerate(tensor_inputs(node)):
+        if a in need and a.name not in params and i < len(st.inputs):
+            live.setdefault(storage_key(a), tensor_bytes(a) / max(1, shard_factor(st.inputs[i], c.mesh_shape)))
+    return live, _saved_pair(saved, node.name)[1] / max(out_shard, in_shard)
+
+
+def op_transients(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, c: Costing,
+                  params: dict[str, str]) -> tuple[list[np.ndarray | None], list[np.ndarray | None]]:
+    """Two lower bounds on ``transient_bytes`` as per-node, per-strategy bytes (None: none), for
+    the intra-op solver to keep beside its memory row (``IntraOpProblem.transient``), so that the
+    first solve already leaves the workspace room:
+
+    * max terms: the backward workspace an op's own gradients need (g(n) without the
+      parameter-gradient, recomputation and ZeRO terms, which only add); the peak holds the largest;
+    * sum terms: without ZeRO, under accumulation, each data-parallel parameter's gradient a second
+      time (``_replicated_grads``), which ``transient_bytes`` adds to any op's peak."""
+    mask = 1 if getattr(c.device, "name", "") != "cpu" else None
+    saved = saved_bytes_by_node(gm, dropout_mask_bytes=mask)
+    need = grad_nodes(gm.graph)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out: list[np.ndarray | None] = []
+    for name in built.names:
+        node = by_name.get(name)
+        if node is None or node.op != "call_function" or node not in need:
+            out.append(None)
+            continue
+        out.append(np.array([sum(live.values()) + own for live, own in
+                             (_op_gradients(node, st, need, params, saved, c) for st in cands.strategies[name])]))
+    added: list[np.ndarray | None] = [None] * len(built.names)
+    if c.zero == 0 and c.microbatches > 1:
+        for ph in params:
+            if ph not in built.index:
+                continue
+            v = by_name[ph].meta["val"]
+            added[built.index[ph]] = np.array([
+                training_state_parts(int(v.numel() // shard_factor(st.output, c.mesh_shape)), v.dtype, c.optimizer,
+                                     c.precision)[1] if zero_axes(st.output, c.mesh_shape)[1] > 1 else 0.0
+                for st in cands.strategies[ph]])
+    return out, added
 
 
 def zero3_reduce_scatter(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
