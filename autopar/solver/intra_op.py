@@ -301,7 +301,8 @@ def _add_memory(mdl: _Model, g: ClassGraph, active: list[int], budget: float, ke
     work = work or Workspace()
     low = {key: min(b for _, b in pairs) for key, pairs in kept.items() if pairs}
     base = g.fixed_memory + sum(float(g.memory[a].min()) for a in g.alive) + sum(low.values())
-    peak = {a: t for a, t in work.peak.items() if a in mdl.x}
+    least = max([work.floor] + [float(t.min()) for t in work.peak.values()])     # W's floor: every pick has it
+    peak = {a: t for a, t in work.peak.items() if a in mdl.x and float(t.max()) > least}  # others never bind
     added = {a: t for a, t in work.added.items() if a in mdl.x}
     spread = max([float(np.ptp(g.memory[a])) for a in active]
                  + [max(b for _, b in pairs) - low[key] for key, pairs in kept.items() if pairs]
@@ -316,8 +317,8 @@ def _add_memory(mdl: _Model, g: ClassGraph, active: list[int], budget: float, ke
     terms += [(e, math.ceil((b - low[key]) / unit)) for key, pairs in kept.items() for e, b in pairs]
     terms += [(x, math.floor(b / unit)) for a, t in added.items() for x, b in zip(mdl.x[a], t)]
     row = sum(c * x for x, c in terms if c)
-    if peak or work.floor > 0:
-        w = mdl.model.NewIntVar(min(math.floor(work.floor / unit), max(room, 0)), max(room, 0), "workspace")
+    if peak or least > 0:
+        w = mdl.model.NewIntVar(min(math.floor(least / unit), max(room, 0)), max(room, 0), "workspace")
         for a, t in peak.items():
             mdl.model.Add(w >= sum(math.floor(b / unit) * x for x, b in zip(mdl.x[a], t) if b >= unit))
         row = row + w
