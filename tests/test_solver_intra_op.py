@@ -343,7 +343,7 @@ def test_a_solve_out_of_time_says_which_setting_to_raise(monkeypatch):
         StatusName = staticmethod(lambda status: "UNKNOWN")
 
     monkeypatch.setattr(exhaustive, "LIMIT", 0)
-    monkeypatch.setattr(intra_op, "_run", lambda *a, **k: (_Unknown(), cp_model.UNKNOWN))
+    monkeypatch.setattr(intra_op, "run_model", lambda *a, **k: (_Unknown(), cp_model.UNKNOWN))
     p = random_problem(np.random.default_rng(2))       # one the reductions leave to CP-SAT
     p.memory_budget = float(sum(nd.memory.max() for nd in p.nodes))
     want = (r"CP-SAT found no assignment within 10 s .*status UNKNOWN\); raise the solver's time limit "

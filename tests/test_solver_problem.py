@@ -64,7 +64,7 @@ def test_op_transients_never_exceed_the_transients_of_any_assignment(zero, micro
     """The solver keeps room for ``op_transients`` (its largest max term plus its sum terms) beside
     the memory row; they must be lower bounds of ``transient_bytes``, which the total adds after the
     solve, for every assignment, else the first solve would refuse layouts that fit."""
-    from autopar.solver.problem import op_transients, transient_bytes
+    from autopar.solver.memory_terms import op_transients, transient_bytes
 
     tr = _traced()
     cands = build_candidates(tr.gm, MESH)

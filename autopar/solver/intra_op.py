@@ -8,24 +8,24 @@ Problem (``IntraOpProblem``)
     keeps the gathered copy for backward); an optional memory budget M; optional ties (groups of
     nodes that must pick the same index).
 
-Variables (``_build_model``)
+Variables (``cpsat_model.build_model``)
     x[v,s] in {0,1}             node v picks strategy s
     e[u,v,i,j] in {0,1}         edge (u,v) carries pair (i,j); only for allowed (finite) pairs
 
-Objective (``_build_model``)
+Objective (``cpsat_model.build_model``)
     minimise  sum_{v,s} c[v,s] x[v,s] + sum_{(u,v),i,j} R[u,v][i,j] e[u,v,i,j]
     Costs are shifted to be >= 0 and scaled to integers so that the largest coefficient is
-    about 1e9 (``_scale``): relative rounding error <= 1e-9 per term, sums fit in int64.
+    about 1e9 (``cpsat_model._scale``): relative rounding error <= 1e-9 per term, sums fit in int64.
 
 Constraints
-    one strategy:   sum_s x[v,s] = 1                                    (``_build_model``)
+    one strategy:   sum_s x[v,s] = 1                                    (``cpsat_model.build_model``)
     edge coupling:  sum_j e[u,v,i,j] = x[u,i]  and  sum_i e[u,v,i,j] = x[v,j]
                     This is the exact (transportation) linearisation of e = x[u,i] x[v,j]; its
-                    LP relaxation is tighter than e >= x[u,i] + x[v,j] - 1.  (``_add_edge_vars``)
+                    LP relaxation is tighter than e >= x[u,i] + x[v,j] - 1.  (``cpsat_model._add_edge_vars``)
     memory:         sum_{v,s} m[v,s] x[v,s] + sum_{(u,v),i,j} G[u,v][i,j] e[u,v,i,j] <= M,
                     memories rounded up and the budget down, so a reported solution always
                     fits. G on the pair variables makes the gathered copies exact in one
-                    solve (they once were priced in a loop of re-solves).  (``_add_memory``)
+                    solve (they once were priced in a loop of re-solves).  (``cpsat_model._add_memory``)
     forbidden:      strategies with non-finite or >= HUGE_COST compute and pairs with such
                     resharding get no variable, so they cannot be chosen.  (``is_forbidden``, ``_prune_forbidden``)
     allowed:        annotations restrict x[v,s] to ``allowed``             (``_collapse_ties``)
@@ -67,9 +67,9 @@ and is then bisected a few times; each priced CP-SAT run is hinted with the last
 and the bound's solves may use ``DUAL_SHARE`` of the time limit (a proof saves the budgeted solve,
 which on Llama-7B's (8, 2) mesh at batch 32 runs to the limit and loses anyway).
 
-Transients (``IntraOpProblem.transient``, ``_add_memory``): the step's peak also holds the backward
+Transients (``IntraOpProblem.transient``, ``cpsat_model._add_memory``): the step's peak also holds the backward
 workspace of its largest op, a max over ops, and beside it (without ZeRO, under accumulation) a
-second copy of every data-parallel gradient, a sum (``problem.op_transients``: t[v,s] and a[v,s]
+second copy of every data-parallel gradient, a sum (``memory_terms.op_transients``: t[v,s] and a[v,s]
 bytes, lower bounds of what the caller adds after the solve). The budgeted CP-SAT model bounds
 them with one more variable,
     W >= sum_s t[v,s] x[v,s]  for each active class v (members: the max of theirs),
@@ -84,7 +84,7 @@ Infeasible budget (``_memory_error``): the smallest achievable memory is the sam
 memory as the objective and no budget, solved by the same reductions and solvers.
 
 Status: "OPTIMAL" only when CP-SAT proved it (or the reductions solved everything), else
-"FEASIBLE" (time limit hit). CP-SAT 9.15's inclusion presolve is switched off (``_run``): it
+"FEASIBLE" (time limit hit). CP-SAT 9.15's inclusion presolve is switched off (``cpsat_model.run_model``): it
 certifies wrong optima on one-hot + linear models like this one (google/or-tools#5293).
 """
 from __future__ import annotations
@@ -96,8 +96,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.sat.python import cp_model
 
-from autopar.solver.class_graph import (HUGE_COST, ClassGraph, InfeasibleError, Workspace, is_forbidden, recover_choices,
-                                       reduce_graph)
+from autopar.solver.class_graph import HUGE_COST, ClassGraph, InfeasibleError, is_forbidden, recover_choices, reduce_graph
+from autopar.solver.cpsat_model import OverBudget, active_classes, build_model, picked_strategies, run_model, workspace_of
 from autopar.solver.exhaustive import enumerate_best, small_enough
 from autopar.solver.memory_floor import memory_floor
 from autopar.solver.pricing import dual_bound, priced_search
@@ -105,7 +105,6 @@ from autopar.solver.pricing import dual_bound, priced_search
 GIB = float(1 << 30)
 DUAL_SHARE = 0.7             # the bound's solves end by this share of the time limit (the rest: the budgeted solve)
 LAGRANGIAN_PAIRS = 200_000   # a budgeted model with more edge-pair variables is solved by ``_lagrangian``
-_COEF_TARGET = 1e9
 
 
 class SolverTimeoutError(RuntimeError):
@@ -252,147 +251,6 @@ def _map_edges(p: IntraOpProblem, g: ClassGraph, class_of: list[int]) -> None:
             g.add_edge(a, b, cost[pick], None if mem is None else mem[pick])
 
 
-# ---------------------------------------------------------------- CP-SAT model
-
-@dataclass
-class _Model:
-    model: cp_model.CpModel
-    x: dict[int, list[cp_model.IntVar]]
-    num_vars: int
-
-
-def _scale(g: ClassGraph, active: list[int]) -> float:
-    spans = [float(np.ptp(g.compute[a][np.isfinite(g.compute[a])])) for a in active]
-    spans += [float(np.ptp(m[np.isfinite(m)])) for m in g.edges.values()]
-    largest = max(spans, default=0.0)
-    return _COEF_TARGET / largest if largest > 0 else 1.0
-
-
-def _add_edge_vars(mdl: _Model, a: int, b: int, matrix: np.ndarray, scale: float,
-                   kept: np.ndarray | None = None, kept_terms: list | None = None) -> list[tuple]:
-    """e[a,b,i,j] with row sums x[a,i] and column sums x[b,j]; returns (var, cost) terms and
-    appends (var, bytes) to ``kept_terms`` where the pair keeps bytes (``kept``)."""
-    finite = np.isfinite(matrix)
-    low = matrix[finite].min()
-    rows: list[list] = [[] for _ in range(matrix.shape[0])]
-    cols: list[list] = [[] for _ in range(matrix.shape[1])]
-    terms = []
-    for i, j in zip(*np.nonzero(finite)):
-        var = mdl.model.NewBoolVar(f"e{a}_{b}_{i}_{j}")
-        rows[i].append(var)
-        cols[j].append(var)
-        terms.append((var, int(round((matrix[i, j] - low) * scale))))
-        if kept is not None and kept_terms is not None:
-            kept_terms.append((var, float(kept[i, j])))
-    for i, vars_ in enumerate(rows):
-        mdl.model.Add(sum(vars_) == mdl.x[a][i])
-    for j, vars_ in enumerate(cols):
-        mdl.model.Add(sum(vars_) == mdl.x[b][j])
-    mdl.num_vars += len(terms)
-    return terms
-
-
-def _add_memory(mdl: _Model, g: ClassGraph, active: list[int], budget: float, kept: dict,
-                work: Workspace | None = None) -> None:
-    """sum m x + sum G e (+ sum a x + W) <= budget, in units of 1e-9 of the largest spread,
-    memories ceiled, budget floored, workspace floored. ``kept``: edge key -> [(pair variable,
-    bytes)] of the edges keeping bytes (``G``; each edge's smallest allowed pair is in the base).
-    ``work``: the workspace terms (module docstring, Transients)."""
-    work = work or Workspace()
-    low = {key: min(b for _, b in pairs) for key, pairs in kept.items() if pairs}
-    base = g.fixed_memory + sum(float(g.memory[a].min()) for a in g.alive) + sum(low.values())
-    least = max([work.floor] + [float(t.min()) for t in work.peak.values()])     # W's floor: every pick has it
-    peak = {a: t for a, t in work.peak.items() if a in mdl.x and float(t.max()) > least}  # others never bind
-    added = {a: t for a, t in work.added.items() if a in mdl.x}
-    spread = max([float(np.ptp(g.memory[a])) for a in active]
-                 + [max(b for _, b in pairs) - low[key] for key, pairs in kept.items() if pairs]
-                 + [float(t.max()) for t in [*peak.values(), *added.values()]] + [work.floor], default=0.0)
-    if base > budget:
-        raise _OverBudget(base)
-    if spread == 0:
-        return
-    unit = spread / _COEF_TARGET
-    room = math.floor((budget - base) / unit)
-    terms = [(x, math.ceil((m - g.memory[a].min()) / unit)) for a in active for x, m in zip(mdl.x[a], g.memory[a])]
-    terms += [(e, math.ceil((b - low[key]) / unit)) for key, pairs in kept.items() for e, b in pairs]
-    terms += [(x, math.floor(b / unit)) for a, t in added.items() for x, b in zip(mdl.x[a], t)]
-    row = sum(c * x for x, c in terms if c)
-    if peak or least > 0:
-        w = mdl.model.NewIntVar(min(math.floor(least / unit), max(room, 0)), max(room, 0), "workspace")
-        for a, t in peak.items():
-            mdl.model.Add(w >= sum(math.floor(b / unit) * x for x, b in zip(mdl.x[a], t) if b >= unit))
-        row = row + w
-    mdl.model.Add(row <= room - math.ceil(work.fixed / unit))
-
-
-class _OverBudget(Exception):
-    def __init__(self, lower_bound: float):
-        super().__init__(lower_bound)
-        self.lower_bound = lower_bound
-
-
-def _active(g: ClassGraph) -> list[int]:
-    """Classes left with a choice to make (or an edge to pay)."""
-    return sorted(a for a in g.alive if len(g.cands[a]) > 1 or g.nbrs[a])
-
-
-def _workspace(g: ClassGraph) -> Workspace:
-    """The budget's workspace terms from the classes' (``ClassGraph.workspace``): the active classes'
-    per candidate; the least of those the reductions fixed or removed (a removed class picks
-    among its remaining candidates)."""
-    work = Workspace()
-    active = set(_active(g))
-    for a, w in g.workspace.items():
-        if a in active:
-            work.added[a], work.peak[a] = w[:, 0], w[:, 1]
-        else:
-            work.fixed += float(w[:, 0].min())
-            work.floor = max(work.floor, float(w[:, 1].min()))
-    return work
-
-
-def _build_model(g: ClassGraph, budget: float | None, hint: dict[int, int] | None = None,
-                 work: Workspace | None = None) -> tuple[_Model, list[int]]:
-    """CP-SAT model of the reduced graph; ``hint`` maps classes to original strategy indices;
-    ``work``: the workspace beside the memory row (budgeted only)."""
-    active = _active(g)
-    mdl = _Model(cp_model.CpModel(), {}, 0)
-    for a in active:
-        mdl.x[a] = [mdl.model.NewBoolVar(f"x{a}_{s}") for s in g.cands[a]]
-        mdl.model.AddExactlyOne(mdl.x[a])
-        hinted = np.flatnonzero(g.cands[a] == hint[a]) if hint is not None else []
-        mdl.model.AddHint(mdl.x[a][int(hinted[0]) if len(hinted) else int(np.argmin(g.compute[a]))], 1)
-        mdl.num_vars += len(mdl.x[a])
-    scale = _scale(g, active)
-    terms = [(x, int(round((c - g.compute[a].min()) * scale))) for a in active for x, c in zip(mdl.x[a], g.compute[a])]
-    kept: dict[tuple[int, int], list] = {}
-    for (a, b), m in g.edges.items():
-        mem = g.edge_memory.get((a, b)) if budget is not None else None
-        terms += _add_edge_vars(mdl, a, b, m, scale, mem, kept.setdefault((a, b), []) if mem is not None else None)
-    if budget is not None:
-        _add_memory(mdl, g, active, budget, kept, work)
-    mdl.model.Minimize(sum(c * x for x, c in terms if c))
-    return mdl, active
-
-
-def _run(mdl: _Model, time_limit_s: float, workers: int) -> tuple[cp_model.CpSolver, int]:
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = workers
-    solver.parameters.random_seed = 0
-    # CP-SAT 9.15's at-most-one x linear inclusion presolve certifies wrong optima on exactly
-    # this model shape (one-hot rows + memory row): google/or-tools#5293. 0 switches it off.
-    solver.parameters.presolve_inclusion_work_limit = 0
-    return solver, solver.Solve(mdl.model)
-
-
-def _picked(g: ClassGraph, mdl: _Model, active: list[int], solver: cp_model.CpSolver) -> dict[int, int]:
-    picked = {a: int(g.cands[a][0]) for a in g.alive}
-    for a in active:
-        picked[a] = int(g.cands[a][next(s for s, x in enumerate(mdl.x[a]) if solver.Value(x))])
-    return picked
-
-
 def _memory_problem(p: IntraOpProblem) -> IntraOpProblem:
     """The same choices with memory (GiB) as the objective and no budget; a forbidden compute or
     resharding choice stays forbidden. Unbudgeted, the reductions remove chains and trees."""
@@ -526,7 +384,7 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
     g, class_of = _collapse_ties(p)
     _map_edges(p, g, class_of)
     reduce_graph(g)
-    active = _active(g)
+    active = active_classes(g)
     num_vars = sum(len(g.cands[a]) for a in active)
     if not active:
         status, picked = cp_model.OPTIMAL, {a: int(g.cands[a][0]) for a in g.alive}
@@ -535,7 +393,7 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
             raise _no_assignment(p)     # nothing left to choose, and it does not fit
     elif small_enough(g, active):
         status, picked = cp_model.OPTIMAL, enumerate_best(g, active, p.memory_budget,
-                                                          work=_workspace(g) if p.memory_budget is not None else None)
+                                                          work=workspace_of(g) if p.memory_budget is not None else None)
         if picked is None:
             raise _no_assignment(p)
     elif relax and p.memory_budget is not None and _pair_vars(g) > LAGRANGIAN_PAIRS and \
@@ -543,12 +401,12 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
         return relaxed
     else:
         try:
-            mdl, active = _build_model(g, p.memory_budget, hint=_class_hint(class_of, hint),
-                                       work=_workspace(g) if p.memory_budget is not None else None)
-        except _OverBudget:
+            mdl, active = build_model(g, p.memory_budget, hint=_class_hint(class_of, hint),
+                                      work=workspace_of(g) if p.memory_budget is not None else None)
+        except OverBudget:
             raise _memory_error(p) from None
         num_vars = mdl.num_vars
-        solver, status = _run(mdl, max(deadline - time.perf_counter(), 0.1), p.workers)
+        solver, status = run_model(mdl, max(deadline - time.perf_counter(), 0.1), p.workers)
         if status == cp_model.INFEASIBLE:
             raise _no_assignment(p)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -556,7 +414,7 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
                 f"CP-SAT found no assignment within {p.time_limit_s:g} s ({mdl.num_vars} variables, "
                 f"status {solver.StatusName(status)}); raise the solver's time limit "
                 f"(autopar.set_auto_parallel_context(solver_time_limit=...)) or the memory cap")
-        picked = _picked(g, mdl, active, solver)
+        picked = picked_strategies(g, mdl, active, solver)
     choice = _expand(class_of, recover_choices(g, picked))
     objective, memory = evaluate(p, choice)
     return IntraOpSolution(choice, objective, "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",

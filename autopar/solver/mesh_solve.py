@@ -29,8 +29,9 @@ from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
 from autopar.solver.progress import SearchProgress
-from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, op_transients, resharded_param_bytes,
-                                    resharded_region_inputs, sync_element_bytes, transient_bytes, zero_layer_buffers)
+from autopar.solver.memory_terms import op_transients, transient_bytes, zero_layer_buffers
+from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
+                                    resharded_region_inputs, sync_element_bytes)
 
 
 @dataclass

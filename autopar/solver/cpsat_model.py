@@ -1,0 +1,153 @@
+"""The CP-SAT model of a reduced class graph (``intra_op``'s Variables, Objective, Constraints and
+Transients, whose math its docstring gives): one-hot strategy variables per class, the
+transportation linearisation of each edge's pairs, the memory row with the workspace beside it."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from autopar.solver.class_graph import ClassGraph, Workspace
+
+_COEF_TARGET = 1e9
+
+
+@dataclass
+class _Model:
+    model: cp_model.CpModel
+    x: dict[int, list[cp_model.IntVar]]
+    num_vars: int
+
+
+def _scale(g: ClassGraph, active: list[int]) -> float:
+    spans = [float(np.ptp(g.compute[a][np.isfinite(g.compute[a])])) for a in active]
+    spans += [float(np.ptp(m[np.isfinite(m)])) for m in g.edges.values()]
+    largest = max(spans, default=0.0)
+    return _COEF_TARGET / largest if largest > 0 else 1.0
+
+
+def _add_edge_vars(mdl: _Model, a: int, b: int, matrix: np.ndarray, scale: float,
+                   kept: np.ndarray | None = None, kept_terms: list | None = None) -> list[tuple]:
+    """e[a,b,i,j] with row sums x[a,i] and column sums x[b,j]; returns (var, cost) terms and
+    appends (var, bytes) to ``kept_terms`` where the pair keeps bytes (``kept``)."""
+    finite = np.isfinite(matrix)
+    low = matrix[finite].min()
+    rows: list[list] = [[] for _ in range(matrix.shape[0])]
+    cols: list[list] = [[] for _ in range(matrix.shape[1])]
+    terms = []
+    for i, j in zip(*np.nonzero(finite)):
+        var = mdl.model.NewBoolVar(f"e{a}_{b}_{i}_{j}")
+        rows[i].append(var)
+        cols[j].append(var)
+        terms.append((var, int(round((matrix[i, j] - low) * scale))))
+        if kept is not None and kept_terms is not None:
+            kept_terms.append((var, float(kept[i, j])))
+    for i, vars_ in enumerate(rows):
+        mdl.model.Add(sum(vars_) == mdl.x[a][i])
+    for j, vars_ in enumerate(cols):
+        mdl.model.Add(sum(vars_) == mdl.x[b][j])
+    mdl.num_vars += len(terms)
+    return terms
+
+
+def _add_memory(mdl: _Model, g: ClassGraph, active: list[int], budget: float, kept: dict,
+                work: Workspace | None = None) -> None:
+    """sum m x + sum G e (+ sum a x + W) <= budget, in units of 1e-9 of the largest spread,
+    memories ceiled, budget floored, workspace floored. ``kept``: edge key -> [(pair variable,
+    bytes)] of the edges keeping bytes (``G``; each edge's smallest allowed pair is in the base).
+    ``work``: the workspace terms (module docstring, Transients)."""
+    work = work or Workspace()
+    low = {key: min(b for _, b in pairs) for key, pairs in kept.items() if pairs}
+    base = g.fixed_memory + sum(float(g.memory[a].min()) for a in g.alive) + sum(low.values())
+    least = max([work.floor] + [float(t.min()) for t in work.peak.values()])     # W's floor: every pick has it
+    peak = {a: t for a, t in work.peak.items() if a in mdl.x and float(t.max()) > least}  # others never bind
+    added = {a: t for a, t in work.added.items() if a in mdl.x}
+    spread = max([float(np.ptp(g.memory[a])) for a in active]
+                 + [max(b for _, b in pairs) - low[key] for key, pairs in kept.items() if pairs]
+                 + [float(t.max()) for t in [*peak.values(), *added.values()]] + [work.floor], default=0.0)
+    if base > budget:
+        raise OverBudget(base)
+    if spread == 0:
+        return
+    unit = spread / _COEF_TARGET
+    room = math.floor((budget - base) / unit)
+    terms = [(x, math.ceil((m - g.memory[a].min()) / unit)) for a in active for x, m in zip(mdl.x[a], g.memory[a])]
+    terms += [(e, math.ceil((b - low[key]) / unit)) for key, pairs in kept.items() for e, b in pairs]
+    terms += [(x, math.floor(b / unit)) for a, t in added.items() for x, b in zip(mdl.x[a], t)]
+    row = sum(c * x for x, c in terms if c)
+    if peak or least > 0:
+        w = mdl.model.NewIntVar(min(math.floor(least / unit), max(room, 0)), max(room, 0), "workspace")
+        for a, t in peak.items():
+            mdl.model.Add(w >= sum(math.floor(b / unit) * x for x, b in zip(mdl.x[a], t) if b >= unit))
+        row = row + w
+    mdl.model.Add(row <= room - math.ceil(work.fixed / unit))
+
+
+class OverBudget(Exception):
+    def __init__(self, lower_bound: float):
+        super().__init__(lower_bound)
+        self.lower_bound = lower_bound
+
+
+def active_classes(g: ClassGraph) -> list[int]:
+    """Classes left with a choice to make (or an edge to pay)."""
+    return sorted(a for a in g.alive if len(g.cands[a]) > 1 or g.nbrs[a])
+
+
+def workspace_of(g: ClassGraph) -> Workspace:
+    """The budget's workspace terms from the classes' (``ClassGraph.workspace``): the active classes'
+    per candidate; the least of those the reductions fixed or removed (a removed class picks
+    among its remaining candidates)."""
+    work = Workspace()
+    active = set(active_classes(g))
+    for a, w in g.workspace.items():
+        if a in active:
+            work.added[a], work.peak[a] = w[:, 0], w[:, 1]
+        else:
+            work.fixed += float(w[:, 0].min())
+            work.floor = max(work.floor, float(w[:, 1].min()))
+    return work
+
+
+def build_model(g: ClassGraph, budget: float | None, hint: dict[int, int] | None = None,
+                 work: Workspace | None = None) -> tuple[_Model, list[int]]:
+    """CP-SAT model of the reduced graph; ``hint`` maps classes to original strategy indices;
+    ``work``: the workspace beside the memory row (budgeted only)."""
+    active = active_classes(g)
+    mdl = _Model(cp_model.CpModel(), {}, 0)
+    for a in active:
+        mdl.x[a] = [mdl.model.NewBoolVar(f"x{a}_{s}") for s in g.cands[a]]
+        mdl.model.AddExactlyOne(mdl.x[a])
+        hinted = np.flatnonzero(g.cands[a] == hint[a]) if hint is not None else []
+        mdl.model.AddHint(mdl.x[a][int(hinted[0]) if len(hinted) else int(np.argmin(g.compute[a]))], 1)
+        mdl.num_vars += len(mdl.x[a])
+    scale = _scale(g, active)
+    terms = [(x, int(round((c - g.compute[a].min()) * scale))) for a in active for x, c in zip(mdl.x[a], g.compute[a])]
+    kept: dict[tuple[int, int], list] = {}
+    for (a, b), m in g.edges.items():
+        mem = g.edge_memory.get((a, b)) if budget is not None else None
+        terms += _add_edge_vars(mdl, a, b, m, scale, mem, kept.setdefault((a, b), []) if mem is not None else None)
+    if budget is not None:
+        _add_memory(mdl, g, active, budget, kept, work)
+    mdl.model.Minimize(sum(c * x for x, c in terms if c))
+    return mdl, active
+
+
+def run_model(mdl: _Model, time_limit_s: float, workers: int) -> tuple[cp_model.CpSolver, int]:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = 0
+    # CP-SAT 9.15's at-most-one x linear inclusion presolve certifies wrong optima on exactly
+    # this model shape (one-hot rows + memory row): google/or-tools#5293. 0 switches it off.
+    solver.parameters.presolve_inclusion_work_limit = 0
+    return solver, solver.Solve(mdl.model)
+
+
+def picked_strategies(g: ClassGraph, mdl: _Model, active: list[int], solver: cp_model.CpSolver) -> dict[int, int]:
+    picked = {a: int(g.cands[a][0]) for a in g.alive}
+    for a in active:
+        picked[a] = int(g.cands[a][next(s for s, x in enumerate(mdl.x[a]) if solver.Value(x))])
+    return picked
