@@ -76,9 +76,10 @@ them with one more variable,
     W >= min_s t[v,s]         for classes the reductions removed (their pick is not in the model),
     memory row + sum a[v,s] x[v,s] + W <= M,
 t and a rounded down so that the constraint only removes assignments whose workspace cannot fit;
-the dominance reduction weighs (a, t) like memory (``ClassGraph.workspace``). The unbudgeted optimum is still returned when its row fits (the caller adds the transients and
-solves again if they do not fit). Without the room, most first budgeted solves left none for the
-workspace and were solved again (Llama-7B: two solves to the time limit per candidate mesh).
+the dominance reduction weighs (a, t) like memory (``ClassGraph.workspace``). The unbudgeted
+optimum is still returned when its row fits (the caller adds the transients and solves again if
+they do not fit). Without the room, most first budgeted solves left none for the workspace and
+were solved again (Llama-7B: two solves to the time limit per candidate mesh).
 
 Infeasible budget (``_memory_error``): the smallest achievable memory is the same problem with
 memory as the objective and no budget, solved by the same reductions and solvers.
