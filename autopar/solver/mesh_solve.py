@@ -28,8 +28,8 @@ from autopar.sharding.placements import R, Replicate, Shard, shard_factor
 from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
-from autopar.solver.progress import SearchProgress
 from autopar.solver.memory_terms import op_transients, transient_bytes, zero_layer_buffers
+from autopar.solver.progress import SearchProgress
 from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
                                     resharded_region_inputs, sync_element_bytes)
 
