@@ -158,10 +158,8 @@ def op_transients(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, c:
             if ph not in built.index:
                 continue
             v = by_name[ph].meta["val"]
-            added[built.index[ph]] = np.array([
-                training_state_parts(int(v.numel() // shard_factor(st.output, c.mesh_shape)), v.dtype, c.optimizer,
-                                     c.precision)[1] if zero_axes(st.output, c.mesh_shape)[1] > 1 else 0.0
-                for st in cands.strategies[ph]])
+            added[built.index[ph]] = np.array([(g or (0, 0.0))[1] for g in
+                                               (_replicated_grad(v, st, c) for st in cands.strategies[ph])])
     return out, added
 
 
@@ -200,14 +198,20 @@ def _replicated_grads(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem
     for ph, name in params.items():
         if ph not in built.index:
             continue
-        v = by_name[ph].meta["val"]
-        st = cands.strategies[ph][choice[built.index[ph]]]
-        axes, d = zero_axes(st.output, c.mesh_shape)
-        if d == 1:
-            continue
-        local = int(v.numel() // shard_factor(st.output, c.mesh_shape))
-        out.append((name, local, training_state_parts(local, v.dtype, c.optimizer, c.precision)[1], tuple(axes), d))
+        g = _replicated_grad(by_name[ph].meta["val"], cands.strategies[ph][choice[built.index[ph]]], c)
+        if g is not None:
+            out.append((name, *g))
     return out
+
+
+def _replicated_grad(v, st: Strategy, c: Costing) -> tuple[int, float, tuple, int] | None:
+    """(local elements, local gradient bytes, axes, d) of a parameter (value ``v``) stored under ``st``
+    when it is replicated over mesh axes of d > 1 ranks, else None."""
+    axes, d = zero_axes(st.output, c.mesh_shape)
+    if d == 1:
+        return None
+    local = int(v.numel() // shard_factor(st.output, c.mesh_shape))
+    return local, training_state_parts(local, v.dtype, c.optimizer, c.precision)[1], tuple(axes), d
 
 
 def _param_grad_terms(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
