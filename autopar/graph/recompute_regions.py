@@ -99,17 +99,19 @@ def unknown_layers(gm, recompute: str | dict) -> list[str]:
     return sorted(n for n in recompute if n not in have)
 
 
-def _convex(graph: fx.Graph, members: set[fx.Node]) -> set[fx.Node]:
+def _convex(nodes: list[fx.Node], pos: dict[fx.Node, int], members: set[fx.Node]) -> set[fx.Node]:
     """``members`` plus every node on a path between two of them, and the ``getitem`` users of a
-    multi-output member."""
-    nodes = list(graph.nodes)
+    multi-output member. ``nodes``: the graph's nodes in order, ``pos`` their positions; a path
+    between two members runs inside the span from the first member to the last (graph order is
+    topological), so only that span is walked."""
+    first, last = min(pos[m] for m in members), max(pos[m] for m in members)
+    span = nodes[first:last + 1]
     after: set[fx.Node] = set()     # reachable from a member
-    for n in nodes:
-        if n in members or any(a in members or a in after for a in n.all_input_nodes):
-            if n not in members:
-                after.add(n)
+    for n in span:
+        if n not in members and any(a in members or a in after for a in n.all_input_nodes):
+            after.add(n)
     before: set[fx.Node] = set()    # reaches a member
-    for n in reversed(nodes):
+    for n in reversed(span):
         if n not in members and any(u in members or u in before for u in n.users):
             before.add(n)
     out = set(members) | (after & before)
@@ -136,7 +138,7 @@ def _nearest(start: fx.Node, targets: frozenset, up: bool, allowed: set[fx.Node]
     return None
 
 
-def _attention_cores(graph: fx.Graph, layer_nodes: list[fx.Node]) -> list[set[fx.Node]]:
+def _attention_cores(nodes: list[fx.Node], pos: dict, layer_nodes: list[fx.Node]) -> list[set[fx.Node]]:
     allowed = set(layer_nodes)
     cores: list[set[fx.Node]] = []
     covered: set[fx.Node] = set()
@@ -144,13 +146,13 @@ def _attention_cores(graph: fx.Graph, layer_nodes: list[fx.Node]) -> list[set[fx
         if n in covered or n.op != "call_function":
             continue
         if n.target in SDPA_OPS:
-            core = _convex(graph, {n})
+            core = _convex(nodes, pos, {n})
         elif n.target in _SOFTMAX:
             qk = _nearest(n, _MATMUL, True, allowed)
             av = _nearest(n, _MATMUL, False, allowed)
             if qk is None or av is None:
                 continue
-            core = _convex(graph, {qk, n, av})
+            core = _convex(nodes, pos, {qk, n, av})
         else:
             continue
         cores.append(core)
@@ -158,49 +160,53 @@ def _attention_cores(graph: fx.Graph, layer_nodes: list[fx.Node]) -> list[set[fx
     return cores
 
 
-def _layer_span(graph: fx.Graph, layer: str) -> list[fx.Node]:
-    """The layer's call nodes, and inserted ones (no ``module_path``) between its first and last."""
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
-    idx = [i for i, n in enumerate(nodes) if node_layer(n) == layer]
-    if not idx:
-        return []
-    out = []
-    for n in nodes[idx[0]: idx[-1] + 1]:
-        if node_layer(n) == layer or not n.meta.get("module_path"):
-            out.append(n)
-    return out
+def _layer_spans(nodes: list[fx.Node]) -> dict[str, list[fx.Node]]:
+    """Per layer, its call nodes and the inserted ones (no ``module_path``) between its first and
+    last, in graph order (one pass over the graph, not one per layer)."""
+    calls = [n for n in nodes if n.op == "call_function"]
+    layer = [node_layer(n) for n in calls]
+    bounds: dict[str, list[int]] = {}
+    for i, name in enumerate(layer):
+        if name is not None:
+            bounds.setdefault(name, [i, i])[1] = i
+    return {name: [n for n, own in zip(calls[lo:hi + 1], layer[lo:hi + 1])
+                   if own == name or not n.meta.get("module_path")]
+            for name, (lo, hi) in bounds.items()}
 
 
-def _ordered(graph: fx.Graph, members: set[fx.Node]) -> list[str]:
-    return [n.name for n in graph.nodes if n in members]
+def _ordered(pos: dict[fx.Node, int], members: set[fx.Node]) -> list[str]:
+    return [n.name for n in sorted(members, key=pos.__getitem__)]
 
 
 def find_regions(gm, choices: dict[str, str]) -> list[Region]:
     """The regions of ``choices`` (layer -> "full"/"selective"; see :func:`choices_for`), in
     graph order. Layers of ``choices`` that ``gm`` does not have get no region."""
     graph = _graph(gm)
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    spans = _layer_spans(nodes)
     regions: list[Region] = []
     taken: set[fx.Node] = set()
-    for layer in layer_names(graph):
+    for layer in spans:
         kind = choices.get(layer, "none")
         if kind == "none":
             continue
-        span = _layer_span(graph, layer)
+        span = spans[layer]
         base = "recompute_" + layer.replace(".", "_")
         if kind == "full":
-            members = _convex(graph, set(span)) - taken
+            members = _convex(nodes, pos, set(span)) - taken
             if members:
-                regions.append(Region(base, layer, kind, _ordered(graph, members)))
+                regions.append(Region(base, layer, kind, _ordered(pos, members)))
                 taken |= members
         elif kind == "selective":
-            cores = [c - taken for c in _attention_cores(graph, span)]
+            cores = [c - taken for c in _attention_cores(nodes, pos, span)]
             cores = [c for c in cores if c]
             for i, core in enumerate(cores):
                 suffix = "_attention" + (f"_{i}" if len(cores) > 1 else "")
-                regions.append(Region(base + suffix, layer, kind, _ordered(graph, core)))
+                regions.append(Region(base + suffix, layer, kind, _ordered(pos, core)))
                 taken |= core
         else:
             raise ValueError(f"recompute choice {kind!r} for layer {layer!r} is not one of {', '.join(CHOICES)}")
-    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    order = {n.name: i for n, i in pos.items()}
     regions.sort(key=lambda r: order[r.nodes[0]])
     return regions

@@ -5,6 +5,8 @@ room for. The row itself (node and edge memory) is built in ``problem.py``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch.fx as fx
 
@@ -83,14 +85,15 @@ def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, 
     mask = 1 if getattr(c.device, "name", "") != "cpu" else None
     saved = saved_bytes_by_node(gm, dropout_mask_bytes=mask)
     need = grad_nodes(gm.graph)
+    facts = op_gradient_facts(gm, params, c)
     fresh, waiting = _param_grad_terms(gm, cands, built, choice, c, params, need)
     grads: dict[str, float] = {}
     for pos, node in enumerate(gm.graph.nodes):
         name = node.name
-        if name not in built.index or node.op != "call_function" or node not in need:
+        if name not in built.index or name not in facts:
             continue
         st = cands.strategies[name][choice[built.index[name]]]
-        live, own = _op_gradients(node, st, need, params, saved, c)
+        live, own = _op_gradients(facts[name], st, c)
         for key, nbytes in fresh.get(name, {}).items():
             live.setdefault(key, nbytes)
         for lo, hi, key, nbytes in waiting:
@@ -116,18 +119,51 @@ def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, 
     return peak
 
 
-def _op_gradients(node: fx.Node, st: Strategy, need, params, saved: dict, c: Costing) -> tuple[dict, float]:
-    """The local gradients live while ``node``'s backward runs under strategy ``st`` (storage key
+@dataclass(frozen=True)
+class OpGradients:
+    """What ``node``'s backward holds, before placements divide it: its output's gradient (storage
+    key, full bytes), its non-parameter inputs' that need one ((input index, key, bytes)), and the
+    bytes it saves of its own."""
+
+    out_key: object
+    out_bytes: float
+    inputs: tuple
+    own: float
+
+
+def op_gradient_facts(gm: fx.GraphModule, params, c: Costing) -> dict[str, OpGradients]:
+    """``OpGradients`` of every op that needs a gradient, once per graph (kept in ``gm.meta``: the
+    search solves one graph under many meshes and memory options)."""
+    mask = 1 if getattr(c.device, "name", "") != "cpu" else None
+    cache = gm.meta.setdefault("op_gradient_facts", {})
+    key = (id(gm.graph), len(gm.graph.nodes), mask, frozenset(params))
+    if key not in cache:
+        saved = saved_bytes_by_node(gm, dropout_mask_bytes=mask)
+        need = grad_nodes(gm.graph)
+        facts = {}
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node not in need:
+                continue
+            ins = tuple((i, storage_key(a), tensor_bytes(a)) for i, a in enumerate(tensor_inputs(node))
+                        if a in need and a.name not in params)
+            facts[node.name] = OpGradients(
+                storage_key(node), tensor_bytes(node, 0 if isinstance(node.meta.get("val"), (tuple, list)) else None),
+                ins, _saved_pair(saved, node.name)[1])
+        cache[key] = facts
+    return cache[key]
+
+
+def _op_gradients(f: OpGradients, st: Strategy, c: Costing) -> tuple[dict, float]:
+    """The local gradients live while the op's backward runs under strategy ``st`` (storage key
     -> bytes: its output's and its non-parameter inputs') and the bytes it saves of its own, its
     share under ``st`` (``transient_bytes``'s g(n) without the parameter-gradient terms)."""
     out_shard = max(1, shard_factor(_outs(st)[0], c.mesh_shape))
     in_shard = shard_factor(st.inputs[0], c.mesh_shape) if st.inputs else 1
-    live = {storage_key(node): tensor_bytes(node, 0 if isinstance(node.meta.get("val"), (tuple, list)) else None)
-            / out_shard}
-    for i, a in enumerate(tensor_inputs(node)):
-        if a in need and a.name not in params and i < len(st.inputs):
-            live.setdefault(storage_key(a), tensor_bytes(a) / max(1, shard_factor(st.inputs[i], c.mesh_shape)))
-    return live, _saved_pair(saved, node.name)[1] / max(out_shard, in_shard)
+    live = {f.out_key: f.out_bytes / out_shard}
+    for i, key, nbytes in f.inputs:
+        if i < len(st.inputs):
+            live.setdefault(key, nbytes / max(1, shard_factor(st.inputs[i], c.mesh_shape)))
+    return live, f.own / max(out_shard, in_shard)
 
 
 def op_transients(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, c: Costing,
@@ -138,22 +174,21 @@ def op_transients(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, c:
 
     * max terms: the backward workspace an op's own gradients need (g(n) without the
       parameter-gradient, recomputation and ZeRO terms, which only add); the peak holds the largest;
+      they depend on the graph and the mesh only, and are kept per (candidates, mesh) in ``gm.meta``;
     * sum terms: without ZeRO, under accumulation, each data-parallel parameter's gradient a second
       time (``_replicated_grads``), which ``transient_bytes`` adds to any op's peak."""
-    mask = 1 if getattr(c.device, "name", "") != "cpu" else None
-    saved = saved_bytes_by_node(gm, dropout_mask_bytes=mask)
-    need = grad_nodes(gm.graph)
-    by_name = {n.name: n for n in gm.graph.nodes}
-    out: list[np.ndarray | None] = []
-    for name in built.names:
-        node = by_name.get(name)
-        if node is None or node.op != "call_function" or node not in need:
-            out.append(None)
-            continue
-        out.append(np.array([sum(live.values()) + own for live, own in
-                             (_op_gradients(node, st, need, params, saved, c) for st in cands.strategies[name])]))
+    facts = op_gradient_facts(gm, params, c)
+    cache = gm.meta.setdefault("op_transients", {})
+    key = (id(cands), tuple(c.mesh_shape), id(facts))
+    if key not in cache:
+        cache[key] = {name: np.array([sum(live.values()) + own for live, own in
+                                      (_op_gradients(f, st, c) for st in cands.strategies[name])])
+                      for name, f in facts.items() if name in cands.strategies}
+    terms = cache[key]
+    out: list[np.ndarray | None] = [terms.get(name) for name in built.names]
     added: list[np.ndarray | None] = [None] * len(built.names)
     if c.zero == 0 and c.microbatches > 1:
+        by_name = {n.name: n for n in gm.graph.nodes}
         for ph in params:
             if ph not in built.index:
                 continue
