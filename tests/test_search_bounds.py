@@ -96,3 +96,26 @@ def test_a_mesh_that_cannot_fit_skips_the_accumulations_its_least_memory_rules_o
     assert with_jump < len(solved), "no accumulation was skipped: the test no longer exercises the jump"
     assert jumped.step_time == pytest.approx(plain.step_time, rel=1e-9)
     assert jumped.memory_options == plain.memory_options and jumped.degrees == plain.degrees
+
+
+@pytest.mark.parametrize("precision,zero", [("fp32", 0), ("mixed", 0), ("fp32", 1), ("mixed", 2), ("fp32", 3)])
+def test_ddp_layout_state_bound_is_below_its_plan_and_skips_the_solve(precision, zero, monkeypatch):
+    """``replicated_state_bytes`` never exceeds what the DATA plan of DDP's layout holds (so refusing
+    the layout when it exceeds the cap drops nothing that fits), and above the cap the layout is
+    refused without a solve, with a message that names the state and the cap."""
+    from autopar.solver import search
+
+    model, inputs, loss, target = _job()
+    mp = "bf16" if precision == "mixed" else None
+    traced = trace(model, inputs, loss, target, mp)
+    mesh = autopar.Mesh(2, device="v100-16gb")
+    opts = PlanOptions(precision=precision, mixed_precision=mp, zero=zero)
+    state = search.replicated_state_bytes(traced, mesh.size, opts)
+    failures = []
+    plan = search.ddp_candidate(traced, mesh, opts, failures)[0]
+    assert 0 < state <= max(plan.memory_per_device)
+    monkeypatch.setattr(search, "solve_on_mesh", lambda *a, **k: pytest.fail("DDP's layout solved above the cap"))
+    tight = PlanOptions(**{**opts.__dict__, "memory_budget_gb": 0.99 * state / 2**30})
+    assert search.ddp_candidate(traced, mesh, tight, failures) == []
+    assert "keeps the training state whole on every device" in str(failures[-1][1])
+    assert "at any accumulation or recomputation" in str(failures[-1][1])

@@ -13,7 +13,7 @@ import math
 import time
 
 from autopar.context import ParallelMode
-from autopar.cost_models.memory import param_numel, parameter_nodes, training_state_bytes
+from autopar.cost_models.memory import param_numel, parameter_nodes, training_state_bytes, training_state_parts
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer
 from autopar.mesh import Mesh
@@ -237,6 +237,17 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     return plans, failures, pipe_failures
 
 
+def replicated_state_bytes(traced, d: int, opts: PlanOptions) -> float:
+    """The training state each device holds when every weight is whole (DDP's layout) over ``d``
+    data-parallel devices, ZeRO sharding its stages' parts: a lower bound on that layout's memory
+    that neither accumulation nor recomputation lowers."""
+    params = parameter_nodes(traced.gm)
+    dtype = params[0].meta["val"].dtype if params else None
+    weights, grads, states = training_state_parts(param_numel(traced.gm), dtype, opts.optimizer, opts.precision)
+    zero = opts.zero or 0
+    return weights / (d if zero >= 3 else 1) + grads / (d if zero >= 2 else 1) + states / (d if zero >= 1 else 1)
+
+
 def state_needs_pipeline(traced, mesh: Mesh, opts: PlanOptions, cap: float) -> bool:
     """Whether the training state, split over one node's devices (the widest tensor parallelism that
     stays on a node's links), exceeds the cap: then a layout without pipeline stages fits only by
@@ -313,6 +324,13 @@ def ddp_candidate(traced, mesh: Mesh, opts: PlanOptions, failures: list, microba
     """DDP's layout as one of AUTO's candidates: the DATA-mode plan on the whole mesh (every weight
     whole, the batch split), which AUTO's own solve on a ``dp`` axis may not reproduce."""
     m = mesh.reshape((mesh.size,), ("dp",))
+    state, cap = replicated_state_bytes(traced, mesh.size, opts), _cap(mesh, opts)
+    if state > cap:
+        failures.append((m, CandidateError(
+            f"DDP's layout keeps the training state whole on every device ({state / 2**30:.2f} GiB of weights, "
+            f"gradients and optimizer state under ZeRO-{opts.zero or 0}) over the {cap / 2**30:.2f} GiB cap, "
+            "at any accumulation or recomputation")))
+        return []
     try:
         plan = solve_on_mesh(traced, m, ParallelMode.DATA, opts, {}, {}, microbatches=microbatches, cutoff=cutoff)
     except (InfeasibleError, PlanError, DominatedError, SolverTimeoutError) as err:
