@@ -19,6 +19,9 @@ class _Model:
     model: cp_model.CpModel
     x: dict[int, list[cp_model.IntVar]]
     num_vars: int
+    scale: float = 1.0      # objective units per second
+    offset: float = 0.0     # seconds every assignment pays (each class's and edge's least)
+    terms: int = 0          # objective terms one assignment sets: one per active class and per edge
 
 
 def _scale(g: ClassGraph, active: list[int]) -> float:
@@ -132,10 +135,36 @@ def build_model(g: ClassGraph, budget: float | None, hint: dict[int, int] | None
     if budget is not None:
         _add_memory(mdl, g, active, budget, kept, work)
     mdl.model.Minimize(sum(c * x for x, c in terms if c))
+    mdl.scale, mdl.terms = scale, len(active) + len(g.edges)
+    mdl.offset = sum(float(g.compute[a].min()) for a in g.alive) + sum(float(m[np.isfinite(m)].min())
+                                                                       for m in g.edges.values())
     return mdl, active
 
 
-def run_model(mdl: _Model, time_limit_s: float, workers: int) -> tuple[cp_model.CpSolver, int]:
+def objective_bound(mdl: _Model, solver: cp_model.CpSolver) -> float:
+    """A proven lower bound (seconds) on the reduced graph's optimum, from CP-SAT's bound on the
+    scaled objective: each of the ``terms`` coefficients an assignment sets was rounded by at
+    most half a unit, so the seconds are at least (bound - terms / 2) / scale above the offset.
+    The reductions are exact, so it bounds the whole problem's optimum too."""
+    return mdl.offset + (solver.BestObjectiveBound() - mdl.terms / 2) / mdl.scale
+
+
+class _GoodEnough(cp_model.CpSolverSolutionCallback):
+    """Stops the search at the first solution whose seconds are at most ``target``."""
+
+    def __init__(self, mdl: _Model, target: float):
+        super().__init__()
+        self._mdl, self._target = mdl, target
+
+    def on_solution_callback(self) -> None:
+        if self._mdl.offset + (self.ObjectiveValue() + self._mdl.terms / 2) / self._mdl.scale <= self._target:
+            self.StopSearch()
+
+
+def run_model(mdl: _Model, time_limit_s: float, workers: int,
+              good_enough: float | None = None) -> tuple[cp_model.CpSolver, int]:
+    """Solve until optimal, out of time, or (``good_enough``, seconds) a solution at most that slow
+    (its seconds over-estimated by the rounding, as ``objective_bound`` under-estimates them)."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
@@ -143,7 +172,9 @@ def run_model(mdl: _Model, time_limit_s: float, workers: int) -> tuple[cp_model.
     # CP-SAT 9.15's at-most-one x linear inclusion presolve certifies wrong optima on exactly
     # this model shape (one-hot rows + memory row): google/or-tools#5293. 0 switches it off.
     solver.parameters.presolve_inclusion_work_limit = 0
-    return solver, solver.Solve(mdl.model)
+    if good_enough is None:
+        return solver, solver.Solve(mdl.model)
+    return solver, solver.Solve(mdl.model, _GoodEnough(mdl, good_enough))
 
 
 def picked_strategies(g: ClassGraph, mdl: _Model, active: list[int], solver: cp_model.CpSolver) -> dict[int, int]:

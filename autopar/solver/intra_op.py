@@ -45,10 +45,14 @@ Budget shortcut (``solve_intra_op``): with a budget, the problem is first solved
 (memory then never blocks elimination, so trees and chains vanish entirely). If that optimum
 fits the budget it is optimal for the budgeted problem; otherwise it is CP-SAT's hint. Before
 that, ``memory_floor`` (each node's and edge's least bytes, summed) above the budget proves that
-nothing fits: only the unbudgeted solve runs then, to report a cutoff's stronger domination.
+nothing fits: the memory explanation is raised without a time solve, even under a cutoff (an
+unbudgeted domination there would only spare the search the same solve at the larger
+accumulation the least memory sends this mesh to; Llama-7B spent 16 s on such solves that
+dominated nothing).
 
-Small remainder (``_solve``): when the reduced graph's remaining combinations number at most
-``exhaustive.LIMIT``, they are enumerated exactly instead of building a CP-SAT model.
+Small remainder (``_solve``): when the reduced graph's remaining combinations are few enough
+(``exhaustive.small_enough``: tens of millions, the last class's candidates scored as one array
+axis), they are enumerated exactly instead of building a CP-SAT model.
 
 Large budgeted remainder (``_lagrangian``): when the budgeted CP-SAT model would have more than
 ``LAGRANGIAN_PAIRS`` edge-pair variables (building it alone took minutes for a Llama-7B stage on 8
@@ -59,13 +63,18 @@ FEASIBLE (the duality gap is not closed).
 Bound (``cutoff``, ``_dual_bound``): for any price lam >= 0 (s/GiB),
     L(lam) = min_x [ time(x) + lam · memory(x) ] − lam · M  <=  the budgeted optimum,
 since every x within the budget has memory(x) <= M (Lagrangian duality; lam = 0 is the
-unbudgeted optimum). Each L(lam) is an unbudgeted solve, which the reductions make fast. When
-the caller gives ``cutoff`` (its best plan so far, in objective units) and a proven (OPTIMAL)
-L(lam) reaches it, the budgeted solve cannot beat that plan: ``DominatedError`` is raised instead
-of running it. lam runs up geometrically until the priced optimum fits (past that L falls off)
-and is then bisected a few times; each priced CP-SAT run is hinted with the last price's choice,
-and the bound's solves may use ``DUAL_SHARE`` of the time limit (a proof saves the budgeted solve,
-which on Llama-7B's (8, 2) mesh at batch 32 runs to the limit and loses anyway).
+unbudgeted optimum). Each L(lam) is an unbudgeted solve, which the reductions make fast; a solve
+out of time still proves CP-SAT's objective bound (``cpsat_model.objective_bound``: its bound on
+the scaled objective, less half a unit per coefficient for the rounding, plus what the reductions
+fixed), and that bound in place of the min keeps L a lower bound. When the caller gives ``cutoff``
+(its best plan so far, in objective units) and an L(lam) reaches it, the budgeted solve cannot
+beat that plan: ``DominatedError`` is raised instead of running it. The unbudgeted solution
+(T, m > M) caps L(lam) <= T + lam (m - M), so prices under lam0 = (cutoff - T) / (m - M) cannot
+reach the cutoff: lam starts at 1.5 lam0 and runs up geometrically until the priced optimum fits
+(past that L falls off), then is bisected a few times above lam0; each priced CP-SAT run is hinted
+with the last price's choice, and the bound's solves may use ``DUAL_SHARE`` of the time limit (a
+proof saves the budgeted solve, which on Llama-7B's (8, 2) mesh at batch 32 runs to the limit and
+loses anyway; starting at 1e-4 s/GiB, the bound spent its share on prices under lam0 there).
 
 Transients (``IntraOpProblem.transient``, ``cpsat_model._add_memory``): the step's peak also holds the backward
 workspace of its largest op, a max over ops, and beside it (without ZeRO, under accumulation) a
@@ -98,13 +107,15 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from autopar.solver.class_graph import HUGE_COST, ClassGraph, InfeasibleError, is_forbidden, recover_choices, reduce_graph
-from autopar.solver.cpsat_model import OverBudget, active_classes, build_model, picked_strategies, run_model, workspace_of
+from autopar.solver.cpsat_model import (OverBudget, active_classes, build_model, objective_bound, picked_strategies,
+                                        run_model, workspace_of)
 from autopar.solver.exhaustive import enumerate_best, small_enough
 from autopar.solver.memory_floor import memory_floor
-from autopar.solver.pricing import dual_bound, priced_search
+from autopar.solver.pricing import Dual, dual_bound, priced_search
 
 GIB = float(1 << 30)
 DUAL_SHARE = 0.7             # the bound's solves end by this share of the time limit (the rest: the budgeted solve)
+GAP = 0.01                   # a budgeted solution within this share of the proven lower bound ends the search
 LAGRANGIAN_PAIRS = 200_000   # a budgeted model with more edge-pair variables is solved by ``_lagrangian``
 
 
@@ -164,6 +175,7 @@ class IntraOpSolution:
     memory: float
     num_vars: int
     bound: bool = False     # the memory budget shaped it: the unbudgeted optimum does not fit
+    lower_bound: float = -math.inf  # proven: no assignment of an unbudgeted problem is faster
 
 
 # ---------------------------------------------------------------- problem -> class graph
@@ -310,6 +322,16 @@ def evaluate(p: IntraOpProblem, choice: list[int]) -> tuple[float, float]:
     return (math.inf if forbidden else total), memory
 
 
+def workspace_bytes(p: IntraOpProblem, choice: list[int]) -> float:
+    """The workspace the budget keeps room for beside the row (``IntraOpProblem.transient``): the
+    largest max term of the picks plus their sum terms; 0 without transients."""
+    if p.transient is None:
+        return 0.0
+    peak, added = p.transient
+    return (max((float(t[s]) for t, s in zip(peak, choice) if t is not None), default=0.0)
+            + sum(float(a[s]) for a, s in zip(added, choice) if a is not None))
+
+
 def edge_memory(p: IntraOpProblem, choice: list[int]) -> float:
     """Bytes the edges' chosen pairs keep (sum of G)."""
     return sum(float(e.memory[choice[e.src], choice[e.dst]]) for e in p.edges if e.memory is not None)
@@ -346,47 +368,55 @@ def _hint_solution(p: IntraOpProblem, start: float) -> IntraOpSolution | None:
 def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
     if p.memory_budget is None:
         return _solve(p, start + p.time_limit_s, p.hint, start)
-    hopeless = memory_floor(p) > p.memory_budget
-    if hopeless and p.cutoff is None:
+    if memory_floor(p) > p.memory_budget:
         raise _memory_error(p)      # no assignment can fit: nothing to solve for time
     try:
         free = _solve(replace(p, memory_budget=None), start + p.time_limit_s / 2, p.hint, start)
     except SolverTimeoutError:
         return _solve(p, start + p.time_limit_s, p.hint, start)
-    if hopeless:                    # still say whether it is dominated without a budget (see below)
-        if free.status == "OPTIMAL" and free.objective >= p.cutoff:
-            raise DominatedError(free.objective, p.cutoff, unbudgeted=True)
-        raise _memory_error(p)
     fits = free.memory <= p.memory_budget
+    hint = free.choice if p.hint is None or not fits else p.hint
     if fits and free.status == "OPTIMAL":
         return free
-    if free.status == "OPTIMAL" and p.cutoff is not None:
-        if free.objective >= p.cutoff:
-            raise DominatedError(free.objective, p.cutoff, unbudgeted=True)
-        bound = _dual_bound(p, start + DUAL_SHARE * p.time_limit_s, start, free.choice)
-        if bound >= p.cutoff:
-            raise DominatedError(bound, p.cutoff, unbudgeted=False)
+    if p.cutoff is not None and free.lower_bound >= p.cutoff:
+        raise DominatedError(free.lower_bound, p.cutoff, unbudgeted=True)
+    good_enough = None
+    if p.cutoff is not None and not fits:
+        dual = _dual_bound(p, start + DUAL_SHARE * p.time_limit_s, start, free)
+        lower = max(dual.bound, free.lower_bound)
+        if lower >= p.cutoff:
+            raise DominatedError(lower, p.cutoff, unbudgeted=False)
+        good_enough = (1 + GAP) * lower
+        if dual.fit is not None and dual.fit_objective <= good_enough:
+            fit_memory = evaluate(p, dual.fit)[1]
+            return IntraOpSolution(dual.fit, dual.fit_objective, "FEASIBLE(gap)", time.perf_counter() - start,
+                                   fit_memory, 0, bound=True)
+        if dual.fit is not None:
+            hint = dual.fit     # fits with its workspace: a far better start than the memory-hungry optimum
     try:
-        budgeted = _solve(p, start + p.time_limit_s, free.choice if p.hint is None or not fits else p.hint, start,
-                          relax=free.status == "OPTIMAL")
+        budgeted = _solve(p, start + p.time_limit_s, hint, start, relax=free.status == "OPTIMAL",
+                          good_enough=good_enough)
     except SolverTimeoutError:
         if fits:
             return replace(free, solve_time=time.perf_counter() - start)
+        if (found := _hint_solution(replace(p, hint=hint), start)) is not None:
+            return found        # the dual bound's fitting choice
         raise
     return free if fits and free.objective < budgeted.objective else replace(budgeted, bound=not fits)
 
 
 def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: float,
-           relax: bool = False) -> IntraOpSolution:
+           relax: bool = False, good_enough: float | None = None) -> IntraOpSolution:
     """Reduce, then enumerate (a small remainder, ``exhaustive``), or price the budget
     (``_lagrangian``, when ``relax``: the unbudgeted problem solved to optimality, so priced ones
     will too, and the budgeted model is large), or build and run CP-SAT until ``deadline``
-    (perf_counter seconds)."""
+    (perf_counter seconds) or, given ``good_enough`` (seconds), until a solution that fast."""
     g, class_of = _collapse_ties(p)
     _map_edges(p, g, class_of)
     reduce_graph(g)
     active = active_classes(g)
     num_vars = sum(len(g.cands[a]) for a in active)
+    lower = -math.inf
     if not active:
         status, picked = cp_model.OPTIMAL, {a: int(g.cands[a][0]) for a in g.alive}
         if p.memory_budget is not None and evaluate(p, _expand(class_of, recover_choices(g, dict(picked))))[1] > \
@@ -407,7 +437,7 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
         except OverBudget:
             raise _memory_error(p) from None
         num_vars = mdl.num_vars
-        solver, status = run_model(mdl, max(deadline - time.perf_counter(), 0.1), p.workers)
+        solver, status = run_model(mdl, max(deadline - time.perf_counter(), 0.1), p.workers, good_enough)
         if status == cp_model.INFEASIBLE:
             raise _no_assignment(p)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -416,10 +446,14 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
                 f"status {solver.StatusName(status)}); raise the solver's time limit "
                 f"(autopar.set_auto_parallel_context(solver_time_limit=...)) or the memory cap")
         picked = picked_strategies(g, mdl, active, solver)
+        if p.memory_budget is None:   # the budgeted model's rounding restricts it: its bound is not one
+            lower = objective_bound(mdl, solver)
     choice = _expand(class_of, recover_choices(g, picked))
     objective, memory = evaluate(p, choice)
+    if status == cp_model.OPTIMAL:
+        lower = objective
     return IntraOpSolution(choice, objective, "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
-                           time.perf_counter() - start, memory, num_vars)
+                           time.perf_counter() - start, memory, num_vars, lower_bound=min(lower, objective))
 
 
 def _pair_vars(g: ClassGraph) -> int:
@@ -429,9 +463,10 @@ def _pair_vars(g: ClassGraph) -> int:
 
 def _priced(p: IntraOpProblem, deadline: float, start: float, hint: list[int] | None = None):
     """``at(price)`` of ``solver/pricing.py``: the unbudgeted problem with node and kept edge bytes
-    priced at ``price`` s/GiB -> (proven optimal, choice, unpriced objective, memory GiB). Each
-    CP-SAT run starts from the previous price's choice (the first from ``hint``): neighbouring
-    prices have neighbouring optima (Llama-7B on (8, 2): a priced solve 4.0 -> 2.2 s)."""
+    priced at ``price`` s/GiB -> (proven lower bound on the priced optimum, choice, unpriced
+    objective, memory GiB). Each CP-SAT run starts from the previous price's choice (the first from
+    ``hint``): neighbouring prices have neighbouring optima (Llama-7B on (8, 2): a priced solve
+    4.0 -> 2.2 s)."""
     mem = [np.asarray(n.memory, dtype=float) / GIB for n in p.nodes]
     last = [hint]
 
@@ -443,7 +478,7 @@ def _priced(p: IntraOpProblem, deadline: float, start: float, hint: list[int] | 
                      last[0], start)
         last[0] = sol.choice
         objective, memory = evaluate(p, sol.choice)
-        return sol.status == "OPTIMAL", sol.choice, objective, memory / GIB
+        return sol.lower_bound, sol.choice, objective, (memory + workspace_bytes(p, sol.choice)) / GIB
 
     return at, mem
 
@@ -462,14 +497,20 @@ def _lagrangian(p: IntraOpProblem, deadline: float, start: float, steps: int = 1
         return None
     if best is None:
         return None
-    objective, choice, memory = best
-    return IntraOpSolution(choice, objective, "FEASIBLE", time.perf_counter() - start, memory * GIB, 0)
+    objective, choice, _ = best
+    return IntraOpSolution(choice, objective, "FEASIBLE", time.perf_counter() - start, evaluate(p, choice)[1], 0)
 
 
-def _dual_bound(p: IntraOpProblem, deadline: float, start: float, hint: list[int] | None = None) -> float:
-    """max over the prices tried of L(lam) (module docstring, Bound; ``pricing.dual_bound``)."""
-    at, _ = _priced(p, deadline, start, hint)
-    return dual_bound(p.memory_budget / GIB, at, p.cutoff, deadline, stop=(SolverTimeoutError, InfeasibleError))
+def _dual_bound(p: IntraOpProblem, deadline: float, start: float, free: IntraOpSolution) -> Dual:
+    """max over the prices tried of L(lam) (module docstring, Bound; ``pricing.dual_bound``). The
+    unbudgeted solution ``free`` (time T, memory m over the budget M) bounds L from above, L(lam)
+    <= T + lam (m - M), so no price under lam0 = (cutoff - T) / (m - M) can reach the cutoff: the
+    prices start at 1.5 lam0, lam0 is the floor of the bisection."""
+    at, _ = _priced(p, deadline, start, free.choice)
+    over = (free.memory - p.memory_budget) / GIB
+    floor = (p.cutoff - free.objective) / over if over > 0 and free.objective < p.cutoff < math.inf else 0.0
+    return dual_bound(p.memory_budget / GIB, at, p.cutoff, deadline, stop=(SolverTimeoutError, InfeasibleError),
+                      start=1.5 * floor if floor > 0 else 1e-4, floor=floor)
 
 
 def _no_assignment(p: IntraOpProblem) -> InfeasibleError:
