@@ -307,11 +307,18 @@ class Plan:
 
         return explain(self, name)
 
-    def save_timeline(self, path) -> None:
+    def save_timeline(self, path) -> Path:
         """Draw the pipeline schedule with predicted stage times as a PNG (needs matplotlib)."""
-        from autopar.pipeline_report import save_timeline
+        from autopar.report_pictures import save_timeline
 
-        save_timeline(self, path)
+        return save_timeline(self, path)
+
+    def save_pictures(self, folder) -> list[Path]:
+        """Write the plan's pictures (memory per device, alternatives, pipeline timeline: those that
+        apply) as PNGs into ``folder``; returns their paths. Needs matplotlib (``autopar[plot]``)."""
+        from autopar.report_pictures import save_pictures
+
+        return save_pictures(self, folder)
 
     def report(self) -> str:
         from autopar.report import render

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent / "autopar"
 LAYERS = [
     ("foundation", {"context", "allocator", "errors", "trace", "opaque_functions", "gc_pause", "comm_timeout"}),
     ("analysis", {"graph", "cost_models", "sharding", "schedule", "mesh"}),
-    ("plan", {"plan", "plan_specs", "report", "pipeline_report", "memory_explain"}),
+    ("plan", {"plan", "plan_specs", "report", "pipeline_report", "memory_explain", "device_memory",
+              "report_pictures"}),
     ("solver", {"solver"}),
     ("collectives", {"collectives"}),
     ("passes", {"passes"}),
