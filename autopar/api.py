@@ -240,10 +240,11 @@ def _agree_at_start(model, mesh, mode, example_inputs, example_target, given, ex
     """Every rank was started with the same versions, mesh, mode, model, examples and given plan
     (``runtime/agreement.py``): a mismatch is an error on every rank before any other collective."""
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    inputs = [*inputs, *(f"{k}={t}" for k, t in zip(example_kwargs or {}, tensor_summary((example_kwargs or {}).values())))]
+    kwargs = example_kwargs or {}
+    described = tensor_summary(inputs) + [f"{k}={v}" for k, v in zip(kwargs, tensor_summary(kwargs.values()))]
     check_agreement({"autopar version": getattr(sys.modules.get("autopar"), "__version__", None),
                      "torch version": torch.__version__, "mesh": repr(mesh), "mode": str(mode),
-                     "model": model_summary(model), "example inputs": tensor_summary(inputs),
+                     "model": model_summary(model), "example inputs": described,
                      "example target": tensor_summary([example_target]),
                      "given plan": plan_digest(given) if given is not None else None}, "at start-up")
 

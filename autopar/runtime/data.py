@@ -70,24 +70,29 @@ class DataParallelSampler(Sampler):
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (its own order when shuffling); the current epoch keeps its position,
-        so a loop calling ``set_epoch(e)`` after ``load_state_dict`` resumes mid-epoch."""
+        so a loop calling ``set_epoch(e)`` after ``load_state_dict`` resumes mid-epoch. A finished
+        epoch moves the sampler on to the next by itself."""
         if int(epoch) != self.epoch:
             self.epoch, self.position = int(epoch), 0
 
     def __len__(self) -> int:
         """Batches the next pass yields (the epoch's, less those done when resuming)."""
-        return self.batches_per_epoch - (self.position if self.position < self.batches_per_epoch else 0)
+        return self.batches_per_epoch - self.position
 
     def __iter__(self):
-        if self.position >= self.batches_per_epoch:    # the previous epoch is done: go on to the next
-            self.epoch, self.position = self.epoch + 1, 0
         order = self.global_order(self.epoch)
         b = self.global_batch
         for j in range(self.position, self.batches_per_epoch):
             batch = order[j * b:(j + 1) * b]
             if self._counts_yields:
-                self.position = j + 1
+                self.advance()
             yield [batch[r] for r in self.rows]
+
+    def advance(self) -> None:
+        """One batch done: the position moves on (to the next epoch's start after the last batch)."""
+        self.position += 1
+        if self.position >= self.batches_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
 
     def global_order(self, epoch: int) -> list[int]:
         """Every index of ``epoch`` in order (padded to whole global batches when not ``drop_last``)."""
@@ -118,7 +123,8 @@ class DataParallelSampler(Sampler):
                              "batches of another order; build the sampler like the saved one")
         if not 0 <= state["position"] <= self.batches_per_epoch:
             raise ValueError(f"position {state['position']} is outside an epoch of {self.batches_per_epoch} batches")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        epoch, position = int(state["epoch"]), int(state["position"])
+        self.epoch, self.position = (epoch + 1, 0) if position == self.batches_per_epoch else (epoch, position)
 
 
 class DataParallelLoader(DataLoader):
@@ -135,7 +141,7 @@ class DataParallelLoader(DataLoader):
     def __iter__(self):
         sampler = self.batch_sampler
         for batch in super().__iter__():
-            sampler.position += 1
+            sampler.advance()
             yield batch
 
     def set_epoch(self, epoch: int) -> None:
