@@ -1,10 +1,11 @@
-"""Feeding a ParallelModule from a Dataset (autopar/runtime/data.py): under a dp 2 x tp 2 plan on 4 ranks
-and a pp 2 x dp 2 pipeline (2 microbatches), each rank loads its part of every global batch through
-``DataParallelSampler`` and ``pmodel.step(x, target=y, local_batch=True)`` trains like one process on
-the same global batches; tensor and pipeline peers load the same samples. A stopped sampler's state
-resumes the same remaining sequence (``DataParallelLoader`` counts exactly with worker processes);
-bad datasets, batch sizes and states are refused clearly. (The pipeline job also checks that LBFGS,
-which needs every parameter on every rank, is refused under a pipeline.)"""
+"""Feeding a ParallelModule from a Dataset (autopar/runtime/data.py): under a dp 2 x tp 2 plan on 4 ranks,
+a pp 2 x dp 2 pipeline (2 microbatches) and a 2-rank DATA plan run as 2 accumulation chunks, each rank
+loads its part of every global batch through ``DataParallelSampler`` and ``pmodel.step(x, target=y,
+local_batch=True)`` trains like one process on the same global batches; tensor and pipeline peers
+load the same samples. A stopped sampler's state resumes the same remaining sequence
+(``DataParallelLoader`` counts exactly with worker processes); bad datasets, batch sizes and states
+are refused clearly. (The pipeline job also checks that LBFGS, which needs every parameter on every
+rank, is refused under a pipeline.)"""
 from __future__ import annotations
 
 import pytest
@@ -53,6 +54,9 @@ def _job(rank, kind: str, batch: int):
     if kind == "dp_tp":
         autopar.shard({"layers.0": ColwiseParallel(), "layers.1": RowwiseParallel()}, axis="tp")
         mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"), device="a100-80gb")
+    elif kind == "accumulation":
+        autopar.set_auto_parallel_context(accumulation=2)
+        mesh = autopar.Mesh(2, axis_names=("dp",))
     else:
         autopar.set_auto_parallel_context(schedule="gpipe", microbatches=2)
         autopar.pipeline_stage(model.layers[1], 1)
@@ -63,7 +67,7 @@ def _job(rank, kind: str, batch: int):
     loader = DataLoader(_dataset(), batch_sampler=sampler)
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.05, momentum=0.9)
     out = {"losses": [], "grads": [], "params": [], "indices": [], "degrees": pmodel.plan.degrees,
-           "microbatches": pmodel.plan.microbatches, "dp": (pmodel.data_parallel_rank, pmodel.data_parallel_size)}
+           "microbatches": max(pmodel.plan.microbatches, pmodel.plan.memory_options.accumulation), "dp": (pmodel.data_parallel_rank, pmodel.data_parallel_size)}
     for j, (x, y) in enumerate(loader):
         if j == STEPS:
             break
@@ -83,10 +87,12 @@ def _job(rank, kind: str, batch: int):
 
 
 @pytest.mark.parametrize("kind,batch,degrees,microbatches", [("dp_tp", 64, {"dp": 2, "tp": 2, "pp": 1}, 1),
-                                                             ("pipeline", 16, {"dp": 2, "tp": 1, "pp": 2}, 2)])
+                                                             ("pipeline", 16, {"dp": 2, "tp": 1, "pp": 2}, 2),
+                                                             ("accumulation", 16, {"dp": 2, "tp": 1, "pp": 1}, 2)])
 def test_sampled_local_batches_train_like_one_process_on_the_global_batches(kind, batch, degrees, microbatches):
-    """(At 16 samples the (dp, tp) plan leaves dp unused: it trains on 64.)"""
-    results = run_ranks(4, _job, kind, batch)
+    """(At 16 samples the (dp, tp) plan leaves dp unused: it trains on 64.) ``microbatches``: the pipeline's,
+    or the plan's accumulation chunks."""
+    results = run_ranks(2 if kind == "accumulation" else 4, _job, kind, batch)
     ref = _reference(batch)
     for r, res in enumerate(results):
         assert res["degrees"] == degrees and res["microbatches"] == microbatches, res["degrees"]
