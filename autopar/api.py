@@ -86,8 +86,9 @@ def _plan_traced(model, traced: Traced, retracer: Retracer, mesh: Mesh, mode: Pa
 
 
 def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None,
-         mixed_precision=None, time_budget: float | None = None, progress=None) -> Plan:
+         mixed_precision=None, time_budget: float | None = None, progress=None, example_kwargs=None) -> Plan:
     """Plan only: no processes or devices needed; the model may live on the meta device.
+    ``example_kwargs``: keyword inputs of ``model.forward`` (tensors, or None / constants traced in).
     ``mixed_precision="bf16"``: bf16 compute on working copies of fp32 master weights.
     ``time_budget``: seconds; once they have passed (and a plan fits) the search stops and returns
     the best plan so far, which says so (``plan.search_note``, the report). ``progress``: True for
@@ -101,8 +102,8 @@ def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_targ
     tracker.enter("tracing the training step")
     try:
         with fewer_collections():
-            traced = trace(model, example_inputs, loss_fn, example_target, mp)
-            retracer = Retracer(model, example_inputs, loss_fn, example_target, mp)
+            traced = trace(model, example_inputs, loss_fn, example_target, mp, example_kwargs)
+            retracer = Retracer(model, example_inputs, loss_fn, example_target, mp, example_kwargs)
             return _plan_traced(model, traced, retracer, mesh, mode, mixed_precision=mp, progress=tracker)[0]
     finally:
         if display is not None:
@@ -160,18 +161,23 @@ def _share_plans(err: Exception | None, plans: list[Plan] | None, group) -> list
 
 
 def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None,
-                plan=None, mixed_precision=None, comm_timeout_s: float | None = None) -> ParallelModule:
+                plan=None, mixed_precision=None, comm_timeout_s: float | None = None,
+                example_kwargs=None) -> ParallelModule:
     """Plan (on rank 0, shared with every rank) and build this rank's ParallelModule.
+    ``example_kwargs``: keyword inputs of ``model.forward`` (tensors, or None / constants traced in);
+    ``pmodel.step`` and ``pmodel(...)`` then take the same keywords.
     ``mixed_precision="bf16"``: bf16 compute on working copies of fp32 master weights (a given
     ``plan`` brings its own ``memory_options.mixed_precision``). ``comm_timeout_s``: seconds any of
     its collectives or point-to-point waits may take before a ``CommError`` (a peer died or
     stalled); default: the context's, else the default process group's timeout."""
     check_comm_timeout(comm_timeout_s)
     with using(comm_timeout_s), guard("autopar.parallelize"):
-        return _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, plan, mixed_precision)
+        return _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, plan, mixed_precision,
+                            example_kwargs)
 
 
-def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, plan, mixed_precision) -> ParallelModule:
+def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, plan, mixed_precision,
+                 example_kwargs=None) -> ParallelModule:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     mesh = _check_mesh(mesh)
@@ -190,7 +196,7 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
         raise RuntimeError(f"mesh {mesh!r} has {mesh.size} devices but torch.distributed is not initialized: run "
                            "under torchrun or autopar.launch (or use a Mesh(1))")
     given = _read_plan(plan) if plan is not None else None
-    _agree_at_start(model, mesh, mode, example_inputs, example_target, given)
+    _agree_at_start(model, mesh, mode, example_inputs, example_target, given, example_kwargs)
     broadcast_state(model)           # one model on every rank, whatever each rank's seed was
     mp = _mixed_precision(mixed_precision)
     if given is not None:
@@ -199,8 +205,8 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
                             f"mixed_precision={given.memory_options.mixed_precision!r}; drop the keyword or make a "
                             "new plan with it")
         mp = given.memory_options.mixed_precision
-    traced = trace(model, example_inputs, loss_fn, example_target, mp)
-    retracer = Retracer(model, example_inputs, loss_fn, example_target, mp)
+    traced = trace(model, example_inputs, loss_fn, example_target, mp, example_kwargs)
+    retracer = Retracer(model, example_inputs, loss_fn, example_target, mp, example_kwargs)
     mark_chunk_hints(traced.gm)      # every rank's graph, whether it plans or receives the plan
     rank = dist.get_rank() if dist.is_initialized() else 0
     if given is not None:
@@ -223,19 +229,22 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
 
             ctx = get_auto_parallel_context()
             the_plan = choose(plans, model, lambda m, p: build_parallel_module(m, _graph_copy(traced), p, retracer),
-                              tuple(example_inputs), example_target, ctx["autotune_steps"], ctx["autotune_slack"])
+                              tuple(example_inputs or ()), example_target, ctx["autotune_steps"],
+                              ctx["autotune_slack"], example_kwargs)
     check_agreement({"traced graph": graph_fingerprint(traced.gm), "plan": plan_digest(the_plan)},
                     "after planning")
     return build_parallel_module(model, traced, the_plan, retracer)
 
 
-def _agree_at_start(model, mesh, mode, example_inputs, example_target, given) -> None:
+def _agree_at_start(model, mesh, mode, example_inputs, example_target, given, example_kwargs=None) -> None:
     """Every rank was started with the same versions, mesh, mode, model, examples and given plan
     (``runtime/agreement.py``): a mismatch is an error on every rank before any other collective."""
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = example_kwargs or {}
+    described = tensor_summary(inputs) + [f"{k}={v}" for k, v in zip(kwargs, tensor_summary(kwargs.values()))]
     check_agreement({"autopar version": getattr(sys.modules.get("autopar"), "__version__", None),
                      "torch version": torch.__version__, "mesh": repr(mesh), "mode": str(mode),
-                     "model": model_summary(model), "example inputs": tensor_summary(inputs),
+                     "model": model_summary(model), "example inputs": described,
                      "example target": tensor_summary([example_target]),
                      "given plan": plan_digest(given) if given is not None else None}, "at start-up")
 
