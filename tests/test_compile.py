@@ -157,16 +157,29 @@ def test_compiled_gpt_trains_like_one_device(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,kw", [("data", {"mixed_precision": "bf16"}), ("tp", {"mixed_precision": "bf16"}),
-                                     ("data", {"accumulation": 2}), ("pp", {})])
-def test_compiled_equals_eager_with_dropout_bf16_accumulation(name, kw):
-    """Dropout draws eager's masks (fallback_random): compiled equals the eager program, also in bf16
-    (where both are compared with each other, not with fp32) and with gradient accumulation."""
+@pytest.mark.parametrize("name,kw", [("data", {"accumulation": 2}), ("pp", {}), ("tp", {})])
+def test_compiled_dropout_draws_eager_masks(name, kw):
+    """Dropout 0.1 (fallback_random): the compiled program equals the eager one at 1e-5, also with
+    gradient accumulation."""
     x, y = make_batch("tokens", 8)
     model = functools.partial(GPT, layers=2, hidden=32, dropout=0.1)
     for runs in run_ranks(2, _eager_and_compiled, name, model, x, y, **kw):
-        tol = 2e-2 if kw.get("mixed_precision") else 1e-5
-        assert distance(runs[True], runs[False]) <= tol
+        assert distance(runs[True], runs[False]) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["data", "tp"])
+def test_compiled_bf16_is_as_close_to_one_device_as_eager(name):
+    """bf16: inductor keeps fused intermediates in fp32 where eager rounds each op to bf16, so compiled
+    and eager differ by bf16 rounding; the bar is measured in the test: the compiled run lands no
+    further from the single-device bf16 run than 2x where the eager plan lands."""
+    x, y = make_batch("tokens", 8)
+    ref = reference_run(GPT_MODEL, lm_loss, x, y, setup=_tp_gpt if name == "tp" else None, mixed_precision="bf16")
+    for runs in run_ranks(2, _eager_and_compiled, name, GPT_MODEL, x, y, mixed_precision="bf16"):
+        eager, compiled = distance(runs[False], ref), distance(runs[True], ref)
+        print(f"bf16 {name}: eager {eager:.2e}, compiled {compiled:.2e} from one device; "
+              f"compiled from eager {distance(runs[True], runs[False]):.2e}")
+        assert compiled <= 2 * max(eager, 1e-3), (compiled, eager)
 
 
 @pytest.mark.slow
