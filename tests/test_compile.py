@@ -47,11 +47,12 @@ def _compiled_job(rank, name, model_fn, loss_fn, x, y, setup=None, **kw):
     from torch._dynamo.utils import counters
 
     shape, names, mode, annotate, _ = PLANS[name]
-    before = counters["stats"]["unique_graphs"]
+    before, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     out = parallel_run(rank, model_fn, loss_fn, x, y, autopar.Mesh(shape, axis_names=names), mode,
                        setup=setup or annotate, compile=True,
                        inspect=lambda pm: {"compiled": pm.plan.compiled, "code": pm.code,
-                                           "graphs": counters["stats"]["unique_graphs"] - before}, **kw)
+                                           "graphs": counters["stats"]["unique_graphs"] - before,
+                                           "breaks": sum(counters["graph_break"].values()) - breaks}, **kw)
     return out
 
 
@@ -65,10 +66,43 @@ def test_compiled_program_trains_like_one_device(name):
     runs = run_ranks(2, _compiled_job, name, MLP, F.cross_entropy, x, y)
     for rank, r in enumerate(runs):
         assert_same_training(ref, r, what=f"compiled {name} rank {rank}")
-        assert r["inspect"]["compiled"] and r["inspect"]["graphs"] > 0, r["inspect"]
+        assert r["inspect"]["compiled"] and r["inspect"]["graphs"] > 0 and r["inspect"]["breaks"] == 0, \
+            {k: v for k, v in r["inspect"].items() if k != "code"}
         assert "def forward" in r["inspect"]["code"]
         for axis, degree in PLANS[name][4].items():
             assert r["degrees"][axis] == degree, r["degrees"]
+
+
+def _collectives(x, w):
+    from autopar.collectives import comm
+
+    h = torch.tanh(comm.grad_all_reduce(x, "d0") @ w)
+    h = comm.reduce_scatter(comm.all_gather_rs(h, 1, "d0") * 2, 0, "d0")
+    h = comm.all_to_all(comm.local_slice(comm.all_gather(h, 0, "d0"), 0, "d0"), 0, 1, "d0")
+    return comm.all_reduce(h.sum() + comm.to_partial(h[0, 0], "d0") + comm.partial_grad(w, "d0").sum(), "d0")
+
+
+def _collectives_job(rank):
+    from autopar.collectives.groups import axis_groups, bound_axes
+
+    torch.manual_seed(rank)
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 6, requires_grad=True)
+    grads = []
+    for fn in (_collectives, torch.compile(_collectives, backend="aot_eager", fullgraph=True)):
+        with bound_axes(axis_groups(autopar.Mesh(2))):
+            loss = fn(x, w)
+            loss.backward()
+        grads.append((loss.detach(), x.grad, w.grad))
+        x.grad = w.grad = None
+    return grads
+
+
+def test_collectives_trace_into_one_graph_with_their_backward():
+    """Every autograd collective, forward and explicit backward, traces into the compiled graph
+    (``fullgraph=True``: a graph break is an error) as functional collectives, with eager's result."""
+    for eager, compiled in run_ranks(2, _collectives_job):
+        for a, b in zip(eager, compiled):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
 
 
 def test_compile_must_be_a_bool():
