@@ -59,6 +59,13 @@ def _dynamo_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+def _collectives_in_graphs(pmodel) -> int:
+    """How many functional collectives inductor got inside this rank's compiled graphs: counted in
+    the code dynamo produced is not public, so count the collective calls in the per-rank graph(s)
+    that a graph break would have left outside (0 breaks: all of them are inside)."""
+    return pmodel.code.count("autopar_collectives_comm_")
+
+
 def _autopar_step(cfg, mesh, mode, compiled, setup=None, device="cpu", **kw):
     """(step function, losses, first step seconds, dynamo graphs, graph breaks, plan)."""
     import autopar
@@ -85,6 +92,7 @@ def _autopar_step(cfg, mesh, mode, compiled, setup=None, device="cpu", **kw):
     step()
     first = time.perf_counter() - t0
     graphs, breaks = _dynamo_counts()
+    step.collectives = _collectives_in_graphs(pmodel)
     return step, losses, first, graphs - graphs0, breaks - breaks0, pmodel.plan
 
 
@@ -144,7 +152,7 @@ def rank_job(rank: int, cfg: dict, layout: str, reps: int, warmup: int) -> dict:
         step, losses, first, graphs, breaks, plan = _autopar_step(cfg, mesh, mode, compiled, setup)
         fns[name] = step
         out[name] = {"first_step_s": first, "graphs": graphs, "graph_breaks": breaks, "losses": losses,
-                     "predicted_ms": plan.step_time * 1e3}
+                     "predicted_ms": plan.step_time * 1e3, "collective_calls": step.collectives}
     if layout != "tp":
         for compiled in (False, True):
             name = "torch-compiled" if compiled else "torch"
@@ -166,7 +174,8 @@ def _report(out: dict) -> list[str]:
     for k in ("autopar", "autopar-compiled"):
         o = out[k]
         lines.append(f"  {k}: first step {o['first_step_s']:.1f} s, dynamo graphs {o['graphs']}, graph breaks "
-                     f"{o['graph_breaks']}, predicted {o['predicted_ms']:.1f} ms")
+                     f"{o['graph_breaks']}, collective calls in the rank's graph {o['collective_calls']}, "
+                     f"predicted {o['predicted_ms']:.1f} ms")
     lines.append(Ratio("autopar-compiled", "autopar", t["autopar-compiled"], t["autopar"]).line())
     if "torch" in t:
         lines.append(Ratio("torch-compiled", "torch", t["torch-compiled"], t["torch"]).line())
