@@ -109,7 +109,7 @@ def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) ->
         keep = list(mb.output_leaves) if g.results else []
         fwd = forward_only(g, keep)                 # inference: no recomputation
         apply_recompute(g.gm, recompute)
-        calls[s] = StageCall(g, fwd, slots)
+        calls[s] = StageCall(g, fwd, slots, compiled=plan.compiled)
     program = PipelineProgram(params, buffers, compute_dtype(plan.memory_options.mixed_precision))
     schedule = build_schedule(plan.schedule, pp, plan.microbatches, info.virtual_stages)
     my_sub = my_rank % per_pp

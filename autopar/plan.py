@@ -247,6 +247,8 @@ class Plan:
     memory_options: MemoryOptions = field(default_factory=MemoryOptions)
     accumulation_trace: MicrobatchTrace | None = None   # set when memory_options.accumulation > 1
     grad_compression: str | None = None          # dtype gradients are all-reduced in ("bf16", "fp16")
+    compiled: bool = False                       # per-rank programs run through torch.compile; compute was
+                                                 # costed at the device's compiled_speedup
     optimizer: str = "adamw"                     # the optimizer the step time was costed for
     memory_budget: float | None = None           # bytes per device the plan was fitted to
     optimizer_time: float | None = None          # predicted optimizer seconds on the fullest rank
