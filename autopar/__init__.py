@@ -11,6 +11,7 @@ from autopar.errors import CheckpointError, CommError, RankMismatchError, TraceE
 from autopar.mesh import Mesh
 from autopar.parallel_module import ParallelModule
 from autopar.plan import Plan, PlanError
+from autopar.runtime.data import DataParallelLoader, DataParallelSampler
 from autopar.runtime.launch import RankError, launch
 from autopar.runtime.resume import CheckpointManager, latest_checkpoint
 from autopar.sharding.placements import Partial, Replicate, Shard
@@ -20,5 +21,5 @@ __all__ = ["parallelize", "plan", "Mesh", "ParallelMode", "Plan", "ParallelModul
            "shard", "shard_input", "pipeline_stage", "clear_annotations", "set_auto_parallel_context",
            "get_auto_parallel_context", "reset_auto_parallel_context", "launch", "RankError", "PlanError",
            "TraceError", "CheckpointError", "CommError", "RankMismatchError", "count_collectives", "CheckpointManager",
-           "latest_checkpoint"]
+           "latest_checkpoint", "DataParallelSampler", "DataParallelLoader"]
 __version__ = "0.1.0"

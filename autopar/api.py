@@ -15,7 +15,7 @@ import torch.nn as nn
 from autopar.build_module import build_parallel_module
 from autopar.collectives.watch import guard, note
 from autopar.comm_timeout import comm_timeout_s, using, world_group
-from autopar.context import ParallelMode, check_comm_timeout, get_auto_parallel_context
+from autopar.context import ParallelMode, check_comm_timeout, check_compile, get_auto_parallel_context
 from autopar.gc_pause import fewer_collections
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer, graph_fingerprint
@@ -44,12 +44,19 @@ def _mixed_precision(value):
     return mp
 
 
-def _options(mixed_precision=None) -> PlanOptions:
+def _compile(value) -> bool:
+    """The call's ``compile``, else the context's."""
+    value = get_auto_parallel_context()["compile"] if value is None else value
+    check_compile(value)
+    return value
+
+
+def _options(mixed_precision=None, compiled: bool = False) -> PlanOptions:
     ctx = get_auto_parallel_context()
     return PlanOptions(grad_compression=ctx["grad_compression"], memory_budget_gb=ctx["memory_budget_gb"],
                        time_limit_s=ctx["solver_time_limit"], microbatches=ctx["microbatches"],
                        schedule=ctx["schedule"], mixed_precision=mixed_precision, accumulation=ctx["accumulation"],
-                       recompute=ctx["recompute"], zero=ctx["zero"],
+                       recompute=ctx["recompute"], zero=ctx["zero"], compiled=compiled,
                        precision="mixed" if mixed_precision else "fp32")
 
 
@@ -73,7 +80,7 @@ def _warn_unused_annotations(mode: ParallelMode, stacklevel: int) -> None:
 
 def _plan_traced(model, traced: Traced, retracer: Retracer, mesh: Mesh, mode: ParallelMode,
                  top_k: int = 1, mixed_precision=None, progress: SearchProgress | None = None,
-                 warn_level: int = 4) -> list[Plan]:
+                 warn_level: int = 4, compiled: bool = False) -> list[Plan]:
     """The ``top_k`` best predicted plans, best first (``warn_level``: the stack level of the user's call)."""
     if mode == ParallelMode.HYBRID:
         raise PlanError("HYBRID mode applies a complete plan: pass plan=<Plan or path to plan JSON>")
@@ -81,14 +88,17 @@ def _plan_traced(model, traced: Traced, retracer: Retracer, mesh: Mesh, mode: Pa
         _warn_unused_annotations(mode, stacklevel=warn_level)       # the user's plan() or parallelize() call
     param_ann = resolve_params(model, ANNOTATIONS) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     input_ann = dict(ANNOTATIONS.inputs) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
-    opts = dataclasses.replace(_options(mixed_precision), progress=progress)
+    opts = dataclasses.replace(_options(mixed_precision, compiled), progress=progress)
     return make_plans(traced, model, mesh, mode, opts, param_ann, input_ann, top_k, retracer)
 
 
 def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None,
-         mixed_precision=None, time_budget: float | None = None, progress=None) -> Plan:
+         mixed_precision=None, time_budget: float | None = None, progress=None, example_kwargs=None,
+         compile=None) -> Plan:
     """Plan only: no processes or devices needed; the model may live on the meta device.
+    ``example_kwargs``: keyword inputs of ``model.forward`` (tensors, or None / constants traced in).
     ``mixed_precision="bf16"``: bf16 compute on working copies of fp32 master weights.
+    ``compile``: plan programs that run through torch.compile (default: the context's).
     ``time_budget``: seconds; once they have passed (and a plan fits) the search stops and returns
     the best plan so far, which says so (``plan.search_note``, the report). ``progress``: True for
     a live line on stderr (stage, candidates, best so far), or a callable taking the search's
@@ -96,14 +106,16 @@ def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_targ
     mesh = _check_mesh(mesh)
     mode = _mode(mode)
     mp = _mixed_precision(mixed_precision)
+    compiled = _compile(compile)
     display = ProgressDisplay() if progress is True else None
     tracker = SearchProgress(time_budget, display or (progress if callable(progress) else None))
     tracker.enter("tracing the training step")
     try:
         with fewer_collections():
-            traced = trace(model, example_inputs, loss_fn, example_target, mp)
-            retracer = Retracer(model, example_inputs, loss_fn, example_target, mp)
-            return _plan_traced(model, traced, retracer, mesh, mode, mixed_precision=mp, progress=tracker)[0]
+            traced = trace(model, example_inputs, loss_fn, example_target, mp, example_kwargs)
+            retracer = Retracer(model, example_inputs, loss_fn, example_target, mp, example_kwargs)
+            return _plan_traced(model, traced, retracer, mesh, mode, mixed_precision=mp, progress=tracker,
+                                compiled=compiled)[0]
     finally:
         if display is not None:
             display.close()
@@ -160,18 +172,27 @@ def _share_plans(err: Exception | None, plans: list[Plan] | None, group) -> list
 
 
 def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None,
-                plan=None, mixed_precision=None, comm_timeout_s: float | None = None) -> ParallelModule:
+                plan=None, mixed_precision=None, comm_timeout_s: float | None = None,
+                example_kwargs=None, compile=None) -> ParallelModule:
     """Plan (on rank 0, shared with every rank) and build this rank's ParallelModule.
+    ``example_kwargs``: keyword inputs of ``model.forward`` (tensors, or None / constants traced in);
+    ``pmodel.step`` and ``pmodel(...)`` then take the same keywords.
     ``mixed_precision="bf16"``: bf16 compute on working copies of fp32 master weights (a given
-    ``plan`` brings its own ``memory_options.mixed_precision``). ``comm_timeout_s``: seconds any of
+    ``plan`` brings its own ``memory_options.mixed_precision``). ``compile=True``: each rank's
+    program runs through torch.compile (inductor) and the plan is costed for it (default: the
+    context's; a given ``plan`` brings its own ``compiled``). ``comm_timeout_s``: seconds any of
     its collectives or point-to-point waits may take before a ``CommError`` (a peer died or
     stalled); default: the context's, else the default process group's timeout."""
     check_comm_timeout(comm_timeout_s)
+    if compile is not None:
+        check_compile(compile)
     with using(comm_timeout_s), guard("autopar.parallelize"):
-        return _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, plan, mixed_precision)
+        return _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, plan, mixed_precision,
+                            example_kwargs, compile)
 
 
-def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, plan, mixed_precision) -> ParallelModule:
+def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, plan, mixed_precision,
+                 example_kwargs=None, compile=None) -> ParallelModule:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     mesh = _check_mesh(mesh)
@@ -190,7 +211,7 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
         raise RuntimeError(f"mesh {mesh!r} has {mesh.size} devices but torch.distributed is not initialized: run "
                            "under torchrun or autopar.launch (or use a Mesh(1))")
     given = _read_plan(plan) if plan is not None else None
-    _agree_at_start(model, mesh, mode, example_inputs, example_target, given)
+    _agree_at_start(model, mesh, mode, example_inputs, example_target, given, example_kwargs)
     broadcast_state(model)           # one model on every rank, whatever each rank's seed was
     mp = _mixed_precision(mixed_precision)
     if given is not None:
@@ -199,8 +220,12 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
                             f"mixed_precision={given.memory_options.mixed_precision!r}; drop the keyword or make a "
                             "new plan with it")
         mp = given.memory_options.mixed_precision
-    traced = trace(model, example_inputs, loss_fn, example_target, mp)
-    retracer = Retracer(model, example_inputs, loss_fn, example_target, mp)
+        if compile is not None and compile != given.compiled:
+            raise PlanError(f"parallelize(compile={compile!r}) but the given plan was made with compiled="
+                            f"{given.compiled!r}; drop the keyword or make a new plan with it")
+    compiled = given.compiled if given is not None else _compile(compile)
+    traced = trace(model, example_inputs, loss_fn, example_target, mp, example_kwargs)
+    retracer = Retracer(model, example_inputs, loss_fn, example_target, mp, example_kwargs)
     mark_chunk_hints(traced.gm)      # every rank's graph, whether it plans or receives the plan
     rank = dist.get_rank() if dist.is_initialized() else 0
     if given is not None:
@@ -213,7 +238,8 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
         if rank == 0:
             try:
                 with fewer_collections():
-                    plans = _plan_traced(model, traced, retracer, mesh, mode, max(1, top_k), mp, warn_level=5)
+                    plans = _plan_traced(model, traced, retracer, mesh, mode, max(1, top_k), mp, warn_level=5,
+                                         compiled=compiled)
             except Exception as e:  # noqa: BLE001 - re-raised on every rank below
                 err = e
         plans = _share_plans(err, plans, group)
@@ -223,19 +249,22 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
 
             ctx = get_auto_parallel_context()
             the_plan = choose(plans, model, lambda m, p: build_parallel_module(m, _graph_copy(traced), p, retracer),
-                              tuple(example_inputs), example_target, ctx["autotune_steps"], ctx["autotune_slack"])
+                              tuple(example_inputs or ()), example_target, ctx["autotune_steps"],
+                              ctx["autotune_slack"], example_kwargs)
     check_agreement({"traced graph": graph_fingerprint(traced.gm), "plan": plan_digest(the_plan)},
                     "after planning")
     return build_parallel_module(model, traced, the_plan, retracer)
 
 
-def _agree_at_start(model, mesh, mode, example_inputs, example_target, given) -> None:
+def _agree_at_start(model, mesh, mode, example_inputs, example_target, given, example_kwargs=None) -> None:
     """Every rank was started with the same versions, mesh, mode, model, examples and given plan
     (``runtime/agreement.py``): a mismatch is an error on every rank before any other collective."""
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = example_kwargs or {}
+    described = tensor_summary(inputs) + [f"{k}={v}" for k, v in zip(kwargs, tensor_summary(kwargs.values()))]
     check_agreement({"autopar version": getattr(sys.modules.get("autopar"), "__version__", None),
                      "torch version": torch.__version__, "mesh": repr(mesh), "mode": str(mode),
-                     "model": model_summary(model), "example inputs": tensor_summary(inputs),
+                     "model": model_summary(model), "example inputs": described,
                      "example target": tensor_summary([example_target]),
                      "given plan": plan_digest(given) if given is not None else None}, "at start-up")
 

@@ -96,7 +96,8 @@ def shortlist(plans: list[Plan], slack: float) -> list[Plan]:
 
 
 def measure_plans(plans: list[Plan], build: Callable[[Plan], object], example_inputs: tuple, example_target,
-                  steps: int = 3, warmup: int = 1, together: bool = True, race: float = 0.1) -> list[Trial]:
+                  steps: int = 3, warmup: int = 1, together: bool = True, race: float = 0.1,
+                  example_kwargs: dict | None = None) -> list[Trial]:
     """Build every plan (``build(plan)`` -> a ParallelModule) and time its training steps;
     collective over the default process group (every rank calls it alike). ``together``: all
     plans built at once and timed interleaved; otherwise built, timed and freed one at a time.
@@ -104,7 +105,7 @@ def measure_plans(plans: list[Plan], build: Callable[[Plan], object], example_in
     ``2 * steps`` more rounds (their samples pooled), so that the leader is always checked against
     the runner-up and the close calls get the most measurements."""
     rng = torch.get_rng_state()
-    timer = _Timer(plans, build, example_inputs, example_target, warmup, together)
+    timer = _Timer(plans, build, example_inputs, example_target, warmup, together, example_kwargs or {})
     timer.run(list(range(len(plans))), steps)
     med = timer.medians()
     best = min(med)
@@ -130,8 +131,9 @@ def failure(err: BaseException) -> str:
 class _Timer:
     """Timed training steps of plans on trial copies, every rank alike (see ``measure_plans``)."""
 
-    def __init__(self, plans, build, example_inputs, example_target, warmup: int, together: bool):
+    def __init__(self, plans, build, example_inputs, example_target, warmup: int, together: bool, example_kwargs):
         self.plans, self.build, self.inputs, self.target = plans, build, example_inputs, example_target
+        self.kwargs = example_kwargs
         self.warmup, self.together = warmup, together
         self.samples: list[list[float]] = [[] for _ in plans]
         self.errors = [""] * len(plans)
@@ -154,7 +156,7 @@ class _Timer:
                         dist.barrier(group=world_group())
                     t0 = time.perf_counter()
                     try:
-                        pm.step(*self.inputs, target=self.target)
+                        pm.step(*self.inputs, target=self.target, **self.kwargs)
                         opt.step()
                         opt.zero_grad(set_to_none=True)
                     except CommError:
@@ -229,7 +231,8 @@ def _optimizer(plan: Plan, pmodel) -> torch.optim.Optimizer:
 
 
 def choose(plans: list[Plan], model: torch.nn.Module, build: Callable[[torch.nn.Module, Plan], object],
-           example_inputs: tuple, example_target, steps: int = 3, slack: float = 1.5) -> Plan:
+           example_inputs: tuple, example_target, steps: int = 3, slack: float = 1.5,
+           example_kwargs: dict | None = None) -> Plan:
     """The plan of ``shortlist(plans, slack)`` (best predicted first) that ``pick`` takes from the
     measured trials; records the trials in its ``autotune``. Each trial runs on a deep copy of
     ``model``; the copies are built together only when their predicted peaks fit the budget."""
@@ -239,7 +242,7 @@ def choose(plans: list[Plan], model: torch.nn.Module, build: Callable[[torch.nn.
     budget = plans[0].memory_budget or float("inf")
     together = sum(max(p.memory_per_device, default=0.0) for p in plans) <= budget
     trials = measure_plans(plans, lambda p: build(copy.deepcopy(model), p), example_inputs, example_target, steps,
-                           together=together)
+                           together=together, example_kwargs=example_kwargs)
     if not dist.is_initialized() or dist.get_rank() == 0:
         for t in trials:
             if t.error:

@@ -70,7 +70,8 @@ def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
              for node in gm.graph.nodes if node.op == "placeholder"]
     if zero3 is not None:
         zero3.shard(params)
-    program = RankProgram(gm, fwd, slots, params, buffers, axes, compute_dtype(the_plan.memory_options.mixed_precision))
+    program = RankProgram(gm, fwd, slots, params, buffers, axes, compute_dtype(the_plan.memory_options.mixed_precision),
+                          compiled=the_plan.compiled)
     named = dict(program.named_parameters())
     groups = {n: g.group for n, g in axes.items()}
     if zero3 is not None:

@@ -104,7 +104,8 @@ def _mesh(args):
 def _check_out(out: Path) -> None:
     """Refuse an --out that cannot be written before planning, not after."""
     if out.exists() and not out.is_dir():
-        raise CliError(f"--out {out} is a file; give a folder (plan.json and report.txt are written into it)", 2)
+        raise CliError(f"--out {out} is a file; give a folder (plan.json, report.txt and the pictures are written "
+                       "into it)", 2)
     existing = next(p for p in [out, *out.parents] if p.exists())
     if not os.access(existing, os.W_OK):
         raise CliError(f"--out {out}: {existing} is not writable", 2)
@@ -121,7 +122,7 @@ def _plan(argv) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--gpus-per-node", type=int, default=None)
     ap.add_argument("--mode", default="auto")
-    ap.add_argument("--out", default=None, help="folder for plan.json and report.txt")
+    ap.add_argument("--out", default=None, help="folder for plan.json, report.txt and the plan's pictures (PNG)")
     ap.add_argument("--time-budget", type=float, default=None, metavar="S",
                     help="stop the search after S seconds (once a plan fits) and report the best so far")
     ap.add_argument("--quiet", action="store_true", help="no live progress line")
@@ -148,11 +149,28 @@ def _plan(argv) -> int:
         try:
             out.mkdir(parents=True, exist_ok=True)
             p.save(out / "plan.json")               # each file whole or not at all
-            write_atomic(out / "report.txt", report)
+            pictures, listed = _pictures(p, out)
+            write_atomic(out / "report.txt", report + "\n\n" + "\n".join(listed))
         except OSError as err:
             raise CliError(f"cannot write to --out {out}: {err}") from None
-        print(f"\nwrote {out / 'plan.json'} and {out / 'report.txt'}")
+        print(f"\nwrote {', '.join(str(f) for f in [out / 'plan.json', out / 'report.txt', *pictures])}")
     return 0
+
+
+PICTURES_SKIPPED = "pictures skipped: matplotlib is not installed (pip install 'autopar[plot]' to draw them)"
+
+
+def _pictures(plan, out: Path) -> tuple[list[Path], list[str]]:
+    """Draw the plan's pictures into ``out``: (their paths, report.txt's lines naming them); without
+    matplotlib, none, and one line saying so (printed too: the plan and report are written all the same)."""
+    from autopar.report_pictures import PicturesUnavailable, picture_lines, save_pictures
+
+    try:
+        paths = save_pictures(plan, out)
+    except PicturesUnavailable:
+        print(f"\n{PICTURES_SKIPPED}")
+        return [], [PICTURES_SKIPPED]
+    return paths, picture_lines(paths)
 
 
 def _report(argv) -> int:

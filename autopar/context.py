@@ -62,6 +62,9 @@ _DEFAULTS: dict[str, Any] = {
     # seconds any collective or point-to-point wait may take before the rank raises autopar.CommError
     # (a peer died or stalled); None: the default process group's timeout (autopar/comm_timeout.py)
     "comm_timeout_s": None,
+    # True: each rank's program (each pipeline stage's graphs) runs through torch.compile / inductor,
+    # and the cost model times compute at the profile's compiled_speedup (autopar/runtime/compiled.py)
+    "compile": False,
 }
 
 
@@ -87,6 +90,13 @@ def check_comm_timeout(value) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
         raise ValueError(f"comm_timeout_s must be a number of seconds > 0 (or None: the default process group's "
                          f"timeout), got {value!r}")
+
+
+def check_compile(value) -> None:
+    """``compile`` is True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"compile must be True or False (True runs each rank's program through torch.compile), "
+                         f"got {value!r}")
 
 
 _context: dict[str, Any] = _defaults()
@@ -117,6 +127,8 @@ def set_auto_parallel_context(**kwargs) -> None:
                              f"got {value!r}")
         if key == "comm_timeout_s":
             check_comm_timeout(value)
+        if key == "compile":
+            check_compile(value)
         if key == "mixed_precision" and value not in (None, "bf16"):
             raise ValueError(f"mixed_precision must be None or 'bf16', got {value!r}")
         if key == "grad_compression" and value not in (None, "bf16", "fp16"):

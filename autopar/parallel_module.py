@@ -10,12 +10,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autopar.call_inputs import TENSOR, CallSignature
 from autopar.collectives import comm
 from autopar.collectives.groups import bound_axes, group_name
 from autopar.collectives.watch import guard, note
 from autopar.comm_timeout import comm_timeout_s, using, world_group
 from autopar.errors import CheckpointError
 from autopar.plan import PlanError
+from autopar.runtime.optimizer_check import watch
 from autopar.runtime.program import RankProgram
 from autopar.sharding.placements import Partial, Replicate, Shard, replicated, shard_factor
 from autopar.sharding.redistribute import redistribute_steps
@@ -45,6 +47,7 @@ class ParallelModule(nn.Module):
         self.comm_timeout_s = comm_timeout_s()       # the timeout its groups were made with (autopar.comm_timeout)
         object.__setattr__(self, "_world", world_group() if dist.is_initialized() else None)
         self._steps = 0
+        watch(self)                                  # optimizers that need whole parameters are refused by name
 
     def _guard(self, what: str):
         """Where a peer rank dies or stalls past ``comm_timeout_s``, raise a ``CommError`` naming ``what``."""
@@ -78,6 +81,27 @@ class ParallelModule(nn.Module):
             rank = rank * self.plan.mesh.shape[a] + self._coords[a]
         return rank
 
+    @property
+    def global_batch_size(self) -> int:
+        """Rows of the global batch the plan was made for (dim 0 of the first input)."""
+        shapes = self._global_meta["input_shapes"]
+        return shapes[0][0] if shapes and shapes[0] else 1
+
+    def local_batch_rows(self) -> list[int]:
+        """Which rows of the global batch, in order, make this rank's part: what ``step(..., local_batch=True)``
+        takes. Each microbatch (pipeline, accumulation) is cut from it exactly as from the global batch,
+        so training on these rows equals training on the global batch; ranks with one
+        ``data_parallel_rank`` get the same rows."""
+        mesh_shape = self.plan.mesh.shape
+        spec = tuple(Shard(0) if a in self._batch_axes() else Replicate() for a in range(len(mesh_shape)))
+        rows = torch.arange(self.global_batch_size)
+        chunks = rows.chunk(self._batch_chunks()) if self._batch_chunks() > 1 else (rows,)
+        return torch.cat([local_piece(c, spec, self._coords, mesh_shape) for c in chunks]).tolist()
+
+    def _batch_chunks(self) -> int:
+        """How many pieces a step cuts the batch into before taking this rank's part of each."""
+        return self._chunks
+
     def _batch_axes(self) -> list[int]:
         inputs = self._traced_meta["inputs"]
         spec = self.plan.inputs[inputs[0]] if inputs and inputs[0] in self.plan.inputs else ()
@@ -90,7 +114,28 @@ class ParallelModule(nn.Module):
                                                       remove_duplicate=remove_duplicate)
         return self.program.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
+    def split_parameters(self) -> dict[str, str]:
+        """The parameters (of ``parameters()``) that are pieces of a larger tensor: name -> how it is split."""
+        out, mesh = {}, self.plan.mesh
+        for name, _ in self.named_parameters():
+            d = self.plan.params.get(name)
+            if self._zero is not None and self._zero.handles(name):
+                out[name] = f"a ZeRO-{self.plan.memory_options.zero} shard over the data-parallel ranks"
+            elif d is not None and shard_factor(d.spec, mesh.shape) > 1:
+                out[name] = f"placed {d.spec} on mesh axes {tuple(mesh.axis_names)}"
+        return out
+
+    @property
+    def holds_every_parameter(self) -> bool:
+        """Whether every parameter of the model is on this rank (in pieces or whole): not so in a pipeline."""
+        return True
+
     # ---- inputs ------------------------------------------------------------------------------
+    def _flat_inputs(self, inputs: tuple, kwargs: dict) -> tuple:
+        """The call's tensors in the graph's input order (``call_inputs.CallSignature``): keyword tensors
+        follow the positional ones; None and constants must be the ones traced (or left out)."""
+        return tuple(self._global_meta["signature"].flatten(inputs, kwargs))
+
     def _local_inputs(self, inputs, target, local_batch: bool):
         meta = self._traced_meta
         if len(inputs) != len(meta["inputs"]):
@@ -99,7 +144,8 @@ class ParallelModule(nn.Module):
         shape_mesh = self.plan.mesh.shape
         for i, (x, ph, shape) in enumerate(zip(inputs, meta["inputs"], meta["input_shapes"])):
             self._check_dtype(x, i)
-            out.append(self._localize(x, self.plan.inputs.get(ph), shape, f"input {i}", local_batch, shape_mesh))
+            out.append(self._localize(x, self.plan.inputs.get(ph), shape, meta["labels"][i], local_batch,
+                                      shape_mesh))
         tgt = None
         if target is not None:
             self._check_dtype(target, None)
@@ -119,7 +165,7 @@ class ParallelModule(nn.Module):
             what, want, shape = "target", meta["target_dtype"], meta["target_shape"]
         else:
             dtypes = meta["input_dtypes"]
-            what, shape = f"input {index}", meta["input_shapes"][index]
+            what, shape = meta["labels"][index], meta["input_shapes"][index]
             want = dtypes[index] if index < len(dtypes) else None
         if want is None or not isinstance(x, torch.Tensor) or x.dtype == want:
             return
@@ -151,24 +197,26 @@ class ParallelModule(nn.Module):
         k, meta = self._chunks, self._global_meta
         if len(inputs) != len(meta["inputs"]):
             raise ValueError(f"the model was planned with {len(meta['inputs'])} input(s) but got {len(inputs)}")
-        for i, (x, shape) in enumerate(zip(inputs, meta["input_shapes"])):
+        for x, shape, what in zip(inputs, meta["input_shapes"], meta["labels"]):
             if not isinstance(x, torch.Tensor):
-                raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+                raise TypeError(f"{what} must be a tensor, got {type(x).__name__}")
             if not local_batch and tuple(x.shape) != tuple(shape):
-                raise ValueError(f"input {i} has shape {list(x.shape)} but the model was planned for the global shape "
+                raise ValueError(f"{what} has shape {list(x.shape)} but the model was planned for the global shape "
                                  f"{list(shape)} (run as {k} accumulated microbatches); pass the global batch, or "
                                  "re-plan with example inputs of the new shape")
             if x.shape[0] % k:
-                raise ValueError(f"input {i} has {x.shape[0]} rows, which the plan's {k} accumulation microbatches "
+                raise ValueError(f"{what} has {x.shape[0]} rows, which the plan's {k} accumulation microbatches "
                                  "do not divide")
         parts = [x.chunk(k, 0) for x in inputs]
         targets = target.chunk(k, 0) if target is not None else [None] * k
         return [(tuple(p[j] for p in parts), targets[j]) for j in range(k)]
 
-    def step(self, *inputs, target=None, local_batch: bool = False) -> torch.Tensor:
+    def step(self, *inputs, target=None, local_batch: bool = False, **kwargs) -> torch.Tensor:
         """Forward + backward on this rank's part of the global batch; returns the global mean loss.
+        ``kwargs``: the model's keyword inputs, as planned (``example_kwargs``).
         A plan with accumulation k runs it as k microbatches one after another (each loss scaled by
         1/k, gradients summed locally and synced once, with the last)."""
+        inputs = self._flat_inputs(inputs, kwargs)
         with self._guard_step():
             if self._chunks == 1:
                 return self._step(inputs, target, local_batch)
@@ -236,9 +284,10 @@ class ParallelModule(nn.Module):
                 value = comm.all_reduce_value(value, name)
         return value
 
-    def forward(self, *inputs, local_batch: bool = False):
+    def forward(self, *inputs, local_batch: bool = False, **kwargs):
         """Forward only: the model's output, in the structure the model returns, each tensor gathered in full
         (with accumulation, the microbatches' outputs joined along dim 0)."""
+        inputs = self._flat_inputs(inputs, kwargs)
         with self._guard("pmodel(...) (forward)"):
             if self._chunks > 1:
                 outs = [tree_flatten(self._forward(xs, local_batch))[0]
@@ -416,7 +465,9 @@ class ParallelModule(nn.Module):
 
 
 def _meta(traced) -> dict:
+    signature = traced.signature or CallSignature(tuple(TENSOR for _ in traced.inputs))
     return {"inputs": list(traced.inputs), "input_shapes": list(traced.input_shapes),
+            "signature": signature, "labels": signature.labels,
             "target_shape": traced.target_shape, "loss_index": traced.loss_index,
             "has_loss": traced.has_loss, "output_tree": traced.output_tree,
             "input_dtypes": list(traced.input_dtypes), "target_dtype": traced.target_dtype}

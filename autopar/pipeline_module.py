@@ -109,7 +109,7 @@ def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) ->
         keep = list(mb.output_leaves) if g.results else []
         fwd = forward_only(g, keep)                 # inference: no recomputation
         apply_recompute(g.gm, recompute)
-        calls[s] = StageCall(g, fwd, slots)
+        calls[s] = StageCall(g, fwd, slots, compiled=plan.compiled)
     program = PipelineProgram(params, buffers, compute_dtype(plan.memory_options.mixed_precision))
     schedule = build_schedule(plan.schedule, pp, plan.microbatches, info.virtual_stages)
     my_sub = my_rank % per_pp
@@ -161,7 +161,14 @@ class PipelineModule(ParallelModule):
     def stages(self) -> list[int]:
         return sorted(self._executor.stages)
 
+    @property
+    def holds_every_parameter(self) -> bool:
+        return False
+
     # ---- inputs --------------------------------------------------------------------------------
+    def _batch_chunks(self) -> int:
+        return self.plan.microbatches
+
     def _microbatches(self, inputs, target, local_batch: bool) -> list[tuple[list, object]]:
         meta, m = self._traced_meta, self.plan.microbatches
         if len(inputs) != len(meta["inputs"]):
@@ -171,7 +178,8 @@ class PipelineModule(ParallelModule):
         for i, (x, ph, shape, mb_shape) in enumerate(zip(inputs, meta["inputs"], meta["input_shapes"],
                                                          self._mb_shapes)):
             self._check_dtype(x, i)
-            per_input.append(self._split(x, self.plan.inputs.get(ph), shape, mb_shape, f"input {i}", local_batch))
+            per_input.append(self._split(x, self.plan.inputs.get(ph), shape, mb_shape, meta["labels"][i],
+                                         local_batch))
         tgt = [None] * m
         if target is not None:
             self._check_dtype(target, None)
@@ -191,8 +199,9 @@ class PipelineModule(ParallelModule):
         return [self._localize(c, spec_text, mb_shape, what, local_batch, mesh_shape) for c in chunks]
 
     # ---- running -------------------------------------------------------------------------
-    def step(self, *inputs, target=None, local_batch: bool = False) -> torch.Tensor:
+    def step(self, *inputs, target=None, local_batch: bool = False, **kwargs) -> torch.Tensor:
         """Forward + backward of every microbatch on this rank's stages; returns the global mean loss."""
+        inputs = self._flat_inputs(inputs, kwargs)
         with self._guard_step():
             return self._pipeline_step(inputs, target, local_batch)
 
@@ -246,9 +255,10 @@ class PipelineModule(ParallelModule):
             dist.all_reduce(grad, group=group)
             p.grad = grad
 
-    def forward(self, *inputs, local_batch: bool = False):
+    def forward(self, *inputs, local_batch: bool = False, **kwargs):
         """Forward only: the model's output on every rank, in the structure the model returns; each tensor
         leaf is gathered in full and its microbatches concatenated along dim 0."""
+        inputs = self._flat_inputs(inputs, kwargs)
         with self._guard("pmodel(...) (forward)"):
             return self._pipeline_forward(inputs, local_batch)
 

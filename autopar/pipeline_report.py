@@ -1,7 +1,8 @@
-"""The pipeline part of a plan's report: stages, bubble, the schedule grid and its timeline PNG."""
+"""The pipeline part of a plan's report: stages, bubble and the schedule grid (its timeline PNG:
+``report_pictures.save_timeline``)."""
 from __future__ import annotations
 
-from autopar.schedule import Schedule, build_schedule, simulate
+from autopar.schedule import Schedule, build_schedule
 
 
 def plan_schedule(plan) -> Schedule:
@@ -41,37 +42,3 @@ def render_pipeline(plan) -> list[str]:
     lines += ["  " + row for row in str(sched).splitlines()]
     return lines
 
-
-def save_timeline(plan, path) -> None:
-    """Draw the schedule with the plan's predicted stage times as a Gantt chart (PNG)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise ImportError("save_timeline needs matplotlib: pip install 'autopar[plot]' (or matplotlib)") from err
-    if not plan.stages:
-        raise ValueError("this plan has no pipeline stages (degrees['pp'] == 1): nothing to draw")
-    sched = plan_schedule(plan)
-    fwd = [s.fwd for s in plan.stages]
-    bwd = [s.bwd for s in plan.stages]
-    hops = [s.send_time for s in plan.stages[:-1]]
-    sim = simulate(sched, fwd, bwd, hops)
-    width = max(6.0, 0.5 * len(sim.start_times) / max(1, sched.num_ranks))
-    fig, ax = plt.subplots(figsize=(width, 1 + 0.6 * sched.num_ranks))
-    colors = plt.get_cmap("tab10")
-    for a, start in sim.start_times.items():
-        r = sched.rank_of(a.stage)
-        dur = sim.end_times[a] - start
-        ax.barh(r, dur * 1e3, left=start * 1e3, color=colors(a.microbatch % 10), alpha=1.0 if a.kind == "F" else 0.55,
-                edgecolor="black", linewidth=0.5)
-        ax.text((start + dur / 2) * 1e3, r, str(a), ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(sched.num_ranks))
-    ax.set_yticklabels([f"pp rank {r}" for r in range(sched.num_ranks)])
-    ax.invert_yaxis()
-    ax.set_xlabel("predicted time (ms)")
-    ax.set_title(f"{plan.schedule}, {plan.microbatches} microbatches, bubble {100 * sim.bubble_fraction:.1f}%")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

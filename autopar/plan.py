@@ -247,6 +247,8 @@ class Plan:
     memory_options: MemoryOptions = field(default_factory=MemoryOptions)
     accumulation_trace: MicrobatchTrace | None = None   # set when memory_options.accumulation > 1
     grad_compression: str | None = None          # dtype gradients are all-reduced in ("bf16", "fp16")
+    compiled: bool = False                       # per-rank programs run through torch.compile; compute was
+                                                 # costed at the device's compiled_speedup
     optimizer: str = "adamw"                     # the optimizer the step time was costed for
     memory_budget: float | None = None           # bytes per device the plan was fitted to
     optimizer_time: float | None = None          # predicted optimizer seconds on the fullest rank
@@ -307,11 +309,18 @@ class Plan:
 
         return explain(self, name)
 
-    def save_timeline(self, path) -> None:
+    def save_timeline(self, path) -> Path:
         """Draw the pipeline schedule with predicted stage times as a PNG (needs matplotlib)."""
-        from autopar.pipeline_report import save_timeline
+        from autopar.report_pictures import save_timeline
 
-        save_timeline(self, path)
+        return save_timeline(self, path)
+
+    def save_pictures(self, folder) -> list[Path]:
+        """Write the plan's pictures (memory per device, alternatives, pipeline timeline: those that
+        apply) as PNGs into ``folder``; returns their paths. Needs matplotlib (``autopar[plot]``)."""
+        from autopar.report_pictures import save_pictures
+
+        return save_pictures(self, folder)
 
     def report(self) -> str:
         from autopar.report import render

@@ -23,6 +23,7 @@ def render(plan) -> str:
              f"   microbatches={plan.microbatches} schedule={plan.schedule}",
              *_redundant_lines(plan),
              f"memory options: {plan.memory_options.summary()}",
+             f"programs: {'compiled (torch.compile, inductor)' if plan.compiled else 'eager'}",
              f"predicted step time: {_ms(plan.step_time)}   FLOPs/step: {plan.flops:.3e}   "
              f"peak memory/device: {_gb(max(plan.memory_per_device or [0]))}",
              f"solver: {plan.solver_status} in {plan.solve_time:.2f}s",

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.utils._pytree import TreeSpec
 
+from autopar.call_inputs import CallSignature, map_tensors, split_example
 from autopar.errors import TraceError
 from autopar.opaque_functions import opaque_functions
 
@@ -45,6 +46,7 @@ class Traced:
     meta: dict = field(default_factory=dict)
     input_dtypes: list = field(default_factory=list)   # the user's example inputs' dtypes (before any cast)
     target_dtype: torch.dtype | None = None
+    signature: CallSignature | None = None   # how a call's args and kwargs map to ``inputs`` (None: all positional)
 
     def node(self, name: str) -> fx.Node:
         for n in self.gm.graph.nodes:
@@ -70,11 +72,11 @@ class _Step(nn.Module):
         self.model = model
         self.loss_fn = loss_fn
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
         if self.loss_fn is None:
-            return self.model(*args)
+            return self.model(*args, **kwargs)
         *inputs, target = args
-        out = self.model(*inputs)
+        out = self.model(*inputs, **kwargs)
         return self.loss(out, target), out
 
     def loss(self, out, target):
@@ -82,17 +84,8 @@ class _Step(nn.Module):
         return self.loss_fn(out, target)
 
 
-def _check_inputs(example_inputs, loss_fn, example_target):
-    if example_inputs is None:
-        raise ValueError("example_inputs is required: pass a tuple of tensors with the GLOBAL batch shape, "
-                         "e.g. example_inputs=(x,)")
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    if not isinstance(example_inputs, (tuple, list)) or not example_inputs:
-        raise ValueError(f"example_inputs must be a non-empty tuple of tensors, got {type(example_inputs).__name__}")
-    for i, t in enumerate(example_inputs):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"example_inputs[{i}] is a {type(t).__name__}; every example input must be a tensor")
+def _check_inputs(example_inputs, loss_fn, example_target, example_kwargs=None) -> tuple[tuple, dict]:
+    args, kwargs = split_example(example_inputs, example_kwargs)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be a function (output, target) -> scalar loss, e.g. "
                         f"torch.nn.functional.cross_entropy; got a {type(loss_fn).__name__}")
@@ -101,7 +94,7 @@ def _check_inputs(example_inputs, loss_fn, example_target):
                          "with the global batch shape> so the loss can be traced and planned")
     if example_target is not None and not isinstance(example_target, torch.Tensor):
         raise TypeError(f"example_target must be a tensor, got {type(example_target).__name__}")
-    return tuple(example_inputs)
+    return args, kwargs
 
 
 def _user_frame(tb, model: nn.Module):
@@ -179,38 +172,45 @@ def working_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
-          mixed_precision: str | None = None) -> Traced:
-    """Trace ``model`` (and ``loss_fn(model(*inputs), target)``) to an aten-level graph; with
+          mixed_precision: str | None = None, example_kwargs: dict | None = None) -> Traced:
+    """Trace ``model`` (and ``loss_fn(model(*inputs, **kwargs), target)``) to an aten-level graph; with
     ``mixed_precision`` ("bf16"), the step as it runs on bf16 working copies of the parameters,
-    floating inputs cast to bf16 (FSDP2's MixedPrecisionPolicy: param_dtype, cast_forward_inputs)."""
+    floating inputs cast to bf16 (FSDP2's MixedPrecisionPolicy: param_dtype, cast_forward_inputs).
+    ``example_kwargs``: keyword inputs, as torch.export's ``kwargs`` (``call_inputs.py``: tensors are
+    graph inputs after the positional ones, None and plain constants are traced in)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inputs = _check_inputs(example_inputs, loss_fn, example_target)
+    args, kwargs = _check_inputs(example_inputs, loss_fn, example_target, example_kwargs)
+    signature = CallSignature.of(args, kwargs)
+    inputs = tuple(signature.flatten(args, kwargs))
     dtypes = [x.dtype for x in inputs]
     dtype = compute_dtype(mixed_precision)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     stored = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
     if dtype is not None:
         model = working_copy(model, dtype)
-        inputs = tuple(cast_floating(x.to("meta"), dtype) for x in inputs)
+        args, kwargs = map_tensors(lambda x: cast_floating(x.to("meta"), dtype), args, kwargs)
+        inputs = tuple(signature.flatten(args, kwargs))
         example_target = example_target.to("meta") if example_target is not None else None
     if loss_fn is not None and any(_aliases(example_target, x) for x in inputs):
         example_target = example_target.clone()    # its own placeholder, as in every microbatch trace
-    args = inputs + ((example_target,) if loss_fn is not None else ())
+    args = args + ((example_target,) if loss_fn is not None else ())
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta:
-        args = tuple(a.to("meta") for a in args)
+        args, kwargs = map_tensors(lambda a: a.to("meta"), args, kwargs)
     step = _Step(model, loss_fn)
     try:
         with opaque_functions():
-            ep = torch.export.export(step, args, strict=False)
+            ep = torch.export.export(step, args, kwargs or None, strict=False)
     except TraceError:
         raise
     except Exception as err:  # noqa: BLE001 - every failure is reported with its location
         raise _explain_failure(err, model, example_target) from err
-    traced = _from_exported(ep, model, inputs, example_target, loss_fn is not None)
+    traced = _from_exported(ep, model, inputs, example_target, loss_fn is not None,
+                            signature.num_positional_tensors)
     traced.input_dtypes = dtypes
     traced.target_dtype = example_target.dtype if example_target is not None else None
+    traced.signature = signature
     if dtype is not None:
         traced.meta["mixed_precision"] = mixed_precision
         traced.meta["stored_dtypes"] = stored      # the masters' dtypes (the graph sees the working copies')
@@ -227,11 +227,12 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _from_exported(ep, model, inputs, example_target, has_loss) -> Traced:
+def _from_exported(ep, model, inputs, example_target, has_loss, positional: int) -> Traced:
+    """``positional``: how many of the user's tensor inputs are positional (the target follows them)."""
     canon_by_id, aliases = _canonical_params(model)
     by_name = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
     sig = ep.graph_signature
-    params, buffers, constants, user = {}, {}, {}, []
+    params, buffers, constants, user, traced_in = {}, {}, {}, [], []
     for spec in sig.input_specs:
         ph = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
@@ -241,11 +242,13 @@ def _from_exported(ep, model, inputs, example_target, has_loss) -> Traced:
             buffers[ph] = spec.target[len(_WRAP):]
         elif spec.kind in (InputKind.CONSTANT_TENSOR,):
             constants[ph] = ep.constants[spec.target]
+        elif spec.kind == InputKind.USER_INPUT and isinstance(spec.arg, ConstantArgument):
+            traced_in.append(ph)       # None or a plain constant: specialised into the graph
         elif spec.kind == InputKind.USER_INPUT:
             user.append(ph)
         else:
             raise TraceError(f"unsupported graph input kind {spec.kind} for {spec.target!r}")
-    target = user.pop() if has_loss else None
+    target = user.pop(positional) if has_loss else None
     mutations, user_out = {}, []
     for i, spec in enumerate(sig.output_specs):
         if spec.kind == OutputKind.BUFFER_MUTATION:
@@ -255,6 +258,7 @@ def _from_exported(ep, model, inputs, example_target, has_loss) -> Traced:
         else:
             raise TraceError(f"unsupported graph output kind {spec.kind}")
     gm = ep.graph_module
+    _drop_constant_inputs(gm, traced_in)
     _merge_tied(gm, params)
     for node in gm.graph.nodes:
         stack = node.meta.get("nn_module_stack") or {}
@@ -304,6 +308,16 @@ def _retarget_device(gm: fx.GraphModule, device: torch.device) -> None:
         if node.op == "call_function" and node.kwargs.get("device") == torch.device("meta"):
             node.kwargs = {**node.kwargs, "device": device}
     gm.recompile()
+
+
+def _drop_constant_inputs(gm: fx.GraphModule, names: list[str]) -> None:
+    """Remove the placeholders of constant inputs (export keeps them, unused: their value is traced in)."""
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in names]:
+        if node.users:
+            raise TraceError(f"the graph reads the constant input {node.name!r}; pass it as a tensor")
+        gm.graph.erase_node(node)
+    if names:
+        gm.recompile()
 
 
 def _merge_tied(gm: fx.GraphModule, params: dict[str, str]) -> None:

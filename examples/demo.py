@@ -13,6 +13,7 @@ import torch
 
 import autopar
 from examples.models import GPT, lm_loss
+from examples.progress import Progress
 
 VOCAB, SEQ, BATCH = 256, 32, 8
 
@@ -32,12 +33,14 @@ def train_single(steps):
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
-    for x, y in make_data(steps):
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    with Progress(steps, "single process") as bar:
+        for x, y in make_data(steps):
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            bar.update(loss=losses[-1])
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -52,13 +55,16 @@ def rank_main(rank, mode, steps, out_path):
               flush=True)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
     losses = []
-    for i, (x, y) in enumerate(data):
+    bar = Progress(steps, f"{torch.distributed.get_world_size()} processes") if rank == 0 else None
+    for x, y in data:
         loss = pmodel.step(x, target=y)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        if rank == 0:
-            print(f"step {i}: loss {loss.item():.6f}", flush=True)
+        if bar is not None:
+            bar.update(loss=losses[-1])
+    if bar is not None:
+        bar.close()
     state = pmodel.full_state_dict()
     if rank == 0:
         torch.save({"losses": losses, "state": state}, out_path)
@@ -80,7 +86,8 @@ def main(argv=None) -> int:
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses))
     param_rel = max(((result["state"][k] - v).norm() / v.norm().clamp_min(1e-12)).item()
                     for k, v in ref_state.items() if v.is_floating_point())
-    print(f"\nsingle-process losses: {[round(v, 6) for v in ref_losses]}")
+    print(f"\nparallel losses:       {[round(v, 6) for v in result['losses']]}")
+    print(f"single-process losses: {[round(v, 6) for v in ref_losses]}")
     print(f"max relative difference vs single process: loss {loss_rel:.2e}, parameters {param_rel:.2e}")
     ok = loss_rel <= 1e-5 and param_rel <= 1e-5
     print("OK: parallel training equals single-device training" if ok else "MISMATCH: above 1e-5 relative")

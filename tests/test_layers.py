@@ -10,9 +10,11 @@ ROOT = Path(__file__).resolve().parent.parent / "autopar"
 
 # lowest first; a module may import its own layer and the ones before it (docs/architecture.md)
 LAYERS = [
-    ("foundation", {"context", "allocator", "errors", "trace", "opaque_functions", "gc_pause", "comm_timeout"}),
+    ("foundation", {"context", "allocator", "errors", "trace", "call_inputs", "opaque_functions", "gc_pause",
+                    "comm_timeout"}),
     ("analysis", {"graph", "cost_models", "sharding", "schedule", "mesh"}),
-    ("plan", {"plan", "plan_specs", "report", "pipeline_report", "memory_explain"}),
+    ("plan", {"plan", "plan_specs", "report", "pipeline_report", "memory_explain", "device_memory",
+              "report_pictures"}),
     ("solver", {"solver"}),
     ("collectives", {"collectives"}),
     ("passes", {"passes"}),

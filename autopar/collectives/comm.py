@@ -42,7 +42,11 @@ class CommCounter:
     def record(self, kind: str, t: torch.Tensor, axis: str, phase: str, parts: int = 1) -> None:
         """Bytes are the collective's full size, as the plan lists them (``step_bytes``): an
         all-gather of ``parts`` pieces counts its output, ``t`` being one rank's piece. Every call is
-        also noted for the error a failure raises (``watch.note``), counted or not."""
+        also noted for the error a failure raises (``watch.note``), counted or not. Not while
+        torch.compile traces a compiled program (``compile=True``): a Python side effect in a
+        collective's backward would break the graph there, so in-graph collectives go uncounted."""
+        if torch.compiler.is_compiling():
+            return
         note(kind, axis, self.phase_override or phase)
         if self.enabled:
             self.calls.append((kind, t.numel() * t.element_size() * parts, axis, self.phase_override or phase))
@@ -101,6 +105,10 @@ def _rs(t: torch.Tensor, dim: int, chunks: int, ax, phase: str) -> torch.Tensor:
         return t.clone()
     pieces = [torch.cat([b.chunk(ax.size, dim)[r] for b in _blocks(t, dim, chunks)], dim).contiguous()
               for r in range(ax.size)]
+    if torch.compiler.is_compiling():       # dynamo traces the tensor form only (no graph break)
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.reduce_scatter_tensor(torch.cat(pieces, 0), "sum", 0, ax.group)
     out = torch.empty_like(pieces[0])
     COUNTER.record("reduce_scatter", t, ax.name, phase)
     dist.reduce_scatter(out, pieces, group=ax.group)
@@ -111,6 +119,11 @@ def _a2a(t: torch.Tensor, src: int, dst: int, ax, phase: str) -> torch.Tensor:
     if ax.size == 1:
         return t.clone()
     ins = [c.contiguous() for c in t.chunk(ax.size, dst)]
+    if torch.compiler.is_compiling():       # dynamo traces the tensor form only (no graph break)
+        from torch.distributed import _functional_collectives as funcol
+
+        got = funcol.all_to_all_single(torch.cat(ins, 0), None, None, ax.group)
+        return torch.cat(got.chunk(ax.size, 0), src)
     outs = [torch.empty_like(ins[0]) for _ in range(ax.size)]
     COUNTER.record("all_to_all", t, ax.name, phase)
     dist.all_to_all(outs, ins, group=ax.group)

@@ -12,6 +12,8 @@ One rank = one process with one thread, as multi-rank CPU runs use it. Measured:
 - sharing: how much slower one of k processes running at once is (compute, memory, overhead);
 - optimizer step, seconds of ``torch.optim.AdamW.step`` per parameter, stored as the bytes
   per parameter that the measured memory bandwidth moves in that time, and per parameter tensor;
+- compiled speedup: eager / ``torch.compile`` (inductor) time of a small matmul + elementwise
+  block's forward + backward (``compiled_speedup``: what ``compile=True`` programs are costed at);
 - gloo collective alpha/beta on loopback for 2 and 4 processes: all_reduce times fitted by
   least squares to ``t = 2(p-1) * alpha + 2(p-1)/p * n * beta``; bandwidth = 1/beta; and the same
   fit per process count (``shared_links``: with more processes than cores a hop waits for the
@@ -177,6 +179,37 @@ def measure_kernel_overhead(reps: int = 20) -> float:
     return max(median_time(step, reps, 3) / max(kernels, 1), 1e-7)
 
 
+class _MlpBlock(torch.nn.Module):
+    """``layer_norm(x + 0.5 * fc2(gelu(fc1(x))))``: two matmuls and the elementwise ops inductor fuses."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+        self.ln = torch.nn.LayerNorm(hidden)
+
+    def forward(self, x):
+        return self.ln(x + 0.5 * self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+
+
+def measure_compiled_speedup(tokens: int = 128, hidden: int = 64, reps: int = 15) -> float:
+    """Eager seconds / compiled seconds of one training step (forward + backward) of
+    ``_MlpBlock(hidden)`` on ``[tokens, hidden]``, compiled by ``torch.compile`` (inductor,
+    static shapes) as ``compile=True`` compiles a rank's program; median of ``reps`` each, after
+    the compile. Below 1 where the compiled graph's runtime wrappers cost more than fusion saves
+    (tiny ops on a CPU)."""
+    torch.manual_seed(0)
+    block = _MlpBlock(hidden)
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    compiled = torch.compile(block, backend="inductor", dynamic=False)
+
+    def step(fn):
+        return lambda: fn(x).sum().backward()
+
+    eager_s = median_time(step(block), reps, 3)
+    compiled_s = median_time(step(compiled), reps, 3)
+    return eager_s / compiled_s
+
+
 def measure_optimizer_seconds_per_param(numel: int = 1 << 22, tensors: int = 4, reps: int = 5) -> float:
     """Seconds per parameter of one AdamW step (torch's default implementation) over
     ``numel`` fp32 parameters in ``tensors`` tensors."""
@@ -337,11 +370,13 @@ def calibrate(
     world_sizes: Sequence[int] = (2, 4),
     reps: int | None = None,
     save: bool = True,
+    compiled: bool = True,
 ) -> dict:
     """Measure this machine and save the profile (``out_path`` or :func:`profile_path`).
 
     ``quick`` uses fewer sizes and repetitions (well under a minute); the keyword
-    arguments override sizes for tests. Returns the profile dict.
+    arguments override sizes for tests; ``compiled=False`` skips the compiled speedup (inductor's
+    first compile takes seconds; the profile then leaves it at the default). Returns the profile dict.
     """
     reps = reps or (3 if quick else 7)
     matmul_sizes = matmul_sizes or ((128, 256, 512) if quick else (128, 256, 512, 1024, 2048))
@@ -366,6 +401,7 @@ def calibrate(
         attention = measure_attention_efficiency(max(fp32.values()), reps=reps)
         optimizer_s = measure_optimizer_seconds_per_param(reps=reps)
         optimizer_tensor = measure_optimizer_tensor_overhead()
+        speedup = measure_compiled_speedup(reps=max(reps, 5)) if compiled else None
     finally:
         torch.set_num_threads(threads)
     sharing = measure_sharing(world_sizes, sharing_seconds) if world_sizes else []
@@ -395,6 +431,7 @@ def calibrate(
         "optimizer_s_per_param": optimizer_s,
         "optimizer_bytes_per_param": optimizer_s * bandwidth,
         "optimizer_tensor_overhead": optimizer_tensor,
+        **({"compiled_speedup": speedup} if speedup is not None else {}),
         "collectives": {"all_reduce": rows},
         "link": {"bandwidth": 1.0 / beta, "latency": alpha},
         "shared_links": links,
@@ -422,6 +459,7 @@ def summary(profile: dict) -> str:
             + "; ".join(f"{k}: {c:.2f} {m:.2f} {o:.2f}" for k, c, m, o in profile.get("sharing", [])),
             f"AdamW step: {profile.get('optimizer_s_per_param', float('nan')) * 1e9:.1f} ns/param "
             f"({profile.get('optimizer_bytes_per_param', float('nan')):.0f} bytes/param at the measured bandwidth)",
+            f"compiled (torch.compile) speedup: {profile.get('compiled_speedup', float('nan')):.2f}x eager",
             f"gloo loopback: alpha {link['latency'] * 1e6:.1f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s"
             + "".join(f"; {k} ranks: {a * 1e6:.0f} us, {b / 1e9:.2f} GB/s" for k, a, b in profile.get("shared_links", [])),
             f"saved to {profile.get('path', '-')} in {profile['seconds']} s",

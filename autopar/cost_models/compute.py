@@ -20,6 +20,10 @@ Time per phase (``devices.DeviceSpec``)::
                                                        compute_efficiency otherwise
     t = max(compute, bytes / (memory_bandwidth * memory_efficiency)) + kernels * kernel_overhead
 
+A program run through torch.compile (``compile=True``) has every op's ``t`` (kernel overheads
+included) multiplied by ``device.compute_scale`` = ``1 / compiled_speedup``
+(``DeviceSpec.with_compile``): one measured factor for fusion, fewer launches and inductor's kernels.
+
 Backward work counts only gradients that are needed: an input needs a gradient when it
 is a parameter (``requires_grad`` in its ``meta["val"]``) or depends on one.
 """
@@ -445,18 +449,19 @@ def roofline_time(
 
 def cost_from_work(work: OpWork, device: DeviceSpec, dtype: torch.dtype = torch.float32,
                    attention: bool = False) -> OpCost:
-    """Roofline an :class:`OpWork` on ``device``; ``attention``: a fused attention kernel, whose
-    FLOPs run at ``device.attention_efficiency``."""
+    """Roofline an :class:`OpWork` on ``device`` (times ``device.compute_scale``); ``attention``: a fused
+    attention kernel, whose FLOPs run at ``device.attention_efficiency``."""
     eff = device.attention_efficiency if attention else None
-    lf = work.kernels_fwd * device.kernel_overhead
-    lb = work.kernels_bwd * device.kernel_overhead
+    k = device.compute_scale
+    lf = work.kernels_fwd * device.kernel_overhead * k
+    lb = work.kernels_bwd * device.kernel_overhead * k
     return OpCost(
         work.flops_fwd,
         work.flops_bwd,
         work.bytes_fwd,
         work.bytes_bwd,
-        roofline_time(work.flops_fwd, work.bytes_fwd, work.kernels_fwd, device, dtype, work.matmuls_fwd, eff),
-        roofline_time(work.flops_bwd, work.bytes_bwd, work.kernels_bwd, device, dtype, work.matmuls_bwd, eff),
+        k * roofline_time(work.flops_fwd, work.bytes_fwd, work.kernels_fwd, device, dtype, work.matmuls_fwd, eff),
+        k * roofline_time(work.flops_bwd, work.bytes_bwd, work.kernels_bwd, device, dtype, work.matmuls_bwd, eff),
         lf,
         lb,
     )

@@ -27,6 +27,9 @@ from .profile import load_profile
 GiB = 2**30
 TERA = 1e12
 GIGA = 1e9
+# eager / compiled time of calibrate.measure_compiled_speedup's block on this 2-core machine
+# (0.79-0.88 measured, 2026-11-24): at these sizes inductor's runtime wrappers cost more than fusion saves
+CPU_COMPILED_SPEEDUP = 0.85
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,10 @@ class DeviceSpec:
     # CPU only, measured: (ranks per node, latency s, bandwidth B/s) of the loopback link when that many
     # ranks share the node (4 gloo processes on 2 cores wait for the scheduler: ~1 ms per ring hop)
     shared_links: tuple[tuple[int, float, float], ...] = ()
+    # eager / compiled time of a training block through torch.compile (inductor); measured by
+    # `autopar calibrate` (calibrate.measure_compiled_speedup), 1.0 where unmeasured (GPU presets)
+    compiled_speedup: float = 1.0
+    compute_scale: float = 1.0  # multiplies every op's compute time (1 / compiled_speedup when compiled)
     notes: str = field(default="", compare=False)
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
@@ -163,6 +170,13 @@ class DeviceSpec:
                 w = (k - lo[0]) / (hi[0] - lo[0])
                 return Link(bandwidth=lo[2] + w * (hi[2] - lo[2]), latency=lo[1] + w * (hi[1] - lo[1]))
         return Link(bandwidth=rows[-1][2], latency=rows[-1][1] * k / rows[-1][0])
+
+    def with_compile(self, compiled: bool) -> "DeviceSpec":
+        """The device as a compiled program sees it: op times divided by ``compiled_speedup`` (itself
+        when ``compiled`` is False). Optimizer steps and communication are not compiled, so not scaled."""
+        if not compiled:
+            return self
+        return dataclasses.replace(self, compute_scale=1.0 / self.compiled_speedup)
 
     def with_devices_per_node(self, n: int) -> "DeviceSpec":
         """A copy with ``devices_per_node = n``."""
@@ -281,6 +295,7 @@ def _cpu() -> DeviceSpec:
         attention_efficiency=0.34,
         sharing=((2, 1.05, 1.15, 1.25), (4, 2.4, 2.5, 3.0)) if nproc == 2 else (),
         shared_links=((2, 2.0e-4, 1.0e9), (4, 9.0e-4, 1.0e9)) if nproc == 2 else (),
+        compiled_speedup=CPU_COMPILED_SPEEDUP,
         notes="defaults: no calibration profile (run `autopar calibrate`)",
     )
 
@@ -314,6 +329,7 @@ def device_from_profile(profile: dict) -> DeviceSpec:
         attention_efficiency=profile.get("attention_efficiency"),
         sharing=tuple((int(k), float(c), float(m), float(o)) for k, c, m, o in profile.get("sharing", ())),
         shared_links=tuple((int(k), float(a), float(b)) for k, a, b in profile.get("shared_links", ())),
+        compiled_speedup=float(profile.get("compiled_speedup", CPU_COMPILED_SPEEDUP)),
         notes=f"calibrated {profile.get('date', '?')}",
     )
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar.call_inputs import map_tensors
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.rescale import reference_batches, rescaled
 from autopar.trace import trace
@@ -32,10 +33,11 @@ class Retracer:
     loss_fn: object = None
     example_target: object = None
     mixed_precision: str | None = None
+    example_kwargs: dict | None = None
 
     def __call__(self, batch: int):
         return retrace_batch(self.model, self.example_inputs, self.loss_fn, self.example_target, batch,
-                             self.mixed_precision)
+                             self.mixed_precision, self.example_kwargs)
 
 
 def microbatch_trace(traced, batch: int, retracer: Retracer | None, rescale: bool = True):
@@ -67,8 +69,11 @@ def microbatch_trace(traced, batch: int, retracer: Retracer | None, rescale: boo
     return cache[batch]
 
 
-def retrace_batch(model, example_inputs, loss_fn, example_target, batch: int, mixed_precision: str | None = None):
-    """Trace ``model`` (+ loss) on the first ``batch`` rows of the example inputs and target."""
-    inputs = (example_inputs,) if not isinstance(example_inputs, (tuple, list)) else tuple(example_inputs)
+def retrace_batch(model, example_inputs, loss_fn, example_target, batch: int, mixed_precision: str | None = None,
+                  example_kwargs: dict | None = None):
+    """Trace ``model`` (+ loss) on the first ``batch`` rows of the example inputs (tensors, positional
+    and keyword; constants kept) and target."""
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs or ())
+    args, kwargs = map_tensors(lambda x: x[:batch], inputs, dict(example_kwargs or {}))
     target = example_target[:batch] if example_target is not None else None
-    return trace(model, tuple(x[:batch] for x in inputs), loss_fn, target, mixed_precision)
+    return trace(model, args, loss_fn, target, mixed_precision, kwargs)

@@ -38,17 +38,23 @@ from autopar.collectives.groups import bound_axes
 from autopar.collectives.watch import note
 from autopar.comm_timeout import comm_timeout_s
 from autopar.passes.split_stages import StageGraph, Transfer
+from autopar.runtime.compiled import runner
 from autopar.runtime.program import fill_slots
 from autopar.schedule import Action, Schedule
 
 
 @dataclass
 class StageCall:
-    """What one stage needs to run: its graph, forward-only graph and argument sources."""
+    """What one stage needs to run: its graph, forward-only graph and argument sources;
+    ``compiled``: both graphs run through torch.compile (``runtime/compiled.py``)."""
 
     graph: StageGraph
     forward_gm: object
     slots: list[tuple[str, object]]      # per original placeholder: (kind, ref) as in RankProgram
+    compiled: bool = False
+
+    def __post_init__(self):
+        self.runs = {True: runner(self.graph.gm, self.compiled), False: runner(self.forward_gm, self.compiled)}
 
 
 @dataclass
@@ -153,9 +159,8 @@ class PipelineExecutor:
                 x = x.detach().requires_grad_(True)
             leaves.append(x)
         args = self._arg_values(call, tensor_of, inputs, target) + leaves
-        gm = call.graph.gm if train else call.forward_gm
         with bound_axes(self.axes), torch.set_grad_enabled(train):
-            outs = gm(*args)
+            outs = call.runs[train](*args)
         for t in call.graph.sends:
             self._send(t, a.microbatch, False, outs[call.graph.send_index[t.value]], works)
         if is_last:

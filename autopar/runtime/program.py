@@ -6,6 +6,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.collectives.groups import AxisGroup, bound_axes
+from autopar.runtime.compiled import runner
 from autopar.sharding.shard_params import local_piece
 from autopar.trace import cast_floating
 
@@ -106,14 +107,16 @@ class ParamTree(nn.Module):
 
 
 class RankProgram(ParamTree):
-    """Calls the per-rank graph with this rank's parameters (named like the original model)."""
+    """Calls the per-rank graph with this rank's parameters (named like the original model);
+    ``compiled``: the graphs run through torch.compile (``runtime/compiled.py``)."""
 
     def __init__(self, gm: fx.GraphModule, forward_gm: fx.GraphModule, slots: list[tuple[str, object]],
                  params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], axes: dict[str, AxisGroup],
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, compiled: bool = False):
         super().__init__(params, buffers, compute_dtype)
         self._autopar_graph = gm
         self._autopar_forward = forward_gm
+        self._runs = {False: runner(gm, compiled), True: runner(forward_gm, compiled)}   # by forward_only
         self._slots = slots          # per placeholder: ("param", name) | ("buffer", name) | ("const", t) | ("input", i) | ("target", None)
         self._axes = axes
 
@@ -121,8 +124,7 @@ class RankProgram(ParamTree):
         self.new_step()
         args = fill_slots(self._slots, self.compute_tensor, [self.cast_input(x) for x in inputs], target)
         with bound_axes(self._axes):
-            gm = self._autopar_forward if forward_only else self._autopar_graph
-            return gm(*args)
+            return self._runs[forward_only](*args)
 
     @property
     def gm(self) -> fx.GraphModule:

@@ -61,11 +61,16 @@ BUCKET_MB = ZERO_BUCKET_MB
 
 
 def check_zero_supported(plan, pipelined: bool) -> None:
-    """Raise a PlanError for a ZeRO stage this runtime cannot run (any stage with a pipeline)."""
+    """Raise a PlanError for a ZeRO stage this runtime cannot run (any stage with a pipeline; ZeRO-3
+    compiled: its gathers and saved-tensor hooks do not trace, and compiled it trains wrong)."""
     zero = plan.memory_options.zero
     if zero and pipelined:
         raise PlanError(f"memory_options.zero={zero} is not supported with a pipeline (pp > 1) yet; "
                         "use zero=0 for pipelined plans")
+    if zero == 3 and plan.compiled:
+        raise PlanError("the plan has memory_options.zero=3 and compiled=True: ZeRO-3 does not run compiled yet "
+                        "(its per-layer gathers and saved-tensor hooks do not trace); make the plan with zero=0, 1 "
+                        "or 2, or with compile=False")
 
 
 def axes_group(axes: tuple[str, ...], groups: dict, mesh):

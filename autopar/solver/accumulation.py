@@ -41,18 +41,26 @@ def memory_choices(batch: int, mode: ParallelMode, accumulation: int | None,
     return ks, ["none", "selective", "full"]
 
 
-def zero_ladder(mode: ParallelMode, zero: int | None) -> list[int]:
+ZERO3_COMPILED = ("zero=3 does not run compiled yet (compile=True): its per-layer gathers and saved-tensor hooks "
+                  "do not trace; use zero=0, 1 or 2 with compile=True, or compile=False with zero=3")
+
+
+def zero_ladder(mode: ParallelMode, zero: int | None, compiled: bool = False) -> list[int]:
     """The ZeRO stages to try, in order: the user's, or for AUTO/SEMI_AUTO 0, 1, 2, 3. The
     search runs the accumulation frontier of each stage at one recompute choice, every stage
     before the next choice (the cheaper lever first), and keeps the fastest plan of all; it drops
     the stages above the first one whose plan fits without accumulation or recomputation
     and without the cap shaping its layout (``Plan.memory_bound``): a higher stage then only adds
-    all-gathers of the weights."""
+    all-gathers of the weights. ``compiled`` (compile=True): ZeRO-3 does not run compiled yet
+    (``runtime.zero.check_zero_supported``), so the ladder stops at 2."""
     if zero is not None:
         if zero not in (0, 1, 2, 3):
             raise PlanError(f"zero={zero!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+        if compiled and zero == 3:
+            raise PlanError(ZERO3_COMPILED)
         return [zero]
-    return [0, 1, 2, 3] if mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO) else [0]
+    return ([0, 1, 2] if compiled else [0, 1, 2, 3]) if mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO) else [0]
+
 
 
 def accumulation_ladder(batch: int, mode: ParallelMode, forced: int | None) -> tuple[list[int], bool]:

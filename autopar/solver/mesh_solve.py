@@ -47,6 +47,7 @@ class PlanOptions:
     accumulation: int | None = None  # microbatches run one after another (None: AUTO/SEMI_AUTO pick when needed)
     recompute: str | dict | None = None   # activation recomputation (None: AUTO/SEMI_AUTO pick when needed)
     zero: int | None = None          # ZeRO stage over the data-parallel axes (None: AUTO/SEMI_AUTO pick when needed)
+    compiled: bool = False           # per-rank programs through torch.compile: compute at the compiled speedup
     progress: SearchProgress | None = None     # reports the search and holds its time budget (solver/progress.py)
 
 
@@ -220,7 +221,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     t0 = time.perf_counter()
     device = mesh.spec()
     per_node = ranks_per_node or min(mesh.size, mesh.gpus_per_node or mesh.size)
-    device = device.shared_by(per_node)  # CPU ranks beyond the core count share the cores
+    device = device.shared_by(per_node).with_compile(opts.compiled)  # CPU ranks beyond the core count share the cores
     cands = _candidates(traced, mesh.shape)
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
     redistribution, memo = traced.meta.setdefault("costing_memo", {}).setdefault((mesh.shape, repr(device)), ({}, {}))
@@ -257,7 +258,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                                             zero_unsynced_bytes(traced, cands, built, sol.choice, costing)),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
-                grad_compression=opts.grad_compression, optimizer=opts.optimizer, memory_budget=budget,
+                grad_compression=opts.grad_compression, compiled=opts.compiled, optimizer=opts.optimizer,
+                memory_budget=budget,
                 grad_sync_overhead=last_bucket, axis_shares=shares,
                 once_per_step_time=built.once_time(sol.choice) + last_bucket,
                 options={"precision": opts.precision, "solver_vars": sol.num_vars},

@@ -310,7 +310,8 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
             "stages")
     schedules = _schedules(opts, cand.pp, len(units))
     per_node = min(cand.full.size, cand.full.gpus_per_node or cand.full.size)
-    device = cand.sub.spec().shared_by(per_node)       # CPU ranks of every stage share the cores
+    # CPU ranks of every stage share the cores; a compiled program's ops run at the compiled speedup
+    device = cand.sub.spec().shared_by(per_node).with_compile(opts.compiled)
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
     free = PlanOptions(**{**opts.__dict__, "memory_budget_gb": budget * cand.pp / 2**30})
     loose = PlanOptions(**{**opts.__dict__, "memory_budget_gb": 1e6})
@@ -451,6 +452,7 @@ def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: Pipelin
                 memory_per_device=memory, solver_status=sub_plan.solver_status, unknown_ops=sub_plan.unknown_ops,
                 options=dict(sub_plan.options), fingerprint=graph_fingerprint(traced.gm),
                 collective_list=sub_plan.collective_list, pipeline=info, grad_compression=sub_plan.grad_compression,
+                compiled=sub_plan.compiled,
                 optimizer=sub_plan.optimizer, memory_budget=budget, grad_sync_overhead=sub_plan.grad_sync_overhead,
                 memory_options=sub_plan.memory_options,
                 axis_shares=sub_plan.axis_shares)

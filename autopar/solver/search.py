@@ -77,7 +77,7 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
         raise PlanError(f"accumulation={ks[0]} runs microbatches one after another without a pipeline, but this "
                         "request asks for a pipeline (a 'pp' mesh axis, microbatches or schedule): a pipeline already "
                         "runs the batch as microbatches, so set microbatches= instead of accumulation")
-    stages = zero_ladder(mode, opts.zero)
+    stages = zero_ladder(mode, opts.zero, opts.compiled)
     if "pp" in mesh.axis_names or opts.microbatches or opts.schedule:
         if stages[0]:
             raise PlanError(f"zero={stages[0]} is not supported with a pipeline yet (a 'pp' mesh axis, microbatches "
