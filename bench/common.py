@@ -59,6 +59,22 @@ def interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 2
     return times
 
 
+def training_step(pmodel, x, y, lr: float = 1e-3) -> tuple[Callable[[], None], list[float]]:
+    """One AdamW training step of ``pmodel`` on (x, y) as a closure, and the list its losses go to."""
+    import torch
+
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=lr)
+    losses: list[float] = []
+
+    def step() -> None:
+        loss = pmodel.step(x, target=y)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+
+    return step, losses
+
+
 def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
     xs = sorted(xs)
     if len(xs) < 4:

@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Ratio, check, header, interleaved  # noqa: E402
+from common import Ratio, check, header, interleaved, training_step  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -78,14 +78,7 @@ def _autopar_step(cfg, mesh, mode, compiled, setup=None, device="cpu", **kw):
     x, y = _batch(cfg, device)
     pmodel = autopar.parallelize(_model(cfg, device), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y,
                                  mode=mode, compile=compiled, **kw)
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
-    losses = []
-
-    def step():
-        loss = pmodel.step(x, target=y)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
+    step, losses = training_step(pmodel, x, y)
 
     graphs0, breaks0 = _dynamo_counts()
     t0 = time.perf_counter()

@@ -28,7 +28,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Ratio, check, header, interleaved, run_fresh  # noqa: E402
+from common import Ratio, check, header, interleaved, run_fresh, training_step  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -70,14 +70,7 @@ def rank_step_times(rank: int, cfg: dict, reps: int, warmup: int, compression: b
         pmodel = autopar.parallelize(_model(cfg), autopar.Mesh(world), example_inputs=(x,), loss_fn=lm_loss,
                                      example_target=y, mode="data")
         autopar.reset_auto_parallel_context()
-        opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
-        losses = []
-
-        def step():
-            loss = pmodel.step(x, target=y)
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(loss))
+        step, losses = training_step(pmodel, x, y)
 
         return step, losses, pmodel
 

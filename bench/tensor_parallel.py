@@ -31,7 +31,7 @@ import sys
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Ratio, check, header, interleaved, run_fresh  # noqa: E402
+from common import Ratio, check, header, interleaved, run_fresh, training_step  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -89,14 +89,7 @@ def rank_tp_times(rank: int, case: dict, reps: int, warmup: int, force_semi: boo
         model, _, _ = build(case)
         pmodel = autopar.parallelize(model, autopar.Mesh(world, axis_names=("tp",)), example_inputs=(x,),
                                      loss_fn=F.mse_loss, example_target=y, mode=mode)
-        opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
-        losses = []
-
-        def step():
-            loss = pmodel.step(x, target=y)
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(loss))
+        step, losses = training_step(pmodel, x, y)
 
         return step, pmodel, losses
 

@@ -243,17 +243,22 @@ def test_lagrangian_path_fits_the_budget_and_never_beats_the_optimum(seed, monke
     assert evaluate(p, got.choice) == pytest.approx((got.objective, got.memory))
 
 
+def _random_case(seed: int):
+    """A random budgeted problem (odd seeds: with edge memory) and its brute-force optimum (None: none fits)."""
+    rng = np.random.default_rng(seed)
+    p = random_problem(rng)
+    if seed % 2:
+        p = with_edge_memory(p, rng)
+    return p, _budgeted_optimum(p)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_dual_bound_never_exceeds_the_budgeted_optimum(seed):
     """L(lam) = min (time + lam memory) - lam M is a lower bound on the budgeted optimum for every
     price (intra_op, Bound), with edge memory counted on both sides."""
     from autopar.solver.intra_op import _dual_bound, replace
 
-    rng = np.random.default_rng(seed)
-    p = random_problem(rng)
-    if seed % 2:
-        p = with_edge_memory(p, rng)
-    expected = _budgeted_optimum(p)
+    p, expected = _random_case(seed)
     if expected is None:
         return
     free = solve_intra_op(replace(p, memory_budget=None))
@@ -439,11 +444,7 @@ def test_budgeted_solve_stops_within_one_percent_of_its_proven_bound():
 
     stopped = 0
     for seed in range(40):
-        rng = np.random.default_rng(seed)
-        p = random_problem(rng)
-        if seed % 2:
-            p = with_edge_memory(p, rng)
-        expected = _budgeted_optimum(p)
+        p, expected = _random_case(seed)
         if expected is None:
             continue
         for cutoff in (expected.objective + 1e-6, expected.objective * 1.5):
