@@ -129,3 +129,22 @@ def test_a_global_graph_that_differs_falls_back_to_the_second_reference(monkeypa
     got = microbatch_trace(big, 2, retracer)
     assert got.meta.get("rescaled") and retracer.batches == list(reference_batches(16))
     assert got.gm.code == trace(model, (x[:2],), _lm_loss, x[:2]).gm.code
+
+
+def test_the_second_reference_size_is_rescaled_too(monkeypatch):
+    """A pipeline's microbatch at the second reference size is derived from the first and the global
+    step like any other (GPT-2 XL's search exported it for nothing); where the global graph does
+    not rescale, it is traced once, without recursing into itself."""
+    from autopar.graph import retrace
+
+    model = GPT(vocab=64, hidden=32, heads=4, layers=1, seq=8)
+    x = torch.randint(0, 64, (16, 8))
+    b1, b2 = reference_batches(16)
+    big, retracer = trace(model, (x,), _lm_loss, x), _CountingRetracer(model, (x,), _lm_loss, x)
+    got = microbatch_trace(big, b2, retracer)
+    assert got.meta.get("rescaled") and retracer.batches == [b1]
+    assert got.gm.code == trace(model, (x[:b2],), _lm_loss, x[:b2]).gm.code
+    big, retracer = trace(model, (x,), _lm_loss, x), _CountingRetracer(model, (x,), _lm_loss, x)
+    monkeypatch.setattr(retrace, "rescaled", lambda first, second, b: None)
+    got = microbatch_trace(big, b2, retracer)
+    assert retracer.batches == [b1, b2] and not got.meta.get("rescaled")

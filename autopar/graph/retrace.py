@@ -43,9 +43,10 @@ class Retracer:
 def microbatch_trace(traced, batch: int, retracer: Retracer | None, rescale: bool = True):
     """The training step with every input and the target cut to ``batch`` rows (cached). With
     ``rescale`` (planning), derived from two traces that differ only in batch-affine sizes
-    (``graph/rescale.py``): the first of the ``reference_batches`` and the global step itself,
-    or, where the global graph differs otherwise (an input passed again as the target is one
-    placeholder there), the second reference (one export more); else traced again; the runtime traces (``rescale=False``) and checks the plan's fingerprint."""
+    (``graph/rescale.py``): the first of the ``reference_batches`` and the global step itself
+    (the second reference too, which GPT-2 XL's pipeline search exported for nothing), or, where
+    the global graph differs otherwise, the second reference (one export more); else traced
+    again; the runtime traces (``rescale=False``) and checks the plan's fingerprint."""
     cache = traced.meta.setdefault("microbatch_traces", {})
     if batch == traced.batch_size:
         return traced
@@ -55,10 +56,10 @@ def microbatch_trace(traced, batch: int, retracer: Retracer | None, rescale: boo
                              "pass a Retracer (autopar.plan()/parallelize() make one)")
         refs = reference_batches(traced.batch_size) if rescale else None
         mb = None
-        if refs is not None and batch not in refs:
+        if refs is not None and batch != refs[0]:
             first = microbatch_trace(traced, refs[0], retracer)
             mb = rescaled(first, traced, batch)     # the global step as the second point, where it matches
-            if mb is None:
+            if mb is None and batch != refs[1]:    # (refs[1] itself is then traced below)
                 mb = rescaled(first, microbatch_trace(traced, refs[1], retracer), batch)
             if mb is not None:
                 mb.meta["rescaled"] = True
