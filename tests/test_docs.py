@@ -9,11 +9,12 @@ A block runs in a fresh namespace, in a temporary folder, with the repository ro
 - ``<!-- doc-test: skip (reason) -->``: the block is not run; the reason is listed
   (``test_skipped_blocks_say_why``).
 
-An unmarked block that fails fails the test. ``docs/troubleshooting.md``'s messages are checked
-against the package's source in ``test_troubleshooting.py``.
+An unmarked block that fails fails the test. Every message ``docs/troubleshooting.md`` quotes is
+checked against the string literals of autopar's source (``test_troubleshooting_messages_exist``).
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import sys
@@ -154,3 +155,43 @@ def test_unknown_marker_is_an_error_naming_the_block(tmp_path):
     (tmp_path / "README.md").write_text("<!-- doc-test: skipp -->\n```python\na = 1\n```\n")
     with pytest.raises(ValueError, match=r"README.md:2: unknown doc-test marker 'skipp'"):
         doc_blocks(tmp_path)
+
+
+def _source_literals() -> list[str]:
+    """Every string literal in autopar/, f-strings as their literal parts (implicit concatenation joined)."""
+    out = []
+    for path in (ROOT / "autopar").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                out.append(node.value)
+    return out
+
+
+def troubleshooting_messages(text: str) -> list[tuple[int, list[str]]]:
+    """(line, pieces) per table row of the page: the literal pieces of the backticked messages in its
+    first cell (``…`` marks a part that varies; exception class names are not messages)."""
+    rows = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("| `"):
+            continue
+        cell = line.split(" | ")[0]
+        spans = [s for s in re.findall(r"`([^`]+)`", cell) if not re.fullmatch(r"\w+Error", s)]
+        rows.append((i, [piece.strip() for s in spans for piece in s.split("…") if piece.strip()]))
+    return rows
+
+
+def test_troubleshooting_messages_exist():
+    rows = troubleshooting_messages((ROOT / "docs" / "troubleshooting.md").read_text())
+    assert len(rows) >= 40
+    literals = _source_literals()
+    stale = []
+    for line, pieces in rows:
+        assert pieces and max(map(len, pieces)) >= 8, f"docs/troubleshooting.md:{line}: quote more of the message"
+        stale += [f"docs/troubleshooting.md:{line}: {p!r}" for p in pieces if not any(p in s for s in literals)]
+    assert not stale, "messages no longer in autopar's source:\n" + "\n".join(stale)
+
+
+def test_a_changed_message_is_caught():
+    rows = troubleshooting_messages("| `no plan fits memory on …: the smallest plan` | x | y |\n")
+    assert rows == [(1, ["no plan fits memory on", ": the smallest plan"])]
+    assert not any(": the smallest plan" in s for s in _source_literals())
