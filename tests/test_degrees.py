@@ -2,6 +2,7 @@
 neither dp nor tp, the report says so, and AUTO does not pick such a plan while another uses every axis."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -60,10 +61,13 @@ def test_data_plan_is_data_parallel():
     assert plan.redundant_axes() == []
 
 
-def test_auto_prefers_a_plan_that_uses_every_axis():
-    """A replicated plan is predicted faster on this tiny model, but it wastes the devices."""
-    plan = _small_mlp_plan(autopar.Mesh(4, device=A100), "auto")
-    assert plan.redundant_axes() == [] and plan.degrees["dp"] * plan.degrees["tp"] == 4
+@pytest.mark.parametrize("n", [4, 2])
+def test_auto_prefers_a_plan_that_uses_every_axis(n):
+    """A replicated plan is predicted faster on this tiny model, but it wastes the devices. On a
+    prime number of devices the free 1-D mesh is the only factorisation: DDP's layout is tried
+    there too (a CNN and a ViT on 2 devices got the replicated plan)."""
+    plan = _small_mlp_plan(autopar.Mesh(n, device=A100), "auto")
+    assert plan.redundant_axes() == [] and plan.degrees["dp"] * plan.degrees["tp"] == n
     wasting = [a for a in plan.alternatives if a.fits and a.redundant_axes]
     assert any(a.step_time < plan.step_time for a in wasting)
     assert "repeats work on" in plan.report()

@@ -170,7 +170,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     annotated = annotated_axes(param_ann, input_ann)
     meshes = candidate_meshes(mesh, annotated) if mode == ParallelMode.AUTO else [mesh]
     keys = [(m.shape, m.axis_names) for m in meshes]
-    if mode == ParallelMode.AUTO and len(keys) > 1 and not annotated:
+    if ddp_applies(mesh, mode, annotated):
         keys.append(((mesh.size,), ("dp",)))        # DDP's layout (``ddp_candidate``)
     done, pipe_fit, early = state.done, state.pipe_fit, state.early
     pipeline_request = "pp" in mesh.axis_names or bool(opts.microbatches or opts.schedule)
@@ -298,7 +298,7 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
             failures.append((m, err))   # AUTO's candidate: dropped, its reason listed
             progress.record([], 1, step_time)
     ddp = ((mesh.size,), ("dp",))
-    if (mode == ParallelMode.AUTO and len(meshes) > 1 and not annotated and not progress.out_of_time()
+    if (ddp_applies(mesh, mode, annotated) and meshes and not progress.out_of_time()
             and ddp not in skip):       # DDP's layout keeps every weight whole: not where annotations split one
         got = ddp_candidate(traced, mesh, _within_budget(opts, progress), failures, microbatches, progress.cutoff())
         progress.record(got, 1 - len(got), step_time)
@@ -317,6 +317,13 @@ def rank_key(plan: Plan) -> tuple[bool, float]:
     an axis wastes its devices, however fast its step), then the predicted step time (forward,
     backward, gradient sync and optimizer)."""
     return bool(plan.redundant_axes()), plan.step_time
+
+
+def ddp_applies(mesh: Mesh, mode: ParallelMode, annotated: frozenset) -> bool:
+    """Whether AUTO also tries DDP's layout: on an unnamed mesh of several devices without
+    annotations, also a prime number of them, where the free 1-D mesh is the only other candidate
+    (its optimum may split nothing: a CNN on 2 devices replicated everything)."""
+    return mode == ParallelMode.AUTO and not mesh.named and mesh.size > 1 and not annotated
 
 
 def ddp_candidate(traced, mesh: Mesh, opts: PlanOptions, failures: list, microbatches: int = 1,
