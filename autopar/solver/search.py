@@ -298,7 +298,8 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
             failures.append((m, err))   # AUTO's candidate: dropped, its reason listed
             progress.record([], 1, step_time)
     ddp = ((mesh.size,), ("dp",))
-    if (ddp_applies(mesh, mode, annotated) and meshes and not progress.out_of_time()
+    wasted = len(meshes) == 1 and bool(plans) and all(p.redundant_axes() for p in plans)
+    if (ddp_applies(mesh, mode, annotated, wasted) and meshes and not progress.out_of_time()
             and ddp not in skip):       # DDP's layout keeps every weight whole: not where annotations split one
         got = ddp_candidate(traced, mesh, _within_budget(opts, progress), failures, microbatches, progress.cutoff())
         progress.record(got, 1 - len(got), step_time)
@@ -319,11 +320,13 @@ def rank_key(plan: Plan) -> tuple[bool, float]:
     return bool(plan.redundant_axes()), plan.step_time
 
 
-def ddp_applies(mesh: Mesh, mode: ParallelMode, annotated: frozenset) -> bool:
-    """Whether AUTO also tries DDP's layout: on an unnamed mesh of several devices without
-    annotations, also a prime number of them, where the free 1-D mesh is the only other candidate
-    (its optimum may split nothing: a CNN on 2 devices replicated everything)."""
-    return mode == ParallelMode.AUTO and not mesh.named and mesh.size > 1 and not annotated
+def ddp_applies(mesh: Mesh, mode: ParallelMode, annotated: frozenset, wasted: bool = False) -> bool:
+    """Whether AUTO also tries DDP's layout: on an unnamed mesh without annotations that has several
+    factorisations, or a prime number of devices where the free 1-D mesh, the only other candidate,
+    gave only plans that split nothing (``wasted``: a CNN and a ViT on 2 devices)."""
+    if mode != ParallelMode.AUTO or mesh.named or annotated or mesh.size == 1:
+        return False
+    return len(candidate_meshes(mesh)) > 1 or wasted
 
 
 def ddp_candidate(traced, mesh: Mesh, opts: PlanOptions, failures: list, microbatches: int = 1,
