@@ -12,7 +12,7 @@ gradient and state, so it steps on pieces exactly as on whole tensors. These do 
   every rank (data parallelism only: no tensor split, no ZeRO, no pipeline);
 * ``SparseAdam`` needs sparse gradients, which autopar's programs do not make.
 
-A global optimizer step pre-hook looks up the ParallelModule that owns the optimizer's
+A global optimizer step pre-hook (registered with the first ParallelModule) looks up the ParallelModule that owns the optimizer's
 parameters (a weak set of live modules, asked only for these classes) and raises a TypeError
 naming the optimizer, a parameter it would get wrong and what to use instead.
 """
@@ -39,10 +39,16 @@ _CLASSES = {n: c for n in (*_WHOLE_TENSOR, *_WHOLE_MODEL, *_REFUSED)
 _CHECKED = tuple(_CLASSES.values())
 
 
+_HOOK: list = []
+
+
 def watch(pmodel) -> None:
     """Check optimizers over ``pmodel``'s parameters; ``pmodel.split_parameters()`` -> {name: how it is split}
-    and ``pmodel.holds_every_parameter`` say what its rank holds."""
+    and ``pmodel.holds_every_parameter`` say what its rank holds. The global step pre-hook is
+    registered with the first module watched, not when autopar is imported."""
     _MODULES.add(pmodel)
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: check_optimizer(optimizer)))
 
 
 def _owner(optimizer):
@@ -73,6 +79,3 @@ def check_optimizer(optimizer) -> None:
         raise TypeError(f"torch.optim.{name} cannot train under this plan: {why}, but this rank holds only its "
                         f"pipeline stage's parameters. Either {alternatives}, or plan without a pipeline "
                         "(mode='data' with autopar.set_auto_parallel_context(zero=0))")
-
-
-register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: check_optimizer(optimizer))
