@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from autopar.solver import exhaustive
+from autopar.solver import elimination, exhaustive
 from autopar.solver.brute_force import brute_force
 from autopar.solver.intra_op import EdgeCost, InfeasibleError, IntraOpProblem, NodeChoices, evaluate, solve_intra_op
 
@@ -64,14 +64,15 @@ def _budgeted_optimum(p: IntraOpProblem):
 
 
 @pytest.mark.parametrize("kept", [False, True])
-@pytest.mark.parametrize("path", ["enumerate", "cp-sat"])
+@pytest.mark.parametrize("path", ["eliminate", "enumerate", "cp-sat"])
 @pytest.mark.parametrize("seed", range(40))
 def test_matches_brute_force(seed, path, kept, monkeypatch):
-    """Both ways of finishing the reduced graph (numpy enumeration of a small remainder, CP-SAT
-    above ``exhaustive.LIMIT``) give the brute-force optimum; with ``kept``, bytes kept by edge
-    pairs (``EdgeCost.memory``) count against the budget on both sides, through the reductions
-    (dominance, folding and elimination must not drop them)."""
+    """Every way of finishing the reduced graph (variable elimination without a budget, numpy
+    enumeration of a small remainder, CP-SAT above both limits) gives the brute-force optimum;
+    with ``kept``, bytes kept by edge pairs (``EdgeCost.memory``) count against the budget on both
+    sides, through the reductions (dominance, folding and elimination must not drop them)."""
     monkeypatch.setattr(exhaustive, "LIMIT", exhaustive.LIMIT if path == "enumerate" else 0)
+    monkeypatch.setattr(elimination, "LIMIT", elimination.LIMIT if path == "eliminate" else 0)
     p = random_problem(np.random.default_rng(seed))
     if kept:
         p = with_edge_memory(p, np.random.default_rng(1000 + seed))
@@ -395,6 +396,7 @@ def test_a_solve_out_of_time_says_which_setting_to_raise(monkeypatch):
         StatusName = staticmethod(lambda status: "UNKNOWN")
 
     monkeypatch.setattr(exhaustive, "LIMIT", 0)
+    monkeypatch.setattr(elimination, "LIMIT", 0)
     monkeypatch.setattr(intra_op, "run_model", lambda *a, **k: (_Unknown(), cp_model.UNKNOWN))
     p = random_problem(np.random.default_rng(2))       # one the reductions leave to CP-SAT
     p.memory_budget = float(sum(nd.memory.max() for nd in p.nodes))
@@ -453,3 +455,79 @@ def test_budgeted_solve_stops_within_one_percent_of_its_proven_bound():
             assert got.objective <= expected.objective * 1.01 + 1e-12
             stopped += got.status == "FEASIBLE(gap)"
     assert stopped, "no budgeted solve stopped at the gap: the test no longer exercises it"
+
+
+def _dense_graph(rng: np.random.Generator, n: int):
+    """A reduced class graph nothing more reduces: ``n`` classes of 2-6 candidates, every pair joined
+    by an edge with some forbidden pairs, and its brute-force optimum (inf when none is finite)."""
+    import itertools
+
+    from autopar.solver.class_graph import ClassGraph
+    sizes = [int(k) for k in rng.integers(2, 7, n)]
+    g = ClassGraph(members=[[a] for a in range(n)], cands=[np.arange(k) for k in sizes],
+                   compute=[rng.uniform(0, 1, k) for k in sizes], memory=[np.zeros(k) for k in sizes],
+                   nbrs=[set() for _ in range(n)], alive=set(range(n)))
+    for a, b in itertools.combinations(range(n), 2):
+        if rng.random() < 0.8:
+            m = rng.uniform(0, 1, (sizes[a], sizes[b]))
+            m[rng.random(m.shape) < 0.15] = np.inf
+            g.add_edge(a, b, m)
+    best = math.inf
+    for pick in itertools.product(*(range(k) for k in sizes)):
+        cost = sum(g.compute[a][pick[a]] for a in range(n)) + sum(m[pick[a], pick[b]] for (a, b), m in g.edges.items())
+        best = min(best, cost)
+    return g, best
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_variable_elimination_is_exact_on_graphs_the_reductions_leave(seed):
+    """``eliminate_best`` on dense graphs (every class of degree > 2, forbidden pairs): its optimum is
+    brute force's, its picks score that optimum, and an all-forbidden graph reports inf."""
+    rng = np.random.default_rng(seed)
+    g, best = _dense_graph(rng, int(rng.integers(3, 8)))
+    active = sorted(g.alive)
+    value, picked = elimination.eliminate_best(g, active)
+    if math.isinf(best):
+        assert math.isinf(value)
+        return
+    assert value == pytest.approx(best, abs=1e-9)
+    score = sum(g.compute[a][picked[a]] for a in active) + sum(m[picked[a], picked[b]] for (a, b), m in g.edges.items())
+    assert score == pytest.approx(best, abs=1e-9)
+
+
+def test_variable_elimination_hands_large_tables_to_cpsat(monkeypatch):
+    """A step over the elimination's limits returns None, and ``solve_intra_op`` then finishes with
+    CP-SAT (same optimum)."""
+    from autopar.solver import intra_op
+
+    rng = np.random.default_rng(3)
+    g, _ = _dense_graph(rng, 6)
+    assert elimination.eliminate_best(g, sorted(g.alive), limit=1) is None
+    p = random_problem(np.random.default_rng(2))       # one the reductions leave unsolved
+    p.memory_budget = None
+    expected = brute_force(p).objective
+    built = []
+    real = intra_op.build_model
+    monkeypatch.setattr(intra_op, "build_model", lambda *a, **k: built.append(1) or real(*a, **k))
+    monkeypatch.setattr(exhaustive, "LIMIT", 0)
+    monkeypatch.setattr(elimination, "LIMIT", 0)
+    assert solve_intra_op(p).objective == pytest.approx(expected, abs=1e-6) and built
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_ceiling_cuts_only_assignments_at_least_that_slow(seed, monkeypatch):
+    """CP-SAT under ``ceiling`` (the cutoff of a budgeted solve): just above the budgeted optimum it
+    still finds that optimum; just below it the model is INFEASIBLE, which proves the cutoff cannot
+    be beaten (``DominatedError``, not the memory error)."""
+    from autopar.solver import intra_op
+    from autopar.solver.intra_op import DominatedError
+
+    monkeypatch.setattr(exhaustive, "LIMIT", 0)
+    p, expected = _random_case(seed)
+    if expected is None:
+        return
+    now = time.perf_counter()
+    got = intra_op._solve(p, now + 20, None, now, ceiling=expected.objective + 1e-6)
+    assert got.objective == pytest.approx(expected.objective, abs=1e-6) and got.memory <= p.memory_budget
+    with pytest.raises(DominatedError, match="under the memory budget"):
+        intra_op._solve(p, now + 20, None, now, ceiling=expected.objective - 1e-6)

@@ -115,9 +115,10 @@ def workspace_of(g: ClassGraph) -> Workspace:
 
 
 def build_model(g: ClassGraph, budget: float | None, hint: dict[int, int] | None = None,
-                 work: Workspace | None = None) -> tuple[_Model, list[int]]:
+                 work: Workspace | None = None, ceiling: float | None = None) -> tuple[_Model, list[int]]:
     """CP-SAT model of the reduced graph; ``hint`` maps classes to original strategy indices;
-    ``work``: the workspace beside the memory row (budgeted only)."""
+    ``work``: the workspace beside the memory row (budgeted only); ``ceiling`` (seconds): only
+    assignments that may be faster are kept (``_add_ceiling``), so INFEASIBLE proves none is."""
     active = active_classes(g)
     mdl = _Model(cp_model.CpModel(), {}, 0)
     for a in active:
@@ -134,11 +135,25 @@ def build_model(g: ClassGraph, budget: float | None, hint: dict[int, int] | None
         terms += _add_edge_vars(mdl, a, b, m, scale, mem, kept.setdefault((a, b), []) if mem is not None else None)
     if budget is not None:
         _add_memory(mdl, g, active, budget, kept, work)
-    mdl.model.Minimize(sum(c * x for x, c in terms if c))
+    objective = sum(c * x for x, c in terms if c)
+    mdl.model.Minimize(objective)
     mdl.scale, mdl.terms = scale, len(active) + len(g.edges)
     mdl.offset = sum(float(g.compute[a].min()) for a in g.alive) + sum(float(m[np.isfinite(m)].min())
                                                                        for m in g.edges.values())
+    if ceiling is not None:
+        _add_ceiling(mdl, objective, ceiling)
     return mdl, active
+
+
+def _add_ceiling(mdl: _Model, objective, ceiling: float) -> None:
+    """objective <= (ceiling - offset) scale + terms / 2: an assignment of fewer seconds than
+    ``ceiling`` has a scaled objective of at most that (each of its ``terms`` coefficients was
+    rounded by at most half a unit), so the row removes only assignments at least as slow."""
+    limit = (ceiling - mdl.offset) * mdl.scale + mdl.terms / 2
+    if limit < 0:
+        mdl.model.AddBoolOr([])         # nothing can be that fast: an empty clause, INFEASIBLE
+    elif limit < 2 ** 62 and not isinstance(objective, int):
+        mdl.model.Add(objective <= math.floor(limit))
 
 
 def objective_bound(mdl: _Model, solver: cp_model.CpSolver) -> float:
