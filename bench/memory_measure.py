@@ -244,7 +244,8 @@ def predicted(plan, rank: int) -> dict:
     workspace: what the CPU count measures) and the breakdown the plan gives."""
     breakdown = {k: float(v) for k, v in (plan.memory_breakdown or {}).items()}
     peak = float(plan.memory_per_device[rank])
-    unseen = (breakdown.get("transient", 0.0) + breakdown.get("ZeRO-3 gathered layers", 0.0)
+    unseen = (breakdown.get("transient", 0.0) + breakdown.get("accumulated gradients", 0.0)
+              + breakdown.get("ZeRO-3 gathered layers", 0.0)
               + breakdown.get("ZeRO-2 gradient bucket", 0.0))
     return {"peak": peak, "total": peak - unseen, **breakdown}
 

@@ -171,3 +171,39 @@ def test_a_rescaled_microbatch_trace_keeps_the_masters_dtypes_under_bf16(microba
                         mixed_precision="bf16")
     assert plan.microbatches == microbatches and plan.memory_options.mixed_precision == "bf16"
     assert {d.dtype for d in plan.params.values()} == {"float32"}, {n: d.dtype for n, d in plan.params.items()}
+
+
+def test_a_stage_holds_only_its_own_share_of_the_accumulated_gradients():
+    """Under several microbatches, without ZeRO, each data-parallel gradient is held twice
+    (``memory_terms.accumulated_grad_bytes``). The sub-plan solved for the whole model lists that
+    copy apart from its transient; a stage adds only its own units' share (``UnitCosts.at``), and the
+    units' shares sum to the whole model's copy (no parameter is shared between these units)."""
+    from autopar.solver.pipeline_search import _extra
+
+    traced = trace(Llama(hidden=32, layers=3, ffn=64), (X,), loss_fn=lm_loss,
+                   example_target=Y)
+    mesh = autopar.Mesh((2,), axis_names=("dp",))
+    sub = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(), {}, {}, microbatches=4)
+    copy = sub.memory_breakdown["accumulated gradients"]
+    assert copy > 0 and _extra(sub) < copy      # not added to every stage
+    units, unit_of = assign_units(traced.gm)
+    costs = unit_profiles(traced, sub, units, unit_of, mesh.spec(), PlanOptions())
+    one = costs.at(costs.batch, 1)
+    four = costs.at(costs.batch, 4)
+    assert [p.param_bytes for p in one] == [p.param_bytes for p in costs.profiles]
+    added = [b.param_bytes - a.param_bytes for a, b in zip(one, four)]
+    assert all(x >= 0 for x in added) and sum(added) == pytest.approx(copy, rel=1e-9)
+
+
+def test_a_layout_too_loose_for_any_stage_is_solved_again_under_a_tighter_budget():
+    """``_tighter``: when every cut fails for memory and its fullest stage needs more than the room,
+    the whole model's budget shrinks by 0.9 room / need; not when nothing failed for memory or the
+    cut fits."""
+    from autopar.solver.inter_op import StageMemoryError
+    from autopar.solver.pipeline_search import _tighter
+
+    err = StageMemoryError("x", state=80.0, activations=20.0, share=1)
+    assert _tighter([ValueError("other"), err], room=50.0) == pytest.approx(0.45)
+    assert _tighter([ValueError("other")], room=50.0) is None
+    assert _tighter([err], room=100.0) is None
+    assert _tighter([err], room=0.0) is None

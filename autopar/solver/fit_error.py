@@ -129,8 +129,9 @@ def _more_devices(n: int, sized: list[Failure], cap: float, batch: int) -> str:
 
     def one_row(f: Failure) -> float:
         s = _k(f.note) * n / batch
-        rest = sum(v for key, v in f.breakdown.items() if key not in STATE and key not in ("inputs", "transient"))
-        return rest * s + f.breakdown.get("transient", 0.0) * max(s, 1.0)
+        fixed = ("transient", "accumulated gradients")
+        rest = sum(v for key, v in f.breakdown.items() if key not in STATE and key not in ("inputs", *fixed))
+        return rest * s + sum(f.breakdown.get(key, 0.0) for key in fixed) * max(s, 1.0)
     row = 1.1 * min(one_row(f) for f in sized) + inputs
     if row >= cap:
         return (f"One row of the batch per device already needs {human_bytes(row)} of activations: split the layers "

@@ -114,9 +114,17 @@ def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, 
     if c.zero == 3:
         rs = zero3_reduce_scatter(gm, cands, built, choice, c, params) + sum(w[3] for w in waiting)
         peak = max(peak, rs - zero_layer_buffers(gm, cands, built, choice, c, params))
-    if c.zero == 0 and c.microbatches > 1:
-        peak += sum(g for _, _, g, _, _ in _replicated_grads(gm, cands, built, choice, c, params))
-    return peak
+    return peak + accumulated_grad_bytes(gm, cands, built, choice, c, params)
+
+
+def accumulated_grad_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
+                           params: dict[str, str]) -> float:
+    """The second copy of every data-parallel gradient that several microbatches keep without ZeRO
+    (``transient_bytes``' last term: the local sums beside the synced buffer), 0 otherwise. A sum
+    over parameters, so a pipeline stage holds only its own parameters' share (``unit_profiles``)."""
+    if c.zero != 0 or c.microbatches <= 1:
+        return 0.0
+    return sum(g for _, _, g, _, _ in _replicated_grads(gm, cands, built, choice, c, params))
 
 
 @dataclass(frozen=True)

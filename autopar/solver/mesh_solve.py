@@ -28,7 +28,7 @@ from autopar.sharding.placements import R, Replicate, Shard, shard_factor
 from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
-from autopar.solver.memory_terms import op_transients, transient_bytes, zero_layer_buffers
+from autopar.solver.memory_terms import accumulated_grad_bytes, op_transients, transient_bytes, zero_layer_buffers
 from autopar.solver.progress import SearchProgress
 from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
                                     resharded_region_inputs, sync_element_bytes)
@@ -255,7 +255,9 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
                 memory_per_device=[float(sol.memory) + gathered + transient + held] * mesh.size, memory_bound=sol.bound,
                 memory_breakdown=_breakdown(built, sol, traced, gathered - layers, transient, layers, costing.zero, held,
-                                            zero_unsynced_bytes(traced, cands, built, sol.choice, costing)),
+                                            zero_unsynced_bytes(traced, cands, built, sol.choice, costing),
+                                            accumulated_grad_bytes(traced.gm, cands, built, sol.choice, costing,
+                                                                   traced.params)),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 grad_compression=opts.grad_compression, compiled=opts.compiled, optimizer=opts.optimizer,
@@ -430,17 +432,22 @@ def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> d
     out["gathered parameters"] = (resharded_param_bytes(traced.gm, cands, built, choice, costing, params)
                                   + resharded_region_inputs(traced.gm, cands, built, choice, costing)
                                   + zero_layer_buffers(traced.gm, cands, built, choice, costing, traced.params))
-    out["transient"] = transient_bytes(traced.gm, cands, built, choice, costing, traced.params)
+    accumulated = accumulated_grad_bytes(traced.gm, cands, built, choice, costing, traced.params)
+    out["transient"] = transient_bytes(traced.gm, cands, built, choice, costing, traced.params) - accumulated
+    if accumulated:
+        out["accumulated gradients"] = accumulated
     return out
 
 
 def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0, layers: float = 0.0,
-               zero: int = 0, inputs: float = 0.0, unsynced: float = 0.0) -> dict:
+               zero: int = 0, inputs: float = 0.0, unsynced: float = 0.0, accumulated: float = 0.0) -> dict:
     """Peak bytes per device: parameter training state vs activations kept for backward
     (``gathered``: parameters kept in a placement other than the stored one, see
     ``resharded_param_bytes``; ``transient``: the largest op's gradients in backward,
-    ``transient_bytes``; ``layers``: ZeRO-3's gathered layer and its prefetched successor, or
-    ZeRO-2's gradient bucket in backward, ``zero_layer_buffers``)."""
+    ``transient_bytes``, of which ``accumulated`` (``accumulated_grad_bytes``: the data-parallel
+    gradients' second copy under several microbatches) is listed on its own; ``layers``: ZeRO-3's
+    gathered layer and its prefetched successor, or ZeRO-2's gradient bucket in backward,
+    ``zero_layer_buffers``)."""
     state = acts = 0.0
     for i, name in enumerate(built.names):
         mem = float(built.problem.nodes[i].memory[sol.choice[i]])
@@ -453,7 +460,9 @@ def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0
         out["gathered parameters"] = gathered
     if layers:
         out["ZeRO-3 gathered layers" if zero == 3 else "ZeRO-2 gradient bucket"] = layers
-    out["transient"] = transient
+    out["transient"] = transient - accumulated
+    if accumulated:
+        out["accumulated gradients"] = accumulated
     if inputs:
         out["inputs"] = inputs
     return out

@@ -12,6 +12,8 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
            time_u   = sum_{v in u} node_time(v) - param_sync(v) + resharding collectives of v
            fwd_u    = time_u * (sum base fwd / sum base fwd+bwd),   bwd_u = time_u - fwd_u
            param_u  = sum_{params p used in u} numel(p) * state bytes / shard(p)
+                      (+ with m > 1 microbatches, the gradient bytes of the data-parallel ones once more:
+                      their local sums beside the synced buffer, ``UnitCosts.at``)
            act_u    = sum_{v in u} saved-for-backward bytes(v) / shard(output of v)
            out_u    = sum_{values crossing the cut after u} local bytes
        and the per-step gradient sync time sync_u and optimizer-step time opt_u of the unit's
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from autopar.context import ParallelMode
 from autopar.cost_models.compute import node_cost, optimizer_step_time, total_flops
 from autopar.cost_models.devices import axis_link
-from autopar.cost_models.memory import dropout_mask_bytes_for, training_state_bytes
+from autopar.cost_models.memory import dropout_mask_bytes_for, training_state_bytes, training_state_parts
 from autopar.cost_models.recompute import saved_storages
 from autopar.cost_models.zero import zero_axes
 from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
@@ -50,7 +52,7 @@ from autopar.plan import Collective, PipelineInfo, Plan, PlanError, Stage
 from autopar.plan_specs import PlanSpecs
 from autopar.sharding.placements import R, Replicate, Spec, local_shape, shard_factor
 from autopar.sharding.strategy import tensor_inputs
-from autopar.solver.inter_op import LayerProfile, PipelinePartition, partition_stages
+from autopar.solver.inter_op import LayerProfile, PipelinePartition, StageMemoryError, partition_stages
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
@@ -69,16 +71,20 @@ class UnitCosts:
     sync: list[float]         # per-step gradient sync seconds of each unit's parameters
     batch: int                # the microbatch size profiled
     optimizer: list[float] = field(default_factory=list)   # optimizer-step seconds of each unit's parameters
+    accumulated: list[float] = field(default_factory=list)  # bytes of each unit's second data-parallel gradient copy
 
-    def at(self, batch: int) -> list[LayerProfile]:
+    def at(self, batch: int, microbatches: int = 1) -> list[LayerProfile]:
+        """The profiles at microbatch size ``batch``; with several ``microbatches`` each unit's state
+        also holds its data-parallel gradients' second copy (``memory_terms.accumulated_grad_bytes``)."""
         f = batch / self.batch
+        extra = self.accumulated if microbatches > 1 and self.accumulated else [0.0] * len(self.profiles)
         out = []
-        for p, launch in zip(self.profiles, self.launch):
+        for p, launch, copy in zip(self.profiles, self.launch, extra):
             total = p.fwd + p.bwd
             share = p.fwd / total if total else 0.5
             work = max(total - launch, 0.0) * f + min(launch, total)
             out.append(replace(p, fwd=work * share, bwd=work * (1 - share), activation_bytes=p.activation_bytes * f,
-                               out_bytes=p.out_bytes * f))
+                               out_bytes=p.out_bytes * f, param_bytes=p.param_bytes + copy))
         return out
 
 
@@ -124,7 +130,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
     param_spec = {d.placeholder: d.spec for d in plan.params.values()}
     cuts = crossing_values(gm, unit_of, len(units))
     seen_saved: set = set()     # storage keys: views of one storage (q, k, v of one projection) count once
-    profiles, launches, syncs, steps = [], [], [], []
+    profiles, launches, syncs, steps, copies = [], [], [], [], []
     for unit in units:
         time = fwd_base = total_base = launch = act = 0.0
         params: set[str] = set()
@@ -157,7 +163,10 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
         numel = sum(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape)
                     for p in params if p in param_spec)
         steps.append(optimizer_step_time(numel, device, len(params), opts.optimizer))
-    return UnitCosts(profiles, launches, syncs, traced.batch_size, steps)
+        copies.append(sum(training_state_parts(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape),
+                                               by_name[p].meta["val"].dtype, opts.optimizer, opts.precision)[1]
+                          for p in params if p in param_spec and zero_axes(param_spec[p], shape)[1] > 1))
+    return UnitCosts(profiles, launches, syncs, traced.batch_size, steps, copies)
 
 
 # ---- candidates -------------------------------------------------------------------------
@@ -277,7 +286,7 @@ def _fixed_boundaries(cand: PipelineCandidate, units, gm) -> list[int]:
 
 
 def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, fixed):
-    profiles = costs.at(batch)
+    profiles = costs.at(batch, m)
     part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, fixed_boundaries=fixed)
     sync, opt = [0.0] * pp, [0.0] * pp
     for s in part.stages:                       # a rank runs every stage it holds (interleaved: v of them)
@@ -313,39 +322,52 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     # CPU ranks of every stage share the cores; a compiled program's ops run at the compiled speedup
     device = cand.sub.spec().shared_by(per_node).with_compile(opts.compiled)
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
-    free = PlanOptions(**{**opts.__dict__, "memory_budget_gb": budget * cand.pp / 2**30})
     loose = PlanOptions(**{**opts.__dict__, "memory_budget_gb": 1e6})
     link_spec = axis_link(device, cand.pp, cand.sub.size)
     link = (link_spec.bandwidth, link_spec.latency)
+    share = [1.0]       # of pp x the cap the whole model's layout is solved under (``_tighter``)
 
     def solve(m):
         mb = microbatch_trace(traced, batch // m, retracer)
+        whole = PlanOptions(**{**opts.__dict__, "memory_budget_gb": share[0] * budget * cand.pp / 2**30})
         try:
-            sub_plan = solve_on_mesh(mb, cand.sub, mode, free, param_ann, input_ann, per_node, microbatches=m)
+            sub_plan = solve_on_mesh(mb, cand.sub, mode, whole, param_ann, input_ann, per_node, microbatches=m)
         except InfeasibleError:     # pp x the cap only guides the whole model's layout:
             sub_plan = solve_on_mesh(mb, cand.sub, mode, loose, param_ann, input_ann, per_node,
                                      microbatches=m)    # the partition enforces it
         units_m, unit_of = assign_units(mb.gm)
         return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, device, opts)
 
+    def rank(costs, ref_plan):
+        """(key, m, schedule) of each partition that fits by the reference costs; why the others failed."""
+        ranked, reasons, errors = [], [], []
+        for schedule in schedules:
+            for m in counts:
+                if schedule == "interleaved_1f1b" and m % cand.pp:
+                    continue
+                try:
+                    part, t, opt = _partition(costs, batch // m, cand.pp, m, schedule,
+                                              budget - _extra(ref_plan) - _buffers(costs, batch // m, m, schedule),
+                                              link, fixed)
+                except ValueError as err:
+                    reasons.append(f"{schedule} m={m}: {err}")
+                    errors.append(err)
+                    continue
+                ranked.append(((round(t, 12), max(part.rank_memory)), m, schedule))
+        return ranked, reasons, errors
+
     ref = max([m for m in counts if m <= 2 * cand.pp] or [min(counts)])
     solved = {ref: solve(ref)}
     mb, ref_plan, units_ref, _, costs = solved[ref]
     fixed = _fixed_boundaries(cand, units_ref, mb.gm)
-    ranked, reasons, errors = [], [], []    # (key, m, schedule) of each partition that fits by the reference costs
-    for schedule in schedules:
-        for m in counts:
-            if schedule == "interleaved_1f1b" and m % cand.pp:
-                continue
-            try:
-                part, t, opt = _partition(costs, batch // m, cand.pp, m, schedule,
-                                          budget - _extra(ref_plan) - _buffers(costs, batch // m, m, schedule), link,
-                                          fixed)
-            except ValueError as err:
-                reasons.append(f"{schedule} m={m}: {err}")
-                errors.append(err)
-                continue
-            ranked.append(((round(t, 12), max(part.rank_memory)), m, schedule))
+    ranked, reasons, errors = rank(costs, ref_plan)
+    for _ in range(TIGHTER):
+        if ranked or (tighter := _tighter(errors, budget - _extra(ref_plan))) is None:
+            break
+        share[0] *= tighter
+        solved = {ref: solve(ref)}
+        mb, ref_plan, units_ref, _, costs = solved[ref]
+        ranked, reasons, errors = rank(costs, ref_plan)
     if not ranked:
         msg = "no pipeline partition fits: " + "; ".join(reasons[:3])
         raise stage_fit_error(msg, errors, ref_plan.memory_breakdown, cand.full, budget, opts) or \
@@ -385,9 +407,29 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     return plan
 
 
+TIGHTER = 2     # re-solves of the whole model's layout under a tighter budget when no stage cut fits
+
+
+def _tighter(errors: list, room: float) -> float | None:
+    """The factor to shrink the whole model's budget by when no partition fits for memory, or None.
+
+    The layout is solved for the whole model under pp x the cap, which only bounds the average stage:
+    a loose budget lets the solver keep weights whole for speed (Table 1's 1T row on a (6, 8)
+    sub-mesh kept the attention projection and the embedding replicated over tp, 26 GiB of state
+    per layer), and then the fullest stage is over the cap at every cut. ``room``: the cap less what
+    a stage holds beyond its units. The factor is 0.9 room / need, ``need`` the fullest stage of the
+    least-peak cut (``StageMemoryError``); None when no error was for memory or the cut already fits."""
+    needs = [e.state + e.activations for e in errors if isinstance(e, StageMemoryError)]
+    if not needs or room <= 0 or min(needs) <= room:
+        return None
+    return 0.9 * room / min(needs)
+
+
 def _extra(sub_plan: Plan) -> float:
     """Bytes a stage holds beyond its partition's state and in-flight activations: the sub-plan's
-    gathered parameters, backward transients and the step's inputs (``_stage_memory``)."""
+    gathered parameters, backward transients and the step's inputs (``_stage_memory``). Not its
+    "accumulated gradients": the whole model's, of which each stage's own share is in its units'
+    state (``UnitCosts.at``); added in full to every stage, they refused Table 1's 1T row (752 GiB)."""
     sub = sub_plan.memory_breakdown or {}
     return sub.get("gathered parameters", 0.0) + sub.get("transient", 0.0) + sub.get("inputs", 0.0)
 
@@ -408,7 +450,8 @@ def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_pla
     extra = _extra(sub_plan) + buffers
     plan.memory_per_device = [m + extra for m in plan.memory_per_device]
     fullest = max(range(len(part.rank_memory)), key=lambda r: part.rank_memory[r])
-    state = sum(sum(p.param_bytes for p in costs.profiles[a:b])
+    profiles = costs.at(costs.batch, part.microbatches)
+    state = sum(sum(p.param_bytes for p in profiles[a:b])
                 for (a, b), r in ((st.layers, st.rank) for st in part.stages) if r == fullest)
     plan.memory_breakdown = {"params+grads+optimizer": state, "activations": part.rank_memory[fullest] - state}
     for key in ("gathered parameters", "transient", "inputs"):
