@@ -326,13 +326,16 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     link_spec = axis_link(device, cand.pp, cand.sub.size)
     link = (link_spec.bandwidth, link_spec.latency)
     share = [1.0]       # of pp x the cap the whole model's layout is solved under (``_tighter``)
+    unbounded = [False]  # the last layout fitted no such budget (solved without one): a tighter one cannot help
 
     def solve(m):
         mb = microbatch_trace(traced, batch // m, retracer)
         whole = PlanOptions(**{**opts.__dict__, "memory_budget_gb": share[0] * budget * cand.pp / 2**30})
+        unbounded[0] = False
         try:
             sub_plan = solve_on_mesh(mb, cand.sub, mode, whole, param_ann, input_ann, per_node, microbatches=m)
         except InfeasibleError:     # pp x the cap only guides the whole model's layout:
+            unbounded[0] = True
             sub_plan = solve_on_mesh(mb, cand.sub, mode, loose, param_ann, input_ann, per_node,
                                      microbatches=m)    # the partition enforces it
         units_m, unit_of = assign_units(mb.gm)
@@ -362,7 +365,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     fixed = _fixed_boundaries(cand, units_ref, mb.gm)
     ranked, reasons, errors = rank(costs, ref_plan)
     for _ in range(TIGHTER):
-        if ranked or (tighter := _tighter(errors, budget - _extra(ref_plan))) is None:
+        if ranked or unbounded[0] or (tighter := _tighter(errors, budget - _extra(ref_plan))) is None:
             break
         share[0] *= tighter
         solved = {ref: solve(ref)}
