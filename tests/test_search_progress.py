@@ -84,9 +84,31 @@ def test_a_time_budget_also_limits_each_solve():
 
 def test_a_time_budget_stops_the_pipeline_search_between_candidates():
     """Pipeline candidates count as they are solved, so a budget that has run out stops the search
-    after the first one that fits (the search once solved every pipeline candidate first)."""
+    after the first one that fits (the search once solved every pipeline candidate first). A stage
+    tag asks for pipelines only (pp = 2, three sub-meshes of 4 devices)."""
     def pipelined(plan):
         return [a for a in plan.alternatives if a.fits and a.degrees.get("pp", 1) > 1] + \
             ([plan] if plan.degrees["pp"] > 1 else [])
-    assert len(pipelined(_plan())) > 1
-    assert len(pipelined(_plan(time_budget=1e-3))) == 1
+
+    def tagged(**kw):
+        model, x, loss, target = _job()
+        autopar.pipeline_stage(model.blocks[1], 1)
+        try:
+            return autopar.plan(model, autopar.Mesh(8, device="h100"), example_inputs=x, loss_fn=loss,
+                                example_target=target, mode="auto", **kw)
+        finally:
+            autopar.clear_annotations()
+    assert len(pipelined(tagged())) > 1
+    assert len(pipelined(tagged(time_budget=1e-3))) == 1
+
+
+def test_pipelines_are_searched_after_the_meshes_and_bounded_by_their_best():
+    """Without a pipeline request the meshes come first; a pipeline candidate whose estimate by the
+    reference microbatch's costs is over 1.1x the best plan so far is dropped with that reason."""
+    model, x, loss, target = factories.gpt(hidden=512, layers=4, heads=8, seq=256, batch=8, vocab=1024)
+    plan = autopar.plan(model, autopar.Mesh(8, device="h100"), example_inputs=x, loss_fn=loss, example_target=target,
+                        mode="auto")
+    dropped = [a.note for a in plan.alternatives if "slower than the best plan so far" in a.note]
+    assert dropped and all("not solved at other microbatch sizes" in n for n in dropped)
+    fits = [a.step_time for a in plan.alternatives if a.fits] + [plan.step_time]
+    assert plan.step_time == min(fits)

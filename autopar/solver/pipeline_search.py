@@ -26,7 +26,12 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
        (``plan.step_time``, like a non-pipelined plan's, includes the optimizer step; the fullest
        rank's optimizer time is kept as ``plan.optimizer_time``).
        The best (m, schedule) (ties: less memory) is re-solved at its own microbatch shape (exact decisions), then
-       re-partitioned with the exact profile.
+       re-partitioned with the exact profile; unless its estimate by the reference's costs is over
+       (1 + ``REFERENCE_MARGIN``) x the best plan the search has (the search solves the meshes
+       without pipeline stages first, so that their best bounds the pipelines): then the candidate
+       is dropped with that reason (GPT-2 XL on 64 devices: 30 sub-mesh solves -> 20). A heuristic:
+       the estimate was 0.41-1.08 of the re-solved step over GPT-2 XL's 20 candidates and 0.84-1.00
+       over Llama-7B's 7 (a candidate is wrongly dropped only if it is over by more than the margin).
 
 ``pipeline_plans`` enumerates the candidates for a request: a named mesh with a ``pp`` axis
 fixes pp and the sub-mesh; ``pipeline_stage`` tags fix pp = max tag + 1 and the cuts they name;
@@ -371,6 +376,12 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
         solved = {ref: solve(ref)}
         mb, ref_plan, units_ref, _, costs = solved[ref]
         ranked, reasons, errors = rank(costs, ref_plan)
+    cutoff = opts.progress.cutoff() if opts.progress is not None else None
+    if ranked and cutoff is not None and min(r[0][0] for r in ranked) >= (1 + REFERENCE_MARGIN) * cutoff:
+        raise PipelineRequestError(
+            f"slower than the best plan so far ({cutoff:.4g} s): its best stage cut by the reference microbatch's "
+            f"costs takes {min(r[0][0] for r in ranked):.4g} s (over {1 + REFERENCE_MARGIN:g}x; not solved at other "
+            "microbatch sizes)")
     if not ranked:
         msg = "no pipeline partition fits: " + "; ".join(reasons[:3])
         raise stage_fit_error(msg, errors, ref_plan.memory_breakdown, cand.full, budget, opts) or \
@@ -410,6 +421,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     return plan
 
 
+REFERENCE_MARGIN = 0.1  # a candidate whose reference-cost estimate is this much over the best plan is dropped
 TIGHTER = 2     # re-solves of the whole model's layout under a tighter budget when no stage cut fits
 
 
@@ -585,6 +597,18 @@ def _zero_shards(plan: Plan, spec) -> int:
     return zero_axes(spec, plan.mesh.shape)[1]
 
 
+def pipeline_requested(traced, model, mesh: Mesh, mode: ParallelMode) -> bool:
+    """Whether the request names a pipeline (a pp axis, stage tags): then only pipelines are planned.
+    A request ``pipeline_plans`` would refuse counts as one, so that its error is the one raised."""
+    from autopar.solver.annotations import ANNOTATIONS, resolve_stages
+
+    tags = resolve_stages(model, ANNOTATIONS) if mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO) else {}
+    try:
+        return pipeline_candidates(traced, mesh, mode, tags)[1]
+    except PipelineRequestError:
+        return True
+
+
 def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict,
                    retracer: Retracer | None = None, skip: set | None = None):
     """(plans, failures [(note, error)], forced) for every pipeline candidate of the request; ``retracer``
@@ -637,5 +661,5 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
     return plans, failures, forced
 
 
-__all__ = ["pipeline_plans", "plan_pipeline", "pipeline_collectives", "unit_profiles",
+__all__ = ["pipeline_plans", "pipeline_requested", "plan_pipeline", "pipeline_collectives", "unit_profiles",
            "optimizer_time"]

@@ -23,7 +23,7 @@ from autopar.solver.accumulation import accumulated, accumulated_time, memory_ch
 from autopar.solver.fit_error import Failure, nothing_fits, pipeline_failures, smallest_of
 from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
-from autopar.solver.pipeline_search import optimizer_time, pipeline_plans
+from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, pipeline_requested
 from autopar.solver.progress import SearchProgress
 
 
@@ -263,8 +263,9 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
                 input_ann: dict, retracer: Retracer | None, pipelines: bool = True, microbatches: int = 1,
                 skip: set | None = None, pipe_skip: set | None = None):
     """(plans, failures [(mesh, error)], pipeline failures [(note, error)]) of every candidate layout
-    of one traced step, a microbatch of a step that accumulates ``microbatches``: the pipeline
-    candidates, each mesh factorisation, DDP's layout. Each is recorded in ``opts.progress`` (by
+    of one traced step, a microbatch of a step that accumulates ``microbatches``: each mesh
+    factorisation, DDP's layout, then the pipeline candidates (only these when the request names a
+    pipeline), whose estimates the best plan so far bounds. Each is recorded in ``opts.progress`` (by
     its whole-step time); once the time budget is out no further mesh is solved. A mesh whose
     lower bound reaches the best whole-step time so far is not solved under the budget: its
     failure is a ``DominatedError`` (``solve_on_mesh``'s ``cutoff``). ``skip``: (shape, axis names)
@@ -273,16 +274,13 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
     skip = skip or set()
     progress = opts.progress or SearchProgress()
     step_time = lambda p: accumulated_time(p, microbatches)  # noqa: E731
-    pipe_plans, pipe_failures, pipeline_only = (pipeline_plans(traced, model, mesh, mode,
-                                                               dataclasses.replace(opts, progress=progress),
-                                                               param_ann, input_ann, retracer, pipe_skip)
-                                                if pipelines else ([], [], False))
     annotated = annotated_axes(param_ann, input_ann)
+    pipeline_only = pipelines and pipeline_requested(traced, model, mesh, mode)
     meshes = [] if pipeline_only else candidate_meshes(mesh, annotated) if mode == ParallelMode.AUTO else [mesh]
-    plans, failures = list(pipe_plans), []
+    plans, failures, pipe_failures = [], [], []
     for m in meshes:
         if progress.out_of_time():
-            return plans, failures, pipe_failures
+            break
         if (m.shape, m.axis_names) in skip:
             continue
         try:
@@ -304,6 +302,10 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
         got = ddp_candidate(traced, mesh, _within_budget(opts, progress), failures, microbatches, progress.cutoff())
         progress.record(got, 1 - len(got), step_time)
         plans += got
+    if pipelines and not progress.out_of_time():   # after the meshes: their best plan bounds the pipelines'
+        pipe_plans, pipe_failures, _ = pipeline_plans(traced, model, mesh, mode, dataclasses.replace(opts, progress=progress),
+                                                      param_ann, input_ann, retracer, pipe_skip)
+        plans = list(pipe_plans) + plans
     return plans, failures, pipe_failures
 
 
