@@ -312,6 +312,7 @@ CASES = {c.name: c for c in [
     Case("llama dp2xtp2 fp32", "llama", 8, (2, 2), ("dp", "tp")),
     Case("gpt pp2 1f1b m4", "gpt", 8, (2,), ("pp",), context=(("schedule", "1f1b"), ("microbatches", 4))),
     Case("gpt pp2 gpipe m4", "gpt", 8, (2,), ("pp",), context=(("schedule", "gpipe"), ("microbatches", 4))),
+    Case("gpt pp2xdp2 1f1b m4", "gpt", 8, (2, 2), ("pp", "dp"), context=(("schedule", "1f1b"), ("microbatches", 4))),
     Case("gpt-large dp2 fp32", "gpt_large", 8, (2,), mode="data"),
     Case("gpt dp2 accumulation 2", "gpt", 8, (2,), mode="data", context=(("accumulation", 2),)),
     # one GPU, GPT-2 124M / 1.3B at batch 8 x 1024 (the H100 data points)

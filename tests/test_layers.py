@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent / "autopar"
 LAYERS = [
     ("foundation", {"context", "allocator", "errors", "trace", "call_inputs", "opaque_functions", "gc_pause",
                     "comm_timeout"}),
-    ("analysis", {"graph", "cost_models", "sharding", "schedule", "mesh"}),
+    ("analysis", {"graph", "cost_models", "sharding", "schedule", "receive_window", "mesh"}),
     ("plan", {"plan", "plan_specs", "report", "pipeline_report", "memory_explain", "device_memory",
               "report_pictures"}),
     ("solver", {"solver"}),

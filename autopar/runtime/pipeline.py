@@ -11,13 +11,16 @@ rank (the same data the planner simulated):
               (1/m, received gradients), ``isend`` each received leaf's gradient back
               (zeros when autograd produced none, so both sides always exchange the message).
 
-Every receive of the step is posted (``irecv``, shapes and tags are static) before the first
-action, and an action waits only for its own messages. Gloo sends one pair's messages over one
-connection in order, so a large message whose receive is not yet posted would block the ones
-behind it: with interleaved schedules a rank sends activations and gradients to its neighbour
-in another order than the neighbour consumes them. Pre-posted receives remove that
-head-of-line blocking; sends never block; the schedule is deadlock-free (``simulate`` checks
-it), so the run completes.
+Receives (``irecv``, shapes and tags are static) are posted through a window over each sender's
+own send order (``receive_window.ReceiveWindow``): before an action waits for a message, every
+message its sender sends before it has a posted receive, and ``LOOKAHEAD`` more are posted so
+that they arrive while this rank works. Gloo sends one pair's messages over one connection in
+order, so a large message whose receive is not yet posted would block the ones behind it (with
+interleaved schedules a rank sends activations and gradients to its neighbour in another order
+than the neighbour consumes them); posting in the sender's order removes that head-of-line
+blocking; sends never block; the schedule is deadlock-free (``simulate`` checks it), so the run
+completes. A rank holds a handful of receive buffers (``schedule_receive_buffers``: 5 for the
+schedules checked), not the 2 m it held when every receive of the step was posted up front.
 Values between stages on the same rank (interleaved schedules) go through a local mailbox.
 After the last action every pending send is waited on. Collectives inside a stage (tensor
 parallel) run in the same order on every rank of the stage's (dp, tp) group, so they match.
@@ -38,6 +41,7 @@ from autopar.collectives.groups import bound_axes
 from autopar.collectives.watch import note
 from autopar.comm_timeout import comm_timeout_s
 from autopar.passes.split_stages import StageGraph, Transfer
+from autopar.receive_window import ReceiveWindow
 from autopar.runtime.compiled import runner
 from autopar.runtime.program import fill_slots
 from autopar.schedule import Action, Schedule
@@ -75,35 +79,47 @@ class PipelineExecutor:
     output_result: int | None
     timeout_s: float = field(default_factory=comm_timeout_s)     # each wait's bound: the timeout when built
     _mailbox: dict = field(default_factory=dict)
-    _posted: dict = field(default_factory=dict)
+    _posted: dict = field(default_factory=dict)     # key -> (work, buffer) of each receive posted, not yet used
+    _receives: ReceiveWindow | None = None
+    _by_index: dict = field(default_factory=dict)
 
     def _arg_values(self, call: StageCall, tensor_of, inputs, target) -> list:
         return fill_slots(call.slots, tensor_of, inputs, target)
 
-    def _expected(self, rank_actions: list[Action], train: bool):
-        """(transfer, microbatch, backward) of every message this rank receives, in action order."""
-        for a in rank_actions:
-            graph = self.stages[a.stage].graph
-            if a.kind == "F":
-                yield from ((t, a.microbatch, False) for t in graph.recvs)
-            elif train:
-                yield from ((t, a.microbatch, True) for t in graph.sends if t.floating)
-
-    def _post_receives(self, rank_actions: list[Action], train: bool) -> dict:
-        posted = {}
-        for t, mb, backward in self._expected(rank_actions, train):
-            src = self.peer(t.dst if backward else t.src)
-            if src == self.my_rank:
+    def _window(self, my_rank: int, train: bool) -> ReceiveWindow:
+        """The keys (transfer index, microbatch, backward) every other pipeline rank sends this one,
+        in the order its actions send them (``_forward``: a stage's sends; ``_backward``: the
+        gradients of its floating receives)."""
+        rank_of = self.schedule.rank_of
+        sent: dict[int, list] = {}
+        for r, actions in enumerate(self.schedule.actions):
+            if r == my_rank:
                 continue
+            for a in actions:
+                if a.kind == "F":
+                    keys = [(t.index, a.microbatch, False) for t in self.transfers
+                            if t.src == a.stage and rank_of(t.dst) == my_rank]
+                elif train:
+                    keys = [(t.index, a.microbatch, True) for t in self.transfers
+                            if t.dst == a.stage and t.floating and rank_of(t.src) == my_rank]
+                else:
+                    keys = []
+                sent.setdefault(r, []).extend(keys)
+        return ReceiveWindow(sent)
+
+    def _post(self, keys: list) -> None:
+        for index, mb, backward in keys:
+            t = self._by_index[index]
+            src = self.peer(t.dst if backward else t.src)
             buf = torch.empty(t.shape, dtype=t.dtype)
-            posted[(t.index, mb, backward)] = (dist.irecv(buf, src=src, tag=t.tag(mb, backward, len(self.transfers))),
-                                               buf)
-        return posted
+            self._posted[(index, mb, backward)] = (
+                dist.irecv(buf, src=src, tag=t.tag(mb, backward, len(self.transfers))), buf)
 
     def _recv(self, t: Transfer, mb: int, backward: bool) -> torch.Tensor:
         key = (t.index, mb, backward)
-        if key not in self._posted:
+        if key in self._mailbox:
             return self._mailbox.pop(key)
+        self._post(self._receives.need(key))
         work, buf = self._posted.pop(key)
         stage = t.dst if backward else t.src
         src = self.peer(stage)
@@ -130,8 +146,12 @@ class PipelineExecutor:
 
     def run(self, tensor_of, microbatches: list[tuple[list, object]], scale: float, train: bool = True) -> list:
         """Run every action of this rank; returns the last stage's per-microbatch results."""
-        rank_actions = self.schedule.actions[self.schedule.rank_of(next(iter(self.stages)))]
-        self._posted = self._post_receives(rank_actions, train)
+        my_rank = self.schedule.rank_of(next(iter(self.stages)))
+        rank_actions = self.schedule.actions[my_rank]
+        self._by_index = {t.index: t for t in self.transfers}
+        self._receives = self._window(my_rank, train)
+        self._posted = {}
+        self._post(self._receives.start())
         pending: dict[tuple[int, int], _Pending] = {}
         results: dict[int, object] = {}
         works: list = []

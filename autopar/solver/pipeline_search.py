@@ -55,6 +55,7 @@ from autopar.graph.stage_cuts import assign_stages, stage_placeholders, stage_tr
 from autopar.mesh import Mesh
 from autopar.plan import Collective, PipelineInfo, Plan, PlanError, Stage
 from autopar.plan_specs import PlanSpecs
+from autopar.receive_window import schedule_receive_buffers
 from autopar.sharding.placements import R, Replicate, Spec, local_shape, shard_factor
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.inter_op import LayerProfile, PipelinePartition, StageMemoryError, partition_stages
@@ -355,7 +356,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
                     continue
                 try:
                     part, t, opt = _partition(costs, batch // m, cand.pp, m, schedule,
-                                              budget - _extra(ref_plan) - _buffers(costs, batch // m, m, schedule),
+                                              budget - _extra(ref_plan) - _buffers(costs, batch // m, m, schedule, cand.pp),
                                               link, fixed)
                 except ValueError as err:
                     reasons.append(f"{schedule} m={m}: {err}")
@@ -400,7 +401,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
         mb, sub_plan, units_m, unit_of, costs_m = solved[m]
         try:        # the partition at m's own costs (a partition that fit by the reference's may not)
             part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule,
-                                         budget - _extra(sub_plan) - _buffers(costs_m, batch // m, m, schedule), link,
+                                         budget - _extra(sub_plan) - _buffers(costs_m, batch // m, m, schedule, cand.pp), link,
                                          fixed)
         except ValueError as err:
             failed.append(f"{schedule} m={m}: {err}")
@@ -416,7 +417,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     step += sub_plan.grad_sync_overhead
     plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
     plan.collective_list = pipeline_collectives(mb.gm, plan, link)
-    _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule))
+    _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
     plan.optimizer_time = opt
     return plan
 
@@ -449,12 +450,14 @@ def _extra(sub_plan: Plan) -> float:
     return sub.get("gathered parameters", 0.0) + sub.get("transient", 0.0) + sub.get("inputs", 0.0)
 
 
-def _buffers(costs: UnitCosts, batch: int, m: int, schedule: str) -> float:
-    """Bytes of a rank's receive buffers: the runtime posts every receive of the step when it starts
-    (``runtime/pipeline.py``), m activations in and m gradients back per boundary of its stage
-    (two stages per rank when interleaved), each at most the largest unit's output."""
+def _buffers(costs: UnitCosts, batch: int, m: int, schedule: str, pp: int) -> float:
+    """Bytes of a rank's receive buffers: the runtime keeps a window of posted receives per sender
+    (``receive_window``), at most ``schedule_receive_buffers`` at once, each at most the largest
+    unit's output. (Every receive of the step posted up front, as the runtime once did, was 2 m of
+    them: 13.4 GB per rank on Table 1's 1T row at m = 512.)"""
     largest = max((x.out_bytes for x in costs.at(batch)), default=0.0)
-    return 2.0 * m * largest * (2 if "interleaved" in schedule else 1)
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    return largest * schedule_receive_buffers(schedule, pp, m, v)
 
 
 def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_plan: Plan, buffers: float = 0.0) -> None:
