@@ -142,8 +142,9 @@ def assert_same_training(ref, par, rtol: float = 1e-5, what: str = "", tensor_rt
       one vector over the whole model and tensor by tensor to PARAM_TENSOR_RTOL (a zero-initialised
       bias after one AdamW step is ±lr per element, so an element whose true gradient is ~0 moves
       by float noise in BOTH runs and a per-tensor 1e-5 would compare noise, docs/testing.md).
-      ``tensor_rtol`` overrides the per-tensor bound (a model with attention key biases, whose
-      true gradient is exactly 0, compares those parameters as part of the whole vector).
+      ``tensor_rtol`` overrides the per-tensor bound of the gradients and the parameters (a model
+      with attention key biases, whose true gradient is exactly 0, compares those as part of the
+      whole model's gradient and parameter vectors, each at ``rtol``).
     """
     assert len(par["losses"]) == len(ref["losses"])
     for a, b in zip(par["losses"], ref["losses"]):
@@ -151,7 +152,12 @@ def assert_same_training(ref, par, rtol: float = 1e-5, what: str = "", tensor_rt
     for a, b in zip(par.get("norms", []), ref.get("norms", [])):
         assert abs(a - b) <= rtol * max(abs(b), 1e-6), f"{what} gradient norm {a} != {b}"
     for i, (ga, gb) in enumerate(zip(par["grads"], ref["grads"])):
-        _close(ga, gb, rtol, f"{what} grad before step {i + 1}")
+        _close(ga, gb, rtol if tensor_rtol is None else tensor_rtol, f"{what} grad before step {i + 1}")
+        if tensor_rtol is not None:
+            keys = [k for k, v in gb.items() if v.is_floating_point()]
+            err = rel_error(torch.cat([ga[k].double().flatten() for k in keys]),
+                            torch.cat([gb[k].double().flatten() for k in keys]))
+            assert err <= rtol, f"{what} grad before step {i + 1}: whole-model relative error {err:.3e} > {rtol:.0e}"
     adamw = par.get("optim") == "adamw"
     for i, (pa, pb) in enumerate(zip(par["params"], ref["params"])):
         per_tensor = tensor_rtol if tensor_rtol is not None else PARAM_TENSOR_RTOL if adamw else rtol
