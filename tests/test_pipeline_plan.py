@@ -176,8 +176,9 @@ def test_a_rescaled_microbatch_trace_keeps_the_masters_dtypes_under_bf16(microba
 def test_a_stage_holds_only_its_own_share_of_the_accumulated_gradients():
     """Under several microbatches, without ZeRO, each data-parallel gradient is held twice
     (``memory_terms.accumulated_grad_bytes``). The sub-plan solved for the whole model lists that
-    copy apart from its transient; a stage adds only its own units' share (``UnitCosts.at``), and the
-    units' shares sum to the whole model's copy (no parameter is shared between these units)."""
+    copy apart from its transient; a stage holds only its own units' share, after the schedule
+    (``UnitCosts.at``: ``after_bytes``), and the units' shares sum to the whole model's copy (no
+    parameter is shared between these units)."""
     from autopar.solver.pipeline_search import _extra
 
     traced = trace(Llama(hidden=32, layers=3, ffn=64), (X,), loss_fn=lm_loss,
@@ -190,8 +191,9 @@ def test_a_stage_holds_only_its_own_share_of_the_accumulated_gradients():
     costs = unit_profiles(traced, sub, units, unit_of, mesh.spec(), PlanOptions())
     one = costs.at(costs.batch, 1)
     four = costs.at(costs.batch, 4)
-    assert [p.param_bytes for p in one] == [p.param_bytes for p in costs.profiles]
-    added = [b.param_bytes - a.param_bytes for a, b in zip(one, four)]
+    assert [p.param_bytes for p in four] == [p.param_bytes for p in costs.profiles]
+    assert all(p.after_bytes == 0 for p in one)
+    added = [p.after_bytes for p in four]
     assert all(x >= 0 for x in added) and sum(added) == pytest.approx(copy, rel=1e-9)
 
 

@@ -130,3 +130,19 @@ def test_choose_microbatches():
     assert sizes == [4, 2]
     fixed_cost = choose_microbatches(8, lambda size: uniform(8), 2, candidates=[2, 4])
     assert fixed_cost.microbatches == 2  # per-microbatch time not shrinking: fewer microbatches win
+
+
+def test_bytes_held_after_the_schedule_count_beside_the_state_not_the_activations():
+    """A stage's memory is params + max(in_flight x activations, after): the data-parallel gradients'
+    second copy (``after_bytes``) is made by the sync after the schedule, when the activations are gone."""
+    from autopar.solver.inter_op import LayerProfile, partition_stages
+
+    def layers(after):
+        return [LayerProfile(f"l{i}", 1.0, 2.0, 10.0, 3.0, 1.0, after) for i in range(4)]
+
+    base = partition_stages(layers(0.0), 2, 4, "1f1b")
+    small = partition_stages(layers(1.0), 2, 4, "1f1b")            # under the activations: no change
+    large = partition_stages(layers(100.0), 2, 4, "1f1b")          # over them: state + after
+    assert [s.memory for s in small.stages] == [s.memory for s in base.stages]
+    assert [s.memory for s in large.stages] == [20.0 + 200.0, 20.0 + 200.0]
+    assert base.stages[0].memory == 20.0 + 2 * 6.0 and base.stages[1].memory == 20.0 + 6.0

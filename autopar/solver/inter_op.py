@@ -33,7 +33,9 @@ Objective (``_solve_dp``)
     p2p delays ``hop``.
 
 Constraints
-    memory (``_StageTables``): stage s's memory = params + in_flight[s] * activations, where
+    memory (``_StageTables``): stage s's memory = params + max(in_flight[s] * activations, after),
+    ``after`` the bytes held only once the schedule is done (``LayerProfile.after_bytes``: the
+    data-parallel gradients' second copy the gradient sync makes, when the activations are gone), where
     ``in_flight[s]`` is read from the schedule's action order (GPipe: m; 1F1B: min(p - s, m);
     interleaved: Megatron's warm-up depth) and must be <= budget. With ``v`` stages per rank
     each stage must fit ``budget / v`` so that a rank's stages fit together.
@@ -65,6 +67,7 @@ class LayerProfile:
     param_bytes: float
     activation_bytes: float
     out_bytes: float
+    after_bytes: float = 0.0    # held only after the schedule, beside the state (not the activations)
 
 
 @dataclass
@@ -131,6 +134,7 @@ def _stage_tables(layers: Sequence[LayerProfile], in_flight: Sequence[int], budg
     compute = prefix([x.fwd + x.bwd for x in layers])
     params = prefix([x.param_bytes for x in layers])
     acts = prefix([x.activation_bytes for x in layers])
+    after = prefix([x.after_bytes for x in layers])
     hop = np.zeros(n + 1)
     if p2p_link is not None:
         bandwidth, latency = p2p_link
@@ -139,7 +143,8 @@ def _stage_tables(layers: Sequence[LayerProfile], in_flight: Sequence[int], budg
     valid = k < l
     time = np.where(valid, compute[l] - compute[k] + 2 * hop[l], np.inf)
     in_flight_arr = np.asarray(in_flight, dtype=float)[:, None, None]
-    memory = (params[l] - params[k])[None] + in_flight_arr * (acts[l] - acts[k])[None]
+    memory = (params[l] - params[k])[None] + np.maximum(in_flight_arr * (acts[l] - acts[k])[None],
+                                                         (after[l] - after[k])[None])
     for b in fixed_boundaries:
         valid &= ~((k < b) & (b < l))
     allowed = valid[None] & (memory <= (np.inf if budget is None else budget))

@@ -12,8 +12,9 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
            time_u   = sum_{v in u} node_time(v) - param_sync(v) + resharding collectives of v
            fwd_u    = time_u * (sum base fwd / sum base fwd+bwd),   bwd_u = time_u - fwd_u
            param_u  = sum_{params p used in u} numel(p) * state bytes / shard(p)
-                      (+ with m > 1 microbatches, the gradient bytes of the data-parallel ones once more:
-                      their local sums beside the synced buffer, ``UnitCosts.at``)
+           after_u  = with m > 1 microbatches, the gradient bytes of the data-parallel ones once more (the
+                      flat buffer the sync after the schedule copies them into; held beside the state,
+                      not the activations: ``inter_op``'s stage memory takes the max, ``UnitCosts.at``)
            act_u    = sum_{v in u} saved-for-backward bytes(v) / shard(output of v)
            out_u    = sum_{values crossing the cut after u} local bytes
        and the per-step gradient sync time sync_u and optimizer-step time opt_u of the unit's
@@ -80,8 +81,9 @@ class UnitCosts:
     accumulated: list[float] = field(default_factory=list)  # bytes of each unit's second data-parallel gradient copy
 
     def at(self, batch: int, microbatches: int = 1) -> list[LayerProfile]:
-        """The profiles at microbatch size ``batch``; with several ``microbatches`` each unit's state
-        also holds its data-parallel gradients' second copy (``memory_terms.accumulated_grad_bytes``)."""
+        """The profiles at microbatch size ``batch``; with several ``microbatches`` each unit also holds
+        its data-parallel gradients' second copy (``memory_terms.accumulated_grad_bytes``) once the
+        schedule is done (``LayerProfile.after_bytes``: the pipeline syncs its gradients after it)."""
         f = batch / self.batch
         extra = self.accumulated if microbatches > 1 and self.accumulated else [0.0] * len(self.profiles)
         out = []
@@ -90,7 +92,7 @@ class UnitCosts:
             share = p.fwd / total if total else 0.5
             work = max(total - launch, 0.0) * f + min(launch, total)
             out.append(replace(p, fwd=work * share, bwd=work * (1 - share), activation_bytes=p.activation_bytes * f,
-                               out_bytes=p.out_bytes * f, param_bytes=p.param_bytes + copy))
+                               out_bytes=p.out_bytes * f, after_bytes=copy))
         return out
 
 
@@ -468,8 +470,7 @@ def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_pla
     extra = _extra(sub_plan) + buffers
     plan.memory_per_device = [m + extra for m in plan.memory_per_device]
     fullest = max(range(len(part.rank_memory)), key=lambda r: part.rank_memory[r])
-    profiles = costs.at(costs.batch, part.microbatches)
-    state = sum(sum(p.param_bytes for p in profiles[a:b])
+    state = sum(sum(p.param_bytes for p in costs.profiles[a:b])
                 for (a, b), r in ((st.layers, st.rank) for st in part.stages) if r == fullest)
     plan.memory_breakdown = {"params+grads+optimizer": state, "activations": part.rank_memory[fullest] - state}
     for key in ("gathered parameters", "transient", "inputs"):
