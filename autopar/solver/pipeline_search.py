@@ -8,17 +8,9 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
     1. trace at microbatch size ``b_ref`` and solve the intra-op problem on the sub-mesh with the
        memory bound ``pp * budget`` (the whole model is spread over pp stages; the exact per-stage
        bound, with in-flight activations, is enforced in 3).
-    2. per unit ``u`` (``autopar.graph.cut_points``) a ``LayerProfile`` (``unit_profiles``):
-           time_u   = sum_{v in u} node_time(v) - param_sync(v) + resharding collectives of v
-           fwd_u    = time_u * (sum base fwd / sum base fwd+bwd),   bwd_u = time_u - fwd_u
-           param_u  = sum_{params p used in u} numel(p) * state bytes / shard(p)
-           after_u  = with m > 1 microbatches, the gradient bytes of the data-parallel ones once more (the
-                      flat buffer the sync after the schedule copies them into; held beside the state,
-                      not the activations: ``inter_op``'s stage memory takes the max, ``UnitCosts.at``)
-           act_u    = sum_{v in u} saved-for-backward bytes(v) / shard(output of v)
-           out_u    = sum_{values crossing the cut after u} local bytes
-       and the per-step gradient sync time sync_u and optimizer-step time opt_u of the unit's
-       parameters (paid once per step).
+    2. per unit ``u`` (``autopar.graph.cut_points``) a ``LayerProfile`` (``unit_costs.unit_profiles``:
+       time, state, saved activations, bytes crossing the cut, what its parameters add once per
+       step and, with m > 1, the data-parallel gradients' second copy held after the schedule).
     3. for each schedule and microbatch count ``m`` (``m | B``, ``(B / m) % dp == 0``), the profile
        at size ``b = B / m`` is ``launch + (time - launch) * b / b_ref`` (kernel launches do not
        shrink with the batch), and ``inter_op.partition_stages`` cuts the units into stages
@@ -42,139 +34,32 @@ times every (dp, tp) factorisation of the rest, tp inside a node when ``gpus_per
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from autopar.context import ParallelMode
-from autopar.cost_models.compute import node_cost, optimizer_step_time, total_flops
+from autopar.cost_models.compute import optimizer_step_time, total_flops
 from autopar.cost_models.devices import axis_link
-from autopar.cost_models.memory import dropout_mask_bytes_for, training_state_bytes, training_state_parts
-from autopar.cost_models.recompute import saved_storages
 from autopar.cost_models.zero import zero_axes
-from autopar.graph.cut_points import assign_units, crossing_values, unit_of_module
+from autopar.graph.cut_points import assign_units, unit_of_module
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.graph.stage_cuts import assign_stages, stage_placeholders, stage_transfers
 from autopar.mesh import Mesh
 from autopar.plan import Collective, PipelineInfo, Plan, PlanError, Stage
 from autopar.plan_specs import PlanSpecs
 from autopar.receive_window import schedule_receive_buffers
-from autopar.sharding.placements import R, Replicate, Spec, local_shape, shard_factor
-from autopar.sharding.strategy import tensor_inputs
-from autopar.solver.inter_op import LayerProfile, PipelinePartition, StageMemoryError, partition_stages
+from autopar.sharding.placements import R, Spec, local_shape, shard_factor
+from autopar.solver.inter_op import PipelinePartition, StageMemoryError, partition_stages
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
-from autopar.solver.problem import Costing, sync_element_bytes, tensor_bytes
 from autopar.solver.stage_tags import check_stage_tags
+from autopar.solver.unit_costs import UnitCosts, unit_profiles
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
-@dataclass
-class UnitCosts:
-    """Per-unit inputs of the stage partition at one microbatch size."""
-
-    profiles: list[LayerProfile]
-    launch: list[float]       # kernel-launch seconds inside each unit's fwd+bwd (do not scale)
-    sync: list[float]         # per-step gradient sync seconds of each unit's parameters
-    batch: int                # the microbatch size profiled
-    optimizer: list[float] = field(default_factory=list)   # optimizer-step seconds of each unit's parameters
-    accumulated: list[float] = field(default_factory=list)  # bytes of each unit's second data-parallel gradient copy
-
-    def at(self, batch: int, microbatches: int = 1) -> list[LayerProfile]:
-        """The profiles at microbatch size ``batch``; with several ``microbatches`` each unit also holds
-        its data-parallel gradients' second copy (``memory_terms.accumulated_grad_bytes``) once the
-        schedule is done (``LayerProfile.after_bytes``: the pipeline syncs its gradients after it)."""
-        f = batch / self.batch
-        extra = self.accumulated if microbatches > 1 and self.accumulated else [0.0] * len(self.profiles)
-        out = []
-        for p, launch, copy in zip(self.profiles, self.launch, extra):
-            total = p.fwd + p.bwd
-            share = p.fwd / total if total else 0.5
-            work = max(total - launch, 0.0) * f + min(launch, total)
-            out.append(replace(p, fwd=work * share, bwd=work * (1 - share), activation_bytes=p.activation_bytes * f,
-                               out_bytes=p.out_bytes * f, after_bytes=copy))
-        return out
-
-
 class PipelineRequestError(ValueError):
     """A pipeline request that cannot be planned (raised as PlanError by the search)."""
-
-
-# ---- profiles ---------------------------------------------------------------------------
-
-def _moved_param_sync(node, d, traced, costing: Costing, mesh_shape) -> float:
-    """Gradient all-reduce of parameter inputs that the node's cost includes but runs once per step."""
-    outs = d.output if isinstance(d.output, list) else [d.output]
-    split = {a for o in outs for a, p in enumerate(o) if not isinstance(p, Replicate)}
-    t = 0.0
-    for i, inp in enumerate(tensor_inputs(node)):
-        if inp.op != "placeholder" or inp.name not in traced.params or i >= len(d.inputs):
-            continue
-        spec = d.inputs[i]
-        for a in split:
-            if isinstance(spec[a], Replicate):
-                t += costing.grad_sync(costing.grad_bytes(inp) / shard_factor(spec, mesh_shape), a)
-    return t
-
-
-def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts:
-    """Per-unit time, memory and crossing bytes under the intra-op ``plan`` (module docstring, step 2)."""
-    gm, shape = traced.gm, plan.mesh.shape
-    costing = Costing(shape, device, opts.optimizer, opts.precision,
-                      grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression))
-    specs = PlanSpecs(plan, len(shape))
-    by_name = {n.name: n for n in gm.graph.nodes}
-    saved: dict[str, list[tuple[object, int, bool]]] = {}
-    for node_name, key, nbytes, internal in saved_storages(gm, plan.memory_options.recompute,
-                                                           dropout_mask_bytes_for(device.name)):
-        saved.setdefault(node_name, []).append((key, nbytes, internal))
-    coll_time: dict[str, float] = {}
-    sync_time: dict[str, float] = {}
-    for c in plan.collective_list:
-        if c.node in traced.params:
-            sync_time[c.node] = sync_time.get(c.node, 0.0) + c.time
-        elif not (c.kind == "all_reduce" and c.phase == "bwd") and c.phase in ("fwd", "bwd"):
-            coll_time[c.node] = coll_time.get(c.node, 0.0) + c.time
-    param_spec = {d.placeholder: d.spec for d in plan.params.values()}
-    cuts = crossing_values(gm, unit_of, len(units))
-    seen_saved: set = set()     # storage keys: views of one storage (q, k, v of one projection) count once
-    profiles, launches, syncs, steps, copies = [], [], [], [], []
-    for unit in units:
-        time = fwd_base = total_base = launch = act = 0.0
-        params: set[str] = set()
-        for name in unit.nodes:
-            node, d = by_name[name], plan.nodes.get(name)
-            if d is None:
-                continue
-            base = node_cost(node, device)
-            fwd_base += base.time_fwd
-            total_base += base.time_total
-            launch += base.launch_fwd + base.launch_bwd
-            time += d.time - _moved_param_sync(node, d, traced, costing, shape) + coll_time.get(name, 0.0)
-            out_shard = max(1, shard_factor(specs.spec(node, 0 if isinstance(d.output, list) else None), shape))
-            in_shard = shard_factor(d.inputs[0], shape) if d.inputs and d.inputs[0] else 1
-            for key, nbytes, internal in saved.get(name, []):
-                if key not in seen_saved:
-                    seen_saved.add(key)
-                    # a tensor the op makes itself (log-probs, statistics) splits like its input
-                    act += nbytes / (max(out_shard, in_shard) if internal else out_shard)
-            params |= {i.name for i in tensor_inputs(node) if i.op == "placeholder" and i.name in traced.params}
-        share = fwd_base / total_base if total_base else 1 / 3
-        pbytes = sum(training_state_bytes(by_name[p].meta["val"].numel(), by_name[p].meta["val"].dtype,
-                                          opts.optimizer, opts.precision) / shard_factor(param_spec[p], shape)
-                     for p in params if p in param_spec)
-        nxt = unit.index + 1
-        out = sum(tensor_bytes(v) / shard_factor(specs.spec(v), shape) for v in cuts[nxt]) if nxt < len(units) else 0.0
-        profiles.append(LayerProfile(unit.name, time * share, time * (1 - share), pbytes, act, out))
-        launches.append(min(launch, time))
-        syncs.append(sum(sync_time.get(p, 0.0) for p in params))
-        numel = sum(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape)
-                    for p in params if p in param_spec)
-        steps.append(optimizer_step_time(numel, device, len(params), opts.optimizer))
-        copies.append(sum(training_state_parts(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape),
-                                               by_name[p].meta["val"].dtype, opts.optimizer, opts.precision)[1]
-                          for p in params if p in param_spec and zero_axes(param_spec[p], shape)[1] > 1))
-    return UnitCosts(profiles, launches, syncs, traced.batch_size, steps, copies)
 
 
 # ---- candidates -------------------------------------------------------------------------
