@@ -82,30 +82,34 @@ class PipelineExecutor:
     _posted: dict = field(default_factory=dict)     # key -> (work, buffer) of each receive posted, not yet used
     _receives: ReceiveWindow | None = None
     _by_index: dict = field(default_factory=dict)
+    _sent: dict = field(default_factory=dict)       # (pipeline rank, train) -> ``_sent_to``'s answer
 
     def _arg_values(self, call: StageCall, tensor_of, inputs, target) -> list:
         return fill_slots(call.slots, tensor_of, inputs, target)
 
-    def _window(self, my_rank: int, train: bool) -> ReceiveWindow:
-        """The keys (transfer index, microbatch, backward) every other pipeline rank sends this one,
-        in the order its actions send them (``_forward``: a stage's sends; ``_backward``: the
-        gradients of its floating receives)."""
+    def _sent_to(self, pp_rank: int, train: bool) -> dict[int, list]:
+        """The keys (transfer index, microbatch, backward) every other pipeline rank sends pipeline
+        rank ``pp_rank``, in the order its actions send them (``_forward``: a stage's sends;
+        ``_backward``: the gradients of its floating receives). Fixed by the schedule: kept."""
+        if (pp_rank, train) in self._sent:
+            return self._sent[(pp_rank, train)]
         rank_of = self.schedule.rank_of
+        fwd = {s: [t.index for t in self.transfers if t.src == s and rank_of(t.dst) == pp_rank]
+               for s in range(self.schedule.num_stages)}
+        bwd = {s: [t.index for t in self.transfers if t.dst == s and t.floating and rank_of(t.src) == pp_rank]
+               for s in range(self.schedule.num_stages)}
         sent: dict[int, list] = {}
         for r, actions in enumerate(self.schedule.actions):
-            if r == my_rank:
+            if r == pp_rank:
                 continue
+            keys = sent.setdefault(r, [])
             for a in actions:
                 if a.kind == "F":
-                    keys = [(t.index, a.microbatch, False) for t in self.transfers
-                            if t.src == a.stage and rank_of(t.dst) == my_rank]
+                    keys += [(i, a.microbatch, False) for i in fwd[a.stage]]
                 elif train:
-                    keys = [(t.index, a.microbatch, True) for t in self.transfers
-                            if t.dst == a.stage and t.floating and rank_of(t.src) == my_rank]
-                else:
-                    keys = []
-                sent.setdefault(r, []).extend(keys)
-        return ReceiveWindow(sent)
+                    keys += [(i, a.microbatch, True) for i in bwd[a.stage]]
+        self._sent[(pp_rank, train)] = sent
+        return sent
 
     def _post(self, keys: list) -> None:
         for index, mb, backward in keys:
@@ -146,10 +150,10 @@ class PipelineExecutor:
 
     def run(self, tensor_of, microbatches: list[tuple[list, object]], scale: float, train: bool = True) -> list:
         """Run every action of this rank; returns the last stage's per-microbatch results."""
-        my_rank = self.schedule.rank_of(next(iter(self.stages)))
-        rank_actions = self.schedule.actions[my_rank]
+        pp_rank = self.schedule.rank_of(next(iter(self.stages)))
+        rank_actions = self.schedule.actions[pp_rank]
         self._by_index = {t.index: t for t in self.transfers}
-        self._receives = self._window(my_rank, train)
+        self._receives = ReceiveWindow(self._sent_to(pp_rank, train))
         self._posted = {}
         self._post(self._receives.start())
         pending: dict[tuple[int, int], _Pending] = {}
