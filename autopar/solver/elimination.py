@@ -50,14 +50,14 @@ def _aligned(factor: Factor, scope: tuple[int, ...], sizes: dict[int, int]) -> n
     return values.reshape(shape)
 
 
-def _next_class(left: set[int], factors: list[Factor], sizes: dict[int, int]) -> tuple[int, tuple[int, ...], int]:
-    """The class whose elimination builds the smallest table: (class, its neighbours, entries)."""
+def _next_class(nbrs: dict[int, set[int]], sizes: dict[int, int]) -> tuple[int, tuple[int, ...], int]:
+    """The class whose elimination builds the smallest table: (class, its neighbours, entries).
+    ``nbrs``: each class left and the classes it shares a factor with."""
     best = None
-    for v in left:
-        nbrs = set().union(*(s for s, _ in factors if v in s)) - {v}
-        entries = math.prod(sizes[c] for c in nbrs) * sizes[v]
-        if best is None or (entries, len(nbrs), v) < (best[2], len(best[1]), best[0]):
-            best = (v, tuple(sorted(nbrs)), entries)
+    for v, around in nbrs.items():
+        entries = math.prod(sizes[c] for c in around) * sizes[v]
+        if best is None or (entries, len(around), v) < (best[2], len(best[1]), best[0]):
+            best = (v, tuple(sorted(around)), entries)
     assert best is not None
     return best
 
@@ -80,24 +80,29 @@ def _min_over_last(parts: list[np.ndarray], shape: list[int], n: int) -> tuple[n
 def eliminate_best(g: ClassGraph, active: list[int], limit: int | None = None) -> tuple[float, dict[int, int]] | None:
     """(optimal cost, original strategy per live class) of the reduced graph without a budget, or
     None when some elimination step would do more than ``limit`` sums or keep a table over ``TABLE``
-    entries. The cost is inf
-    when no assignment is finite (the picks are then meaningless)."""
+    entries. The cost is inf when no assignment is finite (the picks are then meaningless)."""
     limit = LIMIT if limit is None else limit
     sizes = {a: len(g.cands[a]) for a in active}
     factors = _initial_factors(g, active)
     steps: list[tuple[int, tuple[int, ...], np.ndarray]] = []
-    left = set(active)
-    while left:
-        v, scope, entries = _next_class(left, factors, sizes)
+    nbrs: dict[int, set[int]] = {a: set() for a in active}
+    for (a, b) in g.edges:
+        nbrs[a].add(b)
+        nbrs[b].add(a)
+    while nbrs:
+        v, scope, entries = _next_class(nbrs, sizes)
         if entries > limit or entries // sizes[v] > TABLE:
             return None
+        for u in scope:                 # the new factor joins v's neighbours to each other
+            nbrs[u] |= set(scope)
+            nbrs[u] -= {u, v}
+        del nbrs[v]
         full = scope + (v,)
         touching = [f for f in factors if v in f[0]]
         factors = [f for f in factors if v not in f[0]]
         best, arg = _min_over_last([_aligned(f, full, sizes) for f in touching], [sizes[c] for c in scope], sizes[v])
         steps.append((v, scope, arg))
         factors.append((scope, best))
-        left.discard(v)
     optimum = float(sum(float(values) for scope, values in factors if not scope))
     pos: dict[int, int] = {}
     for v, scope, arg in reversed(steps):
