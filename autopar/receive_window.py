@@ -50,9 +50,6 @@ class ReceiveWindow:
         s = self._sender[key]
         return self._advance(s, min(self._at[key] + 1 + self._lookahead, len(self._sent[s])))
 
-    def posted(self, key: Hashable) -> bool:
-        return self._at[key] < self._next[self._sender[key]]
-
     def _advance(self, sender: Hashable, upto: int) -> list[Hashable]:
         first = self._next[sender]
         if upto <= first:
