@@ -209,3 +209,62 @@ def test_a_layout_too_loose_for_any_stage_is_solved_again_under_a_tighter_budget
     assert _tighter([ValueError("other")], room=50.0) is None
     assert _tighter([err], room=100.0) is None
     assert _tighter([err], room=0.0) is None
+
+
+@pytest.mark.parametrize("shape", [(1,), (2,), (2, 2), (7,)])
+def test_the_state_floor_is_at_most_what_any_solved_layout_holds(shape):
+    """``state_floor``: every parameter split as finely as the sub-mesh allows. It is at most the
+    state the units of any solved layout hold (here: the layouts AUTO picks under a loose and a
+    tight budget), equal to the whole state on one device, and a mesh size that divides no dim (7)
+    splits nothing."""
+    from autopar.cost_models.memory import param_numel, training_state_bytes
+    from autopar.solver.memory_floor import state_floor
+
+    traced = trace(GPT(qkv_bias=False, layers=2, hidden=32), (X,), loss_fn=lm_loss, example_target=Y)
+    names = ("dp", "tp")[-len(shape):] if len(shape) == 1 else ("dp", "tp")
+    mesh = autopar.Mesh(shape, axis_names=names)
+    floor = state_floor(traced, mesh.shape, "adamw", "fp32")
+    whole = training_state_bytes(param_numel(traced.gm), None, "adamw", "fp32")
+    assert 0 < floor <= whole
+    if mesh.size in (1, 7):
+        assert floor == pytest.approx(whole, rel=1e-12)
+    else:
+        assert floor < whole
+    units, unit_of = assign_units(traced.gm)
+    for budget in (None, 1.05 * floor / 2**30):
+        try:
+            sub = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(memory_budget_gb=budget), {}, {})
+        except Exception:   # noqa: BLE001 - a budget no layout meets: nothing to compare
+            continue
+        costs = unit_profiles(traced, sub, units, unit_of, mesh.spec(), PlanOptions())
+        assert floor <= sum(p.param_bytes for p in costs.profiles) * (1 + 1e-12)
+
+
+def test_a_pipeline_whose_state_cannot_fit_is_refused_before_a_solve(monkeypatch):
+    """A named pipeline whose training state alone, split as finely as its sub-mesh allows, is over
+    pp x the cap: refused with the floor in the message, without solving the sub-mesh."""
+    import autopar.solver.pipeline_search as ps
+
+    def no_solve(*a, **k):
+        raise AssertionError("the sub-mesh was solved")
+
+    monkeypatch.setattr(ps, "solve_on_mesh", no_solve)
+    with pytest.raises(PlanError, match=r"the training state alone needs at least .* GiB per pipeline rank, over "
+                                        r"the 0.00 GiB cap .*'tp': 2.* over 2 stages\): use more pipeline stages"):
+        _plan(GPT(qkv_bias=False, layers=2, hidden=32), autopar.Mesh((2, 2), axis_names=("pp", "tp")),
+              memory_budget_gb=1e-6)
+
+
+def test_a_clustered_mesh_tries_tensor_parallelism_across_a_node_first():
+    """``node_first``: on a mesh with nodes, the pipeline candidates come widest in-node tensor
+    parallelism first, then fewer stages; every candidate is still there."""
+    from autopar.solver.pipeline_search import node_first
+
+    traced = trace(GPT(qkv_bias=False, layers=4, hidden=32), (X,), lm_loss, Y)
+    clustered, _ = pipeline_candidates(traced, autopar.Mesh(16, gpus_per_node=4), ParallelMode.AUTO, {})
+    flat, _ = pipeline_candidates(traced, autopar.Mesh(16), ParallelMode.AUTO, {})
+    tps = [node_first(c)[0] for c in clustered]
+    assert tps == sorted(tps) and tps[0] == -4
+    assert [c.pp for c in clustered if node_first(c)[0] == -4] == [2, 4]
+    assert [c.pp for c in flat] == sorted(c.pp for c in flat)      # no nodes: fewer stages first, as before
+    assert {(c.pp, c.sub.shape) for c in clustered} <= {(c.pp, c.sub.shape) for c in flat}

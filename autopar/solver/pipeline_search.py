@@ -5,6 +5,8 @@ every spec is ``R`` on ``pp``; all stages share one intra-op plan solved on the 
 sub-mesh for the graph traced at the MICRObatch shape (global batch / m; shapes are static).
 
 For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
+    0. a candidate whose training state alone, split as finely as its sub-mesh allows, is over
+       pp x the cap (``memory_floor.state_floor``) is refused without a solve.
     1. trace at microbatch size ``b_ref`` and solve the intra-op problem on the sub-mesh with the
        memory bound ``pp * budget`` (the whole model is spread over pp stages; the exact per-stage
        bound, with in-flight activations, is enforced in 3).
@@ -51,6 +53,7 @@ from autopar.sharding.placements import R, Spec, local_shape, shard_factor
 from autopar.solver.inter_op import PipelinePartition, StageMemoryError, partition_stages
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError
+from autopar.solver.memory_floor import state_floor
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.stage_tags import check_stage_tags
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
@@ -121,7 +124,20 @@ def pipeline_candidates(traced, mesh: Mesh, mode: ParallelMode, tags: dict) -> t
     for pp in range(2, mesh.size + 1):
         if mesh.size % pp == 0:
             out += [PipelineCandidate(pp, s, _full_mesh(mesh, pp, s), {}) for s in _sub_meshes(mesh, mesh.size // pp)]
+    if mesh.gpus_per_node:              # the widest tensor parallelism inside a node first (``node_first``)
+        out.sort(key=node_first)
     return out, False
+
+
+def node_first(cand: PipelineCandidate) -> tuple[int, int]:
+    """The order AUTO tries a clustered mesh's pipeline candidates in: tensor parallelism as wide as a
+    node first, then fewer stages (Narayanan et al., SC'21, takeaway 1: on g-GPU servers tensor
+    parallelism up to degree g, pipeline parallelism across servers). Every candidate is still
+    tried; the order decides what a time budget has reached when it ends (Table 1's 530B row:
+    tp = 8 at pp 35, 45, 63 gave 157-173 TFLOP/s, ordered by pp alone the budget ended at pp 35 after
+    54 candidates of pp <= 35 that did not fit)."""
+    tp = cand.sub.shape[cand.sub.axis_names.index("tp")] if "tp" in cand.sub.axis_names else 1
+    return -tp, cand.pp
 
 
 def pipeline_blocker(traced) -> str | None:
@@ -252,6 +268,13 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
                 ranked.append(((round(t, 12), max(part.rank_memory)), m, schedule))
         return ranked, reasons, errors
 
+    floor = state_floor(traced, cand.sub.shape, opts.optimizer, opts.precision) / cand.pp
+    if floor > budget:
+        raise PipelineRequestError(
+            f"the training state alone needs at least {floor / 2**30:.2f} GiB per pipeline rank, over the "
+            f"{budget / 2**30:.2f} GiB cap (every parameter split as finely as the "
+            f"{dict(zip(cand.sub.axis_names, cand.sub.shape))} sub-mesh allows, the model over {cand.pp} stages): use "
+            "more pipeline stages, wider tensor parallelism or more devices")
     ref = max([m for m in counts if m <= 2 * cand.pp] or [min(counts)])
     solved = {ref: solve(ref)}
     mb, ref_plan, units_ref, _, costs = solved[ref]

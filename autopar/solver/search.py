@@ -195,7 +195,9 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
         try:
             got, failed, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=rc),
                                                    param_ann, input_ann, retracer, pipelines=pipelines,
-                                                   microbatches=k, skip=skip, pipe_skip=pipe_fit)
+                                                   microbatches=k, skip=skip, pipe_skip=pipe_fit,
+                                                   pipelines_first=k == 1 and state_needs_pipeline(traced, mesh,
+                                                                                                   opts, cap))
         except PlanError as err:
             if k == 1 and pipeline_request and rc != choices[-1]:
                 pipe_failures.append((f"pipeline ({note or 'no memory options'})", err))
@@ -261,11 +263,13 @@ def state_needs_pipeline(traced, mesh: Mesh, opts: PlanOptions, cap: float) -> b
 
 def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
                 input_ann: dict, retracer: Retracer | None, pipelines: bool = True, microbatches: int = 1,
-                skip: set | None = None, pipe_skip: set | None = None):
+                skip: set | None = None, pipe_skip: set | None = None, pipelines_first: bool = False):
     """(plans, failures [(mesh, error)], pipeline failures [(note, error)]) of every candidate layout
     of one traced step, a microbatch of a step that accumulates ``microbatches``: each mesh
     factorisation, DDP's layout, then the pipeline candidates (only these when the request names a
-    pipeline), whose estimates the best plan so far bounds. Each is recorded in ``opts.progress`` (by
+    pipeline), whose estimates the best plan so far bounds; with ``pipelines_first`` (the state split
+    over a node exceeds the cap: ``state_needs_pipeline``) the pipelines come first, their best
+    bounding the meshes, which then fit only by tensor parallelism across nodes. Each is recorded in ``opts.progress`` (by
     its whole-step time); once the time budget is out no further mesh is solved. A mesh whose
     lower bound reaches the best whole-step time so far is not solved under the budget: its
     failure is a ``DominatedError`` (``solve_on_mesh``'s ``cutoff``). ``skip``: (shape, axis names)
@@ -278,6 +282,10 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
     pipeline_only = pipelines and pipeline_requested(traced, model, mesh, mode)
     meshes = [] if pipeline_only else candidate_meshes(mesh, annotated) if mode == ParallelMode.AUTO else [mesh]
     plans, failures, pipe_failures = [], [], []
+    first = pipelines and pipelines_first and not pipeline_only and not progress.out_of_time()
+    if first:
+        plans, pipe_failures, _ = pipeline_plans(traced, model, mesh, mode, dataclasses.replace(opts, progress=progress),
+                                                 param_ann, input_ann, retracer, pipe_skip)
     for m in meshes:
         if progress.out_of_time():
             break
@@ -302,7 +310,7 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
         got = ddp_candidate(traced, mesh, _within_budget(opts, progress), failures, microbatches, progress.cutoff())
         progress.record(got, 1 - len(got), step_time)
         plans += got
-    if pipelines and not progress.out_of_time():   # after the meshes: their best plan bounds the pipelines'
+    if pipelines and not first and not progress.out_of_time():   # after the meshes: their best bounds the pipelines'
         pipe_plans, pipe_failures, _ = pipeline_plans(traced, model, mesh, mode, dataclasses.replace(opts, progress=progress),
                                                       param_ann, input_ann, retracer, pipe_skip)
         plans = list(pipe_plans) + plans
