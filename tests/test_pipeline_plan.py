@@ -240,19 +240,44 @@ def test_the_state_floor_is_at_most_what_any_solved_layout_holds(shape):
         assert floor <= sum(p.param_bytes for p in costs.profiles) * (1 + 1e-12)
 
 
-def test_a_pipeline_whose_state_cannot_fit_is_refused_before_a_solve(monkeypatch):
-    """A named pipeline whose training state alone, split as finely as its sub-mesh allows, is over
-    pp x the cap: refused with the floor in the message, without solving the sub-mesh."""
+def test_a_pipeline_whose_state_cannot_fit_is_refused_before_a_solve():
+    """AUTO: a pipeline candidate whose training state alone, split as finely as its sub-mesh allows,
+    is over pp x the cap is refused with the floor in its reason, without solving the sub-mesh; a
+    candidate under it is solved. A named pipeline is solved all the same (its error has the
+    memory breakdown: test_bad_inputs)."""
+    from autopar.solver.memory_floor import state_floor
+    from autopar.solver.pipeline_search import PipelineRequestError, state_refusal
+
+    traced = trace(GPT(qkv_bias=False, layers=2, hidden=32), (X,), lm_loss, Y)
+    cands, _ = pipeline_candidates(traced, autopar.Mesh(4), ParallelMode.AUTO, {})
+    one = next(c for c in cands if c.pp == 2 and c.sub.shape == (2,) and c.sub.axis_names == ("dp",))
+    floor = state_floor(traced, one.sub.shape, "adamw", "fp32") / 2
+    under = PlanOptions(memory_budget_gb=0.99 * floor / 2**30)
+    err = state_refusal(traced, one, under)
+    assert isinstance(err, PipelineRequestError)
+    assert str(err).startswith(f"the training state alone needs at least {floor / 2**30:.2f} GiB per pipeline rank, "
+                               f"over the {0.99 * floor / 2**30:.2f} GiB cap (every parameter split as finely as the "
+                               "{'dp': 2} sub-mesh allows, the model over 2 stages): use more pipeline stages")
+    assert state_refusal(traced, one, PlanOptions(memory_budget_gb=1.01 * floor / 2**30)) is None
+
+
+def test_auto_lists_a_refused_pipeline_with_its_reason(monkeypatch):
+    """Through ``pipeline_plans``: with a cap under every candidate's floor, no pipeline sub-mesh is
+    solved and each candidate is listed as a failure with the refusal as its reason."""
     import autopar.solver.pipeline_search as ps
 
     def no_solve(*a, **k):
-        raise AssertionError("the sub-mesh was solved")
+        raise AssertionError("a refused candidate's sub-mesh was solved")
 
     monkeypatch.setattr(ps, "solve_on_mesh", no_solve)
-    with pytest.raises(PlanError, match=r"the training state alone needs at least .* GiB per pipeline rank, over "
-                                        r"the 0.00 GiB cap .*'tp': 2.* over 2 stages\): use more pipeline stages"):
-        _plan(GPT(qkv_bias=False, layers=2, hidden=32), autopar.Mesh((2, 2), axis_names=("pp", "tp")),
-              memory_budget_gb=1e-6)
+    model = GPT(qkv_bias=False, layers=2, hidden=32)
+    traced = trace(model, (X,), lm_loss, Y)
+    plans, failures, forced = ps.pipeline_plans(traced, model, autopar.Mesh(4), ParallelMode.AUTO,
+                                                PlanOptions(memory_budget_gb=1e-6), {}, {})
+    assert not plans and not forced
+    refused = [note for note, err in failures if str(err).startswith("the training state alone needs at least")]
+    assert sorted(refused) == ["pp=2 sub-mesh {'dp': 2}", "pp=2 sub-mesh {'tp': 2}"]
+    assert [str(e) for n, e in failures if n not in refused] == ["2 layers < 4 stages"]
 
 
 def test_a_clustered_mesh_tries_tensor_parallelism_across_a_node_first():

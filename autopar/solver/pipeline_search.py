@@ -5,8 +5,8 @@ every spec is ``R`` on ``pp``; all stages share one intra-op plan solved on the 
 sub-mesh for the graph traced at the MICRObatch shape (global batch / m; shapes are static).
 
 For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
-    0. a candidate whose training state alone, split as finely as its sub-mesh allows, is over
-       pp x the cap (``memory_floor.state_floor``) is refused without a solve.
+    0. (AUTO, ``pipeline_plans``) a candidate whose training state alone, split as finely as its
+       sub-mesh allows, is over pp x the cap (``state_refusal``) is refused without a solve.
     1. trace at microbatch size ``b_ref`` and solve the intra-op problem on the sub-mesh with the
        memory bound ``pp * budget`` (the whole model is spread over pp stages; the exact per-stage
        bound, with in-flight activations, is enforced in 3).
@@ -230,7 +230,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     per_node = min(cand.full.size, cand.full.gpus_per_node or cand.full.size)
     # CPU ranks of every stage share the cores; a compiled program's ops run at the compiled speedup
     device = cand.sub.spec().shared_by(per_node).with_compile(opts.compiled)
-    budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
+    budget = _budget(cand, opts)
     loose = PlanOptions(**{**opts.__dict__, "memory_budget_gb": 1e6})
     link_spec = axis_link(device, cand.pp, cand.sub.size)
     link = (link_spec.bandwidth, link_spec.latency)
@@ -268,13 +268,6 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
                 ranked.append(((round(t, 12), max(part.rank_memory)), m, schedule))
         return ranked, reasons, errors
 
-    floor = state_floor(traced, cand.sub.shape, opts.optimizer, opts.precision) / cand.pp
-    if floor > budget:
-        raise PipelineRequestError(
-            f"the training state alone needs at least {floor / 2**30:.2f} GiB per pipeline rank, over the "
-            f"{budget / 2**30:.2f} GiB cap (every parameter split as finely as the "
-            f"{dict(zip(cand.sub.axis_names, cand.sub.shape))} sub-mesh allows, the model over {cand.pp} stages): use "
-            "more pipeline stages, wider tensor parallelism or more devices")
     ref = max([m for m in counts if m <= 2 * cand.pp] or [min(counts)])
     solved = {ref: solve(ref)}
     mb, ref_plan, units_ref, _, costs = solved[ref]
@@ -330,6 +323,25 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
     plan.optimizer_time = opt
     return plan
+
+
+def _budget(cand: PipelineCandidate, opts) -> float:
+    """Bytes one device of the candidate may use."""
+    return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else cand.sub.spec().memory_bytes
+
+
+def state_refusal(traced, cand: PipelineCandidate, opts) -> PipelineRequestError | None:
+    """Why AUTO need not solve this candidate: its training state alone, every parameter split as
+    finely as the sub-mesh allows, is over pp x the cap (``memory_floor.state_floor``); None when
+    it may fit. (A named pipeline is solved all the same, for its error's memory breakdown.)"""
+    floor, budget = state_floor(traced, cand.sub.shape, opts.optimizer, opts.precision) / cand.pp, _budget(cand, opts)
+    if floor <= budget:
+        return None
+    return PipelineRequestError(
+        f"the training state alone needs at least {floor / 2**30:.2f} GiB per pipeline rank, over the "
+        f"{budget / 2**30:.2f} GiB cap (every parameter split as finely as the "
+        f"{dict(zip(cand.sub.axis_names, cand.sub.shape))} sub-mesh allows, the model over {cand.pp} stages): use "
+        "more pipeline stages, wider tensor parallelism or more devices")
 
 
 REFERENCE_MARGIN = 0.1  # a candidate whose reference-cost estimate is this much over the best plan is dropped
@@ -553,6 +565,11 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
         note = f"pp={cand.pp} sub-mesh {dict(zip(cand.sub.axis_names, cand.sub.shape))}"
         if cand.pp > num_units and not forced:
             failures.append((note, f"{num_units} layers < {cand.pp} stages"))
+            continue
+        if not forced and (refused := state_refusal(traced, cand, opts)) is not None:
+            failures.append((note, refused))
+            if progress is not None:
+                progress.record([], 1)
             continue
         within = opts if progress is None else replace(
             opts, time_limit_s=progress.time_limit(opts.time_limit_s))
