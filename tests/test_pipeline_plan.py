@@ -246,19 +246,54 @@ def test_a_pipeline_whose_state_cannot_fit_is_refused_before_a_solve():
     candidate under it is solved. A named pipeline is solved all the same (its error has the
     memory breakdown: test_bad_inputs)."""
     from autopar.solver.memory_floor import state_floor
-    from autopar.solver.pipeline_search import PipelineRequestError, state_refusal
+    from autopar.solver.pipeline_search import PipelineRequestError, fit_refusal
 
     traced = trace(GPT(qkv_bias=False, layers=2, hidden=32), (X,), lm_loss, Y)
     cands, _ = pipeline_candidates(traced, autopar.Mesh(4), ParallelMode.AUTO, {})
     one = next(c for c in cands if c.pp == 2 and c.sub.shape == (2,) and c.sub.axis_names == ("dp",))
     floor = state_floor(traced, one.sub.shape, "adamw", "fp32") / 2
     under = PlanOptions(memory_budget_gb=0.99 * floor / 2**30)
-    err = state_refusal(traced, one, under)
+    err = fit_refusal(traced, one, under)
     assert isinstance(err, PipelineRequestError)
     assert str(err).startswith(f"the training state alone needs at least {floor / 2**30:.2f} GiB per pipeline rank, "
                                f"over the {0.99 * floor / 2**30:.2f} GiB cap (every parameter split as finely as the "
                                "{'dp': 2} sub-mesh allows, the model over 2 stages): use more pipeline stages")
-    assert state_refusal(traced, one, PlanOptions(memory_budget_gb=1.01 * floor / 2**30)) is None
+    err = fit_refusal(traced, one, PlanOptions(memory_budget_gb=1.01 * floor / 2**30))   # the state fits,
+    assert str(err).startswith("no stage cut fits at any schedule or microbatch count")    # the activations not
+    assert fit_refusal(traced, one, PlanOptions(memory_budget_gb=1.0)) is None
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("shape,names", [((2,), ("dp",)), ((2,), ("tp",)), ((2, 2), ("dp", "tp"))])
+def test_unit_floors_are_at_most_what_solved_layouts_charge(recompute, shape, names):
+    """``unit_floors``: per unit, state and activations (scaled to the microbatch) at most what the
+    profiles of solved layouts charge, at the traced batch and at a microbatch of half of it; the
+    refusal's DP over them then never refuses a candidate that has a fitting cut."""
+    from autopar.cost_models.memory import dropout_mask_bytes_for
+    from autopar.graph.retrace import Retracer, microbatch_trace
+    from autopar.solver.memory_floor import unit_floors
+
+    model = GPT(qkv_bias=False, layers=3, hidden=32)
+    traced = trace(model, (X,), lm_loss, Y)
+    mesh = autopar.Mesh(shape, axis_names=names)
+    units, unit_of = assign_units(traced.gm)
+    state, acts = unit_floors(traced, units, mesh.shape, "adamw", "fp32", recompute,
+                              dropout_mask_bytes_for(mesh.spec().name))
+    assert sum(acts) > 0 and sum(state) > 0
+    retracer = Retracer(model, (X,), lm_loss, Y)
+    for batch in (traced.batch_size, traced.batch_size // 2):
+        mb = microbatch_trace(traced, batch, retracer)
+        units_m, unit_of_m = assign_units(mb.gm)
+        for budget in (None, 0.6):
+            opts = PlanOptions(memory_budget_gb=budget and budget * sum(state) / 2**30, recompute=recompute)
+            try:
+                sub = solve_on_mesh(mb, mesh, ParallelMode.AUTO, opts, {}, {})
+            except Exception:   # noqa: BLE001 - a budget no layout meets: nothing to compare
+                continue
+            profiles = unit_profiles(mb, sub, units_m, unit_of_m, mesh.spec(), opts).profiles
+            for p, st, a in zip(profiles, state, acts):
+                assert st <= p.param_bytes * (1 + 1e-12)
+                assert a * batch / traced.batch_size <= p.activation_bytes * (1 + 1e-12)
 
 
 def test_auto_lists_a_refused_pipeline_with_its_reason(monkeypatch):

@@ -291,6 +291,15 @@ def partition_stages(layers: Sequence[LayerProfile], num_stages: int, microbatch
     return _build_partition(layers, tables, cuts, objective, num_stages, microbatches, schedule, v)
 
 
+def least_stage_memory(layers: Sequence[LayerProfile], num_stages: int, microbatches: int,
+                       schedule: str = "1f1b") -> tuple[float, int]:
+    """(the least max stage memory over every contiguous partition, ignoring time; stages per rank):
+    the minimax DP of the memory-error path. Per stage, params + in-flight x activations as
+    ``partition_stages`` charges them; a partition fits only if this is <= budget / stages per rank."""
+    tables, v = _prepare(layers, num_stages, microbatches, schedule, None, None, (), None)
+    return _min_peak_partition(tables)[0], v
+
+
 def brute_force_partition(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, schedule: str = "1f1b",
                           memory_budget: float | None = None, p2p_link: tuple[float, float] | None = None,
                           fixed_boundaries: Sequence[int] | None = None,

@@ -1,13 +1,16 @@
 """Lower bounds on memory computed without a solve: of any strategy assignment of an intra-op problem
-(the budgeted solve refuses a budget under it at once, ``intra_op._solve_budgeted``), and of the
-training state a pipeline rank holds (``state_floor``: a candidate under it is not solved)."""
+(the budgeted solve refuses a budget under it at once, ``intra_op._solve_budgeted``), and of what a
+pipeline's units hold under any layout (``state_floor``, ``unit_floors``: a pipeline candidate
+that cannot fit by them is not solved, ``pipeline_search.fit_refusal``)."""
 from __future__ import annotations
 
 import numpy as np
 
 from autopar.cost_models.memory import training_state_bytes
+from autopar.cost_models.recompute import saved_storages
 from autopar.sharding.candidates import placeholder_strategies
 from autopar.sharding.placements import shard_factor
+from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.class_graph import is_forbidden
 
 
@@ -33,17 +36,44 @@ def memory_floor(p) -> float:
     return total
 
 
-def state_floor(traced, mesh_shape: tuple, optimizer: str, precision: str) -> float:
-    """A lower bound on the training state (weights, gradients, optimizer state: ``training_state_bytes``,
-    as ``unit_costs`` counts a unit's) of the whole model over one ``mesh_shape`` sub-mesh without
-    ZeRO: each parameter some op uses, split as finely as any of its placements on that mesh allows
-    (``placeholder_strategies``: even shards only; the dims the mesh sizes do not divide stay whole).
-    A pipeline of pp stages sums its stages' units, each parameter at least once, so its fullest rank
-    holds at least ``state_floor / pp``, whatever the cut, schedule, microbatches or recomputation.
-    (Table 1's 1T row on tp 8: pp <= 24 needs more than 80 GiB per rank for the state alone; each
-    such candidate took 3-10 s to solve and refuse.)"""
+def unit_floors(traced, units, mesh_shape: tuple, optimizer: str, precision: str, recompute,
+                dropout_mask_bytes) -> tuple[list[float], list[float]]:
+    """Per pipeline unit, lower bounds on what ``unit_costs.unit_profiles`` charges it under any
+    layout on a ``mesh_shape`` sub-mesh: (training state: each parameter its ops use, split as
+    finely as its placements allow; saved activations at the traced batch under ``recompute``,
+    each storage once as the profiles count it, split over every device of the sub-mesh). The
+    profiles scale activations linearly from the microbatch they are solved at, at most the traced
+    batch, so ``activations * b / batch`` bounds them at microbatch b."""
+    finest = param_floors(traced, mesh_shape, optimizer, precision)
+    size = int(np.prod(mesh_shape))
+    by_name = {n.name: n for n in traced.gm.graph.nodes}
+    saved: dict[str, list[tuple[object, int]]] = {}
+    for node_name, key, nbytes, _ in saved_storages(traced.gm, recompute or "none", dropout_mask_bytes):
+        saved.setdefault(node_name, []).append((key, nbytes))
+    seen: set = set()
+    state, acts = [], []
+    for unit in units:
+        params, act = set(), 0.0
+        for name in unit.nodes:
+            node = by_name[name]
+            if node.op != "call_function":
+                continue
+            for key, nbytes in saved.get(name, []):
+                if key not in seen:
+                    seen.add(key)
+                    act += nbytes / size
+            params |= {a.name for a in tensor_inputs(node) if a.name in finest}
+        state.append(sum(finest[p] for p in params))
+        acts.append(act)
+    return state, acts
+
+
+def param_floors(traced, mesh_shape: tuple, optimizer: str, precision: str) -> dict[str, float]:
+    """Each parameter some op uses (by placeholder): its training state (``training_state_bytes``, as
+    ``unit_costs`` counts it) over the finest split its placements on the mesh allow
+    (``placeholder_strategies``: even shards only; dims the mesh sizes do not divide stay whole)."""
     finest: dict[tuple, int] = {}
-    total = 0.0
+    out = {}
     for node in traced.gm.graph.nodes:
         if node.op != "placeholder" or node.name not in traced.params or not node.users:
             continue
@@ -51,5 +81,15 @@ def state_floor(traced, mesh_shape: tuple, optimizer: str, precision: str) -> fl
         key = (tuple(v.shape), node.meta.get("chunk_hint", 1))
         if key not in finest:
             finest[key] = max(shard_factor(st.output, mesh_shape) for st in placeholder_strategies(node, mesh_shape))
-        total += training_state_bytes(v.numel(), v.dtype, optimizer, precision) / finest[key]
-    return total
+        out[node.name] = training_state_bytes(v.numel(), v.dtype, optimizer, precision) / finest[key]
+    return out
+
+
+def state_floor(traced, mesh_shape: tuple, optimizer: str, precision: str) -> float:
+    """A lower bound on the training state of the whole model over one ``mesh_shape`` sub-mesh without
+    ZeRO: the sum of ``param_floors``. A pipeline of pp stages sums its stages' units, each
+    parameter at least once, so its fullest rank holds at least ``state_floor / pp``, whatever
+    the cut, schedule, microbatches or recomputation. (Table 1's 1T row on tp 8: pp <= 24 with a
+    data-parallel size the hidden sizes do not divide needs more than 80 GiB per rank for the
+    state alone; each such candidate took 3-10 s to solve and refuse.)"""
+    return sum(param_floors(traced, mesh_shape, optimizer, precision).values())

@@ -5,8 +5,8 @@ every spec is ``R`` on ``pp``; all stages share one intra-op plan solved on the 
 sub-mesh for the graph traced at the MICRObatch shape (global batch / m; shapes are static).
 
 For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
-    0. (AUTO, ``pipeline_plans``) a candidate whose training state alone, split as finely as its
-       sub-mesh allows, is over pp x the cap (``state_refusal``) is refused without a solve.
+    0. (AUTO, ``pipeline_plans``) a candidate that cannot fit by lower bounds on its units' state and
+       activations (``fit_refusal``) is refused without a solve.
     1. trace at microbatch size ``b_ref`` and solve the intra-op problem on the sub-mesh with the
        memory bound ``pp * budget`` (the whole model is spread over pp stages; the exact per-stage
        bound, with in-flight activations, is enforced in 3).
@@ -38,8 +38,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from autopar.context import ParallelMode
 from autopar.cost_models.compute import optimizer_step_time, total_flops
+from autopar.cost_models.memory import dropout_mask_bytes_for
 from autopar.cost_models.devices import axis_link
 from autopar.cost_models.zero import zero_axes
 from autopar.graph.cut_points import assign_units, unit_of_module
@@ -49,11 +52,13 @@ from autopar.mesh import Mesh
 from autopar.plan import Collective, PipelineInfo, Plan, PlanError, Stage
 from autopar.plan_specs import PlanSpecs
 from autopar.receive_window import schedule_receive_buffers
+from autopar.schedule import build_schedule
 from autopar.sharding.placements import R, Spec, local_shape, shard_factor
-from autopar.solver.inter_op import PipelinePartition, StageMemoryError, partition_stages
+from autopar.solver.inter_op import (LayerProfile, PipelinePartition, StageMemoryError, least_stage_memory,
+                                     partition_stages)
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError
-from autopar.solver.memory_floor import state_floor
+from autopar.solver.memory_floor import state_floor, unit_floors
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.stage_tags import check_stage_tags
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
@@ -330,18 +335,57 @@ def _budget(cand: PipelineCandidate, opts) -> float:
     return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else cand.sub.spec().memory_bytes
 
 
-def state_refusal(traced, cand: PipelineCandidate, opts) -> PipelineRequestError | None:
-    """Why AUTO need not solve this candidate: its training state alone, every parameter split as
-    finely as the sub-mesh allows, is over pp x the cap (``memory_floor.state_floor``); None when
-    it may fit. (A named pipeline is solved all the same, for its error's memory breakdown.)"""
-    floor, budget = state_floor(traced, cand.sub.shape, opts.optimizer, opts.precision) / cand.pp, _budget(cand, opts)
-    if floor <= budget:
-        return None
+def fit_refusal(traced, cand: PipelineCandidate, opts) -> PipelineRequestError | None:
+    """Why AUTO need not solve this candidate, or None when it may fit (``memory_floor``; a named
+    pipeline is solved all the same, for its error's memory breakdown):
+
+    * its training state alone, every parameter split as finely as the sub-mesh allows, is over
+      pp x the cap (``state_floor``); or
+    * no cut fits by the units' floors (``unit_floors``: state as above, saved activations under the
+      candidate's recomputation split over every device of the sub-mesh) at any schedule and
+      microbatch count: ``inter_op.least_stage_memory`` over budget / stages per rank. A count m
+      is skipped where another m' of the schedule holds at most as many activations in flight on
+      every stage (``in_flight(m') / m' <= in_flight(m) / m``: activations scale as 1 / m).
+    Both are lower bounds on what ``partition_stages`` charges, so a refused candidate has no
+    partition that fits. (Table 1's 1T row: every candidate without recomputation.)"""
+    budget, sub = _budget(cand, opts), dict(zip(cand.sub.axis_names, cand.sub.shape))
+    floor = state_floor(traced, cand.sub.shape, opts.optimizer, opts.precision) / cand.pp
+    if floor > budget:
+        return PipelineRequestError(
+            f"the training state alone needs at least {floor / 2**30:.2f} GiB per pipeline rank, over the "
+            f"{budget / 2**30:.2f} GiB cap (every parameter split as finely as the {sub} sub-mesh allows, the model "
+            f"over {cand.pp} stages): use more pipeline stages, wider tensor parallelism or more devices")
+    units = assign_units(traced.gm)[0]
+    dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
+    batch = traced.batch_size
+    state, acts = unit_floors(traced, units, cand.sub.shape, opts.optimizer, opts.precision, opts.recompute,
+                              dropout_mask_bytes_for(cand.sub.spec().name))
+    least = math.inf
+    for schedule in _schedules(opts, cand.pp, len(units)):
+        counts = [m for m in _microbatch_counts(batch, dp, opts)
+                  if schedule != "interleaved_1f1b" or m % cand.pp == 0]
+        for m in _undominated(counts, schedule, cand.pp):
+            layers = [LayerProfile(u.name, 0.0, 0.0, st, a * (batch // m) / batch, 0.0)
+                      for u, st, a in zip(units, state, acts)]
+            peak, v = least_stage_memory(layers, cand.pp, m, schedule)
+            if peak <= budget / v:
+                return None
+            least = min(least, peak * v)
     return PipelineRequestError(
-        f"the training state alone needs at least {floor / 2**30:.2f} GiB per pipeline rank, over the "
-        f"{budget / 2**30:.2f} GiB cap (every parameter split as finely as the "
-        f"{dict(zip(cand.sub.axis_names, cand.sub.shape))} sub-mesh allows, the model over {cand.pp} stages): use "
-        "more pipeline stages, wider tensor parallelism or more devices")
+        f"no stage cut fits at any schedule or microbatch count: even with every parameter split as finely as the "
+        f"{sub} sub-mesh allows and every activation over all its {cand.sub.size} devices, the fullest of "
+        f"{cand.pp} pipeline ranks needs at least {least / 2**30:.2f} GiB (recompute {opts.recompute or 'none'}), "
+        f"over the {budget / 2**30:.2f} GiB cap: use more pipeline stages, recompute activations or more devices")
+
+
+def _undominated(counts: list[int], schedule: str, pp: int) -> list[int]:
+    """The microbatch counts whose in-flight activations (``in_flight / m`` per stage) no other count
+    of the schedule undercuts on every stage."""
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    held = {m: np.asarray(build_schedule(schedule, pp, m, v).in_flight(), dtype=float) / m for m in counts}
+    return [m for m in counts
+            if not any(o != m and np.all(held[o] <= held[m]) and (np.any(held[o] < held[m]) or o > m)
+                       for o in counts)]
 
 
 REFERENCE_MARGIN = 0.1  # a candidate whose reference-cost estimate is this much over the best plan is dropped
@@ -566,7 +610,7 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
         if cand.pp > num_units and not forced:
             failures.append((note, f"{num_units} layers < {cand.pp} stages"))
             continue
-        if not forced and (refused := state_refusal(traced, cand, opts)) is not None:
+        if not forced and (refused := fit_refusal(traced, cand, opts)) is not None:
             failures.append((note, refused))
             if progress is not None:
                 progress.record([], 1)
