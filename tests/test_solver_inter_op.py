@@ -146,3 +146,41 @@ def test_bytes_held_after_the_schedule_count_beside_the_state_not_the_activation
     assert [s.memory for s in small.stages] == [s.memory for s in base.stages]
     assert [s.memory for s in large.stages] == [20.0 + 200.0, 20.0 + 200.0]
     assert base.stages[0].memory == 20.0 + 2 * 6.0 and base.stages[1].memory == 20.0 + 6.0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_a_count_holding_more_in_flight_fits_no_cut_where_a_lighter_one_fits_none(schedule):
+    """What ``pipeline_search`` relies on to skip a microbatch count's DP: when m holds at least
+    ``other``'s activations in flight on every stage (``_holds_more``) and ``other`` fits no cut in
+    the same room, m fits none either (profiles scaled to each count as ``UnitCosts.at`` does; the
+    same gradient copy held after the schedule). Checked on random profiles between the least peaks;
+    the least peak itself never falls."""
+    from autopar.solver.inter_op import StageMemoryError, least_stage_memory
+    from autopar.solver.pipeline_search import _holds_more
+
+    rng = np.random.default_rng(7)
+    batch, pp = 48, 2
+    counts = [m for m in range(2, batch + 1) if batch % m == 0 and (schedule != "interleaved_1f1b" or m % pp == 0)]
+    skipped = 0
+    for _ in range(6):
+        base = random_layers(rng, 6)
+        at = {m: [LayerProfile(x.name, x.fwd / m, x.bwd / m, x.param_bytes, x.activation_bytes / m, x.out_bytes / m,
+                               0.3 * x.param_bytes) for x in base] for m in counts}
+        peaks = {m: least_stage_memory(at[m], pp, m, schedule) for m in counts}
+        lo, hi = min(p * v for p, v in peaks.values()), max(p * v for p, v in peaks.values())
+        for room in np.linspace(0.9 * lo, 1.1 * hi, 9) * (1 + 1e-9):    # off the exact peaks (float ties)
+            fails = {}
+            for m in counts:
+                try:
+                    partition_stages(at[m], pp, m, schedule, memory_budget=float(room))
+                    fails[m] = False
+                except StageMemoryError:
+                    fails[m] = True
+            for m in counts:
+                for o in counts:
+                    if o != m and _holds_more(schedule, pp, m, o):
+                        assert peaks[m][0] >= peaks[o][0] * (1 - 1e-12)
+                        if fails[o]:
+                            skipped += 1
+                            assert fails[m], (m, o, room, peaks[m], peaks[o])
+    assert skipped > 0

@@ -35,10 +35,9 @@ times every (dp, tp) factorisation of the rest, tp inside a node when ``gpus_per
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
-
-import numpy as np
 
 from autopar.context import ParallelMode
 from autopar.cost_models.compute import optimizer_step_time, total_flops
@@ -256,21 +255,34 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
         return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, device, opts)
 
     def rank(costs, ref_plan):
-        """(key, m, schedule) of each partition that fits by the reference costs; why the others failed."""
+        """(key, m, schedule) of each partition that fits by the reference costs; why the others failed.
+        The count holding the fewest activations in flight is cut first; once it fits no cut for
+        memory, a count m > 1 holding at least as many on every stage (``_held``) in no more room is
+        refused without its DP: its stages hold at least as much at every cut (the state and the
+        gradients' second copy are the same, activations scale as 1 / m)."""
         ranked, reasons, errors = [], [], []
         for schedule in schedules:
-            for m in counts:
-                if schedule == "interleaved_1f1b" and m % cand.pp:
+            ms = [m for m in counts if schedule != "interleaved_1f1b" or m % cand.pp == 0]
+            room = {m: budget - _extra(ref_plan) - _buffers(costs, batch // m, m, schedule, cand.pp) for m in ms}
+            tried: dict = {}
+            for m in sorted(ms, key=lambda m: (sum(_held(schedule, cand.pp, m)), -m)):
+                over = next((o for o, r in tried.items() if isinstance(r, StageMemoryError) and m > 1 and o > 1
+                             and room[m] <= room[o] and _holds_more(schedule, cand.pp, m, o)), None)
+                if over is not None:
+                    tried[m] = ValueError(f"holds at least m={over}'s activations in flight on every stage, in no more "
+                                          f"room, and m={over} fits no cut")
                     continue
                 try:
-                    part, t, opt = _partition(costs, batch // m, cand.pp, m, schedule,
-                                              budget - _extra(ref_plan) - _buffers(costs, batch // m, m, schedule, cand.pp),
-                                              link, fixed)
+                    part, t, _ = _partition(costs, batch // m, cand.pp, m, schedule, room[m], link, fixed)
+                    tried[m] = ((round(t, 12), max(part.rank_memory)), m, schedule)
                 except ValueError as err:
-                    reasons.append(f"{schedule} m={m}: {err}")
-                    errors.append(err)
-                    continue
-                ranked.append(((round(t, 12), max(part.rank_memory)), m, schedule))
+                    tried[m] = err
+            for m in ms:                # reasons in the order of the counts
+                if isinstance(tried[m], Exception):
+                    reasons.append(f"{schedule} m={m}: {tried[m]}")
+                    errors.append(tried[m])
+                else:
+                    ranked.append(tried[m])
         return ranked, reasons, errors
 
     ref = max([m for m in counts if m <= 2 * cand.pp] or [min(counts)])
@@ -330,6 +342,19 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     return plan
 
 
+@functools.lru_cache(maxsize=4096)
+def _held(schedule: str, pp: int, m: int) -> tuple[float, ...]:
+    """Per stage, the microbatches in flight over m: the activations a stage holds, in units of one
+    whole batch's (each microbatch holds 1 / m of it)."""
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    return tuple(f / m for f in build_schedule(schedule, pp, m, v).in_flight())
+
+
+def _holds_more(schedule: str, pp: int, m: int, other: int) -> bool:
+    """Whether m microbatches hold at least ``other``'s activations in flight on every stage."""
+    return all(a >= b for a, b in zip(_held(schedule, pp, m), _held(schedule, pp, other)))
+
+
 def _budget(cand: PipelineCandidate, opts) -> float:
     """Bytes one device of the candidate may use."""
     return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else cand.sub.spec().memory_bytes
@@ -379,13 +404,11 @@ def fit_refusal(traced, cand: PipelineCandidate, opts) -> PipelineRequestError |
 
 
 def _undominated(counts: list[int], schedule: str, pp: int) -> list[int]:
-    """The microbatch counts whose in-flight activations (``in_flight / m`` per stage) no other count
-    of the schedule undercuts on every stage."""
-    v = 2 if schedule == "interleaved_1f1b" else 1
-    held = {m: np.asarray(build_schedule(schedule, pp, m, v).in_flight(), dtype=float) / m for m in counts}
+    """The microbatch counts whose in-flight activations (``_held``) no other count of the schedule
+    undercuts on every stage (of equal ones, the largest count)."""
     return [m for m in counts
-            if not any(o != m and np.all(held[o] <= held[m]) and (np.any(held[o] < held[m]) or o > m)
-                       for o in counts)]
+            if not any(o != m and _holds_more(schedule, pp, m, o)
+                       and (_held(schedule, pp, m) != _held(schedule, pp, o) or o > m) for o in counts)]
 
 
 REFERENCE_MARGIN = 0.1  # a candidate whose reference-cost estimate is this much over the best plan is dropped
