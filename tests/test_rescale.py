@@ -148,3 +148,26 @@ def test_the_second_reference_size_is_rescaled_too(monkeypatch):
     monkeypatch.setattr(retrace, "rescaled", lambda first, second, b: None)
     got = microbatch_trace(big, b2, retracer)
     assert retracer.batches == [b1, b2] and not got.meta.get("rescaled")
+
+
+def test_only_the_most_recent_microbatch_traces_are_kept(monkeypatch):
+    """``KEPT_TRACES``: beyond the rescaling references, the least recently used microbatch traces
+    are dropped (the newest counts among the kept); a dropped size is derived again (the same
+    graph), without tracing again."""
+    import autopar.graph.retrace as retrace
+
+    monkeypatch.setattr(retrace, "KEPT_TRACES", 3)
+    model = GPT(vocab=64, hidden=32, heads=4, layers=1, seq=8)
+    x = torch.randint(0, 64, (48, 8))
+    big, retracer = trace(model, (x,), _lm_loss, x.clone()), _CountingRetracer(model, (x,), _lm_loss, x.clone())
+    refs = set(reference_batches(48))
+    first = microbatch_trace(big, 2, retracer)
+    for b in (3, 4, 2, 6):          # 2 used again: 3 is then the least recently used
+        microbatch_trace(big, b, retracer)
+    cache = big.meta["microbatch_traces"]
+    assert set(cache) - refs == {4, 2, 6}
+    assert microbatch_trace(big, 2, retracer) is first
+    again = microbatch_trace(big, 3, retracer)
+    assert set(cache) - refs == {2, 6, 3}
+    assert graph_fingerprint(again.gm) == graph_fingerprint(trace(model, (x[:3],), _lm_loss, x[:3].clone()).gm)
+    assert retracer.batches == [reference_batches(48)[0]]      # every size derived from the one reference

@@ -67,7 +67,22 @@ def microbatch_trace(traced, batch: int, retracer: Retracer | None, rescale: boo
             mb = retracer(batch)
         mark_chunk_hints(mb.gm)
         cache[batch] = mb
+        _evict(cache, set(reference_batches(traced.batch_size) or ()) | {batch})
+    cache[batch] = cache.pop(batch)      # most recently used last
     return cache[batch]
+
+
+KEPT_TRACES = 6     # microbatch traces kept besides the rescaling references, the newest included
+
+
+def _evict(cache: dict, keep: set) -> None:
+    """Drop the least recently used microbatch traces beyond ``KEPT_TRACES`` (``keep``: the references
+    and the size just derived, which counts among them):
+    each holds a copy of the graph and the problems solved on it (Table 1's 1T row grew to 14.6 GB
+    over its pipeline candidates' microbatch sizes). A dropped size is derived again if asked for."""
+    others = [b for b in cache if b not in keep]          # least recently used first
+    for b in others[:max(0, len(others) + 1 - KEPT_TRACES)]:
+        del cache[b]
 
 
 def retrace_batch(model, example_inputs, loss_fn, example_target, batch: int, mixed_precision: str | None = None,
