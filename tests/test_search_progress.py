@@ -112,3 +112,23 @@ def test_pipelines_are_searched_after_the_meshes_and_bounded_by_their_best():
     assert dropped and all("not solved at other microbatch sizes" in n for n in dropped)
     fits = [a.step_time for a in plan.alternatives if a.fits] + [plan.step_time]
     assert plan.step_time == min(fits)
+
+
+def test_a_candidate_that_would_end_after_the_budget_is_not_started():
+    """``out_of_time``: once a plan fits, the search stops when less of the budget is left than a
+    candidate takes (the median of the last intervals between records), and stays stopped; the
+    note says when and why."""
+    import time
+
+    progress = SearchProgress(time_budget_s=10.0)
+    progress.marks = [0.0, 3.0, 6.0, 9.0]
+    progress.started = time.perf_counter() - 6.5
+    assert not progress.out_of_time()           # nothing fits yet
+    progress.fitting = 1
+    assert progress.typical() == 3.0 and not progress.out_of_time()     # 3.5 s left
+    progress.started -= 1.0
+    assert progress.out_of_time()                                        # 2.5 s left < 3 s
+    progress.marks += [9.1, 9.2, 9.3, 9.4]
+    assert progress.typical() < 1.0 and progress.out_of_time()           # stopped stays stopped
+    assert "search stopped by the time budget of 10 s after 0 candidates" in progress.stopped_note()
+    assert "at 7.5 s, the next candidate not started (~3.0 s each)" in progress.stopped_note()

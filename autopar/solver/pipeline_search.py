@@ -7,7 +7,7 @@ sub-mesh for the graph traced at the MICRObatch shape (global batch / m; shapes 
 For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
     0. (AUTO, ``pipeline_plans``) a candidate that cannot fit by lower bounds on its units' state and
        activations (``fit_refusal``) is refused without a solve.
-    1. trace at microbatch size ``b_ref`` (``_reference_count``) and solve the intra-op problem on the sub-mesh with the
+    1. trace at microbatch size ``b_ref`` and solve the intra-op problem on the sub-mesh with the
        memory bound ``pp * budget`` (the whole model is spread over pp stages; the exact per-stage
        bound, with in-flight activations, is enforced in 3).
     2. per unit ``u`` (``autopar.graph.cut_points``) a ``LayerProfile`` (``unit_costs.unit_profiles``:
@@ -285,7 +285,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
                     ranked.append(tried[m])
         return ranked, reasons, errors
 
-    ref = _reference_count(traced, counts, cand.pp)
+    ref = max([m for m in counts if m <= 2 * cand.pp] or [min(counts)])
     solved = {ref: solve(ref)}
     mb, ref_plan, units_ref, _, costs = solved[ref]
     fixed = _fixed_boundaries(cand, units_ref, mb.gm)
@@ -340,18 +340,6 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
     plan.optimizer_time = opt
     return plan
-
-
-def _reference_count(traced, counts: list[int], pp: int) -> int:
-    """The microbatch count whose shape the candidate is solved at first: the most microbatches up to
-    2 pp (enough to fill the pipeline); a count within a factor 2 of it whose microbatch trace is
-    already derived is taken instead (each new size is a graph derived again: 2.6 s per size on
-    Table 1's 530B row, 25 sizes over its candidates). Only the estimate depends on it: the best
-    count is solved again at its own shape."""
-    ref = max([m for m in counts if m <= 2 * pp] or [min(counts)])
-    have = traced.meta.get("microbatch_traces", {})
-    near = [m for m in counts if ref / 2 <= m <= 2 * ref and traced.batch_size // m in have]
-    return min(near, key=lambda m: (abs(math.log(m / ref)), -m)) if near else ref
 
 
 @functools.lru_cache(maxsize=4096)
