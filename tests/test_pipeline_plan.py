@@ -246,7 +246,7 @@ def test_a_pipeline_whose_state_cannot_fit_is_refused_before_a_solve():
     candidate under it is solved. A named pipeline is solved all the same (its error has the
     memory breakdown: test_bad_inputs)."""
     from autopar.solver.memory_floor import state_floor
-    from autopar.solver.pipeline_search import PipelineRequestError, fit_refusal
+    from autopar.solver.pipeline_fit import PipelineRequestError, fit_refusal
 
     traced = trace(GPT(qkv_bias=False, layers=2, hidden=32), (X,), lm_loss, Y)
     cands, _ = pipeline_candidates(traced, autopar.Mesh(4), ParallelMode.AUTO, {})

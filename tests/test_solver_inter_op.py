@@ -151,12 +151,12 @@ def test_bytes_held_after_the_schedule_count_beside_the_state_not_the_activation
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
 def test_a_count_holding_more_in_flight_fits_no_cut_where_a_lighter_one_fits_none(schedule):
     """What ``pipeline_search`` relies on to skip a microbatch count's DP: when m holds at least
-    ``other``'s activations in flight on every stage (``_holds_more``) and ``other`` fits no cut in
+    ``other``'s activations in flight on every stage (``holds_more``) and ``other`` fits no cut in
     the same room, m fits none either (profiles scaled to each count as ``UnitCosts.at`` does; the
     same gradient copy held after the schedule). Checked on random profiles between the least peaks;
     the least peak itself never falls."""
     from autopar.solver.inter_op import StageMemoryError, least_stage_memory
-    from autopar.solver.pipeline_search import _holds_more
+    from autopar.solver.pipeline_fit import holds_more
 
     rng = np.random.default_rng(7)
     batch, pp = 48, 2
@@ -178,7 +178,7 @@ def test_a_count_holding_more_in_flight_fits_no_cut_where_a_lighter_one_fits_non
                     fails[m] = True
             for m in counts:
                 for o in counts:
-                    if o != m and _holds_more(schedule, pp, m, o):
+                    if o != m and holds_more(schedule, pp, m, o):
                         assert peaks[m][0] >= peaks[o][0] * (1 - 1e-12)
                         if fails[o]:
                             skipped += 1

@@ -1,7 +1,7 @@
 """Lower bounds on memory computed without a solve: of any strategy assignment of an intra-op problem
 (the budgeted solve refuses a budget under it at once, ``intra_op._solve_budgeted``), and of what a
 pipeline's units hold under any layout (``state_floor``, ``unit_floors``: a pipeline candidate
-that cannot fit by them is not solved, ``pipeline_search.fit_refusal``)."""
+that cannot fit by them is not solved, ``pipeline_fit.fit_refusal``)."""
 from __future__ import annotations
 
 import numpy as np

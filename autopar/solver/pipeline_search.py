@@ -6,7 +6,7 @@ sub-mesh for the graph traced at the MICRObatch shape (global batch / m; shapes 
 
 For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
     0. (AUTO, ``pipeline_plans``) a candidate that cannot fit by lower bounds on its units' state and
-       activations (``fit_refusal``) is refused without a solve.
+       activations (``pipeline_fit.fit_refusal``) is refused without a solve.
     1. trace at microbatch size ``b_ref`` and solve the intra-op problem on the sub-mesh with the
        memory bound ``pp * budget`` (the whole model is spread over pp stages; the exact per-stage
        bound, with in-flight activations, is enforced in 3).
@@ -35,13 +35,11 @@ times every (dp, tp) factorisation of the rest, tp inside a node when ``gpus_per
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 
 from autopar.context import ParallelMode
 from autopar.cost_models.compute import optimizer_step_time, total_flops
-from autopar.cost_models.memory import dropout_mask_bytes_for
 from autopar.cost_models.devices import axis_link
 from autopar.cost_models.zero import zero_axes
 from autopar.graph.cut_points import assign_units, unit_of_module
@@ -51,23 +49,15 @@ from autopar.mesh import Mesh
 from autopar.plan import Collective, PipelineInfo, Plan, PlanError, Stage
 from autopar.plan_specs import PlanSpecs
 from autopar.receive_window import schedule_receive_buffers
-from autopar.schedule import build_schedule
 from autopar.sharding.placements import R, Spec, local_shape, shard_factor
-from autopar.solver.inter_op import (LayerProfile, PipelinePartition, StageMemoryError, least_stage_memory,
-                                     partition_stages)
+from autopar.solver.inter_op import PipelinePartition, StageMemoryError, partition_stages
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError
-from autopar.solver.memory_floor import state_floor, unit_floors
+from autopar.solver.pipeline_fit import (PipelineRequestError, budget_bytes, fit_refusal, held, holds_more,
+                                         microbatch_counts, schedules)
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.stage_tags import check_stage_tags
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-
-
-class PipelineRequestError(ValueError):
-    """A pipeline request that cannot be planned (raised as PlanError by the search)."""
-
 
 # ---- candidates -------------------------------------------------------------------------
 
@@ -156,35 +146,6 @@ def pipeline_blocker(traced) -> str | None:
 
 # ---- one candidate ---------------------------------------------------------------------
 
-def _microbatch_counts(batch: int, dp: int, opts) -> list[int]:
-    if opts.microbatches is not None:
-        m = int(opts.microbatches)
-        if m < 1 or batch % m:
-            raise PipelineRequestError(f"microbatches={m} does not divide the global batch {batch}: every "
-                                       f"microbatch must hold the same number of samples; use a divisor of {batch}")
-        if (batch // m) % dp:
-            raise PipelineRequestError(f"microbatches={m} leaves {batch // m} samples per microbatch, not divisible "
-                                       f"by the data-parallel size {dp}")
-        return [m]
-    counts = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % dp == 0]
-    if not counts:
-        raise PipelineRequestError(f"the global batch {batch} is not divisible by the data-parallel size {dp} of "
-                                   "the stages: no microbatch count splits it evenly; use a batch that is a multiple "
-                                   f"of {dp}")
-    return counts
-
-
-def _schedules(opts, pp: int, num_units: int) -> list[str]:
-    if opts.schedule is not None:
-        if opts.schedule not in SCHEDULES:
-            raise PipelineRequestError(f"unknown schedule {opts.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        return [opts.schedule]
-    out = ["gpipe", "1f1b"]
-    if num_units >= 2 * pp:
-        out.append("interleaved_1f1b")
-    return out
-
-
 def _fixed_boundaries(cand: PipelineCandidate, units, gm) -> list[int]:
     cuts = []
     for module, k in cand.fixed.items():
@@ -223,18 +184,18 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     """The best pipeline plan for one (pp, sub-mesh) candidate (module docstring)."""
     batch = traced.batch_size
     dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
-    counts = _microbatch_counts(batch, dp, opts)
+    counts = microbatch_counts(batch, dp, opts)
     units, _ = assign_units(traced.gm)
     if cand.pp > len(units):
         raise PipelineRequestError(
             f"cannot split the model into {cand.pp} pipeline stages: the traced model has {len(units)} layer(s) "
             f"({', '.join(u.name for u in units[:8])}) and every stage needs at least one; use at most {len(units)} "
             "stages")
-    schedules = _schedules(opts, cand.pp, len(units))
+    kinds = schedules(opts, cand.pp, len(units))
     per_node = min(cand.full.size, cand.full.gpus_per_node or cand.full.size)
     # CPU ranks of every stage share the cores; a compiled program's ops run at the compiled speedup
     device = cand.sub.spec().shared_by(per_node).with_compile(opts.compiled)
-    budget = _budget(cand, opts)
+    budget = budget_bytes(cand, opts)
     loose = PlanOptions(**{**opts.__dict__, "memory_budget_gb": 1e6})
     link_spec = axis_link(device, cand.pp, cand.sub.size)
     link = (link_spec.bandwidth, link_spec.latency)
@@ -257,17 +218,17 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     def rank(costs, ref_plan):
         """(key, m, schedule) of each partition that fits by the reference costs; why the others failed.
         The count holding the fewest activations in flight is cut first; once it fits no cut for
-        memory, a count m > 1 holding at least as many on every stage (``_held``) in no more room is
+        memory, a count m > 1 holding at least as many on every stage (``held``) in no more room is
         refused without its DP: its stages hold at least as much at every cut (the state and the
         gradients' second copy are the same, activations scale as 1 / m)."""
         ranked, reasons, errors = [], [], []
-        for schedule in schedules:
+        for schedule in kinds:
             ms = [m for m in counts if schedule != "interleaved_1f1b" or m % cand.pp == 0]
             room = {m: budget - _extra(ref_plan) - _buffers(costs, batch // m, m, schedule, cand.pp) for m in ms}
             tried: dict = {}
-            for m in sorted(ms, key=lambda m: (sum(_held(schedule, cand.pp, m)), -m)):
+            for m in sorted(ms, key=lambda m: (sum(held(schedule, cand.pp, m)), -m)):
                 over = next((o for o, r in tried.items() if isinstance(r, StageMemoryError) and m > 1 and o > 1
-                             and room[m] <= room[o] and _holds_more(schedule, cand.pp, m, o)), None)
+                             and room[m] <= room[o] and holds_more(schedule, cand.pp, m, o)), None)
                 if over is not None:
                     tried[m] = ValueError(f"holds at least m={over}'s activations in flight on every stage, in no more "
                                           f"room, and m={over} fits no cut")
@@ -340,75 +301,6 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
     plan.optimizer_time = opt
     return plan
-
-
-@functools.lru_cache(maxsize=4096)
-def _held(schedule: str, pp: int, m: int) -> tuple[float, ...]:
-    """Per stage, the microbatches in flight over m: the activations a stage holds, in units of one
-    whole batch's (each microbatch holds 1 / m of it)."""
-    v = 2 if schedule == "interleaved_1f1b" else 1
-    return tuple(f / m for f in build_schedule(schedule, pp, m, v).in_flight())
-
-
-def _holds_more(schedule: str, pp: int, m: int, other: int) -> bool:
-    """Whether m microbatches hold at least ``other``'s activations in flight on every stage."""
-    return all(a >= b for a, b in zip(_held(schedule, pp, m), _held(schedule, pp, other)))
-
-
-def _budget(cand: PipelineCandidate, opts) -> float:
-    """Bytes one device of the candidate may use."""
-    return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else cand.sub.spec().memory_bytes
-
-
-def fit_refusal(traced, cand: PipelineCandidate, opts) -> PipelineRequestError | None:
-    """Why AUTO need not solve this candidate, or None when it may fit (``memory_floor``; a named
-    pipeline is solved all the same, for its error's memory breakdown):
-
-    * its training state alone, every parameter split as finely as the sub-mesh allows, is over
-      pp x the cap (``state_floor``); or
-    * no cut fits by the units' floors (``unit_floors``: state as above, saved activations under the
-      candidate's recomputation split over every device of the sub-mesh) at any schedule and
-      microbatch count: ``inter_op.least_stage_memory`` over budget / stages per rank. A count m
-      is skipped where another m' of the schedule holds at most as many activations in flight on
-      every stage (``in_flight(m') / m' <= in_flight(m) / m``: activations scale as 1 / m).
-    Both are lower bounds on what ``partition_stages`` charges, so a refused candidate has no
-    partition that fits. (Table 1's 1T row: every candidate without recomputation.)"""
-    budget, sub = _budget(cand, opts), dict(zip(cand.sub.axis_names, cand.sub.shape))
-    floor = state_floor(traced, cand.sub.shape, opts.optimizer, opts.precision) / cand.pp
-    if floor > budget:
-        return PipelineRequestError(
-            f"the training state alone needs at least {floor / 2**30:.2f} GiB per pipeline rank, over the "
-            f"{budget / 2**30:.2f} GiB cap (every parameter split as finely as the {sub} sub-mesh allows, the model "
-            f"over {cand.pp} stages): use more pipeline stages, wider tensor parallelism or more devices")
-    units = assign_units(traced.gm)[0]
-    dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
-    batch = traced.batch_size
-    state, acts = unit_floors(traced, units, cand.sub.shape, opts.optimizer, opts.precision, opts.recompute,
-                              dropout_mask_bytes_for(cand.sub.spec().name))
-    least = math.inf
-    for schedule in _schedules(opts, cand.pp, len(units)):
-        counts = [m for m in _microbatch_counts(batch, dp, opts)
-                  if schedule != "interleaved_1f1b" or m % cand.pp == 0]
-        for m in _undominated(counts, schedule, cand.pp):
-            layers = [LayerProfile(u.name, 0.0, 0.0, st, a * (batch // m) / batch, 0.0)
-                      for u, st, a in zip(units, state, acts)]
-            peak, v = least_stage_memory(layers, cand.pp, m, schedule)
-            if peak <= budget / v:
-                return None
-            least = min(least, peak * v)
-    return PipelineRequestError(
-        f"no stage cut fits at any schedule or microbatch count: even with every parameter split as finely as the "
-        f"{sub} sub-mesh allows and every activation over all its {cand.sub.size} devices, the fullest of "
-        f"{cand.pp} pipeline ranks needs at least {least / 2**30:.2f} GiB (recompute {opts.recompute or 'none'}), "
-        f"over the {budget / 2**30:.2f} GiB cap: use more pipeline stages, recompute activations or more devices")
-
-
-def _undominated(counts: list[int], schedule: str, pp: int) -> list[int]:
-    """The microbatch counts whose in-flight activations (``_held``) no other count of the schedule
-    undercuts on every stage (of equal ones, the largest count)."""
-    return [m for m in counts
-            if not any(o != m and _holds_more(schedule, pp, m, o)
-                       and (_held(schedule, pp, m) != _held(schedule, pp, o) or o > m) for o in counts)]
 
 
 REFERENCE_MARGIN = 0.1  # a candidate whose reference-cost estimate is this much over the best plan is dropped

@@ -1,0 +1,125 @@
+"""Whether a pipeline candidate can fit memory, decided without solving it, and what a request
+allows (microbatch counts, schedules).
+
+``fit_refusal``: lower bounds on what the stage partition charges (``memory_floor``: the training
+state split as finely as the sub-mesh allows; saved activations split over all its devices); a
+candidate no cut can fit by them is refused before its sub-mesh solve. ``held`` / ``holds_more``:
+the activations a schedule keeps in flight per stage at m microbatches (in units of the whole
+batch's), by which one count is known to need at least another's memory at every cut.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+from autopar.cost_models.memory import dropout_mask_bytes_for
+from autopar.graph.cut_points import assign_units
+from autopar.schedule import build_schedule
+from autopar.solver.inter_op import LayerProfile, least_stage_memory
+from autopar.solver.memory_floor import state_floor, unit_floors
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+class PipelineRequestError(ValueError):
+    """A pipeline request that cannot be planned (raised as PlanError by the search)."""
+
+
+def microbatch_counts(batch: int, dp: int, opts) -> list[int]:
+    """The microbatch counts m a pipeline may run: m | batch and dp | batch / m (or the one asked for)."""
+    if opts.microbatches is not None:
+        m = int(opts.microbatches)
+        if m < 1 or batch % m:
+            raise PipelineRequestError(f"microbatches={m} does not divide the global batch {batch}: every "
+                                       f"microbatch must hold the same number of samples; use a divisor of {batch}")
+        if (batch // m) % dp:
+            raise PipelineRequestError(f"microbatches={m} leaves {batch // m} samples per microbatch, not divisible "
+                                       f"by the data-parallel size {dp}")
+        return [m]
+    counts = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % dp == 0]
+    if not counts:
+        raise PipelineRequestError(f"the global batch {batch} is not divisible by the data-parallel size {dp} of "
+                                   "the stages: no microbatch count splits it evenly; use a batch that is a multiple "
+                                   f"of {dp}")
+    return counts
+
+
+def schedules(opts, pp: int, num_units: int) -> list[str]:
+    """The schedules to try (the one asked for); interleaved only with two units per stage or more."""
+    if opts.schedule is not None:
+        if opts.schedule not in SCHEDULES:
+            raise PipelineRequestError(f"unknown schedule {opts.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        return [opts.schedule]
+    out = ["gpipe", "1f1b"]
+    if num_units >= 2 * pp:
+        out.append("interleaved_1f1b")
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def held(schedule: str, pp: int, m: int) -> tuple[float, ...]:
+    """Per stage, the microbatches in flight over m: the activations a stage holds, in units of one
+    whole batch's (each microbatch holds 1 / m of it)."""
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    return tuple(f / m for f in build_schedule(schedule, pp, m, v).in_flight())
+
+
+def holds_more(schedule: str, pp: int, m: int, other: int) -> bool:
+    """Whether m microbatches hold at least ``other``'s activations in flight on every stage."""
+    return all(a >= b for a, b in zip(held(schedule, pp, m), held(schedule, pp, other)))
+
+
+def budget_bytes(cand, opts) -> float:
+    """Bytes one device of the candidate may use."""
+    return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else cand.sub.spec().memory_bytes
+
+
+def fit_refusal(traced, cand, opts) -> PipelineRequestError | None:
+    """Why AUTO need not solve this candidate, or None when it may fit (``memory_floor``; a named
+    pipeline is solved all the same, for its error's memory breakdown):
+
+    * its training state alone, every parameter split as finely as the sub-mesh allows, is over
+      pp x the cap (``state_floor``); or
+    * no cut fits by the units' floors (``unit_floors``: state as above, saved activations under the
+      candidate's recomputation split over every device of the sub-mesh) at any schedule and
+      microbatch count: ``inter_op.least_stage_memory`` over budget / stages per rank. A count m
+      is skipped where another m' of the schedule holds at most as many activations in flight on
+      every stage (``in_flight(m') / m' <= in_flight(m) / m``: activations scale as 1 / m).
+    Both are lower bounds on what ``partition_stages`` charges, so a refused candidate has no
+    partition that fits. (Table 1's 1T row: every candidate without recomputation.)"""
+    budget, sub = budget_bytes(cand, opts), dict(zip(cand.sub.axis_names, cand.sub.shape))
+    floor = state_floor(traced, cand.sub.shape, opts.optimizer, opts.precision) / cand.pp
+    if floor > budget:
+        return PipelineRequestError(
+            f"the training state alone needs at least {floor / 2**30:.2f} GiB per pipeline rank, over the "
+            f"{budget / 2**30:.2f} GiB cap (every parameter split as finely as the {sub} sub-mesh allows, the model "
+            f"over {cand.pp} stages): use more pipeline stages, wider tensor parallelism or more devices")
+    units = assign_units(traced.gm)[0]
+    dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
+    batch = traced.batch_size
+    state, acts = unit_floors(traced, units, cand.sub.shape, opts.optimizer, opts.precision, opts.recompute,
+                              dropout_mask_bytes_for(cand.sub.spec().name))
+    least = math.inf
+    for schedule in schedules(opts, cand.pp, len(units)):
+        counts = [m for m in microbatch_counts(batch, dp, opts)
+                  if schedule != "interleaved_1f1b" or m % cand.pp == 0]
+        for m in undominated(counts, schedule, cand.pp):
+            layers = [LayerProfile(u.name, 0.0, 0.0, st, a * (batch // m) / batch, 0.0)
+                      for u, st, a in zip(units, state, acts)]
+            peak, v = least_stage_memory(layers, cand.pp, m, schedule)
+            if peak <= budget / v:
+                return None
+            least = min(least, peak * v)
+    return PipelineRequestError(
+        f"no stage cut fits at any schedule or microbatch count: even with every parameter split as finely as the "
+        f"{sub} sub-mesh allows and every activation over all its {cand.sub.size} devices, the fullest of "
+        f"{cand.pp} pipeline ranks needs at least {least / 2**30:.2f} GiB (recompute {opts.recompute or 'none'}), "
+        f"over the {budget / 2**30:.2f} GiB cap: use more pipeline stages, recompute activations or more devices")
+
+
+def undominated(counts: list[int], schedule: str, pp: int) -> list[int]:
+    """The microbatch counts whose in-flight activations (``held``) no other count of the schedule
+    undercuts on every stage (of equal ones, the largest count)."""
+    return [m for m in counts
+            if not any(o != m and holds_more(schedule, pp, m, o)
+                       and (held(schedule, pp, m) != held(schedule, pp, o) or o > m) for o in counts)]
