@@ -132,3 +132,34 @@ def test_a_candidate_that_would_end_after_the_budget_is_not_started():
     assert progress.typical() < 1.0 and progress.out_of_time()           # stopped stays stopped
     assert "search stopped by the time budget of 10 s after 0 candidates" in progress.stopped_note()
     assert "at 7.5 s, the next candidate not started (~3.0 s each)" in progress.stopped_note()
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_pipelines_come_before_the_meshes_when_the_state_needs_a_pipeline(monkeypatch, first):
+    """``_candidates(pipelines_first=)``: the pipelines are solved before the meshes without stages
+    (whose best then bounds nothing of theirs), else after them; both are solved either way."""
+    import autopar.solver.search as search
+    from autopar.context import ParallelMode
+    from autopar.solver.mesh_solve import PlanOptions
+    from autopar.trace import trace
+
+    order = []
+    real_mesh, real_pipes = search.solve_on_mesh, search.pipeline_plans
+
+    def mesh_solve(*a, **k):
+        order.append("mesh")
+        return real_mesh(*a, **k)
+
+    def pipes(*a, **k):
+        order.append("pipelines")
+        return real_pipes(*a, **k)
+
+    monkeypatch.setattr(search, "solve_on_mesh", mesh_solve)
+    monkeypatch.setattr(search, "pipeline_plans", pipes)
+    model, x, loss, target = _job()
+    traced = trace(model, x, loss, target)
+    plans, _, _ = search._candidates(traced, model, autopar.Mesh(4, device="h100"), ParallelMode.AUTO,
+                                     PlanOptions(), {}, {}, None, pipelines_first=first)
+    assert order.count("pipelines") == 1 and "mesh" in order
+    assert (order[0] == "pipelines") is first and (order[-1] == "pipelines") is not first
+    assert plans
