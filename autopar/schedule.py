@@ -32,6 +32,7 @@ Simulation (``simulate``)
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -122,6 +123,21 @@ def build_schedule(kind: str, num_stages: int, microbatches: int, virtual_stages
                 f"use {((m + p - 1) // p) * p} microbatches or the '1f1b' schedule")
         actions = [_interleaved_order(r, p, m, v) for r in range(p)]
     return Schedule(kind, p, m, v, actions)
+
+
+@functools.lru_cache(maxsize=4096)
+def in_flight(kind: str, num_stages: int, microbatches: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """``build_schedule(...).in_flight()`` without building the actions where the orders below give
+    it at once: GPipe holds every microbatch on every stage; 1F1B's stage s runs min(p - s - 1, m)
+    warm-up forwards and one more before its first backward, so min(p - s, m). (The planner asks
+    this for every microbatch count and stage cut: Table 1's 530B row built schedules of up to 2520
+    microbatches, ~0.8 s per pipeline candidate.) Interleaved: from the built schedule."""
+    p, m = num_stages, microbatches
+    if kind == "gpipe" and virtual_stages == 1 and p >= 1 and m >= 1:
+        return (m,) * p
+    if kind in ("1f1b", "interleaved_1f1b") and virtual_stages == 1 and p >= 1 and m >= 1:
+        return tuple(min(p - s, m) for s in range(p))
+    return tuple(build_schedule(kind, num_stages, microbatches, virtual_stages).in_flight())
 
 
 def _gpipe_order(stage: int, m: int) -> list[Action]:

@@ -83,3 +83,16 @@ def test_errors():
     broken.actions[0] = broken.actions[0][::-1]  # B before F on rank 0 with F first needed downstream
     with pytest.raises(ValueError, match="deadlock"):
         simulate(broken, 1.0, 2.0)
+
+
+def test_in_flight_without_building_the_schedule_is_the_built_one():
+    """``schedule.in_flight``: the counts the built action orders give, for every kind."""
+    from autopar.schedule import in_flight
+
+    for kind in ("gpipe", "1f1b", "interleaved_1f1b"):
+        for p in range(1, 6):
+            for m in range(1, 13):
+                for v in ((1, 2) if kind == "interleaved_1f1b" else (1,)):
+                    if v > 1 and m % p:
+                        continue
+                    assert in_flight(kind, p, m, v) == tuple(build_schedule(kind, p, m, v).in_flight()), (kind, p, m, v)

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autopar.schedule import build_schedule, simulate
+from autopar.schedule import in_flight as schedule_in_flight
 
 GIB = float(1 << 30)
 
@@ -269,9 +270,9 @@ def _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link
     fixed = sorted(set(fixed_boundaries or ()))
     total = num_stages * virtual_stages
     _validate(layers, num_stages, microbatches, total, fixed)
-    in_flight = build_schedule(schedule, num_stages, microbatches, virtual_stages).in_flight()
+    held = schedule_in_flight(schedule, num_stages, microbatches, virtual_stages)
     budget = None if memory_budget is None else memory_budget / virtual_stages
-    return _stage_tables(layers, in_flight, budget, p2p_link, fixed), virtual_stages
+    return _stage_tables(layers, held, budget, p2p_link, fixed), virtual_stages
 
 
 def partition_stages(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, schedule: str = "1f1b",

@@ -14,7 +14,7 @@ import math
 
 from autopar.cost_models.memory import dropout_mask_bytes_for
 from autopar.graph.cut_points import assign_units
-from autopar.schedule import build_schedule
+from autopar.schedule import in_flight
 from autopar.solver.inter_op import LayerProfile, least_stage_memory
 from autopar.solver.memory_floor import state_floor, unit_floors
 
@@ -61,7 +61,7 @@ def held(schedule: str, pp: int, m: int) -> tuple[float, ...]:
     """Per stage, the microbatches in flight over m: the activations a stage holds, in units of one
     whole batch's (each microbatch holds 1 / m of it)."""
     v = 2 if schedule == "interleaved_1f1b" else 1
-    return tuple(f / m for f in build_schedule(schedule, pp, m, v).in_flight())
+    return tuple(f / m for f in in_flight(schedule, pp, m, v))
 
 
 def holds_more(schedule: str, pp: int, m: int, other: int) -> bool:
