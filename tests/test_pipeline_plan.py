@@ -2,6 +2,8 @@
 report, and clear errors on bad requests."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch.nn as nn
 
@@ -209,6 +211,68 @@ def test_a_layout_too_loose_for_any_stage_is_solved_again_under_a_tighter_budget
     assert _tighter([ValueError("other")], room=50.0) is None
     assert _tighter([err], room=100.0) is None
     assert _tighter([err], room=0.0) is None
+
+
+def test_the_next_whole_model_budget_binds_the_last_layout():
+    """``_next_share``: after a layout no stage cut fits, the whole model's next budget is ``tighter``
+    times the least of the last budget and what the layout held: under the layout (so the solver
+    must change it) however far under its budget the layout was. Scaling the budget alone (the old
+    rule) left a layout at 66 % of its budget untouched by two tightenings of 0.9."""
+    from autopar.solver.pipeline_search import _next_share
+
+    total = 5120.0
+    for held, share in ((3374.5, 1.0), (4000.0, 0.9), (5000.0, 1.0), (100.0, 0.5)):
+        nxt = _next_share(share, 0.9, held, total)
+        assert nxt * total < held and nxt <= 0.9 * share
+    assert _next_share(1.0, 0.9, 5120.0, total) == pytest.approx(0.9)
+
+
+def test_a_stage_holds_its_own_units_gathered_parameter_copies_per_microbatch():
+    """A whole-model layout under a tight budget keeps parameters sharded and gathers them for use;
+    each gathered copy is saved for backward. ``unit_profiles`` charges each unit its own copies
+    (``kept``: summed over units, the sub-plan's "gathered parameters", counted independently from
+    the solver's choice), ``UnitCosts.at`` adds them to every microbatch in flight unscaled by its
+    rows, and ``_extra`` no longer adds the whole model's copies to every stage."""
+    from autopar.solver.pipeline_search import _extra
+
+    traced = trace(Llama(hidden=32, layers=3, ffn=64), (X,), loss_fn=lm_loss, example_target=Y)
+    mesh = autopar.Mesh((4,), axis_names=("dp",))
+    free = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(), {}, {}, microbatches=4)
+    sub = solve_on_mesh(traced, mesh, ParallelMode.AUTO,
+                        PlanOptions(memory_budget_gb=0.6 * max(free.memory_per_device) / 2**30), {}, {},
+                        microbatches=4)
+    copies = sub.memory_breakdown["gathered parameters"]
+    assert copies > 0
+    units, unit_of = assign_units(traced.gm)
+    costs = unit_profiles(traced, sub, units, unit_of, mesh.spec(), PlanOptions())
+    assert sum(costs.kept) == pytest.approx(copies, rel=1e-9) and sum(k > 0 for k in costs.kept) >= 2
+    assert _extra(sub) == pytest.approx(sub.memory_breakdown["transient"] + sub.memory_breakdown["inputs"])
+    half = costs.at(costs.batch // 2)
+    for p, h, k in zip(costs.profiles, half, costs.kept):
+        assert h.activation_bytes == pytest.approx(p.activation_bytes / 2 + k)
+
+
+def test_candidates_whose_state_fits_their_model_parallel_devices_come_first():
+    """``model_parallel_first`` (Megatron takeaway 2): the candidates whose training state over pp x
+    the non-"dp" axes is under the cap keep their order ahead of the others, which keep theirs."""
+    from autopar.cost_models.memory import param_numel, training_state_bytes
+    from autopar.solver.pipeline_fit import model_parallel_first
+
+    traced = trace(GPT(qkv_bias=False, layers=4, hidden=32), (X,), lm_loss, Y)
+    cands, _ = pipeline_candidates(traced, autopar.Mesh(16, gpus_per_node=4), ParallelMode.AUTO, {})
+    state = training_state_bytes(param_numel(traced.gm), None, "adamw", "fp32")
+
+    def model_parallel(c):
+        return c.pp * math.prod(n for a, n in zip(c.sub.axis_names, c.sub.shape) if a != "dp")
+    sizes = sorted({model_parallel(c) for c in cands})
+    assert len(sizes) >= 3
+    cap = state / sizes[1] * 1.001      # fits on the second-smallest model-parallel size and up
+    opts = PlanOptions(memory_budget_gb=cap / 2**30)
+    out = model_parallel_first(traced, cands, opts)
+    fits = [c for c in cands if state / model_parallel(c) <= cap]
+    assert out == fits + [c for c in cands if c not in fits]
+    assert 0 < len(fits) < len(cands)
+    assert model_parallel_first(traced, cands, PlanOptions()) == cands     # everything fits: order kept
 
 
 @pytest.mark.parametrize("shape", [(1,), (2,), (2, 2), (7,)])

@@ -56,7 +56,8 @@ def stage_fit_error(message: str, errors: list, sub_breakdown: dict | None, mesh
     """The StageFitError of a pipeline candidate whose partitions failed with ``errors`` (None when none
     failed for memory). The stage's training state is split into parameters, gradients and optimizer
     state in the proportions of one fp32-stored parameter under ``opts.precision`` (exact for a model of
-    one dtype); the sub-plan's gathered parameters and transients are added as ``_stage_memory`` does."""
+    one dtype); the sub-plan's transients are added as ``_stage_memory`` does (its gathered parameter
+    copies are in the stage's activations)."""
     tight = [e for e in errors if isinstance(e, StageMemoryError)]
     if not tight:
         return None
@@ -64,9 +65,8 @@ def stage_fit_error(message: str, errors: list, sub_breakdown: dict | None, mesh
     parts = training_state_parts(1.0, torch.float32, opts.optimizer, opts.precision)
     breakdown = {k: best.state * v / sum(parts) for k, v in zip(("parameters", "gradients", "optimizer state"), parts)}
     breakdown["activations"] = best.activations
-    for key in ("gathered parameters", "transient"):
-        if (sub_breakdown or {}).get(key):
-            breakdown[key] = sub_breakdown[key]
+    if (sub_breakdown or {}).get("transient"):
+        breakdown["transient"] = sub_breakdown["transient"]
     options = f"recompute {opts.recompute}" if opts.recompute not in (None, "none") else ""
     return StageFitError(message, mesh, cap, breakdown, options)
 

@@ -54,7 +54,7 @@ from autopar.solver.inter_op import PipelinePartition, StageMemoryError, partiti
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError
 from autopar.solver.pipeline_fit import (PipelineRequestError, budget_bytes, fit_refusal, held, holds_more,
-                                         microbatch_counts, schedules)
+                                         microbatch_counts, model_parallel_first, schedules)
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.stage_tags import check_stage_tags
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
@@ -254,7 +254,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     for _ in range(TIGHTER):
         if ranked or unbounded[0] or (tighter := _tighter(errors, budget - _extra(ref_plan))) is None:
             break
-        share[0] *= tighter
+        share[0] = _next_share(share[0], tighter, max(ref_plan.memory_per_device), budget * cand.pp)
         solved = {ref: solve(ref)}
         mb, ref_plan, units_ref, _, costs = solved[ref]
         ranked, reasons, errors = rank(costs, ref_plan)
@@ -322,13 +322,25 @@ def _tighter(errors: list, room: float) -> float | None:
     return 0.9 * room / min(needs)
 
 
+def _next_share(share: float, tighter: float, whole: float, total: float) -> float:
+    """The share of ``total`` (pp x the cap) the whole model's layout is solved under next: ``tighter``
+    times the smaller of the last budget's share and what the last layout held (``whole`` bytes), so
+    the next budget binds it. Scaling the budget alone left a layout far under it unchanged: Table 1's
+    1T row on a (6, 8) sub-mesh held 3374 GiB of a 5120 GiB budget (the attention projections and the
+    embedding kept whole over tp), two tightenings by 0.9 never reached it, and no stage cut fitted;
+    one tightening from what it held fits at 1F1B, 512 microbatches."""
+    return tighter * min(share, whole / total)
+
+
 def _extra(sub_plan: Plan) -> float:
     """Bytes a stage holds beyond its partition's state and in-flight activations: the sub-plan's
-    gathered parameters, backward transients and the step's inputs (``_stage_memory``). Not its
+    backward transients and the step's inputs (``_stage_memory``). Not its gathered parameter copies:
+    each unit's are in its activations (``unit_costs.KeptCopies``; the whole model's, added to every
+    stage, left Table 1's 1T row on a (6, 8) sub-mesh 3.9 GiB of an 80 GiB cap). Not its
     "accumulated gradients": the whole model's, of which each stage's own share is in its units'
     state (``UnitCosts.at``); added in full to every stage, they refused Table 1's 1T row (752 GiB)."""
     sub = sub_plan.memory_breakdown or {}
-    return sub.get("gathered parameters", 0.0) + sub.get("transient", 0.0) + sub.get("inputs", 0.0)
+    return sub.get("transient", 0.0) + sub.get("inputs", 0.0)
 
 
 def _buffers(costs: UnitCosts, batch: int, m: int, schedule: str, pp: int) -> float:
@@ -342,8 +354,8 @@ def _buffers(costs: UnitCosts, batch: int, m: int, schedule: str, pp: int) -> fl
 
 
 def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_plan: Plan, buffers: float = 0.0) -> None:
-    """Per rank: the partition's state + in-flight saved activations, plus the sub-plan's gathered
-    parameters and backward workspace ('transient': its largest op, the loss for a language model,
+    """Per rank: the partition's state + in-flight saved activations (with each unit's gathered
+    parameter copies), plus the sub-plan's backward workspace ('transient': its largest op, the loss for a language model,
     so an overestimate for stages without it). ``memory_breakdown`` is the fullest rank's."""
     sub = sub_plan.memory_breakdown or {}
     extra = _extra(sub_plan) + buffers
@@ -352,7 +364,7 @@ def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_pla
     state = sum(sum(p.param_bytes for p in costs.profiles[a:b])
                 for (a, b), r in ((st.layers, st.rank) for st in part.stages) if r == fullest)
     plan.memory_breakdown = {"params+grads+optimizer": state, "activations": part.rank_memory[fullest] - state}
-    for key in ("gathered parameters", "transient", "inputs"):
+    for key in ("transient", "inputs"):
         if key in sub:
             plan.memory_breakdown[key] = sub[key]
     if buffers:
@@ -514,6 +526,8 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
             raise PlanError(f"cannot pipeline this model: {blocker}")
         return [], [("pp", blocker)], False
     num_units, batch = len(assign_units(traced.gm)[0]), traced.batch_size
+    if not forced:
+        cands = model_parallel_first(traced, cands, opts)
     plans, failures = [], []
     progress = opts.progress
     for cand in cands:

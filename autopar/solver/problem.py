@@ -395,7 +395,7 @@ def resharded_param_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltPro
     return total
 
 
-def _region_input_uses(gm: fx.GraphModule, c: Costing) -> set[tuple[str, int]]:
+def region_input_uses(gm: fx.GraphModule, c: Costing) -> set[tuple[str, int]]:
     """(consumer, input position) of each use of a region's input inside a recomputed region: the
     checkpoint keeps the input as the consumer takes it (after any redistribution), so a consumer
     that takes it in another placement than its producer's keeps a copy for backward."""
@@ -415,9 +415,9 @@ def _region_input_uses(gm: fx.GraphModule, c: Costing) -> set[tuple[str, int]]:
 def _with_region_input_copies(edges: list[EdgeCost], gm: fx.GraphModule, by_name: dict, names: list[str],
                               index: dict, cands: Candidates, c: Costing) -> list[EdgeCost]:
     """``edges`` (in ``_edges_of``'s order) with the memory of a region input's redistributed copy
-    (``_region_input_uses``): bytes under the consumer's input placement where it differs from the
+    (``region_input_uses``): bytes under the consumer's input placement where it differs from the
     producer's output placement, per edge (two consumers of one copy are both charged)."""
-    uses = _region_input_uses(gm, c)
+    uses = region_input_uses(gm, c)
     out = list(edges)
     for pos, (n, _, i, _, src, idx) in enumerate(_graph_edges(names, by_name, index)):
         if (n, i) not in uses:
@@ -443,7 +443,7 @@ def resharded_region_inputs(gm: fx.GraphModule, cands: Candidates, built: BuiltP
         return 0.0
     by_name = {n.name: n for n in gm.graph.nodes}
     seen, total = set(), 0.0
-    for name, i in _region_input_uses(gm, c):
+    for name, i in region_input_uses(gm, c):
         if name not in built.index:
             continue
         a = tensor_inputs(by_name[name])[i]

@@ -6,6 +6,9 @@ once per step (gradient sync, optimizer step, the data-parallel gradients' secon
     fwd_u    = time_u * (sum base fwd / sum base fwd+bwd),   bwd_u = time_u - fwd_u
     param_u  = sum_{params p used in u} numel(p) * state bytes / shard(p)
     act_u    = sum_{v in u} saved-for-backward bytes(v) / shard(output of v)
+               + copies of recomputed regions' inputs v takes in another placement (scale with rows)
+    kept_u   = parameters v in u takes in another placement than the stored one and saves for
+               backward (the gathered copy): per microbatch in flight, whatever its rows
     out_u    = sum_{values crossing the cut after u} local bytes
     after_u  = with m > 1 microbatches, the data-parallel parameters' gradient bytes once more
 
@@ -15,17 +18,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from autopar.cost_models.compute import node_cost, optimizer_step_time
-from autopar.cost_models.memory import dropout_mask_bytes_for, training_state_bytes, training_state_parts
+from autopar.cost_models.compute import grad_nodes, node_cost, optimizer_step_time
+from autopar.cost_models.memory import dropout_mask_bytes_for, saves_input, training_state_bytes, training_state_parts
 from autopar.cost_models.recompute import saved_storages
 from autopar.cost_models.zero import zero_axes
 from autopar.graph.cut_points import crossing_values
 from autopar.plan import Plan
 from autopar.plan_specs import PlanSpecs
+from autopar.sharding.candidates import producer
 from autopar.sharding.placements import Replicate, shard_factor
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.inter_op import LayerProfile
-from autopar.solver.problem import Costing, sync_element_bytes, tensor_bytes
+from autopar.solver.problem import Costing, region_input_uses, sync_element_bytes, tensor_bytes
 
 
 @dataclass
@@ -38,19 +42,22 @@ class UnitCosts:
     batch: int                # the microbatch size profiled
     optimizer: list[float] = field(default_factory=list)   # optimizer-step seconds of each unit's parameters
     accumulated: list[float] = field(default_factory=list)  # bytes of each unit's second data-parallel gradient copy
+    kept: list[float] = field(default_factory=list)  # bytes of each unit's gathered parameter copies, per microbatch
 
     def at(self, batch: int, microbatches: int = 1) -> list[LayerProfile]:
         """The profiles at microbatch size ``batch``; with several ``microbatches`` each unit also holds
         its data-parallel gradients' second copy (``memory_terms.accumulated_grad_bytes``) once the
-        schedule is done (``LayerProfile.after_bytes``: the pipeline syncs its gradients after it)."""
+        schedule is done (``LayerProfile.after_bytes``: the pipeline syncs its gradients after it).
+        A microbatch in flight holds its gathered parameter copies (``kept``) at any size."""
         f = batch / self.batch
         extra = self.accumulated if microbatches > 1 and self.accumulated else [0.0] * len(self.profiles)
+        kept = self.kept or [0.0] * len(self.profiles)
         out = []
-        for p, launch, copy in zip(self.profiles, self.launch, extra):
+        for p, launch, copy, k in zip(self.profiles, self.launch, extra, kept):
             total = p.fwd + p.bwd
             share = p.fwd / total if total else 0.5
             work = max(total - launch, 0.0) * f + min(launch, total)
-            out.append(replace(p, fwd=work * share, bwd=work * (1 - share), activation_bytes=p.activation_bytes * f,
+            out.append(replace(p, fwd=work * share, bwd=work * (1 - share), activation_bytes=p.activation_bytes * f + k,
                                out_bytes=p.out_bytes * f, after_bytes=copy))
         return out
 
@@ -69,6 +76,54 @@ def _moved_param_sync(node, d, traced, costing: Costing, mesh_shape) -> float:
             if isinstance(spec[a], Replicate):
                 t += costing.grad_sync(costing.grad_bytes(inp) / shard_factor(spec, mesh_shape), a)
     return t
+
+
+class KeptCopies:
+    """What a unit's ops keep for backward in another placement than the value is stored in, as the
+    whole model's plan counts it (``problem.resharded_param_bytes``, ``resharded_region_inputs``):
+    one copy per (value, placement) in each unit that makes it (stages are separate programs; a
+    value two units of one stage take alike is charged twice). ``params``: gathered
+    parameter copies (one per microbatch in flight, whatever its rows); ``regions``: recomputed
+    regions' inputs (they scale with the rows)."""
+
+    def __init__(self, traced, plan: Plan, mask_bytes):
+        self.gm, self.plan, self.mask = traced.gm, plan, mask_bytes
+        self.shape = plan.mesh.shape
+        self.params = set(traced.params)
+        self.stored = {d.placeholder: d.spec for d in plan.params.values()}
+        self.need = grad_nodes(traced.gm.graph)
+        costing = Costing(self.shape, None, recompute=plan.memory_options.recompute or "none")
+        recomputed = plan.memory_options.recompute not in (None, "none")
+        self.region_uses = region_input_uses(traced.gm, costing) if recomputed else set()
+        self.seen: set = set()
+
+    def of(self, node, unit: int) -> tuple[float, float]:
+        """(parameter copies, region input copies) bytes ``node`` makes first in ``unit``."""
+        d = self.plan.nodes.get(node.name)
+        if d is None or node.op != "call_function":
+            return 0.0, 0.0
+        params = regions = 0.0
+        for i, a in enumerate(tensor_inputs(node)):
+            if i >= len(d.inputs) or d.inputs[i] is None:
+                continue
+            spec = d.inputs[i]
+            if a.name in self.params and a.name in self.stored:
+                key = (unit, a.name, spec)
+                if node in self.need and spec != self.stored[a.name] and key not in self.seen \
+                        and saves_input(node, a, self.mask):
+                    self.seen.add(key)
+                    params += tensor_bytes(a) / shard_factor(spec, self.shape)
+            elif (node.name, i) in self.region_uses:
+                src, idx = producer(a)
+                have = self.plan.nodes.get(src.name)
+                if have is None:
+                    continue
+                out = have.output if idx is None else have.output[idx]
+                key = (unit, src.name, idx, spec)
+                if spec != out and key not in self.seen:
+                    self.seen.add(key)
+                    regions += tensor_bytes(src, idx) / shard_factor(spec, self.shape)
+        return params, regions
 
 
 def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts:
@@ -92,9 +147,10 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
     param_spec = {d.placeholder: d.spec for d in plan.params.values()}
     cuts = crossing_values(gm, unit_of, len(units))
     seen_saved: set = set()     # storage keys: views of one storage (q, k, v of one projection) count once
-    profiles, launches, syncs, steps, copies = [], [], [], [], []
+    copied = KeptCopies(traced, plan, dropout_mask_bytes_for(device.name))
+    profiles, launches, syncs, steps, copies, kept = [], [], [], [], [], []
     for unit in units:
-        time = fwd_base = total_base = launch = act = 0.0
+        time = fwd_base = total_base = launch = act = held = 0.0
         params: set[str] = set()
         for name in unit.nodes:
             node, d = by_name[name], plan.nodes.get(name)
@@ -113,6 +169,9 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
                     # a tensor the op makes itself (log-probs, statistics) splits like its input
                     act += nbytes / (max(out_shard, in_shard) if internal else out_shard)
             params |= {i.name for i in tensor_inputs(node) if i.op == "placeholder" and i.name in traced.params}
+            param_copies, region_copies = copied.of(node, unit.index)
+            held += param_copies
+            act += region_copies
         share = fwd_base / total_base if total_base else 1 / 3
         pbytes = sum(training_state_bytes(by_name[p].meta["val"].numel(), by_name[p].meta["val"].dtype,
                                           opts.optimizer, opts.precision) / shard_factor(param_spec[p], shape)
@@ -128,4 +187,5 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
         copies.append(sum(training_state_parts(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape),
                                                by_name[p].meta["val"].dtype, opts.optimizer, opts.precision)[1]
                           for p in params if p in param_spec and zero_axes(param_spec[p], shape)[1] > 1))
-    return UnitCosts(profiles, launches, syncs, traced.batch_size, steps, copies)
+        kept.append(held)
+    return UnitCosts(profiles, launches, syncs, traced.batch_size, steps, copies, kept)
