@@ -252,6 +252,51 @@ def test_a_stage_holds_its_own_units_gathered_parameter_copies_per_microbatch():
         assert h.activation_bytes == pytest.approx(p.activation_bytes / 2 + k)
 
 
+@pytest.mark.parametrize("hidden,shape,names", [(256, (2, 2), ("dp", "tp")), (128, (2,), ("tp",))])
+def test_unit_activations_are_what_the_solver_charges_the_layout(hidden, shape, names):
+    """A saved graph tensor is split as the node that makes it (``saved_bytes_by_node``, the solver's
+    rule), not as the op that saves it: a row-parallel linear saves its tp-split input, while its
+    output is partial over tp. The units' activations (no recomputation: no region copies) sum to
+    the sub-plan's. Charging the saver's output split put them 7.6 % over on the first case, and
+    ~3x over on Table 1's 1T row at tp 8 (281 against 106 GiB at 24 rows)."""
+    traced = trace(GPT(qkv_bias=False, layers=2, hidden=hidden), (X,), lm_loss, Y)
+    mesh = autopar.Mesh(shape, axis_names=names)
+    sub = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(), {}, {})
+    units, unit_of = assign_units(traced.gm)
+    costs = unit_profiles(traced, sub, units, unit_of, mesh.spec(), PlanOptions())
+    assert sum(p.activation_bytes for p in costs.profiles) == pytest.approx(sub.memory_breakdown["activations"],
+                                                                            rel=1e-3)
+
+
+def test_the_whole_model_layout_weighs_activations_by_the_microbatches_in_flight():
+    """``solve_on_mesh(activation_weight=w)``: the budget counts what one microbatch holds (saved
+    activations, gathered copies) w times and the state once, and the plan's memory is that sum.
+    Under a budget the unweighted layout already meets, the weighted solve trades activation
+    memory; ``in_flight_weight``: the fewest rows any count's fullest stage holds (1F1B: min(pp, m)
+    microbatches; GPipe: all m) over the rows solved, at least 1."""
+    from autopar.solver.pipeline_search import in_flight_weight
+
+    assert in_flight_weight(["gpipe", "1f1b"], 64, [128, 256, 512], 3072, 24) == 16.0
+    assert in_flight_weight(["gpipe"], 64, [128, 512], 3072, 24) == 128.0
+    assert in_flight_weight(["1f1b"], 2, [1, 2, 4], 8, 8) == 1.0
+    traced = trace(GPT(qkv_bias=False, layers=2, hidden=128), (X,), lm_loss, Y)
+    mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"))
+    free = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(), {}, {})
+    w = 8
+
+    def weighted(b):
+        return (b["params+grads+optimizer"] + w * (b["activations"] + b.get("gathered parameters", 0.0))
+                + b["transient"] + b.get("inputs", 0.0))
+    budget = 0.8 * weighted(free.memory_breakdown)
+    opts = PlanOptions(memory_budget_gb=budget / 2**30)
+    plain = solve_on_mesh(traced, mesh, ParallelMode.AUTO, opts, {}, {})
+    heavy = solve_on_mesh(traced, mesh, ParallelMode.AUTO, opts, {}, {}, activation_weight=w)
+    assert plain.memory_breakdown["activations"] == free.memory_breakdown["activations"]
+    assert heavy.memory_per_device[0] == pytest.approx(weighted(heavy.memory_breakdown), rel=1e-9)
+    assert heavy.memory_per_device[0] <= budget
+    assert heavy.memory_breakdown["activations"] < free.memory_breakdown["activations"]
+
+
 def test_candidates_whose_state_fits_their_model_parallel_devices_come_first():
     """``model_parallel_first`` (Megatron takeaway 2): the candidates whose training state over pp x
     the non-"dp" axes is under the cap keep their order ahead of the others, which keep theirs."""

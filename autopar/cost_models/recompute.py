@@ -188,9 +188,11 @@ def saved_bytes_after(gm, recompute: str | dict, dropout_mask_bytes: int | None 
 
 
 def saved_storages(gm, recompute: str | dict = "none", dropout_mask_bytes: int | None = 1):
-    """(saving node, storage key, bytes, internal) for every tensor kept for backward under a
+    """(saving node, storage key, bytes, internal, tensor) for every tensor kept for backward under a
     recompute choice; the key is the same for every view of one storage (q, k, v split from one
-    projection count once)."""
+    projection count once); ``tensor``: the node that makes a graph storage (it is split as that
+    node's output, as ``saved_bytes_by_node`` charges it), the saving node for an internal one."""
     _, kept = _kept(_graph(gm), recompute, dropout_mask_bytes)
-    return [(node_name, key, nbytes, internal) for node_name, key, _, nbytes, internal in kept]
+    return [(node_name, key, nbytes, internal, node_name if internal else name)
+            for node_name, key, name, nbytes, internal in kept]
 

@@ -48,7 +48,7 @@ def unit_floors(traced, units, mesh_shape: tuple, optimizer: str, precision: str
     size = int(np.prod(mesh_shape))
     by_name = {n.name: n for n in traced.gm.graph.nodes}
     saved: dict[str, list[tuple[object, int]]] = {}
-    for node_name, key, nbytes, _ in saved_storages(traced.gm, recompute or "none", dropout_mask_bytes):
+    for node_name, key, nbytes, *_ in saved_storages(traced.gm, recompute or "none", dropout_mask_bytes):
         saved.setdefault(node_name, []).append((key, nbytes))
     seen: set = set()
     state, acts = [], []

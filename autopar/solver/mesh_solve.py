@@ -30,8 +30,8 @@ from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
 from autopar.solver.memory_terms import accumulated_grad_bytes, op_transients, transient_bytes, zero_layer_buffers
 from autopar.solver.progress import SearchProgress
-from autopar.solver.problem import (Costing, build_problem, grad_sync_overhead, resharded_param_bytes,
-                                    resharded_region_inputs, sync_element_bytes)
+from autopar.solver.problem import (Costing, activation_weighted, build_problem, grad_sync_overhead,
+                                    resharded_param_bytes, resharded_region_inputs, sync_element_bytes)
 
 
 @dataclass
@@ -210,14 +210,18 @@ def _outs(st):
 
 
 def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict,
-                  ranks_per_node: int | None = None, microbatches: int = 1, cutoff: float | None = None) -> Plan:
+                  ranks_per_node: int | None = None, microbatches: int = 1, cutoff: float | None = None,
+                  activation_weight: float = 1.0) -> Plan:
     """``ranks_per_node``: ranks sharing a node (default: this mesh's); a pipeline stage's
     sub-mesh passes the whole mesh's, since every stage runs at the same time. ``traced`` is one
     microbatch of a step that runs ``microbatches`` of them (accumulation, or a pipeline's): the
     solver minimises the whole step, in which the gradient sync and optimizer step run once
     (``BuiltProblem.per_step``). ``cutoff``: the best whole-step time so far; a candidate whose
     lower bound (``microbatches`` x its unbudgeted per-step optimum) reaches it raises
-    ``DominatedError`` instead of being solved under the budget."""
+    ``DominatedError`` instead of being solved under the budget. ``activation_weight``: the budget
+    counts what a microbatch holds (saved activations, gathered copies) that many times
+    (``problem.activation_weighted``; a pipeline's whole-model layout); the plan's memory is then in
+    those units."""
     t0 = time.perf_counter()
     device = mesh.spec()
     per_node = ranks_per_node or min(mesh.size, mesh.gpus_per_node or mesh.size)
@@ -236,7 +240,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
     held = step_input_bytes(traced, microbatches)
     try:
-        sol, gathered, transient = _solve_within(traced, cands, built, costing, budget - held, microbatches, cutoff)
+        sol, gathered, transient = _solve_within(traced, cands, built, costing, budget - held, microbatches, cutoff,
+                                                 activation_weight=activation_weight)
         layers = zero_layer_buffers(traced.gm, cands, built, sol.choice, costing, traced.params)
     except InfeasibleError as err:
         if getattr(err, "choice", None) is not None:
@@ -254,7 +259,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
                 memory_per_device=[float(sol.memory) + gathered + transient + held] * mesh.size, memory_bound=sol.bound,
-                memory_breakdown=_breakdown(built, sol, traced, gathered - layers, transient, layers, costing.zero, held,
+                memory_breakdown=_breakdown(built, sol, traced, (gathered - layers) / activation_weight, transient, layers,
+                                            costing.zero, held,
                                             zero_unsynced_bytes(traced, cands, built, sol.choice, costing),
                                             accumulated_grad_bytes(traced.gm, cands, built, sol.choice, costing,
                                                                    traced.params)),
@@ -311,7 +317,7 @@ def zero_collective_list(colls: list[Collective], stage: int, params: set[str], 
 
 
 def _solve_within(traced, cands, built, costing: Costing, budget: float, microbatches: int = 1,
-                  cutoff: float | None = None, tries: int = 6):
+                  cutoff: float | None = None, tries: int = 6, activation_weight: float = 1.0):
     """Solve, then add what the ILP's memory row does not hold exactly: ZeRO's per-layer buffers
     (``zero_layer_buffers``) and the largest op's backward transients (a maximum each, not a sum), and the gathered
     parameter copies counted once per (parameter, placement) where the row charges them per edge
@@ -326,7 +332,7 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
     total does not), it is solved without. The lowered re-solves keep no such room: their limit
     already leaves the last solution's transients out."""
     params = set(traced.params)
-    whole = built.per_step(microbatches)
+    whole = activation_weighted(built.per_step(microbatches), built.names, params, activation_weight)
     limit = budget
     problem = dataclasses.replace(whole, cutoff=None if cutoff is None else cutoff / microbatches,
                                   transient=op_transients(traced.gm, cands, built, costing, traced.params))
@@ -344,10 +350,10 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
             raise
         if limit < budget:          # solved under a lowered limit: the budget shaped it
             sol = dataclasses.replace(sol, bound=True)
-        node_bytes = sol.memory - edge_memory(built.problem, sol.choice) + zero_unsynced_bytes(traced, cands, built,
-                                                                                               sol.choice, costing)
-        resharded = (resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
-                     + resharded_region_inputs(traced.gm, cands, built, sol.choice, costing))
+        node_bytes = sol.memory - edge_memory(whole, sol.choice) + zero_unsynced_bytes(traced, cands, built,
+                                                                                       sol.choice, costing)
+        resharded = activation_weight * (resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
+                                         + resharded_region_inputs(traced.gm, cands, built, sol.choice, costing))
         layer_buffers = zero_layer_buffers(traced.gm, cands, built, sol.choice, costing, traced.params)
         transient = transient_bytes(traced.gm, cands, built, sol.choice, costing, traced.params)
         gathered = resharded + layer_buffers

@@ -293,6 +293,20 @@ class BuiltProblem:
         return float(sum(o[s] for o, s in zip(self.once, choice)))
 
 
+def activation_weighted(p: IntraOpProblem, names: list[str], params: set[str], weight: float) -> IntraOpProblem:
+    """``p`` with what each microbatch in flight holds (non-parameter nodes' saved activations, the
+    edges' kept copies) counted ``weight`` times and the parameters' state once: a pipeline's
+    whole-model layout then weighs activations as a stage holding several microbatches does
+    (``pipeline_search.plan_pipeline``)."""
+    if weight == 1.0:
+        return p
+    nodes = [n if name in params else dataclasses.replace(n, memory=np.asarray(n.memory, dtype=float) * weight)
+             for n, name in zip(p.nodes, names)]
+    edges = [e if e.memory is None else dataclasses.replace(e, memory=np.asarray(e.memory, dtype=float) * weight)
+             for e in p.edges]
+    return dataclasses.replace(p, nodes=nodes, edges=edges)
+
+
 def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set[str],
                   allowed: dict[str, list[int]] | None = None, ties: list[list[str]] = (),
                   memory_budget: float | None = None, time_limit_s: float = 10.0) -> BuiltProblem:

@@ -78,6 +78,12 @@ def _moved_param_sync(node, d, traced, costing: Costing, mesh_shape) -> float:
     return t
 
 
+def _split(specs: PlanSpecs, node, shape) -> int:
+    """How many ways the plan splits ``node``'s (first) output."""
+    d = specs.plan.nodes.get(node.name)
+    return max(1, shard_factor(specs.spec(node, 0 if d is not None and isinstance(d.output, list) else None), shape))
+
+
 class KeptCopies:
     """What a unit's ops keep for backward in another placement than the value is stored in, as the
     whole model's plan counts it (``problem.resharded_param_bytes``, ``resharded_region_inputs``):
@@ -133,10 +139,10 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
                       grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression))
     specs = PlanSpecs(plan, len(shape))
     by_name = {n.name: n for n in gm.graph.nodes}
-    saved: dict[str, list[tuple[object, int, bool]]] = {}
-    for node_name, key, nbytes, internal in saved_storages(gm, plan.memory_options.recompute,
-                                                           dropout_mask_bytes_for(device.name)):
-        saved.setdefault(node_name, []).append((key, nbytes, internal))
+    saved: dict[str, list[tuple[object, int, bool, str]]] = {}
+    for node_name, key, nbytes, internal, tensor in saved_storages(gm, plan.memory_options.recompute,
+                                                                   dropout_mask_bytes_for(device.name)):
+        saved.setdefault(node_name, []).append((key, nbytes, internal, tensor))
     coll_time: dict[str, float] = {}
     sync_time: dict[str, float] = {}
     for c in plan.collective_list:
@@ -163,11 +169,13 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             time += d.time - _moved_param_sync(node, d, traced, costing, shape) + coll_time.get(name, 0.0)
             out_shard = max(1, shard_factor(specs.spec(node, 0 if isinstance(d.output, list) else None), shape))
             in_shard = shard_factor(d.inputs[0], shape) if d.inputs and d.inputs[0] else 1
-            for key, nbytes, internal in saved.get(name, []):
+            for key, nbytes, internal, tensor in saved.get(name, []):
                 if key not in seen_saved:
                     seen_saved.add(key)
-                    # a tensor the op makes itself (log-probs, statistics) splits like its input
-                    act += nbytes / (max(out_shard, in_shard) if internal else out_shard)
+                    # a tensor the op makes itself (log-probs, statistics) splits like its input; a
+                    # graph tensor as the node that makes it (a row-parallel linear saves its
+                    # tp-split input, not its partial output)
+                    act += nbytes / (max(out_shard, in_shard) if internal else _split(specs, by_name[tensor], shape))
             params |= {i.name for i in tensor_inputs(node) if i.op == "placeholder" and i.name in traced.params}
             param_copies, region_copies = copied.of(node, unit.index)
             held += param_copies
