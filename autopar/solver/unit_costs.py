@@ -5,7 +5,7 @@ once per step (gradient sync, optimizer step, the data-parallel gradients' secon
     time_u   = sum_{v in u} node_time(v) - param_sync(v) + resharding collectives of v
     fwd_u    = time_u * (sum base fwd / sum base fwd+bwd),   bwd_u = time_u - fwd_u
     param_u  = sum_{params p used in u} numel(p) * state bytes / shard(p)
-    act_u    = sum_{v in u} saved-for-backward bytes(v) / shard(output of v)
+    act_u    = sum_{t saved by v in u} bytes(t) / shard(output of the node making t)   (internal: v's)
                + copies of recomputed regions' inputs v takes in another placement (scale with rows)
     kept_u   = parameters v in u takes in another placement than the stored one and saves for
                backward (the gathered copy): per microbatch in flight, whatever its rows
