@@ -79,3 +79,27 @@ def test_op_transients_never_exceed_the_transients_of_any_assignment(zero, micro
         bound = (max(float(t[s]) for t, s in zip(peak, choice) if t is not None)
                  + sum(float(a[s]) for a, s in zip(added, choice) if a is not None))
         assert 0 < bound <= transient_bytes(tr.gm, cands, built, choice, costing, tr.params) * (1 + 1e-12)
+
+
+def test_op_transients_of_repeated_layers_equal_each_node_costed_alone():
+    """``op_transients`` costs one array per (node kind, gradient sizes and aliasing) and gives it to
+    every repeated layer's node (GPT-2 XL's 20 pipeline candidates: 417 588 strategy evaluations, ~7 %
+    of its search): every node's array equals its own strategies costed one by one."""
+    from autopar.solver.memory_terms import _op_gradients, op_gradient_facts, op_transients
+
+    tr = _traced()
+    cands = build_candidates(tr.gm, MESH)
+    costing = Costing(MESH, get_device("a100-80gb"), "adamw", "fp32", frozen_buffers=set(tr.buffers))
+    built = build_problem(tr.gm, cands, costing, set(tr.params))
+    peak, _ = op_transients(tr.gm, cands, built, costing, tr.params)
+    facts = op_gradient_facts(tr.gm, tr.params, costing)
+    shared = 0
+    for name, terms in zip(built.names, peak):
+        if name not in facts:
+            assert terms is None
+            continue
+        alone = [sum(live.values()) + own for live, own in
+                 (_op_gradients(facts[name], st, costing) for st in cands.strategies[name])]
+        np.testing.assert_array_equal(terms, alone)
+        shared += sum(t is terms for t in peak) > 1
+    assert shared > 10          # the layers' nodes do share their arrays

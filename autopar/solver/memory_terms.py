@@ -161,6 +161,13 @@ def op_gradient_facts(gm: fx.GraphModule, params, c: Costing) -> dict[str, OpGra
     return cache[key]
 
 
+def _gradient_shape(f: OpGradients) -> tuple:
+    """What ``_op_gradients`` reads of ``f`` but the storages' identities: the bytes, and which
+    tensors share a storage (each key by its first position)."""
+    first = {f.out_key: 0}
+    return f.out_bytes, f.own, tuple((i, first.setdefault(key, len(first)), nbytes) for i, key, nbytes in f.inputs)
+
+
 def _op_gradients(f: OpGradients, st: Strategy, c: Costing) -> tuple[dict, float]:
     """The local gradients live while the op's backward runs under strategy ``st`` (storage key
     -> bytes: its output's and its non-parameter inputs') and the bytes it saves of its own, its
@@ -189,9 +196,18 @@ def op_transients(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, c:
     cache = gm.meta.setdefault("op_transients", {})
     key = (id(cands), tuple(c.mesh_shape), id(facts))
     if key not in cache:
-        cache[key] = {name: np.array([sum(live.values()) + own for live, own in
-                                      (_op_gradients(f, st, c) for st in cands.strategies[name])])
-                      for name, f in facts.items() if name in cands.strategies}
+        kinds = c._memo.get(("kinds", id(cands))) or {}     # ``problem._node_kinds``: equal strategies
+        alike: dict = {}        # repeated layers: one array per (kind, gradient sizes and aliasing)
+        terms = {}
+        for name, f in facts.items():
+            if name not in cands.strategies:
+                continue
+            sig = (kinds[name], _gradient_shape(f)) if name in kinds else name
+            if sig not in alike:
+                alike[sig] = np.array([sum(live.values()) + own for live, own in
+                                       (_op_gradients(f, st, c) for st in cands.strategies[name])])
+            terms[name] = alike[sig]
+        cache[key] = terms
     terms = cache[key]
     out: list[np.ndarray | None] = [terms.get(name) for name in built.names]
     added: list[np.ndarray | None] = [None] * len(built.names)

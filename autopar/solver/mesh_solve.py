@@ -228,11 +228,14 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     device = device.shared_by(per_node).with_compile(opts.compiled)  # CPU ranks beyond the core count share the cores
     cands = _candidates(traced, mesh.shape)
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
-    redistribution, memo = traced.meta.setdefault("costing_memo", {}).setdefault((mesh.shape, repr(device)), ({}, {}))
+    memo = traced.meta.setdefault("costing_memo", {}).setdefault((mesh.shape, repr(device)), {})
+    # by value (specs, bytes): shared with the step's other microbatch graphs (``retrace.microbatch_trace``)
+    redistribution, tables = traced.meta.setdefault("shared_costing", {}).setdefault((mesh.shape, repr(device)),
+                                                                                     ({}, {}))
     costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers),
                       recompute=opts.recompute or "none", zero=opts.zero or 0, microbatches=microbatches,
                       grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),
-                      _redistribution=redistribution, _memo=memo)
+                      _redistribution=redistribution, _memo=memo, _tables=tables)
     names = dict(traced.params)
     names.update(traced.buffers)
     ties = tie_groups(find_layers(traced.gm, names))
@@ -288,8 +291,9 @@ def step_input_bytes(traced, microbatches: int = 1) -> float:
 
 def _candidates(traced, mesh_shape: tuple):
     """``build_candidates`` once per (traced step, mesh shape): the search solves one graph on one
-    mesh under several memory options (ZeRO stages, recomputation), and its resharding tables
-    (``traced.meta["costing_memo"]``) are shared the same way."""
+    mesh under several memory options (ZeRO stages, recomputation), and its node costs
+    (``traced.meta["costing_memo"]``) are shared the same way; its resharding tables, by value, with
+    the step's other microbatch graphs too (``traced.meta["shared_costing"]``)."""
     cache = traced.meta.setdefault("candidates", {})
     key = (tuple(mesh_shape), id(traced.gm.graph), len(traced.gm.graph.nodes))
     if key not in cache:

@@ -64,7 +64,9 @@ class Costing:
     microbatches: int = 1           # microbatches per step (accumulation or a pipeline's): the gradients of
                                     # the earlier ones are held while a later one's are computed
     _redistribution: dict = field(default_factory=dict, repr=False)  # (src, dst, bytes) -> seconds
-    _memo: dict = field(default_factory=dict, repr=False)  # node costs, edge tables, edge lists (``build_problem``)
+    _memo: dict = field(default_factory=dict, repr=False)  # node costs, edge lists of one graph (``build_problem``)
+    _tables: dict = field(default_factory=dict, repr=False)  # edge resharding tables and gathered-copy matrices by
+                                    # value (specs, bytes): shared by the microbatch graphs of one step (``solve_on_mesh``)
 
     def inner(self, axis: int) -> int:
         return math.prod(self.mesh_shape[axis + 1:])
@@ -478,14 +480,19 @@ def _gathered_matrix(param: fx.Node, stored: list[Strategy], users: list[Strateg
     """[stored choice, user choice] -> bytes of the copy a user saves when it takes ``param`` in
     another placement than the stored one (``resharded_param_bytes`` per edge)."""
     nbytes = tensor_bytes(param)
-    out = np.zeros((len(stored), len(users)))
-    for j, st in enumerate(users):
-        if i >= len(st.inputs):
-            continue
-        for k, sp in enumerate(stored):
-            if st.inputs[i] != sp.output:
-                out[k, j] = nbytes / shard_factor(st.inputs[i], c.mesh_shape)
-    return out
+    held = tuple(sp.output for sp in stored)
+    taken = tuple(st.inputs[i] if i < len(st.inputs) else None for st in users)
+    key = ("gathered", held, taken, nbytes)
+    if key not in c._tables:
+        out = np.zeros((len(stored), len(users)))
+        for j, spec in enumerate(taken):
+            if spec is None:
+                continue
+            for k, sp in enumerate(held):
+                if spec != sp:
+                    out[k, j] = nbytes / shard_factor(spec, c.mesh_shape)
+        c._tables[key] = out
+    return c._tables[key]
 
 
 def _local_saved(node: fx.Node, st: Strategy, saved: dict, c: Costing) -> float:
@@ -538,7 +545,7 @@ def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: 
     frozen = src.name in c.frozen_buffers
     grad = src in grad_nodes(src.graph)
     key = (s_specs, d_specs, nbytes, frozen, grad)
-    if key not in c._memo:
+    if key not in c._tables:
         us, ud = list(dict.fromkeys(s_specs)), list(dict.fromkeys(d_specs))
         table = np.zeros((len(us), len(ud)))
         for a, ss in enumerate(us):
@@ -547,8 +554,8 @@ def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: 
         pos_s, pos_d = {s: k for k, s in enumerate(us)}, {s: k for k, s in enumerate(ud)}
         ri = np.array([pos_s[s] for s in s_specs])
         ci = np.array([pos_d[s] for s in d_specs])
-        c._memo[key] = table[np.ix_(ri, ci)]
-    return EdgeCost(index[src.name], index[dst.name], c._memo[key])
+        c._tables[key] = table[np.ix_(ri, ci)]
+    return EdgeCost(index[src.name], index[dst.name], c._tables[key])
 
 
 def _same_storage(a: fx.Node, b: fx.Node) -> bool:
