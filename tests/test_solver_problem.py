@@ -103,3 +103,34 @@ def test_op_transients_of_repeated_layers_equal_each_node_costed_alone():
         np.testing.assert_array_equal(terms, alone)
         shared += sum(t is terms for t in peak) > 1
     assert shared > 10          # the layers' nodes do share their arrays
+
+
+def test_edges_of_repeated_layers_equal_each_edge_costed_alone():
+    """``_edges_of`` gives repeated layers' edges one table per (kinds, positions, bytes): every edge's
+    resharding table and gathered-copy bytes equal those of the edge costed alone."""
+    from autopar.cost_models.memory import saves_input
+    from autopar.solver.problem import _edge, _gathered_matrix, _graph_edges
+
+    tr = _traced()
+    cands = build_candidates(tr.gm, MESH)
+    costing = Costing(MESH, get_device("a100-80gb"), "adamw", "fp32", frozen_buffers=set(tr.buffers))
+    built = build_problem(tr.gm, cands, costing, set(tr.params))
+    by_name = {n.name: n for n in tr.gm.graph.nodes}
+    need = grad_nodes(tr.gm.graph)
+    fresh = Costing(MESH, get_device("a100-80gb"), "adamw", "fp32", frozen_buffers=set(tr.buffers))
+    pairs = list(_graph_edges(built.names, by_name, built.index))
+    assert len(pairs) == len(built.problem.edges) > 100
+    shared = 0
+    for e, (n, node, i, a, src, idx) in zip(built.problem.edges, pairs):
+        alone = _edge(src, idx, node, i, cands, built.index, fresh)
+        assert (e.src, e.dst) == (alone.src, alone.dst)
+        np.testing.assert_array_equal(e.cost, alone.cost)
+        kept = None
+        if src.name in tr.params and node in need and saves_input(node, a, 1):
+            kept = _gathered_matrix(a, cands.strategies[src.name], cands.strategies[n], i, fresh)
+            kept = kept if kept.any() else None
+        assert (e.memory is None) == (kept is None)
+        if kept is not None:
+            np.testing.assert_array_equal(e.memory, kept)
+        shared += sum(f.cost is e.cost for f in built.problem.edges) > 1
+    assert shared > 10

@@ -360,13 +360,22 @@ def _edges_of(by_name: dict, names: list[str], index: dict, cands: Candidates, c
     """Every producer -> consumer edge with its resharding table and, where the consumer keeps a
     parameter in another placement, the gathered copy's bytes (``_gathered_matrix``, the edge's
     ``memory``). They depend on the graph, the candidates, the mesh and the device only."""
+    kinds = c._memo.get(("kinds", id(cands))) or {}
+    alike: dict = {}        # repeated layers' edges: (kinds, positions, bytes) -> (table, kept bytes)
     edges = []
     for n, node, i, a, src, idx in _graph_edges(names, by_name, index):
-        edge = _edge(src, idx, node, i, cands, index, c)
-        if src.name in params and node in need and saves_input(node, a, mask):
-            kept = _gathered_matrix(a, cands.strategies[src.name], cands.strategies[n], i, c)
-            edge = dataclasses.replace(edge, memory=kept if kept.any() else None)
-        edges.append(edge)
+        keeps = src.name in params and node in need and saves_input(node, a, mask)
+        key = (kinds.get(src.name), idx, kinds.get(n), i, tensor_bytes(src, idx), src.name in c.frozen_buffers,
+               src in need, keeps) if src.name in kinds and n in kinds else None
+        if key is None or key not in alike:
+            edge = _edge(src, idx, node, i, cands, index, c)
+            kept = _gathered_matrix(a, cands.strategies[src.name], cands.strategies[n], i, c) if keeps else None
+            table = (edge.cost, kept if kept is not None and kept.any() else None)
+            if key is None:
+                edges.append(EdgeCost(edge.src, edge.dst, *table))
+                continue
+            alike[key] = table
+        edges.append(EdgeCost(index[src.name], index[n], *alike[key]))
     return edges
 
 
