@@ -328,9 +328,9 @@ def in_flight_weight(kinds: list[str], pp: int, counts: list[int], batch: int, r
     rows any count's fullest stage holds in flight (1F1B: min(pp, m) microbatches of batch / m;
     GPipe: all m), over ``rows``, at least 1. Under an even cut a stage holds 1 / pp of the state
     and of those activations, so the budget pp x the cap then bounds the fullest stage, not the
-    average one (activations counted once, Table 1's 1T row on (6, 8) kept 281-369 GiB of
-    activations against 1525-3009 GiB of state at 24 rows, a stage holding 64 microbatches of 1 row
-    each)."""
+    average one (counted once, Table 1's 1T row's layouts on (6, 8) held ~106 GiB of activations
+    against 1505-3009 GiB of state at 24 rows, and no budget traded them, while a stage holds 64
+    microbatches)."""
     per_count = (min(pp, m) if kinds != ["gpipe"] else m for m in counts)
     least = min(f * (batch // m) for f, m in zip(per_count, counts))
     return max(1.0, least / rows)
@@ -369,8 +369,9 @@ def _buffers(costs: UnitCosts, batch: int, m: int, schedule: str, pp: int) -> fl
 
 def _stage_memory(plan: Plan, part: PipelinePartition, costs: UnitCosts, sub_plan: Plan, buffers: float = 0.0) -> None:
     """Per rank: the partition's state + in-flight saved activations (with each unit's gathered
-    parameter copies), plus the sub-plan's backward workspace ('transient': its largest op, the loss for a language model,
-    so an overestimate for stages without it). ``memory_breakdown`` is the fullest rank's."""
+    parameter copies), plus the sub-plan's backward workspace ('transient': its largest op, the loss
+    for a language model, so an overestimate for stages without it). ``memory_breakdown`` is the
+    fullest rank's."""
     sub = sub_plan.memory_breakdown or {}
     extra = _extra(sub_plan) + buffers
     plan.memory_per_device = [m + extra for m in plan.memory_per_device]
