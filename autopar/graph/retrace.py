@@ -66,7 +66,6 @@ def microbatch_trace(traced, batch: int, retracer: Retracer | None, rescale: boo
         if mb is None:
             mb = retracer(batch)
         mark_chunk_hints(mb.gm)
-        mb.meta["shared_costing"] = traced.meta.setdefault("shared_costing", {})   # tables by value (``solve_on_mesh``)
         cache[batch] = mb
         _evict(cache, set(reference_batches(traced.batch_size) or ()) | {batch})
     cache[batch] = cache.pop(batch)      # most recently used last

@@ -228,10 +228,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     device = device.shared_by(per_node).with_compile(opts.compiled)  # CPU ranks beyond the core count share the cores
     cands = _candidates(traced, mesh.shape)
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
-    memo = traced.meta.setdefault("costing_memo", {}).setdefault((mesh.shape, repr(device)), {})
-    # by value (specs, bytes): shared with the step's other microbatch graphs (``retrace.microbatch_trace``)
-    redistribution, tables = traced.meta.setdefault("shared_costing", {}).setdefault((mesh.shape, repr(device)),
-                                                                                     ({}, {}))
+    redistribution, memo, tables = traced.meta.setdefault("costing_memo", {}).setdefault((mesh.shape, repr(device)),
+                                                                                         ({}, {}, {}))
     costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers),
                       recompute=opts.recompute or "none", zero=opts.zero or 0, microbatches=microbatches,
                       grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),
@@ -291,9 +289,8 @@ def step_input_bytes(traced, microbatches: int = 1) -> float:
 
 def _candidates(traced, mesh_shape: tuple):
     """``build_candidates`` once per (traced step, mesh shape): the search solves one graph on one
-    mesh under several memory options (ZeRO stages, recomputation), and its node costs
-    (``traced.meta["costing_memo"]``) are shared the same way; its resharding tables, by value, with
-    the step's other microbatch graphs too (``traced.meta["shared_costing"]``)."""
+    mesh under several memory options (ZeRO stages, recomputation), and its node costs and
+    resharding tables (``traced.meta["costing_memo"]``) are shared the same way."""
     cache = traced.meta.setdefault("candidates", {})
     key = (tuple(mesh_shape), id(traced.gm.graph), len(traced.gm.graph.nodes))
     if key not in cache:

@@ -65,8 +65,8 @@ class Costing:
                                     # the earlier ones are held while a later one's are computed
     _redistribution: dict = field(default_factory=dict, repr=False)  # (src, dst, bytes) -> seconds
     _memo: dict = field(default_factory=dict, repr=False)  # node costs, edge lists of one graph (``build_problem``)
-    _tables: dict = field(default_factory=dict, repr=False)  # edge resharding tables and gathered-copy matrices by
-                                    # value (specs, bytes): shared by the microbatch graphs of one step (``solve_on_mesh``)
+    _tables: dict = field(default_factory=dict, repr=False)  # edge resharding tables and gathered-copy matrices,
+                                    # keyed by value (specs, bytes), not by node
 
     def inner(self, axis: int) -> int:
         return math.prod(self.mesh_shape[axis + 1:])

@@ -79,7 +79,7 @@ def _moved_param_sync(node, d, traced, costing: Costing, mesh_shape) -> float:
 
 
 def _split(specs: PlanSpecs, node, shape) -> int:
-    """How many ways the plan splits ``node``'s (first) output."""
+    """How many ways the plan splits ``node``'s (first) output (at least 1)."""
     d = specs.plan.nodes.get(node.name)
     return max(1, shard_factor(specs.spec(node, 0 if d is not None and isinstance(d.output, list) else None), shape))
 
@@ -93,7 +93,7 @@ class KeptCopies:
     regions' inputs (they scale with the rows)."""
 
     def __init__(self, traced, plan: Plan, mask_bytes):
-        self.gm, self.plan, self.mask = traced.gm, plan, mask_bytes
+        self.plan, self.mask = plan, mask_bytes
         self.shape = plan.mesh.shape
         self.params = set(traced.params)
         self.stored = {d.placeholder: d.spec for d in plan.params.values()}
@@ -167,7 +167,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             total_base += base.time_total
             launch += base.launch_fwd + base.launch_bwd
             time += d.time - _moved_param_sync(node, d, traced, costing, shape) + coll_time.get(name, 0.0)
-            out_shard = max(1, shard_factor(specs.spec(node, 0 if isinstance(d.output, list) else None), shape))
+            out_shard = _split(specs, node, shape)
             in_shard = shard_factor(d.inputs[0], shape) if d.inputs and d.inputs[0] else 1
             for key, nbytes, internal, tensor in saved.get(name, []):
                 if key not in seen_saved:
