@@ -17,6 +17,7 @@ from autopar.collectives.watch import guard, note
 from autopar.comm_timeout import comm_timeout_s, using, world_group
 from autopar.errors import CheckpointError
 from autopar.plan import PlanError
+from autopar.runtime import idle_rank
 from autopar.runtime.optimizer_check import watch
 from autopar.runtime.program import RankProgram
 from autopar.sharding.placements import Partial, Replicate, Shard, replicated, shard_factor
@@ -113,6 +114,11 @@ class ParallelModule(nn.Module):
             return self._zero.params.named_parameters(prefix=prefix, recurse=recurse,
                                                       remove_duplicate=remove_duplicate)
         return self.program.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def parameters(self, recurse: bool = True):
+        """What an optimizer trains: ``named_parameters()``'s, or, on a rank whose pipeline stage holds
+        none, one zero-size placeholder that never gets a gradient (runtime/idle_rank.py)."""
+        return idle_rank.parameters(self, recurse)
 
     def split_parameters(self) -> dict[str, str]:
         """The parameters (of ``parameters()``) that are pieces of a larger tensor: name -> how it is split."""
