@@ -80,22 +80,36 @@ def test_auto_plans_no_parameterless_stage_for_resnet():
 
 # ---- a rank without parameters runs the standard loop -------------------------------------------
 
-def _idle_job(rank):
+def _checkpoint_round_trip(pmodel, x, y, folder) -> bool:
+    """Save with an optimizer over the placeholder (on the idle rank), load into a fresh one: same momenta."""
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.05, momentum=0.9)
+    pmodel.step(x, target=y)
+    opt.step()
+    pmodel.save(f"{folder}/ckpt", optimizer=opt)
+    again = torch.optim.SGD(pmodel.parameters(), lr=0.05, momentum=0.9)
+    pmodel.load(f"{folder}/ckpt", optimizer=again)
+    before, after = opt.state_dict()["state"], again.state_dict()["state"]
+    return sorted(before) == sorted(after) and all(
+        torch.equal(before[i]["momentum_buffer"], after[i]["momentum_buffer"]) for i in before)
+
+
+def _idle_job(rank, folder):
     autopar.set_auto_parallel_context(microbatches=1)      # batch norm: one microbatch matches one device
     x, y = images()
     mesh = autopar.Mesh((4,), axis_names=("pp",))           # a requested pipeline: the idle stage stays
 
     def inspect(pmodel):
         return {"own": [n for n, _ in pmodel.named_parameters()], "offered": [list(p.shape) for p in pmodel.parameters()],
-                "state": sorted(pmodel.state_dict()), "stages": [s.layers for s in pmodel.plan.stages]}
+                "state": sorted(pmodel.state_dict()), "stages": [s.layers for s in pmodel.plan.stages],
+                "checkpoint": _checkpoint_round_trip(pmodel, x, y, folder)}
 
     return parallel_run(rank, resnet, F.cross_entropy, x, y, mesh, "auto", optim="sgd", inspect=inspect)
 
 
-def test_parameterless_rank_trains_like_one_device():
+def test_parameterless_rank_trains_like_one_device(tmp_path):
     x, y = images()
     ref = reference_run(resnet, F.cross_entropy, x, y, optim="sgd")
-    results = run_ranks(4, _idle_job)
+    results = run_ranks(4, _idle_job, str(tmp_path))
     idle = [r for r, res in enumerate(results) if not res["inspect"]["own"]]
     assert idle, results[0]["inspect"]["stages"]                   # the plan leaves a rank without parameters
     for r in idle:
@@ -103,3 +117,4 @@ def test_parameterless_rank_trains_like_one_device():
         assert not any("placeholder" in k for k in results[r]["inspect"]["state"])
     for r, res in enumerate(results):
         assert_same_training(ref, res, what=f"resnet pp=4 rank {r}")
+        assert res["inspect"]["checkpoint"], f"rank {r}: the optimizer state did not survive save and load"

@@ -7,7 +7,8 @@ parameter list"), which would break the standard loop on that rank alone while i
 their p2p receives. So ``pmodel.parameters()`` on such a rank yields one zero-size placeholder
 parameter: never used by the program, never given a gradient (so every optimizer step skips it),
 not a registered parameter (absent from ``named_parameters()``, ``state_dict()``,
-``full_state_dict()`` and checkpoints).
+``full_state_dict()`` and checkpoints: ``pmodel.save(optimizer=...)`` names it ``NAME`` and writes
+no state for it, and a load gives it none).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn as nn
 
 _ATTR = "_autopar_idle_placeholder"
+NAME = "<autopar: placeholder of a rank without parameters>"   # its name in an optimizer's groups (checkpoints)
 
 
 def parameters(pmodel: nn.Module, recurse: bool = True):
