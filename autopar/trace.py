@@ -307,11 +307,15 @@ def _check_loss(spec: TreeSpec, val) -> None:
 
 def _retarget_device(gm: fx.GraphModule, device: torch.device) -> None:
     """Tensors a graph makes itself (arange, full, ...) on ``device`` instead of the meta device the
-    working copy was traced on."""
+    working copy was traced on. Export's ``_assert_tensor_metadata`` checks (of a cast in the model or
+    loss) are dropped: they name one device, and the graph runs on meta (pipeline split) and on ``device``."""
     if device.type == "meta":
         return
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.kwargs.get("device") == torch.device("meta"):
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default \
+                and not node.users:
+            gm.graph.erase_node(node)
+        elif node.op == "call_function" and node.kwargs.get("device") == torch.device("meta"):
             node.kwargs = {**node.kwargs, "device": device}
     gm.recompile()
 
