@@ -148,6 +148,7 @@ PLANS = {   # name: (mesh shape, axis names, mode, annotate, context)
     "tp": ((2,), ("tp",), "semi_auto", _tp, {}),
     "pp": ((2,), ("pp",), "auto", None, {}),
     "zero2": ((2,), None, "data", None, {"zero": 2}),
+    "zero3": ((2,), None, "data", None, {"zero": 3}),
 }
 
 
@@ -220,8 +221,8 @@ def test_fp16_trains_and_skips_like_one_device_with_grad_scaler(name, references
     assert plan.memory_options.mixed_precision == "fp16"
     if name in ("tp", "pp"):
         assert plan.degrees[name] == 2, plan.degrees
-    if name == "zero2":
-        assert plan.memory_options.zero == 2
+    if name.startswith("zero"):
+        assert plan.memory_options.zero == int(name[-1])
     torch_d = _compare(references["fsdp"], ref)
     for rank, r in enumerate(results):
         assert r["working"] == {"torch.float16"}, f"{name}: rank {rank} computed with {r['working']}"
