@@ -279,6 +279,19 @@ def test_masters_state_and_loss_stay_fp32_and_clip_sees_unscaled_gradients():
     assert pmodel.scaler.state_dict() == {"scale": 2.0 ** 16, "growth_tracker": 2, "skipped_steps": 0}
 
 
+def test_the_loss_scale_is_saved_and_restored(tmp_path):
+    pmodel, x, y = _stand_alone()
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.01)
+    pmodel.step(x, target=y)
+    opt.step()
+    pmodel.scaler.scale, pmodel.scaler.growth_tracker = 2.0 ** 9, 5
+    pmodel.save(tmp_path / "ckpt", opt)
+    fresh, _, _ = _stand_alone()
+    assert fresh.loss_scale == 2.0 ** 16
+    fresh.load(tmp_path / "ckpt", torch.optim.SGD(fresh.parameters(), lr=0.01))
+    assert fresh.scaler.state_dict() == {"scale": 2.0 ** 9, "growth_tracker": 5, "skipped_steps": 0}
+
+
 def test_only_fp16_has_a_scaler():
     x, y = _data()
     pmodel = autopar.parallelize(MODEL(), autopar.Mesh(1), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
