@@ -9,7 +9,8 @@ the same loss scaling) lands ``d_torch`` from the single-device run; every plan 
 ``TORCH_FACTOR`` x that. The job forces overflows: the scale starts at 2^30 (the fp16 gradient
 of the logits overflows), backs off to 2^14, grows back to 2^30 after two clean steps and overflows
 again, so the skipped steps (parameters and momentum untouched) and the scale sequence must equal
-GradScaler's exactly. A last step puts an inf in one rank's gradient only: every rank must skip.
+GradScaler's exactly (DATA, TP, PP, ZeRO-2, ZeRO-3). A last step puts an inf in one rank's gradient only:
+every rank must skip.
 """
 from __future__ import annotations
 
