@@ -15,7 +15,7 @@ import torch.nn as nn
 from autopar.build_module import build_parallel_module
 from autopar.collectives.watch import guard, note
 from autopar.comm_timeout import comm_timeout_s, using, world_group
-from autopar.context import ParallelMode, check_comm_timeout, check_compile, get_auto_parallel_context
+from autopar.context import MIXED_PRECISIONS, ParallelMode, check_comm_timeout, check_compile, get_auto_parallel_context
 from autopar.gc_pause import fewer_collections
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer, graph_fingerprint
@@ -38,10 +38,10 @@ def _mode(mode) -> ParallelMode:
 
 
 def _mixed_precision(value):
-    """The call's ``mixed_precision``, else the context's (None, "bf16")."""
+    """The call's ``mixed_precision``, else the context's (None, "bf16", "fp16")."""
     mp = get_auto_parallel_context()["mixed_precision"] if value is None else value
-    if mp not in (None, "bf16"):
-        raise ValueError(f"mixed_precision must be None or 'bf16', got {mp!r}")
+    if mp not in MIXED_PRECISIONS:
+        raise ValueError(f"mixed_precision must be None, 'bf16' or 'fp16', got {mp!r}")
     return mp
 
 
@@ -98,7 +98,7 @@ def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_targ
          compile=None) -> Plan:
     """Plan only: no processes or devices needed; the model may live on the meta device.
     ``example_kwargs``: keyword inputs of ``model.forward`` (tensors, or None / constants traced in).
-    ``mixed_precision="bf16"``: bf16 compute on working copies of fp32 master weights.
+    ``mixed_precision="bf16"`` / ``"fp16"``: 16-bit compute on working copies of fp32 master weights.
     ``compile``: plan programs that run through torch.compile (default: the context's).
     ``time_budget``: seconds; once they have passed (and a plan fits) the search stops and returns
     the best plan so far, which says so (``plan.search_note``, the report). ``progress``: True for
@@ -178,7 +178,8 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, examp
     """Plan (on rank 0, shared with every rank) and build this rank's ParallelModule.
     ``example_kwargs``: keyword inputs of ``model.forward`` (tensors, or None / constants traced in);
     ``pmodel.step`` and ``pmodel(...)`` then take the same keywords.
-    ``mixed_precision="bf16"``: bf16 compute on working copies of fp32 master weights (a given
+    ``mixed_precision="bf16"`` / ``"fp16"``: 16-bit compute on working copies of fp32 master weights
+    (fp16 with dynamic loss scaling, ``pmodel.loss_scale``; a given
     ``plan`` brings its own ``memory_options.mixed_precision``). ``compile=True``: each rank's
     program runs through torch.compile (inductor) and the plan is costed for it (default: the
     context's; a given ``plan`` brings its own ``compiled``). ``comm_timeout_s``: seconds any of

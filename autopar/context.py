@@ -1,7 +1,9 @@
 """Parallel modes and the process-wide auto-parallel context (MindSpore style)."""
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 import os
 from typing import Any
 
@@ -29,6 +31,9 @@ class ParallelMode(str, enum.Enum):
         return self.name
 
 
+MIXED_PRECISIONS = (None, "bf16", "fp16")
+
+
 def _env_int(name: str, default: int) -> int:
     text = os.environ.get(name, "").strip()
     if not text:
@@ -43,7 +48,8 @@ def _env_int(name: str, default: int) -> int:
 _DEFAULTS: dict[str, Any] = {
     "parallel_mode": ParallelMode.AUTO,
     "grad_compression": None,      # None, "bf16" or "fp16"
-    "mixed_precision": None,       # None (the model's dtypes) or "bf16": bf16 compute, fp32 master weights
+    "mixed_precision": None,       # None (the model's dtypes), "bf16" or "fp16": 16-bit compute, fp32 master weights
+    "loss_scaling": None,          # fp16's dynamic loss scaler: None (GradScaler's defaults) or {knob: value}
     "memory_budget_gb": None,
     "microbatches": None,
     "recompute": None,             # None (AUTO/SEMI_AUTO pick when memory needs it), "none", "selective"
@@ -129,8 +135,10 @@ def set_auto_parallel_context(**kwargs) -> None:
             check_comm_timeout(value)
         if key == "compile":
             check_compile(value)
-        if key == "mixed_precision" and value not in (None, "bf16"):
-            raise ValueError(f"mixed_precision must be None or 'bf16', got {value!r}")
+        if key == "mixed_precision" and value not in MIXED_PRECISIONS:
+            raise ValueError(f"mixed_precision must be None, 'bf16' or 'fp16', got {value!r}")
+        if key == "loss_scaling":
+            LossScaling.of(value)
         if key == "grad_compression" and value not in (None, "bf16", "fp16"):
             raise ValueError(f"grad_compression must be None, 'bf16' or 'fp16', got {value!r}")
         _check(key, value)
@@ -145,3 +153,34 @@ def reset_auto_parallel_context() -> None:
     fresh = _defaults()
     _context.clear()
     _context.update(fresh)
+
+
+@dataclasses.dataclass
+class LossScaling:
+    """GradScaler's knobs and defaults (``set_auto_parallel_context(loss_scaling={...})``)."""
+
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    @classmethod
+    def of(cls, value: dict | None) -> "LossScaling":
+        """The settings from a ``{knob: value}`` dict (None: the defaults); bad ones raise ValueError."""
+        if value is None:
+            return cls()
+        known = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(value, dict) or any(k not in known for k in value):
+            raise ValueError(f"loss_scaling must be None or a dict with keys from {known}, got {value!r}")
+        out = cls(**value)
+        ranges = {"init_scale": lambda v: v > 0, "growth_factor": lambda v: v > 1,
+                  "backoff_factor": lambda v: 0 < v < 1}
+        for k, ok in ranges.items():
+            v = getattr(out, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+                raise ValueError(f"loss_scaling[{k!r}] = {v!r} is out of range (init_scale > 0, growth_factor > 1, "
+                                 "0 < backoff_factor < 1)")
+        if isinstance(out.growth_interval, bool) or not isinstance(out.growth_interval, int) or out.growth_interval < 1:
+            raise ValueError(f"loss_scaling['growth_interval'] = {out.growth_interval!r} must be an int >= 1 "
+                             "(clean steps before the scale grows)")
+        return out

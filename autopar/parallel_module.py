@@ -18,6 +18,7 @@ from autopar.comm_timeout import comm_timeout_s, using, world_group
 from autopar.errors import CheckpointError
 from autopar.plan import PlanError
 from autopar.runtime import idle_rank
+from autopar.runtime.loss_scale import make_scaler
 from autopar.runtime.optimizer_check import watch
 from autopar.runtime.program import RankProgram
 from autopar.runtime.step_result import check_trainable, step_loss
@@ -49,6 +50,7 @@ class ParallelModule(nn.Module):
         self.comm_timeout_s = comm_timeout_s()       # the timeout its groups were made with (autopar.comm_timeout)
         object.__setattr__(self, "_world", world_group() if dist.is_initialized() else None)
         self._steps = 0
+        object.__setattr__(self, "_scaler", make_scaler(self, plan))   # fp16: runtime/loss_scale.py
         watch(self)                                  # optimizers that need whole parameters are refused by name
 
     def _guard(self, what: str):
@@ -254,6 +256,7 @@ class ParallelModule(nn.Module):
         with self._ddp.no_sync() if quiet else contextlib.nullcontext():
             loss = runner(*xs, target=tgt)[meta["loss_index"]]   # the model's other outputs (logits) die here
             report = self._start_global_loss(loss)      # the loss report overlaps backward
+            scale *= self._loss_scale_factor()
             (loss * scale if scale != 1.0 else loss).backward()
         if acc is not None:
             acc.after_backward()
@@ -269,6 +272,24 @@ class ParallelModule(nn.Module):
     def _flush_grads(self) -> None:
         if self._acc is not None:
             self._acc.flush()
+
+    # ---- fp16 loss scaling (runtime/loss_scale.py) ---------------------------------------------
+    @property
+    def scaler(self):
+        """The dynamic loss scaler under ``mixed_precision="fp16"`` (None otherwise)."""
+        return self._scaler
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The factor the next ``step`` multiplies the loss by (fp16), else None."""
+        return self._scaler.scale if self._scaler is not None else None
+
+    def _loss_scale_factor(self) -> float:
+        return self._scaler.before_backward() if self._scaler is not None else 1.0
+
+    def _unscale_grads(self) -> None:
+        if self._scaler is not None:
+            self._scaler.unscale()
 
     def _partial_loss_axes(self) -> list[str]:
         spec = self.plan.outputs.get("loss") or replicated(len(self.plan.mesh.shape))
@@ -329,6 +350,7 @@ class ParallelModule(nn.Module):
 
     def _clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
         self._flush_grads()
+        self._unscale_grads()
         local = torch.zeros((), dtype=torch.float64)
         grads = []
         for grad, replicas in self._grad_pieces():
@@ -417,6 +439,7 @@ class ParallelModule(nn.Module):
 
     def _full_grad_dict(self) -> dict[str, torch.Tensor]:
         self._flush_grads()
+        self._unscale_grads()
         out = {}
         for name, d in self.plan.params.items():
             if d.kind != "parameter" or not self._trainable(name):

@@ -213,7 +213,7 @@ class PipelineModule(ParallelModule):
         mbs = self._microbatches(inputs, target, local_batch)
         self._acc.before_backward()
         self.program.new_step()
-        losses = self._executor.run(self.program.compute_tensor, mbs, 1.0 / self.plan.microbatches)
+        losses = self._executor.run(self.program.compute_tensor, mbs, self._loss_scale_factor() / self.plan.microbatches)
         if self._acc.syncing:
             self._sync_grads()
         self._acc.after_backward()

@@ -142,8 +142,8 @@ _RECOMPUTE = ("none", "selective", "full")
 class MemoryOptions:
     """What a plan uses to fit memory, besides splitting (``plan.memory_options``).
 
-    ``mixed_precision``: None (the model's own dtype) or "bf16": bf16 compute on bf16 working
-    copies of fp32 master weights, fp32 optimizer state; gradients reduced in ``reduce_dtype``
+    ``mixed_precision``: None (the model's own dtype), "bf16" or "fp16": 16-bit compute on working
+    copies of fp32 master weights, fp32 optimizer state (fp16 adds dynamic loss scaling); gradients reduced in ``reduce_dtype``
     ("fp32" or "bf16"). ``accumulation``: the global batch runs as this many microbatches one
     after another, gradients summed locally and synced once (1: none; not with a pipeline).
     ``zero``: 0-3, ZeRO stage on the data-parallel axes (1 optimizer state sharded, 2 + gradients
@@ -157,8 +157,8 @@ class MemoryOptions:
     recompute: str | dict = "none"
 
     def __post_init__(self):
-        if self.mixed_precision not in (None, "bf16"):
-            raise PlanError(f"mixed_precision={self.mixed_precision!r} is not supported; use None or 'bf16'")
+        if self.mixed_precision not in (None, "bf16", "fp16"):
+            raise PlanError(f"mixed_precision={self.mixed_precision!r} is not supported; use None, 'bf16' or 'fp16'")
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise PlanError(f"reduce_dtype={self.reduce_dtype!r} is not supported; use 'fp32' or 'bf16'")
         if not isinstance(self.accumulation, int) or self.accumulation < 1:

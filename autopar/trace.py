@@ -67,10 +67,11 @@ class Traced:
 class _Step(nn.Module):
     """model + loss as one module, so the loss is planned with the model."""
 
-    def __init__(self, model: nn.Module, loss_fn):
+    def __init__(self, model: nn.Module, loss_fn, float_loss: bool = False):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.float_loss = float_loss      # fp16: the loss sees fp32 outputs (FSDP2's output_dtype)
 
     def forward(self, *args, **kwargs):
         if self.loss_fn is None:
@@ -81,6 +82,9 @@ class _Step(nn.Module):
 
     def loss(self, out, target):
         """Its own frame, so that a failure in ``loss_fn`` is reported as one (``_explain_failure``)."""
+        if self.float_loss:
+            out = torch.utils._pytree.tree_map(
+                lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
         return self.loss_fn(out, target)
 
 
@@ -141,7 +145,7 @@ def _canonical_params(model: nn.Module) -> tuple[dict[int, str], dict[str, list[
     return canon, aliases
 
 
-_COMPUTE_DTYPES = {"bf16": torch.bfloat16}
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def compute_dtype(mixed_precision: str | None) -> torch.dtype | None:
@@ -174,8 +178,10 @@ def working_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
           mixed_precision: str | None = None, example_kwargs: dict | None = None) -> Traced:
     """Trace ``model`` (and ``loss_fn(model(*inputs, **kwargs), target)``) to an aten-level graph; with
-    ``mixed_precision`` ("bf16"), the step as it runs on bf16 working copies of the parameters,
-    floating inputs cast to bf16 (FSDP2's MixedPrecisionPolicy: param_dtype, cast_forward_inputs).
+    ``mixed_precision`` ("bf16", "fp16"), the step as it runs on 16-bit working copies of the parameters,
+    floating inputs cast to 16 bits (FSDP2's MixedPrecisionPolicy: param_dtype, cast_forward_inputs);
+    under "fp16" the loss_fn gets the outputs in fp32 (output_dtype=fp32: a loss scale of 2^16 does not
+    overflow the loss's own gradient, and softmax-like losses keep fp32 range).
     ``example_kwargs``: keyword inputs, as torch.export's ``kwargs`` (``call_inputs.py``: tensors are
     graph inputs after the positional ones, None and plain constants are traced in)."""
     if not isinstance(model, nn.Module):
@@ -198,7 +204,7 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta:
         args, kwargs = map_tensors(lambda a: a.to("meta"), args, kwargs)
-    step = _Step(model, loss_fn)
+    step = _Step(model, loss_fn, float_loss=mixed_precision == "fp16")
     try:
         with opaque_functions():
             ep = torch.export.export(step, args, kwargs or None, strict=False)
@@ -301,11 +307,15 @@ def _check_loss(spec: TreeSpec, val) -> None:
 
 def _retarget_device(gm: fx.GraphModule, device: torch.device) -> None:
     """Tensors a graph makes itself (arange, full, ...) on ``device`` instead of the meta device the
-    working copy was traced on."""
+    working copy was traced on. Export's ``_assert_tensor_metadata`` checks (of a cast in the model or
+    loss) are dropped: they name one device, and the graph runs on meta (pipeline split) and on ``device``."""
     if device.type == "meta":
         return
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.kwargs.get("device") == torch.device("meta"):
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default \
+                and not node.users:
+            gm.graph.erase_node(node)
+        elif node.op == "call_function" and node.kwargs.get("device") == torch.device("meta"):
             node.kwargs = {**node.kwargs, "device": device}
     gm.recompile()
 

@@ -161,11 +161,11 @@ def test_plan_costs_the_mixed_precision_state():
 
 def test_bad_mixed_precision_is_refused():
     x, y = _data()
-    with pytest.raises(ValueError, match="mixed_precision must be None or 'bf16', got 'fp8'"):
+    with pytest.raises(ValueError, match="mixed_precision must be None, 'bf16' or 'fp16', got 'fp8'"):
         autopar.plan(MODEL(), autopar.Mesh(1), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
                      mixed_precision="fp8")
-    with pytest.raises(ValueError, match="mixed_precision must be None or 'bf16'"):
-        autopar.set_auto_parallel_context(mixed_precision="fp16")
+    with pytest.raises(ValueError, match="mixed_precision must be None, 'bf16' or 'fp16'"):
+        autopar.set_auto_parallel_context(mixed_precision="fp8")
 
 
 def test_a_plan_made_in_fp32_refuses_a_mixed_precision_request():

@@ -192,7 +192,8 @@ def _rank_state(pmodel, optimizer, step) -> dict:
             step = optimizer_step(optimizer)
         state[META] = {"format": FORMAT, "world_size": _world(), "mode": str(plan.mode), "degrees": plan.degrees,
                        "mesh": plan.mesh.to_dict(), "step": step,
-                       "optimizer": merge_optimizer_info([i for _, i in gathered]) if optimizer is not None else None}
+                       "optimizer": merge_optimizer_info([i for _, i in gathered]) if optimizer is not None else None,
+                       "loss_scaler": pmodel.scaler.state_dict() if pmodel.scaler is not None else None}
     return state
 
 
@@ -311,6 +312,8 @@ def load_checkpoint(pmodel, path, optimizer=None) -> int | None:
         dcp.load(restore.template, storage_reader=FileSystemReader(path), planner=LoadPlanner(), no_dist=not _dist(),
                  process_group=world_group() if _dist() else None)
     restore.finish()
+    if pmodel.scaler is not None and meta.get("loss_scaler"):      # fp16: the same on every rank
+        pmodel.scaler.load_state_dict(meta["loss_scaler"])
     return meta.get("step")
 
 
