@@ -52,7 +52,7 @@ from autopar.receive_window import schedule_receive_buffers
 from autopar.sharding.placements import R, Spec, local_shape, shard_factor
 from autopar.solver.inter_op import PipelinePartition, StageMemoryError, partition_stages
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
-from autopar.solver.intra_op import InfeasibleError
+from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
 from autopar.solver.pipeline_fit import (PipelineRequestError, budget_bytes, fit_refusal, held, holds_more,
                                          microbatch_counts, model_parallel_first, schedules)
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
@@ -270,16 +270,24 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
         raise stage_fit_error(msg, errors, ref_plan.memory_breakdown, cand.full, budget, opts) or \
             PipelineRequestError(msg)
     ranked.sort(key=lambda r: r[0])
-    found, failed = None, []
+    found, failed, timeouts, timeouts_at = None, [], [], set()
     for _, m, schedule in ranked:
         # out of time: only the microbatch counts already solved, no other solve
         if m not in solved and opts.progress is not None and opts.progress.out_of_time() and \
                 any(r[1] in solved for r in ranked):
             continue
+        if m in timeouts_at:
+            continue
         if m not in solved:
             if len(solved) >= 3:
                 break               # the reference costs misjudge this candidate: give up after two more solves
-            solved[m] = solve(m)
+            try:
+                solved[m] = solve(m)
+            except SolverTimeoutError as err:   # the counts already solved may still give a plan
+                failed.append(f"{schedule} m={m}: {err}")
+                timeouts.append(err)
+                timeouts_at.add(m)
+                continue
         mb, sub_plan, units_m, unit_of, costs_m = solved[m]
         try:        # the partition at m's own costs (a partition that fit by the reference's may not)
             part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule,
@@ -292,6 +300,8 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
         found = m
         break
     if found is None:
+        if timeouts and len(timeouts) == len(failed):
+            raise timeouts[0]       # no count was refused for memory: the time limit is what to raise
         msg = "no pipeline partition fits at the microbatch counts solved: " + "; ".join(failed[:3])
         raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts) or \
             PipelineRequestError(msg)
@@ -560,7 +570,7 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
             if not forced and (refused := fit_refusal(traced, cand, opts)) is not None:
                 raise refused
             plans.append(plan_pipeline(traced, cand, mode, within, param_ann, input_ann, retracer))
-        except (PipelineRequestError, ValueError) as err:
+        except (PipelineRequestError, ValueError, SolverTimeoutError) as err:   # one candidate's: the search goes on
             if forced and len(cands) == 1:
                 raise pipeline_nothing_fits(mesh, [(note, err)], batch) or PlanError(str(err)) from None
             failures.append((note, err))
