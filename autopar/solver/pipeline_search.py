@@ -225,7 +225,8 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
         ranked, reasons, errors = [], [], []
         for schedule in kinds:
             ms = [m for m in counts if schedule != "interleaved_1f1b" or m % cand.pp == 0]
-            room = {m: budget - _extra(ref_plan) - _buffers(costs, batch // m, m, schedule, cand.pp) for m in ms}
+            room = {m: budget - _extra_at(ref_plan, ref, m) - _buffers(costs, batch // m, m, schedule, cand.pp)
+                    for m in ms}
             tried: dict = {}
             for m in sorted(ms, key=lambda m: (sum(held(schedule, cand.pp, m)), -m)):
                 over = next((o for o, r in tried.items() if isinstance(r, StageMemoryError) and m > 1 and o > 1
@@ -239,13 +240,13 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
                     tried[m] = ((round(t, 12), max(part.rank_memory)), m, schedule)
                 except ValueError as err:
                     tried[m] = err
-            for m in ms:                # reasons in the order of the counts
+            for m in ms:
                 if isinstance(tried[m], Exception):
-                    reasons.append(f"{schedule} m={m}: {tried[m]}")
+                    reasons.append((_closeness(tried[m], room[m]), f"{schedule} m={m}: {tried[m]}"))
                     errors.append(tried[m])
                 else:
                     ranked.append(tried[m])
-        return ranked, reasons, errors
+        return ranked, [r for _, r in sorted(reasons, key=lambda r: r[0])], errors
 
     ref = max([m for m in counts if m <= 2 * cand.pp] or [min(counts)])
     solved = {ref: solve(ref)}
@@ -312,6 +313,25 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
     plan.optimizer_time = opt
     return plan
+
+
+def _extra_at(ref_plan: Plan, ref: int, m: int) -> float:
+    """``_extra`` of the reference solve (``ref`` microbatches) as a lower bound for ``m``: with fewer
+    rows per microbatch (m > ref) the backward workspace is at least ref / m of the reference's (its
+    activation-sized part scales with the rows, its parameter gradients do not shrink), so a count
+    is ranked in at least the room it has; its own solve then checks the partition exactly. (The
+    reference's whole workspace, charged at every count, left GPT-15B's pp=4 x dp=8 candidate 7.23
+    of 16 GiB at 128 microbatches of 8 rows: the loss's logits at the reference's 128 rows.)"""
+    sub = ref_plan.memory_breakdown or {}
+    return sub.get("transient", 0.0) * min(1.0, ref / m) + sub.get("inputs", 0.0)
+
+
+def _closeness(err: Exception, room: float) -> float:
+    """How far a refused count is from fitting (its least peak over its room; a refusal that is not for
+    memory last): the failure note lists the counts that came closest first."""
+    if isinstance(err, StageMemoryError) and room > 0:
+        return (err.state + err.activations) / room
+    return math.inf
 
 
 REFERENCE_MARGIN = 0.1  # a candidate whose reference-cost estimate is this much over the best plan is dropped
