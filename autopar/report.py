@@ -64,14 +64,15 @@ def render(plan) -> str:
     size = Counter()
     t = Counter()
     for c in colls:     # a pipeline lists one microbatch's activation collectives (sends/receives too)
-        times = plan.runs_per_step(c)
-        key = (c.kind, "+".join(c.axes), c.phase)
+        times = plan.runs_per_step(c)   # separate lines for once-per-step and per-microbatch entries
+        key = (c.kind, "+".join(c.axes), c.phase, times)
         agg[key] += times
         size[key] += c.bytes * times
         t[key] += c.time * times
     lines.append(f"collectives per step on rank 0: {sum(agg.values())}")
     for key, n in sorted(agg.items()):
-        lines.append(f"  {key[0]:<15} axis {key[1]:<6} {key[2]:<4} ×{n:<4} {_gb(size[key]):>12}  {_ms(t[key])}")
+        each = f" ({n // key[3]} × {key[3]} microbatches)" if key[3] > 1 else ""
+        lines.append(f"  {key[0]:<15} axis {key[1]:<6} {key[2]:<4} ×{n:<4} {_gb(size[key]):>12}  {_ms(t[key])}{each}")
     if plan.unknown_ops:
         lines.append("")
         lines.append("ops without a sharding rule (run replicated): " +

@@ -59,3 +59,87 @@ def test_an_axis_no_candidate_has_names_the_users_mesh():
     with pytest.raises(autopar.PlanError, match=r"unknown mesh axis 'xx'; the mesh has axes \('d0', 'd1'\)"):
         autopar.plan(model, autopar.Mesh((2, 2), device="h100"), example_inputs=(x,), loss_fn=lm_loss,
                      example_target=x, mode="auto")
+
+
+# ---- a candidate whose solve runs out of the solver's time limit (issue 32) -------------------
+
+def _auto(model, x):
+    return autopar.plan(model, autopar.Mesh(4, device="h100"), example_inputs=(x,), loss_fn=lm_loss, example_target=x,
+                        mode="auto")
+
+
+def _timing_out(real, refuse):
+    """``solve_on_mesh`` that raises SolverTimeoutError where ``refuse(mesh)``, else solves."""
+    from autopar.solver.intra_op import SolverTimeoutError
+
+    def solve(traced, mesh, *args, **kwargs):
+        if refuse(mesh):
+            raise SolverTimeoutError(f"CP-SAT found no assignment within 0.01 s (mesh {mesh.shape}, test)")
+        return real(traced, mesh, *args, **kwargs)
+    return solve
+
+
+def test_a_candidate_that_times_out_is_listed_and_the_next_best_plan_returned(monkeypatch):
+    """The best candidate's solve raising SolverTimeoutError (as CP-SAT's limit does on a loaded
+    machine) drops that candidate with its reason; AUTO returns the runner-up of the same search."""
+    from autopar.solver import search
+
+    model, x = _job()
+    full = _auto(model, x)
+    best = (full.mesh.shape, full.mesh.axis_names)
+    assert full.pipeline is None, full.degrees      # the tiny job's best is a mesh, not a pipeline
+    runner_up = min((bool(a.redundant_axes), a.step_time) for a in full.alternatives if a.fits)[1]   # ``rank_key``
+    monkeypatch.setattr(search, "solve_on_mesh", _timing_out(search.solve_on_mesh,
+                                                             lambda m: (m.shape, m.axis_names) == best))
+    plan = _auto(model, x)
+    assert (plan.mesh.shape, plan.mesh.axis_names) != best
+    assert plan.step_time == pytest.approx(runner_up, rel=1e-9), (plan.step_time, runner_up)
+    notes = [a.note for a in plan.alternatives if not a.fits]
+    assert any(n.startswith(f"mesh {best[0]}") and "CP-SAT found no assignment within 0.01 s" in n
+               for n in notes), notes
+
+
+def test_a_pipeline_candidate_that_times_out_does_not_end_the_search(monkeypatch):
+    """A pipeline candidate's sub-mesh solve timing out (pipeline_search -> solve_on_mesh) is that
+    candidate's failure: listed with its reason, the search returns the best of the others."""
+    from autopar.solver import pipeline_search
+
+    model, x = _job()
+    full = _auto(model, x)
+    monkeypatch.setattr(pipeline_search, "solve_on_mesh", _timing_out(pipeline_search.solve_on_mesh, lambda m: True))
+    plan = _auto(model, x)
+    assert plan.step_time == pytest.approx(full.step_time, rel=1e-9)
+    notes = [a.note for a in plan.alternatives if not a.fits]
+    assert any(n.startswith("pp=2 sub-mesh") and "CP-SAT found no assignment" in n for n in notes), notes
+
+
+def test_when_every_candidate_times_out_the_error_names_the_limit(monkeypatch):
+    from autopar.solver import pipeline_search, search
+    from autopar.solver.fit_error import SearchTimeoutError
+
+    model, x = _job()
+    monkeypatch.setattr(search, "solve_on_mesh", _timing_out(search.solve_on_mesh, lambda m: True))
+    monkeypatch.setattr(pipeline_search, "solve_on_mesh", _timing_out(pipeline_search.solve_on_mesh, lambda m: True))
+    autopar.set_auto_parallel_context(solver_time_limit=3.0)
+    try:
+        with pytest.raises(SearchTimeoutError, match=r"no candidate gave a plan: the solve of \d+ candidate\(s\) "
+                           r"\(mesh d0=4.*within the solver's time limit of 3 s; raise it "
+                           r"\(autopar.set_auto_parallel_context\(solver_time_limit=12\)\)") as info:
+            _auto(model, x)
+    finally:
+        autopar.reset_auto_parallel_context()
+    assert any(t.startswith("pp=2") for t in info.value.timed_out), info.value.timed_out
+    msg = str(info.value)
+    assert "no plan fits memory" not in msg          # a timed-out candidate is not judged for memory
+    assert "The other 3 candidate(s): no pipeline plan fits: pp=4 sub-mesh {'tp': 1}: 2 layers < 4 stages" in msg
+
+
+def test_semi_auto_on_a_mesh_that_times_out_names_the_limit(monkeypatch):
+    from autopar.solver import search
+    from autopar.solver.fit_error import SearchTimeoutError
+
+    model, x = _job()
+    monkeypatch.setattr(search, "solve_on_mesh", _timing_out(search.solve_on_mesh, lambda m: True))
+    with pytest.raises(SearchTimeoutError, match=r"mesh dp=2 × tp=2.*solver_time_limit="):
+        autopar.plan(model, autopar.Mesh((2, 2), axis_names=("dp", "tp"), device="h100"), example_inputs=(x,),
+                     loss_fn=lm_loss, example_target=x, mode="semi_auto")

@@ -353,6 +353,21 @@ _PRESETS = {
 }
 
 
+def register_device(spec: DeviceSpec, name: str | None = None) -> str:
+    """Make ``spec`` a preset under ``name`` (default ``spec.name``), so that ``Mesh(..., device=name)``
+    plans with it, e.g. a V100 whose bf16 runs at its fp16 tensor-core rate:
+    ``register_device(dataclasses.replace(get_device("v100-16gb"), name="v100-fp16", peak_flops=...))``.
+    A preset of that name is replaced. Returns the name."""
+    if not isinstance(spec, DeviceSpec):
+        raise TypeError(f"register_device takes a DeviceSpec (e.g. dataclasses.replace(get_device('v100-16gb'), "
+                        f"...)), got {type(spec).__name__}")
+    key = (name or spec.name).strip().lower()
+    if not key:
+        raise ValueError("register_device needs a non-empty name (the spec's name or name=...)")
+    _PRESETS[key] = lambda: spec
+    return key
+
+
 def preset_names() -> list[str]:
     """All names :func:`get_device` accepts (aliases included)."""
     return list(_PRESETS)

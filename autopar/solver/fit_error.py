@@ -24,6 +24,7 @@ from autopar.cost_models.memory import training_state_parts
 from autopar.memory_explain import human_bytes
 from autopar.plan import CandidateError, PlanError
 from autopar.solver.inter_op import StageMemoryError
+from autopar.solver.intra_op import SolverTimeoutError
 
 
 @dataclass
@@ -88,6 +89,44 @@ def smallest_of(err: PlanError, earlier: list[tuple[str, Exception]], mesh, cap:
     ``nothing_fits``, the same message over all their candidates."""
     sized = [f for e in [err, *(e for _, e in earlier)] for f in getattr(e, "failures", [])]
     return nothing_fits(mesh, sized, cap, batch) if sized else err
+
+
+class SearchTimeoutError(PlanError):
+    """No candidate gave a plan, and some ran out of the solver's time limit (``timed_out``): with a
+    larger limit they may. ``timed_out``: their names; ``limit``: the limit they ran under (s)."""
+
+    def __init__(self, message: str, timed_out: list[str], limit: float):
+        super().__init__(message)
+        self.timed_out, self.limit = timed_out, limit
+
+
+def no_plan_error(mesh, failures: list[Failure], pipe_failures: list[tuple[str, Exception]], cap: float, batch: int,
+                  limit: float) -> PlanError:
+    """The error of a search in which no candidate gave a plan. Where none ran out of the solver's time
+    limit: ``nothing_fits`` over the failures (or, with only pipeline candidates, their reasons). Else a
+    SearchTimeoutError naming the candidates that timed out and the limit to raise, then that verdict
+    over the others (none when every candidate timed out)."""
+    timed = [f for f in failures if isinstance(f.error, SolverTimeoutError)]
+    timed_pipes = [(n, e) for n, e in pipe_failures if isinstance(e, SolverTimeoutError)]
+    others = [f for f in failures if f not in timed]
+    other_pipes = [(n, e) for n, e in pipe_failures if not isinstance(e, SolverTimeoutError)]
+    if others:
+        err = nothing_fits(mesh, others + pipeline_failures(other_pipes), cap, batch)
+    else:
+        err = PlanError("no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in other_pipes[:4]))
+    if not timed and not timed_pipes:
+        return err
+    names = list(dict.fromkeys(
+        ["mesh " + " × ".join(f"{a}={s}" for a, s in zip(f.mesh.axis_names, f.mesh.shape)) + (f" ({f.note})" if f.note
+                                                                                              else "") for f in timed]
+        + [n for n, _ in timed_pipes]))
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    msg = (f"no candidate gave a plan: the solve of {len(names)} candidate(s) ({shown}) found no assignment within the "
+           f"solver's time limit of {limit:g} s; raise it (autopar.set_auto_parallel_context(solver_time_limit="
+           f"{4 * limit:g})) and they may fit")
+    if others or other_pipes:
+        msg += f". The other {len(others) + len(other_pipes)} candidate(s): {err}"
+    return SearchTimeoutError(msg, names, limit)
 
 
 STATE = ("parameters", "gradients", "optimizer state", "gathered parameters")

@@ -52,7 +52,7 @@ from autopar.receive_window import schedule_receive_buffers
 from autopar.sharding.placements import R, Spec, local_shape, shard_factor
 from autopar.solver.inter_op import PipelinePartition, StageMemoryError, partition_stages
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
-from autopar.solver.intra_op import InfeasibleError
+from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
 from autopar.solver.pipeline_fit import (PipelineRequestError, budget_bytes, fit_refusal, held, holds_more,
                                          microbatch_counts, model_parallel_first, schedules)
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
@@ -228,7 +228,8 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
         ranked, reasons, errors = [], [], []
         for schedule in kinds:
             ms = [m for m in counts if schedule != "interleaved_1f1b" or m % cand.pp == 0]
-            room = {m: budget - _extra(ref_plan) - _buffers(costs, batch // m, m, schedule, cand.pp) for m in ms}
+            room = {m: budget - _extra_at(ref_plan, ref, m) - _buffers(costs, batch // m, m, schedule, cand.pp)
+                    for m in ms}
             tried: dict = {}
             for m in sorted(ms, key=lambda m: (sum(held(schedule, cand.pp, m)), -m)):
                 over = next((o for o, r in tried.items() if isinstance(r, StageMemoryError) and m > 1 and o > 1
@@ -243,13 +244,13 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
                     tried[m] = ((round(t, 12), max(part.rank_memory)), m, schedule)
                 except ValueError as err:
                     tried[m] = err
-            for m in ms:                # reasons in the order of the counts
+            for m in ms:
                 if isinstance(tried[m], Exception):
-                    reasons.append(f"{schedule} m={m}: {tried[m]}")
+                    reasons.append((_closeness(tried[m], room[m]), f"{schedule} m={m}: {tried[m]}"))
                     errors.append(tried[m])
                 else:
                     ranked.append(tried[m])
-        return ranked, reasons, errors
+        return ranked, [r for _, r in sorted(reasons, key=lambda r: r[0])], errors
 
     ref = max([m for m in counts if m <= 2 * cand.pp] or [min(counts)])
     solved = {ref: solve(ref)}
@@ -274,16 +275,24 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
         raise stage_fit_error(msg, errors, ref_plan.memory_breakdown, cand.full, budget, opts) or \
             PipelineRequestError(msg)
     ranked.sort(key=lambda r: r[0])
-    found, failed = None, []
+    found, failed, timeouts, timeouts_at = None, [], [], set()
     for _, m, schedule in ranked:
         # out of time: only the microbatch counts already solved, no other solve
         if m not in solved and opts.progress is not None and opts.progress.out_of_time() and \
                 any(r[1] in solved for r in ranked):
             continue
+        if m in timeouts_at:
+            continue
         if m not in solved:
             if len(solved) >= 3:
                 break               # the reference costs misjudge this candidate: give up after two more solves
-            solved[m] = solve(m)
+            try:
+                solved[m] = solve(m)
+            except SolverTimeoutError as err:   # the counts already solved may still give a plan
+                failed.append(f"{schedule} m={m}: {err}")
+                timeouts.append(err)
+                timeouts_at.add(m)
+                continue
         mb, sub_plan, units_m, unit_of, costs_m = solved[m]
         try:        # the partition at m's own costs (a partition that fit by the reference's may not)
             part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule,
@@ -296,6 +305,8 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
         found = m
         break
     if found is None:
+        if timeouts and len(timeouts) == len(failed):
+            raise timeouts[0]       # no count was refused for memory: the time limit is what to raise
         msg = "no pipeline partition fits at the microbatch counts solved: " + "; ".join(failed[:3])
         raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts) or \
             PipelineRequestError(msg)
@@ -306,6 +317,25 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
     plan.optimizer_time = opt
     return plan
+
+
+def _extra_at(ref_plan: Plan, ref: int, m: int) -> float:
+    """``_extra`` of the reference solve (``ref`` microbatches) as a lower bound for ``m``: with fewer
+    rows per microbatch (m > ref) the backward workspace is at least ref / m of the reference's (its
+    activation-sized part scales with the rows, its parameter gradients do not shrink), so a count
+    is ranked in at least the room it has; its own solve then checks the partition exactly. (The
+    reference's whole workspace, charged at every count, left GPT-15B's pp=4 x dp=8 candidate 7.23
+    of 16 GiB at 128 microbatches of 8 rows: the loss's logits at the reference's 128 rows.)"""
+    sub = ref_plan.memory_breakdown or {}
+    return sub.get("transient", 0.0) * min(1.0, ref / m) + sub.get("inputs", 0.0)
+
+
+def _closeness(err: Exception, room: float) -> float:
+    """How far a refused count is from fitting (its least peak over its room; a refusal that is not for
+    memory last): the failure note lists the counts that came closest first."""
+    if isinstance(err, StageMemoryError) and room > 0:
+        return (err.state + err.activations) / room
+    return math.inf
 
 
 REFERENCE_MARGIN = 0.1  # a candidate whose reference-cost estimate is this much over the best plan is dropped
@@ -564,7 +594,7 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
             if not forced and (refused := fit_refusal(traced, cand, opts)) is not None:
                 raise refused
             plans.append(plan_pipeline(traced, cand, mode, within, param_ann, input_ann, retracer))
-        except (PipelineRequestError, ValueError) as err:
+        except (PipelineRequestError, ValueError, SolverTimeoutError) as err:   # one candidate's: the search goes on
             if forced and len(cands) == 1:
                 raise pipeline_nothing_fits(mesh, [(note, err)], batch) or PlanError(str(err)) from None
             failures.append((note, err))

@@ -20,7 +20,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Alternative, CandidateError, Plan, PlanError
 from autopar.sharding.placements import R
 from autopar.solver.accumulation import accumulated, accumulated_time, memory_choices, microbatch_traced, zero_ladder
-from autopar.solver.fit_error import Failure, nothing_fits, pipeline_failures, smallest_of
+from autopar.solver.fit_error import Failure, no_plan_error, smallest_of
 from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, pipeline_requested
@@ -103,11 +103,9 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                    for p in got):
                 frontiers = {y: s for y, s in frontiers.items() if y <= z}
                 break               # fits freely: a higher stage only adds all-gathers
-    if not plans and not failures:
-        raise PlanError("no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in pipe_failures[:4]))
     if not plans:
-        raise nothing_fits(mesh, failures + pipeline_failures(pipe_failures), _cap(mesh, opts),
-                           traced.batch_size) from None
+        raise no_plan_error(mesh, failures, pipe_failures, _cap(mesh, opts), traced.batch_size,
+                            opts.time_limit_s) from None
     for p in plans:
         p.optimizer_time = optimizer_time(p, opts.optimizer)
     plans.sort(key=rank_key)
