@@ -42,6 +42,7 @@ from autopar.context import ParallelMode
 from autopar.cost_models.compute import optimizer_step_time, total_flops
 from autopar.cost_models.devices import axis_link
 from autopar.cost_models.zero import zero_axes
+from autopar.graph.buffer_writes import updates_buffers
 from autopar.graph.cut_points import assign_units, unit_of_module
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.graph.stage_cuts import assign_stages, stage_placeholders, stage_transfers
@@ -136,7 +137,7 @@ def node_first(cand: PipelineCandidate) -> tuple[int, int]:
 
 def pipeline_blocker(traced) -> str | None:
     """Why this graph cannot be pipelined (None when it can)."""
-    if traced.buffer_mutations:
+    if updates_buffers(traced):
         return ("the model updates buffers in forward (e.g. BatchNorm running statistics); microbatches would "
                 "change them, so pipelining would not train like the single-device model")
     if not traced.has_loss:

@@ -14,6 +14,7 @@ import time
 
 from autopar.context import ParallelMode
 from autopar.cost_models.memory import param_numel, parameter_nodes, training_state_bytes, training_state_parts
+from autopar.graph.buffer_writes import updates_buffers
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer
 from autopar.mesh import Mesh
@@ -73,6 +74,8 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     progress.keep = max(1, top_k)
     mark_chunk_hints(traced.gm)
     ks, choices = memory_choices(traced.batch_size, mode, opts.accumulation, opts.recompute)
+    if not opts.accumulation and len(ks) > 1 and updates_buffers(traced):
+        ks = ks[:1]                 # microbatches would change what the step computes (BatchNorm's statistics)
     if opts.accumulation and ks[0] > 1 and ("pp" in mesh.axis_names or opts.microbatches or opts.schedule):
         raise PlanError(f"accumulation={ks[0]} runs microbatches one after another without a pipeline, but this "
                         "request asks for a pipeline (a 'pp' mesh axis, microbatches or schedule): a pipeline already "
