@@ -149,11 +149,18 @@ def test_batch_norm_trains_like_one_device(mesh_name):
         stats = [k for k in ref["params"][0] if k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
         assert stats and all(k in results[0][name]["params"][0] for k in stats), name
         degrees = results[0][name]["degrees"]
-        assert degrees["pp"] == 1, f"{name} on {mesh_name}: pipelined a model that updates buffers ({degrees})"
+        _assert_one_microbatch(autopar.Plan.from_json(results[0][name]["plan"]), f"{name} on {mesh_name}")
         if mesh_name == "data":
             assert degrees["dp"] == 2, (name, degrees)
         for r in results:
             assert_same_training(ref, r[name], what=f"{name} on {mesh_name} (plan {degrees})")
+
+
+def _assert_one_microbatch(plan, what: str):
+    """A model that updates buffers runs its batch whole: no accumulation, a pipeline of one microbatch."""
+    assert plan.memory_options.accumulation == 1, f"{what}: accumulation {plan.memory_options.accumulation}"
+    if plan.degrees["pp"] > 1:
+        assert plan.pipeline.microbatch_size == BATCH, f"{what}: microbatches of {plan.pipeline.microbatch_size} rows"
 
 
 def _train_float64(rank):
@@ -194,16 +201,37 @@ def test_written_buffers_finds_batch_norm_updates_in_training_only():
     assert written_buffers(t.gm, t.buffers) == set() and not updates_buffers(t)
 
 
-def test_auto_does_not_pipeline_or_accumulate_batch_norm():
-    """HF ResNet on 2 devices: AUTO used to pick pp=2 (the blocker read only functional buffer
-    outputs), training each microbatch on its own statistics (loss 3e-3, gradients 50 % off)."""
+def test_auto_runs_batch_norm_as_one_microbatch():
+    """HF ResNet on 2 devices: AUTO used to pick pp=2 with microbatches (the check read only
+    functional buffer outputs), normalising each microbatch with its own statistics (loss 3e-3,
+    gradients 50 % off). Now it does not pipeline it at all (one microbatch would not pay)."""
     x, y = batch((3, 32, 32))
     plan = autopar.plan(hf_resnet(), autopar.Mesh(2), example_inputs=(x,), loss_fn=logits_loss, example_target=y)
-    assert plan.degrees["pp"] == 1 and plan.memory_options.accumulation == 1, plan.degrees
+    _assert_one_microbatch(plan, "HF ResNet, AUTO")
+    assert plan.degrees["pp"] == 1, plan.degrees
 
 
-def test_forced_pipeline_of_batch_norm_is_an_error():
-    x, y = batch((3, 16, 16))
-    with pytest.raises(PlanError, match="updates buffers in forward .*BatchNorm"):
-        autopar.plan(ResidualCNN(), autopar.Mesh((2,), axis_names=("pp",)), example_inputs=(x,),
-                     loss_fn=F.cross_entropy, example_target=y)
+def test_memory_cap_does_not_make_auto_accumulate_batch_norm():
+    """At a 0.6 MB cap AUTO used to accumulate 2 microbatches of 4 rows (statistics of 4 rows):
+    now no plan fits, and the error says why accumulation was not tried and how to ask for it."""
+    x, y = batch((3, 32, 32))
+    with pytest.raises(PlanError, match=r"Gradient accumulation was not tried: the model updates buffers .*"
+                                        r"pass accumulation=k"):
+        autopar.plan(hf_resnet(), autopar.Mesh(2, memory_gb=0.0006), example_inputs=(x,), loss_fn=logits_loss,
+                     example_target=y)
+
+
+def test_forced_pipeline_of_batch_norm_runs_one_microbatch():
+    """A 'pp' axis pipelines the model as one microbatch (each stage sees the whole batch)."""
+    x, y = batch((3, 32, 32))
+    plan = autopar.plan(hf_resnet(), autopar.Mesh((2,), axis_names=("pp",)), example_inputs=(x,),
+                        loss_fn=logits_loss, example_target=y)
+    assert plan.degrees["pp"] == 2 and plan.pipeline.microbatch_size == BATCH, (plan.degrees, plan.pipeline)
+
+
+def test_microbatches_of_batch_norm_are_an_error():
+    x, y = batch((3, 32, 32))
+    autopar.set_auto_parallel_context(microbatches=2)
+    with pytest.raises(PlanError, match=r"microbatches=2: the model updates buffers in forward .*use microbatches=1"):
+        autopar.plan(hf_resnet(), autopar.Mesh((2,), axis_names=("pp",)), example_inputs=(x,),
+                     loss_fn=logits_loss, example_target=y)

@@ -135,9 +135,13 @@ def node_first(cand: PipelineCandidate) -> tuple[int, int]:
     return -tp, cand.pp
 
 
+BUFFER_UPDATES = ("the model updates buffers in forward (e.g. BatchNorm running statistics): a pipeline runs it as "
+                  "one microbatch, since microbatches would be normalised with their own statistics")
+
+
 def pipeline_blocker(traced) -> str | None:
     """Why this graph cannot be pipelined (None when it can)."""
-    if updates_buffers(traced):
+    if traced.buffer_mutations:
         return ("the model updates buffers in forward (e.g. BatchNorm running statistics); microbatches would "
                 "change them, so pipelining would not train like the single-device model")
     if not traced.has_loss:
@@ -541,6 +545,14 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
         if forced:
             raise PlanError(f"cannot pipeline this model: {blocker}")
         return [], [("pp", blocker)], False
+    if updates_buffers(traced):      # BatchNorm's statistics must stay the whole batch's
+        if not forced:               # one microbatch only: a pipeline would not pay
+            return [], [("pp", BUFFER_UPDATES)], False
+        if opts.microbatches not in (None, 1):
+            raise PlanError(f"microbatches={opts.microbatches}: the model updates buffers in forward (e.g. BatchNorm "
+                            "running statistics), so each microbatch would be normalised with its own statistics and "
+                            "not train like the single-device model; use microbatches=1 (or leave it unset)")
+        opts = replace(opts, microbatches=1)
     num_units, batch = len(assign_units(traced.gm)[0]), traced.batch_size
     if not forced:
         cands = model_parallel_first(traced, cands, opts)

@@ -63,6 +63,11 @@ def annotated_axes(param_ann: dict, input_ann: dict) -> frozenset:
     return frozenset(a for placements in (*param_ann.values(), *input_ann.values()) for a in placements)
 
 
+NO_ACCUMULATION = ("Gradient accumulation was not tried: the model updates buffers in forward (e.g. BatchNorm "
+                   "running statistics), so microbatches would be normalised with their own statistics; pass "
+                   "accumulation=k to accept that.")
+
+
 def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
                input_ann: dict, top_k: int = 1, retracer: Retracer | None = None) -> list[Plan]:
     """The ``top_k`` best predicted plans that fit memory, best first; each lists the others (and
@@ -74,7 +79,8 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     progress.keep = max(1, top_k)
     mark_chunk_hints(traced.gm)
     ks, choices = memory_choices(traced.batch_size, mode, opts.accumulation, opts.recompute)
-    if not opts.accumulation and len(ks) > 1 and updates_buffers(traced):
+    whole_batch = not opts.accumulation and len(ks) > 1 and updates_buffers(traced)
+    if whole_batch:
         ks = ks[:1]                 # microbatches would change what the step computes (BatchNorm's statistics)
     if opts.accumulation and ks[0] > 1 and ("pp" in mesh.axis_names or opts.microbatches or opts.schedule):
         raise PlanError(f"accumulation={ks[0]} runs microbatches one after another without a pipeline, but this "
@@ -109,8 +115,10 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     if not plans and not failures:
         raise PlanError("no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in pipe_failures[:4]))
     if not plans:
-        raise nothing_fits(mesh, failures + pipeline_failures(pipe_failures), _cap(mesh, opts),
-                           traced.batch_size) from None
+        err = nothing_fits(mesh, failures + pipeline_failures(pipe_failures), _cap(mesh, opts), traced.batch_size)
+        if whole_batch:
+            err.args = (err.args[0] + " " + NO_ACCUMULATION,)
+        raise err from None
     for p in plans:
         p.optimizer_time = optimizer_time(p, opts.optimizer)
     plans.sort(key=rank_key)
