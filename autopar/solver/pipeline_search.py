@@ -42,6 +42,7 @@ from autopar.context import ParallelMode
 from autopar.cost_models.compute import optimizer_step_time, total_flops
 from autopar.cost_models.devices import axis_link
 from autopar.cost_models.zero import zero_axes
+from autopar.graph.buffer_writes import updates_buffers
 from autopar.graph.cut_points import assign_units, unit_of_module
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.graph.stage_cuts import assign_stages, stage_placeholders, stage_transfers
@@ -133,6 +134,10 @@ def node_first(cand: PipelineCandidate) -> tuple[int, int]:
     54 candidates of pp <= 35 that did not fit)."""
     tp = cand.sub.shape[cand.sub.axis_names.index("tp")] if "tp" in cand.sub.axis_names else 1
     return -tp, cand.pp
+
+
+BUFFER_UPDATES = ("the model updates buffers in forward (e.g. BatchNorm running statistics): a pipeline runs it as "
+                  "one microbatch, since microbatches would be normalised with their own statistics")
 
 
 def pipeline_blocker(traced) -> str | None:
@@ -574,6 +579,14 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
         if forced:
             raise PlanError(f"cannot pipeline this model: {blocker}")
         return [], [("pp", blocker)], False
+    if updates_buffers(traced):      # BatchNorm's statistics must stay the whole batch's
+        if not forced:               # one microbatch only: a pipeline would not pay
+            return [], [("pp", BUFFER_UPDATES)], False
+        if opts.microbatches not in (None, 1):
+            raise PlanError(f"microbatches={opts.microbatches}: the model updates buffers in forward (e.g. BatchNorm "
+                            "running statistics), so each microbatch would be normalised with its own statistics and "
+                            "not train like the single-device model; use microbatches=1 (or leave it unset)")
+        opts = replace(opts, microbatches=1)
     num_units, batch = len(assign_units(traced.gm)[0]), traced.batch_size
     if not forced:
         cands = model_parallel_first(traced, cands, opts)

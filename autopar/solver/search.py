@@ -14,6 +14,7 @@ import time
 
 from autopar.context import ParallelMode
 from autopar.cost_models.memory import param_numel, parameter_nodes, training_state_bytes, training_state_parts
+from autopar.graph.buffer_writes import updates_buffers
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer
 from autopar.mesh import Mesh
@@ -62,6 +63,11 @@ def annotated_axes(param_ann: dict, input_ann: dict) -> frozenset:
     return frozenset(a for placements in (*param_ann.values(), *input_ann.values()) for a in placements)
 
 
+NO_ACCUMULATION = ("Gradient accumulation was not tried: the model updates buffers in forward (e.g. BatchNorm "
+                   "running statistics), so microbatches would be normalised with their own statistics; pass "
+                   "accumulation=k to accept that.")
+
+
 def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
                input_ann: dict, top_k: int = 1, retracer: Retracer | None = None) -> list[Plan]:
     """The ``top_k`` best predicted plans that fit memory, best first; each lists the others (and
@@ -73,6 +79,9 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
     progress.keep = max(1, top_k)
     mark_chunk_hints(traced.gm)
     ks, choices = memory_choices(traced.batch_size, mode, opts.accumulation, opts.recompute)
+    whole_batch = not opts.accumulation and len(ks) > 1 and updates_buffers(traced)
+    if whole_batch:
+        ks = ks[:1]                 # microbatches would change what the step computes (BatchNorm's statistics)
     if opts.accumulation and ks[0] > 1 and ("pp" in mesh.axis_names or opts.microbatches or opts.schedule):
         raise PlanError(f"accumulation={ks[0]} runs microbatches one after another without a pipeline, but this "
                         "request asks for a pipeline (a 'pp' mesh axis, microbatches or schedule): a pipeline already "
@@ -104,8 +113,10 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                 frontiers = {y: s for y, s in frontiers.items() if y <= z}
                 break               # fits freely: a higher stage only adds all-gathers
     if not plans:
-        raise no_plan_error(mesh, failures, pipe_failures, _cap(mesh, opts), traced.batch_size,
-                            opts.time_limit_s) from None
+        err = no_plan_error(mesh, failures, pipe_failures, _cap(mesh, opts), traced.batch_size, opts.time_limit_s)
+        if whole_batch:
+            err.args = (err.args[0] + " " + NO_ACCUMULATION,)
+        raise err from None
     for p in plans:
         p.optimizer_time = optimizer_time(p, opts.optimizer)
     plans.sort(key=rank_key)

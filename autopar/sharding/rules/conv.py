@@ -1,4 +1,4 @@
-"""conv2d (batch, output-channel, input-channel→Partial) and pooling (batch, channel)."""
+"""conv1d/2d/3d (batch, output-channel, input-channel→Partial) and pooling (batch, channel)."""
 from __future__ import annotations
 
 from torch.ops import aten
@@ -9,7 +9,7 @@ from autopar.sharding.rules.einsum import einsum_options
 from autopar.sharding.strategy import shape_of, tensor_inputs
 
 
-@register_rule(aten.conv2d.default, aten.conv1d.default)
+@register_rule(aten.conv2d.default, aten.conv1d.default, aten.conv3d.default)
 def conv(node):
     ins = tensor_inputs(node)
     shapes = [shape_of(a) for a in ins]
@@ -29,8 +29,10 @@ def conv(node):
 
 
 @register_rule(aten.max_pool2d.default, aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default,
-               aten.max_pool1d.default, aten.avg_pool1d.default, aten.adaptive_avg_pool1d.default)
+               aten.max_pool1d.default, aten.avg_pool1d.default, aten.adaptive_avg_pool1d.default,
+               aten.max_pool3d.default, aten.avg_pool3d.default, aten.adaptive_avg_pool3d.default)
 def pool(node):
     n = len(shape_of(node))
-    spatial = tuple(range(n - (1 if "1d" in str(node.target) else 2), n))
+    k = next(int(d) for d in "123" if f"{d}d" in str(node.target))
+    spatial = tuple(range(n - k, n))
     return pointwise_options(node, skip_dims=spatial)
