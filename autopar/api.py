@@ -25,6 +25,7 @@ from autopar.plan import Plan, PlanError
 from autopar.runtime.agreement import check_agreement, model_summary, plan_digest, tensor_summary
 from autopar.runtime.grad_sync import broadcast_state
 from autopar.runtime.launch import init_from_env
+from autopar.runtime.pretrained_save import remember_configs
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
 from autopar.progress_display import ProgressDisplay
 from autopar.solver.progress import SearchProgress
@@ -253,7 +254,7 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
                               ctx["autotune_slack"], example_kwargs)
     check_agreement({"traced graph": graph_fingerprint(traced.gm), "plan": plan_digest(the_plan)},
                     "after planning")
-    return build_parallel_module(model, traced, the_plan, retracer)
+    return remember_configs(build_parallel_module(model, traced, the_plan, retracer), model)
 
 
 def _agree_at_start(model, mesh, mode, example_inputs, example_target, given, example_kwargs=None) -> None:
