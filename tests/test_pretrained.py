@@ -129,7 +129,12 @@ CASES = ["data", "tp", "pp", "zero3", pytest.param("3d", marks=SLOW)]
 def test_load_and_export_equal_transformers_on_one_process(name, pretrained, tmp_path):
     expect = _hf_state(pretrained["single"])
     out = tmp_path / "export"
-    results = run_ranks(PLANS[name][0], _round_trip, name, pretrained, str(out))
+    if name == "3d":      # 8 ranks on a shared 2-core machine plan past the pool's default 120 s
+        import conftest
+
+        results = conftest._pool(8).run(conftest._fresh_call, _round_trip, name, pretrained, str(out), timeout_s=900)
+    else:
+        results = run_ranks(PLANS[name][0], _round_trip, name, pretrained, str(out))
     r0 = results[0]
     for kind in ("single", "sharded"):
         got = r0["loaded"][kind]
@@ -229,8 +234,8 @@ def test_name_mapping_dtype_cast_and_clear_errors(pretrained, tmp_path):
     assert all(torch.equal(r["bf16"][k], v) for k, v in bf16.items())
     assert not all(torch.equal(r["bf16"][k], v) for k, v in expect.items())     # the cast really rounded
     e = r["errors"]
-    assert "12 model tensor(s) missing from the checkpoint" in e["missing"]
-    assert "'inner.model.layers.1." in e["missing"] and "and 4 more" in e["missing"]
+    assert "9 model tensor(s) missing from the checkpoint" in e["missing"]
+    assert "'inner.model.layers.1." in e["missing"] and "and 1 more" in e["missing"]
     assert "2 checkpoint tensor(s) the model does not have: 'model.extra.weight', 'score.bias'" in e["unexpected"]
     assert "'model.norm.weight' is [7] in the checkpoint but [64] in the model" in e["shape"]
     assert "pass prefix='inner.'" in e["no_prefix"]
@@ -238,7 +243,7 @@ def test_name_mapping_dtype_cast_and_clear_errors(pretrained, tmp_path):
         assert "the module is unchanged" in e[case], e[case]
         assert e[case + "_unchanged"], f"a failed load ({case}) changed the module"
     missing, unexpected = r["lenient"]
-    assert len(missing) == 12 and unexpected == []
+    assert len(missing) == 9 and unexpected == []
     assert "holds files that are not a Hugging Face export (notes.txt)" in r["occupied"]
     assert (tmp_path / "not_export" / "notes.txt").read_text() == "mine"
 
