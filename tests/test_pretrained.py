@@ -104,20 +104,39 @@ def _parallelize(name):
     return autopar.parallelize(model, mesh, mode=mode, **kw), x, y
 
 
+def _count_reads(load) -> dict[str, int]:
+    """Checkpoint key -> elements this rank read of it during ``load()``."""
+    from autopar.runtime import pretrained_load
+
+    reads, original = {}, pretrained_load._Checkpoint.read
+
+    def counting(self, key, offsets, sizes):
+        reads[key] = reads.get(key, 0) + math.prod(sizes)
+        return original(self, key, offsets, sizes)
+
+    pretrained_load._Checkpoint.read = counting
+    try:
+        load()
+    finally:
+        pretrained_load._Checkpoint.read = original
+    return reads
+
+
 def _round_trip(rank, name, paths, out):
     """Load both checkpoints (gathered states back), train a step, export (states and export report)."""
     pmodel, x, y = _parallelize(name)
     got = {}
-    for kind in ("single", "sharded"):
-        pmodel.load_pretrained(paths[kind], prefix=PREFIX)
-        got[kind] = pmodel.full_state_dict()
+    reads = _count_reads(lambda: pmodel.load_pretrained(paths["single"], prefix=PREFIX))
+    got["single"] = pmodel.full_state_dict()
+    pmodel.load_pretrained(paths["sharded"], prefix=PREFIX)
+    got["sharded"] = pmodel.full_state_dict()
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
     pmodel.step(x, target=y)
     opt.step()
     trained = pmodel.full_state_dict()
     export = pmodel.save_pretrained(out, prefix=PREFIX, max_shard_size="60KB" if name == "data" else "5GB")
     splits = pmodel.split_parameters()
-    return {"loaded": got if rank == 0 else None, "trained": trained if rank == 0 else None, "export": export,
+    return {"loaded": got if rank == 0 else None, "reads": reads, "trained": trained if rank == 0 else None, "export": export,
             "degrees": pmodel.plan.degrees, "zero": pmodel.plan.memory_options.zero, "split": bool(splits)}
 
 
@@ -141,6 +160,21 @@ def test_load_and_export_equal_transformers_on_one_process(name, pretrained, tmp
         assert set(got) == set(expect), set(got) ^ set(expect)
         for k, v in expect.items():
             assert torch.equal(got[k], v), f"{name}: {k} loaded from {kind} differs from from_pretrained"
+    # each rank read only what it holds: all of it under DATA, a slice of a split tensor, half (plus
+    # partial rows) of everything under ZeRO-3, one stage's layers under a pipeline
+    sizes = {k[len(PREFIX):]: v.numel() for k, v in expect.items() if k != PREFIX + "lm_head.weight"}
+    total, up = sum(sizes.values()), "model.layers.0.mlp.up_proj.weight"
+    for r, res in enumerate(results):
+        read = sum(res["reads"].values())
+        assert set(res["reads"]) <= set(sizes)
+        if name == "data":
+            assert res["reads"] == sizes
+        if name == "tp" or name == "3d" and up in res["reads"]:      # 3d: stage 0's ranks hold layer 0
+            assert res["reads"][up] == sizes[up] // 2, (r, res["reads"][up])
+        if name == "zero3":
+            assert read < 0.6 * total, (r, read, total)
+        if name in ("pp", "3d"):
+            assert read < 0.75 * total, (r, read, total)
     # the plan kind really happened
     if name in ("pp", "3d"):
         assert r0["degrees"]["pp"] == 2, r0["degrees"]
@@ -296,3 +330,11 @@ def test_sizes_parse_like_hugging_face():
 
     assert parse_size("5GB") == 5 * 10 ** 9 and parse_size("10KiB") == 10240 and parse_size(7) == 7
     assert math.isclose(parse_size("1.5MB"), 1.5e6)
+
+
+@SLOW
+def test_finetune_example_runs_end_to_end(capsys):
+    from examples import finetune_hf
+
+    finetune_hf.main(["--steps", "2"])          # raises SystemExit where the export differs
+    assert "transformers reloads the export" in capsys.readouterr().out
