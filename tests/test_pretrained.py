@@ -82,6 +82,7 @@ PLANS = {      # name: (ranks, mesh shape, axis names, mode, annotate, zero)
     "tp": (2, (2,), ("tp",), "semi_auto", _tp, 0),
     "pp": (2, (2,), ("pp",), "auto", None, 0),
     "zero3": (2, (2,), None, "data", None, 3),
+    "zero1": (2, (2,), None, "data", None, 1),
     "3d": (8, (2, 2, 2), ("pp", "dp", "tp"), "semi_auto", _tp, 0),
 }
 
@@ -141,7 +142,7 @@ def _round_trip(rank, name, paths, out):
 
 
 SLOW = pytest.mark.slow
-CASES = ["data", "tp", "pp", "zero3", pytest.param("3d", marks=SLOW)]
+CASES = ["data", "tp", "pp", "zero3", pytest.param("zero1", marks=SLOW), pytest.param("3d", marks=SLOW)]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -178,14 +179,22 @@ def test_load_and_export_equal_transformers_on_one_process(name, pretrained, tmp
     # the plan kind really happened
     if name in ("pp", "3d"):
         assert r0["degrees"]["pp"] == 2, r0["degrees"]
-    if name == "zero3":
-        assert r0["zero"] == 3
-    if name in ("tp", "3d", "zero3"):
+    if name.startswith("zero"):
+        assert r0["zero"] == int(name[-1])
+    if name in ("tp", "3d", "zero3", "zero1"):
         assert r0["split"], "the plan must split some parameter for the case to test slicing"
     # export: transformers reads back exactly the gathered state after a training step
     trained = r0["trained"]
     assert not torch.equal(trained[PREFIX + "model.layers.0.mlp.up_proj.weight"],
                            expect[PREFIX + "model.layers.0.mlp.up_proj.weight"]), "the step must change weights"
+    # training from the loaded pieces (ZeRO shards included) is one-device training from from_pretrained
+    ref = hf_zoo.LogitsOnly(transformers.AutoModelForCausalLM.from_pretrained(pretrained["single"],
+                                                                              attn_implementation="eager"))
+    x, y = make_batch("tokens", BATCH)
+    lm_loss(ref(x), y).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(trained[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {k}: {m}")
     back = _hf_state(out)
     assert set(back) == set(trained), set(back) ^ set(trained)
     for k, v in trained.items():
