@@ -347,3 +347,19 @@ def test_finetune_example_runs_end_to_end(capsys):
 
     finetune_hf.main(["--steps", "2"])          # raises SystemExit where the export differs
     assert "transformers reloads the export" in capsys.readouterr().out
+
+
+def test_loads_into_uninitialized_pieces_and_exports_bf16(pretrained, tmp_path):
+    """No value of the module is read before loading (a meta-built module's pieces are garbage):
+    every piece NaN first, then the checkpoint's values exactly; ``dtype=`` casts the export."""
+    pmodel = _one()
+    with torch.no_grad():
+        for p in pmodel.program.parameters():
+            p.fill_(float("nan"))
+    pmodel.load_pretrained(pretrained["single"], prefix=PREFIX)
+    state = pmodel.full_state_dict()
+    expect = _hf_state(pretrained["single"])
+    assert all(torch.equal(state[k], v) for k, v in expect.items())
+    pmodel.save_pretrained(tmp_path / "bf16", prefix=PREFIX, dtype=torch.bfloat16)
+    back = _hf_state(tmp_path / "bf16")
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, state[k].to(torch.bfloat16)) for k, v in back.items())
