@@ -181,9 +181,9 @@ def _report(argv) -> int:
     args = ap.parse_args(argv)
     try:
         plan = Plan.load(args.plan)
-    except (FileNotFoundError, IsADirectoryError) as err:
+    except (FileNotFoundError, IsADirectoryError, ValueError) as err:   # a bad argument: not a (readable) plan
         raise CliError(str(err), 2) from None
-    except (ValueError, OSError) as err:
+    except OSError as err:
         raise CliError(str(err)) from None
     print(plan.report())
     return 0

@@ -17,8 +17,10 @@ from autopar.collectives.watch import guard, note
 from autopar.comm_timeout import comm_timeout_s, using, world_group
 from autopar.errors import CheckpointError
 from autopar.plan import PlanError
+from autopar.runtime import idle_rank
 from autopar.runtime.optimizer_check import watch
 from autopar.runtime.program import RankProgram
+from autopar.runtime.step_result import check_trainable, step_loss
 from autopar.sharding.placements import Partial, Replicate, Shard, replicated, shard_factor
 from autopar.sharding.redistribute import redistribute_steps
 from autopar.sharding.shard_params import assemble, local_piece
@@ -54,6 +56,7 @@ class ParallelModule(nn.Module):
         return guard(what, self.comm_timeout_s)
 
     def _guard_step(self):
+        check_trainable(self.plan)                   # a clear error where nothing takes a gradient
         self._steps += 1
         return self._guard(f"pmodel.step (step {self._steps} of this process)")
 
@@ -113,6 +116,11 @@ class ParallelModule(nn.Module):
             return self._zero.params.named_parameters(prefix=prefix, recurse=recurse,
                                                       remove_duplicate=remove_duplicate)
         return self.program.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def parameters(self, recurse: bool = True):
+        """What an optimizer trains: ``named_parameters()``'s, or, on a rank whose pipeline stage holds
+        none, one zero-size placeholder that never gets a gradient (runtime/idle_rank.py)."""
+        return idle_rank.parameters(self, recurse)
 
     def split_parameters(self) -> dict[str, str]:
         """The parameters (of ``parameters()``) that are pieces of a larger tensor: name -> how it is split."""
@@ -219,13 +227,13 @@ class ParallelModule(nn.Module):
         inputs = self._flat_inputs(inputs, kwargs)
         with self._guard_step():
             if self._chunks == 1:
-                return self._step(inputs, target, local_batch)
+                return step_loss(self._step(inputs, target, local_batch))   # backward() on it: a clear error
             chunks = self._accumulation_chunks(inputs, target, local_batch)
             losses = []
             for j, (xs, t) in enumerate(chunks):
                 with self.no_sync() if j < len(chunks) - 1 else contextlib.nullcontext():
                     losses.append(self._step(xs, t, local_batch, 1.0 / len(chunks)))
-            return torch.stack(losses).mean()
+            return step_loss(torch.stack(losses).mean())
 
     def _step(self, inputs, target, local_batch: bool, scale: float = 1.0) -> torch.Tensor:
         meta = self._traced_meta
@@ -393,6 +401,14 @@ class ParallelModule(nn.Module):
         if self._state_keys:
             out = {k: out[k] for k in self._state_keys if k in out}
         return out
+
+    def sync_to(self, model: nn.Module) -> None:
+        """Copy the trained state (gathered in full) into ``model``, the module this was built from, in place,
+        on every rank: training updates pmodel's own tensors, not the original model's. A collective: call it
+        on every rank (runtime/sync_back.py)."""
+        from autopar.runtime.sync_back import sync_to
+
+        sync_to(model, self.full_state_dict)
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter's gradient gathered in full (canonical names; zeros where none)."""

@@ -36,6 +36,7 @@ from autopar.passes.split_stages import forward_only, split_stages
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, sum_grads
 from autopar.runtime.pipeline import PipelineExecutor, StageCall
 from autopar.runtime.program import ParamTree, placeholder_slot
+from autopar.runtime.step_result import step_loss
 from autopar.schedule import build_schedule
 from autopar.sharding.placements import Partial, local_shape, replicated, shard_factor
 from autopar.sharding.shard_params import assemble
@@ -203,7 +204,7 @@ class PipelineModule(ParallelModule):
         """Forward + backward of every microbatch on this rank's stages; returns the global mean loss."""
         inputs = self._flat_inputs(inputs, kwargs)
         with self._guard_step():
-            return self._pipeline_step(inputs, target, local_batch)
+            return step_loss(self._pipeline_step(inputs, target, local_batch))
 
     def _pipeline_step(self, inputs, target, local_batch: bool) -> torch.Tensor:
         meta = self._traced_meta

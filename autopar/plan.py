@@ -347,6 +347,10 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         d = dict(d)
+        if "format_version" not in d:
+            keys = ", ".join(repr(k) for k in list(d)[:6]) or "none"
+            raise NotAPlanError(f"a JSON object without 'format_version' (its keys: {keys}); pass a plan JSON "
+                                "written by Plan.save or autopar plan --out")
         version = d.pop("format_version", None)
         if version not in _READABLE_VERSIONS:
             raise ValueError(f"plan format version {version} is not supported (expected {FORMAT_VERSION}); "
@@ -373,18 +377,18 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         if not text.strip():
-            raise ValueError("plan JSON is empty (a plan write that did not finish?); make the plan again")
+            raise NotAPlanError("plan JSON is empty (a plan write that did not finish?); make the plan again")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"plan JSON is not valid JSON (truncated, or not a plan file): {err}") from None
+            raise NotAPlanError(f"plan JSON is not valid JSON (truncated, or not a plan file): {err}") from None
         if not isinstance(data, dict):
-            raise ValueError(f"plan JSON holds a {type(data).__name__}, not a plan (an object written by Plan.save)")
+            raise NotAPlanError(f"plan JSON holds a {type(data).__name__}, not a plan (an object written by Plan.save)")
         try:
             return cls.from_dict(data)
         except (KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"plan JSON is not a complete autopar plan ({type(err).__name__}: {err}); make the plan "
-                             "again with this autopar version") from None
+            raise NotAPlanError(f"plan JSON is not a complete autopar plan ({type(err).__name__}: {err}); make the "
+                                "plan again with this autopar version") from None
 
     def save(self, path) -> None:
         """Write the JSON to ``path`` whole or not at all (a temporary file in the same folder, renamed)."""
@@ -400,11 +404,19 @@ class Plan:
             raise FileNotFoundError(f"no plan file at {p}")
         try:
             return cls.from_json(p.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as err:
+        except UnicodeDecodeError as err:
+            raise NotAPlanError(f"{p} is not an autopar plan: it is not UTF-8 text ({err})") from None
+        except NotAPlanError as err:
+            raise NotAPlanError(f"{p} is not an autopar plan: {err}") from None
+        except ValueError as err:
             raise ValueError(f"cannot read the plan file {p}: {err}") from None
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Plan) and self.to_dict() == other.to_dict()
+
+
+class NotAPlanError(ValueError):
+    """A file or JSON text that is not an autopar plan (empty, truncated, another JSON document)."""
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -203,11 +203,13 @@ def test_a_loss_that_fails_on_the_target_is_reported_as_the_loss():
     ("", ValueError, r"plan JSON is empty"),
     ("[1, 2]", ValueError, r"plan JSON holds a list, not a plan"),
     ('{"format_version": 2}', ValueError, r"plan JSON is not a complete autopar plan \(KeyError: 'mode'\)"),
+    ('{"name": "gpt2", "n_layer": 2}', ValueError, r"a JSON object without 'format_version' \(its keys: 'name', "
+                                                   r"'n_layer'\); pass a plan JSON written by Plan.save"),
 ])
 def test_plan_load_of_a_bad_file_names_the_file(tmp_path, text, error, message):
     path = tmp_path / "plan.json"
     path.write_text(text)
-    with pytest.raises(error, match=rf"cannot read the plan file {re.escape(str(path))}: {message}"):
+    with pytest.raises(error, match=rf"{re.escape(str(path))} is not an autopar plan: {message}"):
         autopar.Plan.load(path)
     with pytest.raises(IsADirectoryError, match=r"is a folder, not a plan file"):
         autopar.Plan.load(tmp_path)

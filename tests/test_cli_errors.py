@@ -76,8 +76,14 @@ def test_plan_with_a_bad_argument_prints_one_line(factories, capsys, argv, code,
 
 def test_report_of_a_missing_truncated_or_folder_path(tmp_path, capsys):
     (tmp_path / "cut.json").write_text('{"format_version": 2, "mode": "da')
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    (tmp_path / "future.json").write_text('{"format_version": 99}')
     cases = [(tmp_path / "none.json", 2, f"autopar report: error: no plan file at {tmp_path / 'none.json'}"),
-             (tmp_path / "cut.json", 1, "plan JSON is not valid JSON (truncated, or not a plan file)"),
+             (tmp_path / "cut.json", 2, f"{tmp_path / 'cut.json'} is not an autopar plan: plan JSON is not valid JSON "
+                                        "(truncated, or not a plan file)"),
+             (tmp_path / "config.json", 2, f"{tmp_path / 'config.json'} is not an autopar plan: a JSON object without "
+                                           "'format_version' (its keys: 'model_type')"),
+             (tmp_path / "future.json", 2, "plan format version 99 is not supported (expected"),
              (tmp_path, 2, f"{tmp_path} is a folder, not a plan file; pass the plan JSON inside it")]
     for path, code, text in cases:
         got, err = _run(capsys, "report", str(path))

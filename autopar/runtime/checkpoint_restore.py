@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from autopar.runtime import idle_rank
 from autopar.runtime.checkpoint_state import MODEL, OPTIM, held_names, layout, model_tensor, param_names, rng_key
 
 _LIST = 3       # names listed in one message at most
@@ -98,6 +99,7 @@ class Restore:
             return
         group_of = {n: i for i, g in enumerate(saved) for n in g["params"]}
         for i, gnames in enumerate(names):
+            gnames = [n for n in gnames if n != idle_rank.NAME]     # the placeholder holds no state
             absent = [n for n in gnames if n not in group_of]
             moved = [f"{n!r} (group {group_of[n]} there)" for n in gnames if group_of.get(n, i) != i]
             if absent:
@@ -117,6 +119,9 @@ class Restore:
             values.append([])
             for p, name in zip(group["params"], gnames):
                 entry = {}
+                if name == idle_rank.NAME:
+                    values[-1].append(entry)
+                    continue
                 lay = layout(self.pmodel, name, shard=True)
                 for k in info["state_keys"].get(name, []):
                     key = f"{OPTIM}{name}.{k}"

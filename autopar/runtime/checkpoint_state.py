@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from autopar.errors import CheckpointError
+from autopar.runtime import idle_rank
 from autopar.sharding.boxes import boxes, flat_rects, runs, slices
 
 MODEL, OPTIM, META = "model.", "optim.state.", "autopar"
@@ -159,6 +160,9 @@ def param_names(pmodel, optimizer) -> list[list[str]]:
     for i, group in enumerate(optimizer.param_groups):
         out.append([])
         for p in group["params"]:
+            if idle_rank.is_placeholder(pmodel, p):
+                out[-1].append(idle_rank.NAME)
+                continue
             if id(p) not in names:
                 raise CheckpointError(f"param group {i} of the optimizer holds a tensor of shape {list(p.shape)} "
                                       "that is not one of this module's parameters; build the optimizer on "
@@ -174,6 +178,8 @@ def optimizer_state(pmodel, optimizer) -> tuple[dict, dict]:
     names = param_names(pmodel, optimizer)
     for group, gnames in zip(optimizer.param_groups, names):
         for p, name in zip(group["params"], gnames):
+            if name == idle_rank.NAME:      # never stepped: no state, not recorded
+                continue
             state = optimizer.state.get(p, {})
             lay = layout(pmodel, name, shard=True)
             for k, v in state.items():
@@ -187,7 +193,8 @@ def optimizer_state(pmodel, optimizer) -> tuple[dict, dict]:
                 else:
                     entries[f"{OPTIM}{name}.{k}"] = v.detach() if isinstance(v, torch.Tensor) else v
             keys[name] = list(state)
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": gnames})
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [n for n in gnames if n != idle_rank.NAME]})
     cls = type(optimizer)
     return entries, {"class": f"{cls.__module__}.{cls.__qualname__}", "groups": groups, "state_keys": keys}
 

@@ -42,6 +42,10 @@ Constraints
     fixed boundaries (``_StageTables``): a user-fixed cut ``b`` may not fall strictly inside a
     stage, so every fixed cut is one of the ``c_s``.
     every stage holds >= 1 layer (``_validate``).
+    no idle stage (``_StageTables.working``): a stage whose layers hold no parameters (a pooling or
+    reshape left alone) would give its rank no parameters to train; such stages are ruled out
+    whenever a partition without them exists. When none does, ``allow_idle`` decides: the partition
+    with idle stages (``PipelinePartition.idle_stages``), or an ``IdleStageError``.
 
 Microbatches (``choose_microbatches``) runs the partition for each candidate count dividing
 the batch and keeps the smallest simulated step time.
@@ -92,6 +96,7 @@ class PipelinePartition:
     num_ranks: int
     virtual_stages: int = 1
     rank_memory: list[float] = field(default_factory=list)
+    idle_stages: list[int] = field(default_factory=list)   # stages holding no parameters (none when avoidable)
 
     @property
     def boundaries(self) -> list[int]:
@@ -107,6 +112,16 @@ class _StageTables:
     allowed: np.ndarray  # [S, L+1, L+1] bool: structural and the memory fits
     hop: np.ndarray  # [L+1] p2p seconds when a stage ends after layer l-1
     compute_total: float
+    working: np.ndarray | None = None  # [L+1, L+1] bool: stage [k, l) holds parameters
+
+
+class IdleStageError(ValueError):
+    """Every partition that fits leaves some stage without parameters (and ``allow_idle`` is off)."""
+
+
+def _without_idle(tables: _StageTables) -> _StageTables:
+    """``tables`` with the stages that hold no parameters ruled out."""
+    return replace(tables, allowed=tables.allowed & tables.working[None])
 
 
 def _validate(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, total_stages: int,
@@ -149,7 +164,7 @@ def _stage_tables(layers: Sequence[LayerProfile], in_flight: Sequence[int], budg
     for b in fixed_boundaries:
         valid &= ~((k < b) & (b < l))
     allowed = valid[None] & (memory <= (np.inf if budget is None else budget))
-    return _StageTables(time, memory, valid, allowed, hop, float(compute[-1]))
+    return _StageTables(time, memory, valid, allowed, hop, float(compute[-1]), params[l] - params[k] > 0)
 
 
 def _best_sum(tables: _StageTables, mask: np.ndarray) -> tuple[float, list[int]]:
@@ -253,6 +268,7 @@ def _infeasible(layers: Sequence[LayerProfile], tables: _StageTables, budget: fl
 
 def _build_partition(layers: Sequence[LayerProfile], tables: _StageTables, cuts: Sequence[int], objective: float,
                      num_ranks: int, microbatches: int, schedule: str, virtual_stages: int) -> PipelinePartition:
+    """The partition at ``cuts``, simulated under its schedule."""
     sched = build_schedule(schedule, num_ranks, microbatches, virtual_stages)
     stages = []
     for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
@@ -261,8 +277,23 @@ def _build_partition(layers: Sequence[LayerProfile], tables: _StageTables, cuts:
         stages.append(StagePlan((a, b), fwd, bwd, float(tables.memory[s, a, b]), sched.rank_of(s), float(tables.hop[b])))
     sim = simulate(sched, [s.fwd for s in stages], [s.bwd for s in stages], [s.send_time for s in stages[:-1]])
     rank_memory = [sum(s.memory for s in stages if s.rank == r) for r in range(num_ranks)]
+    idle = [s for s, (a, b) in enumerate(zip(cuts, cuts[1:])) if not tables.working[a, b]]
     return PipelinePartition(stages, microbatches, schedule, sim.step_time, sim.bubble_fraction, objective,
-                             num_ranks, virtual_stages, rank_memory)
+                             num_ranks, virtual_stages, rank_memory, idle)
+
+
+def _solve_avoiding_idle(layers, tables: _StageTables, solve, allow_idle: bool, total: int):
+    """(objective, cuts) by ``solve(tables)``, first without idle stages, then (``allow_idle``) with them."""
+    objective, cuts = solve(_without_idle(tables))
+    if cuts:
+        return objective, cuts
+    objective, cuts = solve(tables)
+    if cuts and not allow_idle:
+        idle = [f"stage {s} ({', '.join(x.name for x in layers[a:b])})" for s, (a, b) in enumerate(zip(cuts, cuts[1:]))
+                if not tables.working[a, b]]
+        raise IdleStageError(f"every partition into {total} stages that fits leaves a stage without parameters "
+                             f"({'; '.join(idle)}): its rank would have nothing to train; use fewer stages")
+    return objective, cuts
 
 
 def _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, fixed_boundaries, virtual_stages):
@@ -278,15 +309,17 @@ def _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link
 def partition_stages(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, schedule: str = "1f1b",
                      memory_budget: float | None = None, p2p_link: tuple[float, float] | None = None,
                      fixed_boundaries: Sequence[int] | None = None,
-                     virtual_stages: int | None = None) -> PipelinePartition:
+                     virtual_stages: int | None = None, allow_idle: bool = True) -> PipelinePartition:
     """Optimal contiguous stage partition (module docstring). ``p2p_link`` = (bytes/s, seconds).
 
     ``num_stages`` is the number of pipeline ranks; ``virtual_stages`` (default 2 for
-    "interleaved_1f1b", else 1) stages per rank. Raises ValueError when no partition fits.
+    "interleaved_1f1b", else 1) stages per rank. Raises ValueError when no partition fits, and
+    ``IdleStageError`` when only partitions with a parameterless stage fit and ``allow_idle`` is off.
     """
     tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, fixed_boundaries,
                          virtual_stages)
-    objective, cuts = _solve_dp(tables, microbatches)
+    objective, cuts = _solve_avoiding_idle(layers, tables, lambda t: _solve_dp(t, microbatches), allow_idle,
+                                           num_stages * v)
     if not cuts:
         raise _infeasible(layers, tables, memory_budget, v, schedule, num_stages * v)
     return _build_partition(layers, tables, cuts, objective, num_stages, microbatches, schedule, v)
@@ -304,18 +337,23 @@ def least_stage_memory(layers: Sequence[LayerProfile], num_stages: int, microbat
 def brute_force_partition(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, schedule: str = "1f1b",
                           memory_budget: float | None = None, p2p_link: tuple[float, float] | None = None,
                           fixed_boundaries: Sequence[int] | None = None,
-                          virtual_stages: int | None = None) -> PipelinePartition:
+                          virtual_stages: int | None = None, allow_idle: bool = True) -> PipelinePartition:
     """Same contract as ``partition_stages`` by enumerating every cut set (tests, small inputs only)."""
     tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, fixed_boundaries,
                          virtual_stages)
     n, total = len(layers), num_stages * v
-    best, best_cuts = np.inf, []
-    for inner in itertools.combinations(range(1, n), total - 1):
-        cuts = [0, *inner, n]
-        if all(tables.allowed[s, a, b] for s, (a, b) in enumerate(zip(cuts, cuts[1:]))):
-            objective = _objective(tables, cuts, microbatches)
-            if objective < best:
-                best, best_cuts = objective, cuts
+
+    def enumerate_cuts(t: _StageTables):
+        best, best_cuts = np.inf, []
+        for inner in itertools.combinations(range(1, n), total - 1):
+            cuts = [0, *inner, n]
+            if all(t.allowed[s, a, b] for s, (a, b) in enumerate(zip(cuts, cuts[1:]))):
+                objective = _objective(t, cuts, microbatches)
+                if objective < best:
+                    best, best_cuts = objective, cuts
+        return best, best_cuts
+
+    best, best_cuts = _solve_avoiding_idle(layers, tables, enumerate_cuts, allow_idle, total)
     if not best_cuts:
         raise _infeasible(layers, tables, memory_budget, v, schedule, total)
     return _build_partition(layers, tables, best_cuts, best, num_stages, microbatches, schedule, v)

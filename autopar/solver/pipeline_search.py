@@ -67,6 +67,7 @@ class PipelineCandidate:
     sub: Mesh                 # the (dp, tp) sub-mesh every stage is solved on
     full: Mesh                # the plan's mesh, pp axis first
     fixed: dict               # module name -> stage index (pipeline_stage tags)
+    allow_idle: bool = False  # a requested pipeline may leave a stage without parameters when no cut avoids it
 
 
 def _sub_meshes(mesh: Mesh, n: int) -> list[Mesh]:
@@ -102,7 +103,7 @@ def pipeline_candidates(traced, mesh: Mesh, mode: ParallelMode, tags: dict) -> t
         names = mesh.axis_names[1:] or ("tp",)
         sub = Mesh(rest, names, mesh.device, mesh.gpus_per_node, mesh.memory_gb)
         full = mesh if mesh.shape[1:] else _full_mesh(mesh, pp, sub)
-        return ([PipelineCandidate(pp, sub, full, tags)] if pp > 1 else []), pp > 1
+        return ([PipelineCandidate(pp, sub, full, tags, True)] if pp > 1 else []), pp > 1
     if tags:
         pp = max(tags.values()) + 1
         if pp == 1:
@@ -111,7 +112,7 @@ def pipeline_candidates(traced, mesh: Mesh, mode: ParallelMode, tags: dict) -> t
             raise PipelineRequestError(f"pipeline_stage tags name {pp} stages but {mesh.size} devices do not split "
                                        f"into {pp} equal stages")
         subs = _sub_meshes(mesh, mesh.size // pp)
-        return [PipelineCandidate(pp, s, _full_mesh(mesh, pp, s), tags) for s in subs], True
+        return [PipelineCandidate(pp, s, _full_mesh(mesh, pp, s), tags, True) for s in subs], True
     if mode != ParallelMode.AUTO or mesh.named or mesh.size == 1:
         return [], False
     out = []
@@ -159,9 +160,11 @@ def _fixed_boundaries(cand: PipelineCandidate, units, gm) -> list[int]:
     return sorted(set(cuts))
 
 
-def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, fixed):
+def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, fixed,
+               allow_idle: bool = False):
     profiles = costs.at(batch, m)
-    part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, fixed_boundaries=fixed)
+    part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, fixed_boundaries=fixed,
+                            allow_idle=allow_idle)
     sync, opt = [0.0] * pp, [0.0] * pp
     for s in part.stages:                       # a rank runs every stage it holds (interleaved: v of them)
         a, b = s.layers
@@ -235,7 +238,8 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
                                           f"room, and m={over} fits no cut")
                     continue
                 try:
-                    part, t, _ = _partition(costs, batch // m, cand.pp, m, schedule, room[m], link, fixed)
+                    part, t, _ = _partition(costs, batch // m, cand.pp, m, schedule, room[m], link, fixed,
+                                            cand.allow_idle)
                     tried[m] = ((round(t, 12), max(part.rank_memory)), m, schedule)
                 except ValueError as err:
                     tried[m] = err
@@ -284,7 +288,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
         try:        # the partition at m's own costs (a partition that fit by the reference's may not)
             part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule,
                                          budget - _extra(sub_plan) - _buffers(costs_m, batch // m, m, schedule, cand.pp), link,
-                                         fixed)
+                                         fixed, cand.allow_idle)
         except ValueError as err:
             failed.append(f"{schedule} m={m}: {err}")
             errors.append(err)
