@@ -26,6 +26,7 @@ from autopar.runtime.agreement import check_agreement, model_summary, plan_diges
 from autopar.runtime.grad_sync import broadcast_state
 from autopar.runtime.launch import init_from_env
 from autopar.runtime.optimizer_target import note_source
+from autopar.runtime.pretrained_save import remember_configs
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
 from autopar.progress_display import ProgressDisplay
 from autopar.solver.progress import SearchProgress
@@ -257,7 +258,7 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
                     "after planning")
     pmodel = build_parallel_module(model, traced, the_plan, retracer)
     note_source(pmodel, model)       # an optimizer over model's own parameters is refused at its step()
-    return pmodel
+    return remember_configs(pmodel, model)      # the HF config save_pretrained writes
 
 
 def _agree_at_start(model, mesh, mode, example_inputs, example_target, given, example_kwargs=None) -> None:

@@ -482,6 +482,26 @@ class ParallelModule(nn.Module):
         if self._zero is not None:
             self._zero.refresh_shards()
 
+    def load_pretrained(self, path, *, prefix: str | None = None, rename=None, strict: bool = True):
+        """Load a Hugging Face checkpoint directory (safetensors, sharded or not) or a torch state-dict
+        file: each rank reads only its pieces, names mapped by ``prefix`` / ``rename``, values cast to
+        the model's dtypes; all or nothing (runtime/pretrained_load.py). Optimizer state is untouched."""
+        from autopar.runtime.pretrained_load import load_pretrained
+
+        with self._guard("pmodel.load_pretrained"), using(self.comm_timeout_s):
+            return load_pretrained(self, path, prefix=prefix, rename=rename, strict=strict)
+
+    def save_pretrained(self, directory, *, max_shard_size="5GB", config=True, prefix: str | None = None,
+                        rename=None, dtype=None):
+        """Write a Hugging Face checkpoint (safetensors + ``config.json``) that ``from_pretrained`` loads,
+        streamed one tensor at a time to rank 0, never the whole model on one rank; atomic
+        (runtime/pretrained_save.py)."""
+        from autopar.runtime.pretrained_save import save_pretrained
+
+        with self._guard("pmodel.save_pretrained"), using(self.comm_timeout_s):
+            return save_pretrained(self, directory, max_shard_size=max_shard_size, config=config, prefix=prefix,
+                                   rename=rename, dtype=dtype)
+
     def save(self, path, optimizer=None, *, step: int | None = None, async_: bool = False):
         """Save a sharded checkpoint (a directory): each rank writes its pieces of the model and of
         ``optimizer``'s state, with its RNG state and ``step`` (default: the optimizer's). It loads under
