@@ -156,7 +156,7 @@ def align(gm: fx.GraphModule, base: fx.GraphModule, what: str) -> None:
         while queue and _shape(queue[0]) != _shape(n):
             queue.pop(0)
         if not queue:
-            _refuse(n, what, "is not in it")
+            _refuse(n, what, "that the graph the plan was made for does not have")
         mapping[n] = queue.pop(0).name
     space = gm.graph._graph_namespace      # fx keeps a name once used: the freed names are released here
     kept = {n.name for n in gm.graph.nodes if n not in mapping}
@@ -175,7 +175,7 @@ def _refuse(node: fx.Node, what: str, had: str):
     where = node.meta.get("module_path") or "<root>"
     raise ModeSwitchError(
         f"pmodel.{what}(): the model's {what}-mode graph runs {node.target} (node {node.name!r}, in module "
-        f"{where!r}), which the graph the plan was made for {had}; autopar lowers the other mode with the "
+        f"{where!r}), an op {had}; autopar lowers the other mode with the "
         f"same plan, matching each op to its counterpart, so a forward that takes another code path in {what} "
         "mode (beyond leaving ops out, as dropout and batch norm do) cannot be mapped. Make both modes run the "
         "same ops (e.g. multiply by a 0/1 factor instead of branching on self.training), or parallelize a copy "
@@ -191,7 +191,7 @@ def check_mappable(gm: fx.GraphModule, plan, what: str) -> None:
             continue
         d = plan.nodes.get(node.name)
         if d is None or d.op != str(node.target):
-            _refuse(node, what, f"places as {d.op}" if d is not None else "does not place")
+            _refuse(node, what, f"that the plan places as {d.op}" if d is not None else "that the plan does not place")
 
 
 def _take(pmodel, other, what: str) -> _Installed:
