@@ -196,12 +196,15 @@ def check_mappable(gm: fx.GraphModule, plan, what: str) -> None:
 
 def _take(pmodel, other, what: str) -> _Installed:
     """The graphs of ``other`` (built on the other mode's trace) to run on ``pmodel``'s parameters."""
-    if hasattr(other, "_executor"):
+    pipelined = hasattr(other, "_executor")
+    slots = [s for call in other._executor.stages.values() for s in call.slots] if pipelined else other.program._slots
+    missing = sorted({ref for kind, ref in slots if kind in ("param", "buffer") and not pmodel.program.has(ref)})
+    if missing:
+        raise ModeSwitchError(f"pmodel.{what}(): the {what}-mode program of this rank reads {missing[:3]}, which this "
+                              "rank does not hold in the other mode; make both modes use the same parameters")
+    if pipelined:
         return _Installed(executor=other._executor)
     prog, mine = other.program, pmodel.program
-    if [s for s in prog._slots if s[0] != "const"] != [s for s in mine._slots if s[0] != "const"]:
-        raise ModeSwitchError(f"pmodel.{what}(): the {what}-mode program reads other parameters, buffers or inputs "
-                              "than the training program; make both modes use the same ones")
     graph, fwd = prog._autopar_graph, prog._autopar_forward
     _share_zero3(graph, fwd, mine._autopar_graph, what)
     compiled = pmodel.plan.compiled
