@@ -63,7 +63,8 @@ class ParallelModule(nn.Module):
         (``mode_switch.py``). Every rank switches together."""
         from autopar.mode_switch import switch
 
-        switch(self, mode)
+        with self._guard(f"pmodel.{'train' if mode else 'eval'}() (its first call lowers that mode)"):
+            switch(self, mode)
         return super().train(mode)
 
     # ---- introspection -------------------------------------------------------------------
