@@ -4,10 +4,13 @@ The traced program is fixed in the mode it was traced in (``model.training`` of 
 decides dropout, batch norm and any ``if self.training`` in a forward). On the first switch to
 another mode the model is traced again with every submodule in that mode (``Retracer`` at the
 global batch, and at the plan's microbatch for a pipeline or accumulation), and the other-mode
-graph is lowered with the SAME plan: the plan's node strategies are keyed by node name, and an
-eval graph is the training graph less some nodes (batch norm's ``num_batches_tracked += 1``) with
-other constant arguments (``training=False`` in ``batch_norm`` and ``dropout``), so every node
-keeps its name and op (``check_mappable``; a node the plan does not know is refused by name).
+graph is lowered with the SAME plan. The plan's node strategies are keyed by node name, and fx numbers
+names per op, so the new graph's ops are first renamed as their counterparts in the graph the plan
+was made on, traced again (``align``: same op, module and shape, in order). An eval graph is the
+training graph less some ops (batch norm's ``num_batches_tracked += 1``, a ``self.training``
+branch) with other constant arguments (``training=False`` in ``batch_norm`` and ``dropout``), so
+every op finds its counterpart; an op that has none has no placement, and is refused by name
+(``ModeSwitchError``).
 
 What is swapped is only the graphs: a ``RankProgram``'s training and forward-only graphs (with
 ZeRO-3's gather modules of the first build, which hold the shards), or a pipeline's executor (its
@@ -135,15 +138,21 @@ def _key(node: fx.Node) -> tuple:
 
 
 def _shape(node: fx.Node):
-    v = node.meta.get("val")
-    return tuple(v.shape) if hasattr(v, "shape") else None
+    """The shapes of the op's output and of its node inputs (a strategy is valid for these)."""
+    def one(n):
+        v = n.meta.get("val")
+        return tuple(v.shape) if hasattr(v, "shape") else None
+    return one(node), tuple(one(a) for a in node.all_input_nodes)
 
 
 def align(gm: fx.GraphModule, base: fx.GraphModule, what: str) -> None:
     """Rename the ops of ``gm`` (one mode's trace) as their counterparts in ``base`` (the other mode's):
     within each (op, module), ``gm``'s ops in order are matched to the next of ``base``'s with the same
-    output shape (a mode drops ops, e.g. batch norm's counter update; fx numbers names per op, so the
-    names after a dropped op shift). An op with no counterpart is refused (``ModeSwitchError``)."""
+    output and input shapes (a mode drops ops, e.g. batch norm's counter update; fx numbers names per
+    op, so the names after a dropped op shift). Where a dropped op had the same op, module and shapes
+    as a kept one, the kept one may take the dropped one's strategy: still a strategy valid for it,
+    and the lowering reshards every edge its placements need, so the program stays exact. An op with
+    no counterpart is refused (``ModeSwitchError``)."""
     pending: dict[tuple, list] = {}
     for n in base.graph.nodes:
         if n.op == "call_function":
