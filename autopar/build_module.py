@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from autopar.collectives.groups import AxisGroup, axis_groups
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
+from autopar.mode_switch import attach
 from autopar.parallel_module import ParallelModule
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.localize_shapes import localize_shapes
@@ -34,7 +35,15 @@ def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
 
 def build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
                           retracer: Retracer | None = None) -> ParallelModule:
-    """This rank's module for ``the_plan``; a pipelined plan re-traces at its microbatch shape with ``retracer``."""
+    """This rank's module for ``the_plan``; a pipelined plan re-traces at its microbatch shape with ``retracer``.
+    ``pmodel.train()``/``eval()`` lower the other mode's trace with the same plan (``mode_switch.py``)."""
+    module = _build_parallel_module(model, traced, the_plan, retracer)
+    attach(module, model, retracer, _build_parallel_module)
+    return module
+
+
+def _build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
+                           retracer: Retracer | None = None) -> ParallelModule:
     pipelined = the_plan.degrees.get("pp", 1) > 1
     check_zero_supported(the_plan, pipelined)
     if pipelined:

@@ -62,6 +62,16 @@ class ParallelModule(nn.Module):
         self._steps += 1
         return self._guard(f"pmodel.step (step {self._steps} of this process)")
 
+    def train(self, mode: bool = True):
+        """Train or eval mode, as ``model.train()``/``model.eval()`` on one device: dropout, batch norm and
+        ``self.training`` branches switch; the first switch to a mode traces and lowers it once
+        (``mode_switch.py``). Every rank switches together."""
+        from autopar.mode_switch import switch
+
+        with self._guard(f"pmodel.{'train' if mode else 'eval'}() (its first call lowers that mode)"):
+            switch(self, mode)
+        return super().train(mode)
+
     # ---- introspection -------------------------------------------------------------------
     @property
     def code(self) -> str:

@@ -19,7 +19,7 @@ LAYERS = [
     ("collectives", {"collectives"}),
     ("passes", {"passes"}),
     ("runtime", {"runtime"}),
-    ("modules", {"parallel_module", "pipeline_module", "autotune", "build_module"}),
+    ("modules", {"parallel_module", "pipeline_module", "autotune", "build_module", "mode_switch"}),
     ("entry", {"api", "cli", "progress_display", ""}),
 ]
 
