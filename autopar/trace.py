@@ -8,6 +8,7 @@ whose names map back to ``model.state_dict()`` keys (tied parameters recognised)
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -214,7 +215,8 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
     if dtype is not None:
         traced.meta["mixed_precision"] = mixed_precision
         traced.meta["stored_dtypes"] = stored      # the masters' dtypes (the graph sees the working copies')
-        _retarget_device(traced.gm, device)
+    if dtype is not None or on_meta:
+        _retarget_device(traced.gm, run_device() if device.type == "meta" else device)
     return traced
 
 
@@ -297,6 +299,13 @@ def _check_loss(spec: TreeSpec, val) -> None:
         raise ValueError(f"loss_fn returned a tensor of shape {list(val.shape)}, not a scalar: autopar trains on one "
                          "scalar loss per step (backward needs one). Reduce it in loss_fn with .mean() or .sum(), "
                          "e.g. reduction='mean' instead of reduction='none'")
+
+
+def run_device() -> torch.device:
+    """Where a rank runs a model given on the meta device: ``cuda:LOCAL_RANK`` with CUDA, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def _retarget_device(gm: fx.GraphModule, device: torch.device) -> None:
