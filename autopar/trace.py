@@ -313,9 +313,12 @@ def _retarget_device(gm: fx.GraphModule, device: torch.device) -> None:
     working copy was traced on."""
     if device.type == "meta":
         return
+    meta = torch.device("meta")
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.kwargs.get("device") == torch.device("meta"):
+        if node.op == "call_function" and node.kwargs.get("device") == meta:
             node.kwargs = {**node.kwargs, "device": device}
+        if node.op == "call_function" and any(isinstance(a, torch.device) and a == meta for a in node.args):
+            node.args = tuple(device if isinstance(a, torch.device) and a == meta else a for a in node.args)
     gm.recompile()
 
 

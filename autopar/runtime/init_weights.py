@@ -19,6 +19,8 @@ module initialized its own tensor before the tie replaced it. A tensor no step w
 from __future__ import annotations
 
 import contextlib
+import inspect
+import re
 from typing import Callable
 
 import torch
@@ -28,13 +30,59 @@ from autopar.runtime.materialize import finish, local_pieces, write_full
 from autopar.runtime.replay_init import InitReplayError, Replayer, Shadow, _Tensor
 
 
-def _conv1d(m: nn.Module) -> None:
+def _conv1d(m: nn.Module, replay) -> None:
     nn.init.normal_(m.weight, std=0.02)      # transformers.pytorch_utils.Conv1D.__init__
     nn.init.zeros_(m.bias)
 
 
-# layers whose __init__ initializes them without a reset method: class path -> that init
-CONSTRUCTION_INITS: dict[str, Callable[[nn.Module], None]] = {"transformers.pytorch_utils.Conv1D": _conv1d}
+def _vit_embeddings(m: nn.Module, replay) -> None:
+    nn.init.normal_(m.cls_token)             # torch.randn, in transformers' ViTEmbeddings.__init__ order
+    if m.mask_token is not None:
+        nn.init.zeros_(m.mask_token)
+    replay(m.patch_embeddings)
+    nn.init.normal_(m.position_embeddings)
+
+
+# modules whose __init__ draws random numbers itself (no reset method to replay): class path ->
+# f(module, replay) doing the same in the same order; replay(child) runs a child's own steps
+CONSTRUCTION_INITS: dict[str, Callable] = {
+    "transformers.pytorch_utils.Conv1D": _conv1d,
+    "transformers.models.vit.modeling_vit.ViTEmbeddings": _vit_embeddings,
+}
+# what in an __init__'s source draws random numbers (such a class must be in CONSTRUCTION_INITS)
+_RANDOM_IN_INIT = re.compile(r"\btorch\.(randn|rand|randint|randperm|normal|bernoulli|multinomial)\(|"
+                             r"\.(normal_|uniform_|bernoulli_|random_|exponential_|cauchy_|log_normal_)\(|"
+                             r"\binit\.\w+_\(")
+
+
+def _class_path(m: nn.Module) -> str:
+    return f"{type(m).__module__}.{type(m).__qualname__}"
+
+
+def check_replayable(model: nn.Module) -> None:
+    """Raise if a module's ``__init__`` draws random numbers outside a reset method (not replayable)."""
+    seen = set()
+    for name, m in model.named_modules():
+        cls = type(m)
+        if cls in seen or cls.__module__.startswith("torch.") or _class_path(m) in CONSTRUCTION_INITS:
+            continue
+        seen.add(cls)
+        src = ""
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("torch.") or klass is object:
+                break
+            init = klass.__dict__.get("__init__")
+            try:
+                src += inspect.getsource(init) if init is not None else ""
+            except (OSError, TypeError):
+                pass
+        hit = _RANDOM_IN_INIT.search(src)
+        if hit:
+            raise InitReplayError(
+                f"{cls.__qualname__}.__init__ (module {name or 'the model'!r}) draws random numbers itself "
+                f"({hit.group(0).strip('(')!r}), which a model built on the meta device cannot replay exactly: move that "
+                "initialization into the module's reset_parameters() (called at the end of __init__, as torch's "
+                "layers do) or the model's init_weights(), or load the weights")
 
 
 def _is_hf(m: nn.Module) -> bool:
@@ -43,9 +91,6 @@ def _is_hf(m: nn.Module) -> bool:
 
 def _construction_init(m: nn.Module) -> Callable[[], None] | None:
     cls = type(m)
-    special = CONSTRUCTION_INITS.get(f"{cls.__module__}.{cls.__qualname__}")
-    if special is not None:
-        return lambda: special(m)
     for name in ("reset_parameters", "_reset_parameters"):
         if callable(getattr(cls, name, None)):
             return getattr(m, name)
@@ -58,13 +103,22 @@ def init_steps(model: nn.Module) -> list[tuple[str, nn.Module, Callable[[], None
         return [(f"{type(model).__name__}.init_weights()", model, model.init_weights)]
     out, seen = [], set()
 
+    def replay(m: nn.Module) -> None:
+        for _, _, call in init_steps(m):
+            call()
+
     def visit(m: nn.Module, path: str) -> None:
         if id(m) in seen:
             return
         seen.add(id(m))
+        label = path or type(m).__name__
+        special = CONSTRUCTION_INITS.get(_class_path(m))
+        if special is not None:
+            seen.update(id(s) for s in m.modules())
+            out.append((f"{label}: {type(m).__name__} init", m, lambda: special(m, replay)))
+            return
         for name, child in m.named_children():
             visit(child, f"{path}.{name}" if path else name)
-        label = path or type(m).__name__
         if _is_hf(m):
             out.append((f"{label}: {type(m).__name__}.initialize_weights()", m, m.initialize_weights))
             return
@@ -142,6 +196,8 @@ class _Replay:
         return run
 
     def run(self, seed: int) -> None:
+        if _is_hf(self.model) or not callable(getattr(self.model, "init_weights", None)):
+            check_replayable(self.model)
         _clear_hf_flags(self.model)
         for m, kind, attr, t in self.slots:
             getattr(m, kind)[attr] = self.shadows[id(t)]
@@ -189,4 +245,4 @@ def init_weights(pmodel, seed: int = 0) -> None:
     finish(pmodel)
 
 
-__all__ = ["CONSTRUCTION_INITS", "InitReplayError", "init_steps", "init_weights"]
+__all__ = ["CONSTRUCTION_INITS", "InitReplayError", "check_replayable", "init_steps", "init_weights"]
