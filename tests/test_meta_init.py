@@ -24,7 +24,7 @@ from test_feature_matrix import BATCH, CLIP, DEVICE, MICRO, PLANS
 SEED = 0
 EXTRA = {          # name: (ranks, mesh shape, axis names, mode, annotate, autotune_top_k, context)
     "zero3_saved_plan": (2, (2,), None, "data", None, 0, {}),
-    "accumulate_recompute": (2, (2,), None, "auto", None, 0, {"accumulation": 2, "recompute": "full"}),
+    "accumulate_recompute": (2, (2,), None, "auto", None, 0, {"accumulation": 2, "recompute": "selective"}),
 }
 FAST = ("data", "tp", "pp", "zero3_saved_plan")
 
@@ -99,7 +99,7 @@ def _kitchen_case(name: str) -> None:
     if name == "zero3_saved_plan":
         assert plan.memory_options.zero == 3
     if name == "accumulate_recompute":
-        assert plan.memory_options.accumulation == 2 and plan.memory_options.recompute == "full"
+        assert plan.memory_options.accumulation == 2 and plan.memory_options.recompute == "selective"
 
 
 @pytest.mark.parametrize("name", FAST)

@@ -52,7 +52,7 @@ CONSTRUCTION_INITS: dict[str, Callable] = {
 # what in an __init__'s source draws random numbers (such a class must be in CONSTRUCTION_INITS)
 _RANDOM_IN_INIT = re.compile(r"\btorch\.(randn|rand|randint|randperm|normal|bernoulli|multinomial)\(|"
                              r"\.(normal_|uniform_|bernoulli_|random_|exponential_|cauchy_|log_normal_)\(|"
-                             r"\binit\.\w+_\(")
+                             r"\binit\.\w+_\(|\bself\.apply\(")
 
 
 def _class_path(m: nn.Module) -> str:
