@@ -90,7 +90,9 @@ def _kitchen_case(name: str) -> None:
     torch.manual_seed(SEED)
     want = ReplayableKitchen().state_dict()
     x, y = tokens(BATCH)
-    ref = reference_run(ReplayableKitchen, token_loss, x, y, micro=MICRO, clip=CLIP)
+    ctx = ({**PLANS, **EXTRA}[name][6:] or [{}])[0]
+    ref = reference_run(ReplayableKitchen, token_loss, x, y, micro=MICRO, clip=CLIP,
+                        accumulate=ctx.get("accumulation", 1))
     results = run_ranks({**PLANS, **EXTRA}[name][0], _kitchen_job, name)
     for r in results:
         _equal_state(r["initial"], want, f"kitchen {name} after init_weights")

@@ -80,9 +80,9 @@ def check_replayable(model: nn.Module) -> None:
         if hit:
             raise InitReplayError(
                 f"{cls.__qualname__}.__init__ (module {name or 'the model'!r}) draws random numbers itself "
-                f"({hit.group(0).strip('(')!r}), which a model built on the meta device cannot replay exactly: move that "
-                "initialization into the module's reset_parameters() (called at the end of __init__, as torch's "
-                "layers do) or the model's init_weights(), or load the weights")
+                f"({hit.group(0).strip('(')!r}), which a model built on the meta device cannot replay exactly: move "
+                "that initialization into the module's reset_parameters() (called at the end of __init__, as "
+                "torch's layers do) or the model's init_weights(), or load the weights")
 
 
 def _is_hf(m: nn.Module) -> bool:
@@ -218,7 +218,8 @@ class _Replay:
         missing = [i.names[0] for i in self.tracked.values() if not i.written]
         if missing:
             raise InitReplayError(
-                f"init_weights: no initialization step writes {', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}"
+                f"init_weights: no initialization step writes {', '.join(missing[:6])}"
+                f"{', ...' if len(missing) > 6 else ''}"
                 " (set in an __init__, e.g. nn.Parameter(torch.randn(...)) or a buffer computed there, which a meta "
                 "model cannot replay): give its module a reset_parameters() (or the model an init_weights()) that "
                 "writes it, or load the weights (pmodel.load_full_state_dict / load_pretrained)")

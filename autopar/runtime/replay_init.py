@@ -2,13 +2,14 @@
 
 While it replays, each meta parameter and buffer of the model is replaced by a ``Shadow`` (a tensor
 subclass that looks like a CPU tensor) and the model's init code (``reset_parameters``, Hugging
-Face's ``_init_weights``, a model's own ``init_weights``) runs on them as if they were real: the first op that writes a tensor whole (a random fill,
-``fill_``, ``zero_``, ``copy_``) runs on a full-size CPU temporary, so the global generator advances
-exactly as on one device; the ops that follow on that tensor run on the temporary too. When the
+Face's ``_init_weights``, a model's own ``init_weights``) runs on them as if they were real: the
+first op that writes a tensor whole (a random fill, ``fill_``, ``zero_``, ``copy_``) runs on a
+full-size CPU temporary, so the global generator advances exactly as on one device; the ops that follow on that tensor run on the temporary too. When the
 code moves on to another tensor, the temporary is cut into this rank's pieces (``materialize.
 write_full``) and freed, so at most the tensors of one init step are whole at a time. After that, an
 elementwise in-place op (``mul_``, ``clamp_``, ...) on the tensor runs on its pieces (it commutes with
-slicing); an op that would read the whole tensor again is an error naming it."""
+slicing); an op that would read the whole tensor again is an error naming it. (A view of a tensor that is not
+whole keeps no link to it: writes through such a view are not seen.)"""
 from __future__ import annotations
 
 import torch
