@@ -168,6 +168,7 @@ class _Timer:
                         self.samples[i].append(time.perf_counter() - t0)
             if not self.together:
                 runs.clear()
+                pm = opt = None      # the loop's last module too: the next plan is built in its place, not beside it
                 gc.collect()
 
     def _built(self, group: list[int]) -> dict:
