@@ -27,6 +27,7 @@ from autopar.runtime.grad_sync import broadcast_state
 from autopar.runtime.launch import init_from_env
 from autopar.runtime.optimizer_target import note_source
 from autopar.runtime.pretrained_save import remember_configs
+from autopar.runtime.materialize import check_all_meta, fill_zeros, is_meta_model, keep_meta_model
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
 from autopar.progress_display import ProgressDisplay
 from autopar.solver.progress import SearchProgress
@@ -200,9 +201,9 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     mesh = _check_mesh(mesh)
     mode = _mode(mode) if plan is None or mode is not None else ParallelMode.HYBRID
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError("the model's parameters are on the meta device: parallelize() needs real weights "
-                         "(use autopar.plan() to plan a meta model, then build it for real)")
+    on_meta = is_meta_model(model)   # each rank allocates only its pieces; pmodel.init_weights() fills them
+    if on_meta:
+        check_all_meta(model)
     init_from_env()
     if dist.is_initialized():
         world = dist.get_world_size()
@@ -215,7 +216,8 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
                            "under torchrun or autopar.launch (or use a Mesh(1))")
     given = _read_plan(plan) if plan is not None else None
     _agree_at_start(model, mesh, mode, example_inputs, example_target, given, example_kwargs)
-    broadcast_state(model)           # one model on every rank, whatever each rank's seed was
+    if not on_meta:
+        broadcast_state(model)       # one model on every rank, whatever each rank's seed was
     mp = _mixed_precision(mixed_precision)
     if given is not None:
         if mixed_precision is not None and mixed_precision != given.memory_options.mixed_precision:
@@ -251,14 +253,24 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
             from autopar.autotune import choose
 
             ctx = get_auto_parallel_context()
-            the_plan = choose(plans, model, lambda m, p: build_parallel_module(m, _graph_copy(traced), p, retracer),
+            the_plan = choose(plans, model, lambda m, p: _trial(build_parallel_module(m, _graph_copy(traced), p,
+                                                                                  retracer), on_meta),
                               tuple(example_inputs or ()), example_target, ctx["autotune_steps"],
-                              ctx["autotune_slack"], example_kwargs)
+                              ctx["autotune_slack"], example_kwargs, one_at_a_time=on_meta)
     check_agreement({"traced graph": graph_fingerprint(traced.gm), "plan": plan_digest(the_plan)},
                     "after planning")
     pmodel = build_parallel_module(model, traced, the_plan, retracer)
     note_source(pmodel, model)       # an optimizer over model's own parameters is refused at its step()
+    if on_meta:
+        keep_meta_model(pmodel, model)
     return remember_configs(pmodel, model)      # the HF config save_pretrained writes
+
+
+def _trial(pmodel: ParallelModule, on_meta: bool) -> ParallelModule:
+    """A module autotune times: a meta model's pieces get zeros (finite values, no initialization)."""
+    if on_meta:
+        fill_zeros(pmodel)
+    return pmodel
 
 
 def _agree_at_start(model, mesh, mode, example_inputs, example_target, given, example_kwargs=None) -> None:

@@ -168,6 +168,7 @@ class _Timer:
                         self.samples[i].append(time.perf_counter() - t0)
             if not self.together:
                 runs.clear()
+                pm = opt = None      # the loop's last module too: the next plan is built in its place, not beside it
                 gc.collect()
 
     def _built(self, group: list[int]) -> dict:
@@ -232,15 +233,16 @@ def _optimizer(plan: Plan, pmodel) -> torch.optim.Optimizer:
 
 def choose(plans: list[Plan], model: torch.nn.Module, build: Callable[[torch.nn.Module, Plan], object],
            example_inputs: tuple, example_target, steps: int = 3, slack: float = 1.5,
-           example_kwargs: dict | None = None) -> Plan:
+           example_kwargs: dict | None = None, one_at_a_time: bool = False) -> Plan:
     """The plan of ``shortlist(plans, slack)`` (best predicted first) that ``pick`` takes from the
     measured trials; records the trials in its ``autotune``. Each trial runs on a deep copy of
-    ``model``; the copies are built together only when their predicted peaks fit the budget."""
+    ``model``; the copies are built together only when their predicted peaks fit the budget (never
+    with ``one_at_a_time``: a meta model, whose real size the budget may not hold several times)."""
     plans = shortlist(plans, slack)
     if len(plans) < 2:
         return plans[0]
     budget = plans[0].memory_budget or float("inf")
-    together = sum(max(p.memory_per_device, default=0.0) for p in plans) <= budget
+    together = not one_at_a_time and sum(max(p.memory_per_device, default=0.0) for p in plans) <= budget
     trials = measure_plans(plans, lambda p: build(copy.deepcopy(model), p), example_inputs, example_target, steps,
                            together=together, example_kwargs=example_kwargs)
     if not dist.is_initialized() or dist.get_rank() == 0:

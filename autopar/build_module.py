@@ -18,6 +18,7 @@ from autopar.passes.recompute import apply_recompute, recompute_choices
 from autopar.pipeline_module import build_pipeline_module
 from autopar.plan import Plan, PlanError
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, setup_grad_sync, sum_grads
+from autopar.runtime.materialize import allocate_extra
 from autopar.runtime.program import RankProgram, placeholder_slot
 from autopar.runtime.zero import ZeroSync, check_zero_supported
 from autopar.runtime.zero3 import Zero3, Zero3Runner
@@ -93,7 +94,7 @@ def _build_parallel_module(model: nn.Module, traced: Traced, the_plan: Plan,
         acc = Accumulation(list(named.values()), lambda: sum_grads(grads_by_axes(named, sync), groups))
         ddp = setup_grad_sync(program, sync, axes, mesh, acc, the_plan.grad_compression)
     used = {a for d in the_plan.params.values() for a in d.aliases}
-    extra = {k: v.detach().clone() for k, v in state.items() if k not in used}
+    extra = allocate_extra({k: v.detach().clone() for k, v in state.items() if k not in used})
     return ParallelModule(program, the_plan, full, axes, coords, ddp, extra, list(state), acc,
                           microbatch=traced if traced is not full else None, zero=acc if zero else None)
 

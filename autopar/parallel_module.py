@@ -512,6 +512,13 @@ class ParallelModule(nn.Module):
             return save_pretrained(self, directory, max_shard_size=max_shard_size, config=config, prefix=prefix,
                                    rename=rename, dtype=dtype)
 
+    def init_weights(self, seed: int = 0) -> None:
+        """For a model given on the meta device: fill this rank's pieces with what building the model on
+        one CPU under ``torch.manual_seed(seed)`` gives, bit for bit (runtime/init_weights.py)."""
+        from autopar.runtime.init_weights import init_weights
+
+        init_weights(self, seed)
+
     def save(self, path, optimizer=None, *, step: int | None = None, async_: bool = False):
         """Save a sharded checkpoint (a directory): each rank writes its pieces of the model and of
         ``optimizer``'s state, with its RNG state and ``step`` (default: the optimizer's). It loads under

@@ -34,6 +34,7 @@ from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.parallel_module import ParallelModule, _to_replicate
 from autopar.passes.split_stages import forward_only, split_stages
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, sum_grads
+from autopar.runtime.materialize import allocate_extra
 from autopar.runtime.pipeline import PipelineExecutor, StageCall
 from autopar.runtime.program import ParamTree, placeholder_slot
 from autopar.runtime.step_result import step_loss
@@ -124,7 +125,7 @@ def build_pipeline_module(model: nn.Module, traced, plan, retracer: Retracer) ->
     held = {mb.params.get(ph) or mb.buffers.get(ph) for g in graphs for ph in g.placeholders}
     used = {a for name, d in plan.params.items() if name in held or d.kind == "constant" for a in d.aliases}
     state = model.state_dict(keep_vars=True)
-    extra = {k: v.detach().clone() for k, v in state.items() if k not in used}
+    extra = allocate_extra({k: v.detach().clone() for k, v in state.items() if k not in used})
     return PipelineModule(program, plan, traced, axes, coords, executor, sync, owners, ties, extra, list(state),
                           mb, out_meta)
 

@@ -8,6 +8,7 @@ whose names map back to ``model.state_dict()`` keys (tied parameters recognised)
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -220,7 +221,8 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
     if dtype is not None:
         traced.meta["mixed_precision"] = mixed_precision
         traced.meta["stored_dtypes"] = stored      # the masters' dtypes (the graph sees the working copies')
-        _retarget_device(traced.gm, device)
+    if dtype is not None or on_meta:
+        _retarget_device(traced.gm, run_device() if device.type == "meta" else device)
     return traced
 
 
@@ -305,18 +307,29 @@ def _check_loss(spec: TreeSpec, val) -> None:
                          "e.g. reduction='mean' instead of reduction='none'")
 
 
+def run_device() -> torch.device:
+    """Where a rank runs a model given on the meta device: ``cuda:LOCAL_RANK`` with CUDA, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def _retarget_device(gm: fx.GraphModule, device: torch.device) -> None:
     """Tensors a graph makes itself (arange, full, ...) on ``device`` instead of the meta device the
     working copy was traced on. Export's ``_assert_tensor_metadata`` checks (of a cast in the model or
     loss) are dropped: they name one device, and the graph runs on meta (pipeline split) and on ``device``."""
     if device.type == "meta":
         return
+    meta = torch.device("meta")
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default \
                 and not node.users:
             gm.graph.erase_node(node)
-        elif node.op == "call_function" and node.kwargs.get("device") == torch.device("meta"):
+            continue
+        if node.op == "call_function" and node.kwargs.get("device") == meta:
             node.kwargs = {**node.kwargs, "device": device}
+        if node.op == "call_function" and any(isinstance(a, torch.device) and a == meta for a in node.args):
+            node.args = tuple(device if isinstance(a, torch.device) and a == meta else a for a in node.args)
     gm.recompile()
 
 

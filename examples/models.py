@@ -77,6 +77,10 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.lm_head.weight = self.wte.weight
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """GPT-2's init of every layer, run at the end of ``__init__`` (a meta-built model replays it)."""
         self.apply(_gpt2_init)
 
     def forward(self, idx):

@@ -83,11 +83,12 @@ def test_parallelize_needs_a_process_group_for_more_than_one_device():
         autopar.parallelize(MLP(), autopar.Mesh(4), example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y)
 
 
-def test_parallelize_refuses_a_meta_model():
+def test_parallelize_refuses_a_half_meta_model():
     x, y = make_batch("vector", 8)
+    model = MLP()
     with torch.device("meta"):
-        model = MLP()
-    with pytest.raises(ValueError, match="meta device: parallelize\\(\\) needs real weights"):
+        model.head = torch.nn.Linear(64, 10)
+    with pytest.raises(ValueError, match="meta device and others not \\(layers.0.weight"):
         autopar.parallelize(model, autopar.Mesh(1), example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y)
 
 

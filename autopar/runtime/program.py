@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from autopar.collectives.groups import AxisGroup, bound_axes
 from autopar.runtime.compiled import runner
+from autopar.runtime.materialize import empty_piece
 from autopar.sharding.shard_params import local_piece
 from autopar.trace import cast_floating
 
@@ -29,7 +30,8 @@ def placeholder_slot(ph: str, traced, decisions: dict, named_params: dict, named
         name, d = decisions[ph]
         is_param = ph in traced.params
         full = (named_params if is_param else named_buffers).get(name)
-        piece = local_piece(full.detach(), d.spec, coords, mesh_shape).clone()
+        piece = local_piece(full.detach(), d.spec, coords, mesh_shape)
+        piece = empty_piece(piece) if piece.is_meta else piece.clone()   # a meta model: allocated, not filled
         if is_param:
             piece.requires_grad_(full.requires_grad and piece.is_floating_point())
         (params if is_param else buffers)[name] = piece
