@@ -5,12 +5,12 @@
 """
 from autopar.api import parallelize, plan
 from autopar.collectives.comm import count_collectives
-from autopar.context import (ParallelMode, get_auto_parallel_context, reset_auto_parallel_context,
+from autopar.core.context import (ParallelMode, get_auto_parallel_context, reset_auto_parallel_context,
                              set_auto_parallel_context)
-from autopar.errors import CheckpointError, CommError, RankMismatchError, TraceError
-from autopar.mesh import Mesh
-from autopar.parallel_module import ParallelModule
-from autopar.plan import Plan, PlanError
+from autopar.core.errors import CheckpointError, CommError, RankMismatchError, TraceError
+from autopar.core.mesh import Mesh
+from autopar.modules.parallel_module import ParallelModule
+from autopar.plan.plan import Plan, PlanError
 from autopar.runtime.data import DataParallelLoader, DataParallelSampler
 from autopar.runtime.launch import RankError, launch
 from autopar.runtime.resume import CheckpointManager, latest_checkpoint

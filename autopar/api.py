@@ -12,16 +12,16 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.build_module import build_parallel_module
+from autopar.modules.build_module import build_parallel_module
 from autopar.collectives.watch import guard, note
-from autopar.comm_timeout import comm_timeout_s, using, world_group
-from autopar.context import MIXED_PRECISIONS, ParallelMode, check_comm_timeout, check_compile, get_auto_parallel_context
-from autopar.gc_pause import fewer_collections
+from autopar.core.comm_timeout import comm_timeout_s, using, world_group
+from autopar.core.context import MIXED_PRECISIONS, ParallelMode, check_comm_timeout, check_compile, get_auto_parallel_context
+from autopar.core.gc_pause import fewer_collections
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer, graph_fingerprint
-from autopar.mesh import Mesh
-from autopar.parallel_module import ParallelModule
-from autopar.plan import Plan, PlanError
+from autopar.core.mesh import Mesh
+from autopar.modules.parallel_module import ParallelModule
+from autopar.plan.plan import Plan, PlanError
 from autopar.runtime.agreement import check_agreement, model_summary, plan_digest, tensor_summary
 from autopar.runtime.grad_sync import broadcast_state
 from autopar.runtime.launch import init_from_env
@@ -29,10 +29,10 @@ from autopar.runtime.optimizer_target import note_source
 from autopar.runtime.pretrained_save import remember_configs
 from autopar.runtime.materialize import check_all_meta, fill_zeros, is_meta_model, keep_meta_model
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
-from autopar.progress_display import ProgressDisplay
+from autopar.report.progress_display import ProgressDisplay
 from autopar.solver.progress import SearchProgress
 from autopar.solver.search import PlanOptions, make_plans
-from autopar.trace import Traced, trace
+from autopar.frontend.trace import Traced, trace
 
 
 def _mode(mode) -> ParallelMode:
@@ -250,7 +250,7 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
         plans = _share_plans(err, plans, group)
         the_plan = plans[0]
         if len(plans) > 1:
-            from autopar.autotune import choose
+            from autopar.modules.autotune import choose
 
             ctx = get_auto_parallel_context()
             the_plan = choose(plans, model, lambda m, p: _trial(build_parallel_module(m, _graph_copy(traced), p,

@@ -113,7 +113,7 @@ def _check_out(out: Path) -> None:
 
 def _plan(argv) -> int:
     import autopar
-    from autopar.plan import write_atomic
+    from autopar.plan.plan import write_atomic
 
     ap = argparse.ArgumentParser(prog="autopar plan", description="Plan a model without running it.")
     ap.add_argument("factory", help=f"MODULE:FUNCTION returning {RETURNS}, e.g. {EXAMPLE}")
@@ -163,7 +163,7 @@ PICTURES_SKIPPED = "pictures skipped: matplotlib is not installed (pip install '
 def _pictures(plan, out: Path) -> tuple[list[Path], list[str]]:
     """Draw the plan's pictures into ``out``: (their paths, report.txt's lines naming them); without
     matplotlib, none, and one line saying so (printed too: the plan and report are written all the same)."""
-    from autopar.report_pictures import PicturesUnavailable, picture_lines, save_pictures
+    from autopar.report.pictures import PicturesUnavailable, picture_lines, save_pictures
 
     try:
         paths = save_pictures(plan, out)
@@ -174,7 +174,7 @@ def _pictures(plan, out: Path) -> tuple[list[Path], list[str]]:
 
 
 def _report(argv) -> int:
-    from autopar.plan import Plan
+    from autopar.plan.plan import Plan
 
     ap = argparse.ArgumentParser(prog="autopar report", description="Print the report of a saved plan.")
     ap.add_argument("plan", help="a plan JSON (autopar plan --out DIR writes DIR/plan.json)")

@@ -32,13 +32,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.autotune import layout_key, plan_label  # noqa: E402
-from autopar.context import ParallelMode  # noqa: E402
+from autopar.modules.autotune import layout_key, plan_label  # noqa: E402
+from autopar.core.context import ParallelMode  # noqa: E402
 from autopar.graph.retrace import Retracer  # noqa: E402
 from autopar.runtime.launch import RankPool  # noqa: E402
 from autopar.solver.pipeline_search import optimizer_time, pipeline_candidates, plan_pipeline  # noqa: E402
 from autopar.solver.search import PlanOptions, ddp_candidate, candidate_meshes, solve_on_mesh  # noqa: E402
-from autopar.trace import trace  # noqa: E402
+from autopar.frontend.trace import trace  # noqa: E402
 from examples.models import GPT, MLP, lm_loss  # noqa: E402
 
 WORLD = 4

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import autopar  # noqa: E402
-from autopar.errors import CommError, RankMismatchError  # noqa: E402
+from autopar.core.errors import CommError, RankMismatchError  # noqa: E402
 from examples.models import GPT, lm_loss  # noqa: E402
 
 VICTIM, AT_STEP, STEPS = 2, 2, 6        # rank 2 dies or stalls in the third step (0-based 2)

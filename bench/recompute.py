@@ -88,8 +88,8 @@ def main():
 
     import autopar
     from autopar.cost_models.recompute import recompute_cost
-    from autopar.plan import MemoryOptions
-    from autopar.trace import trace
+    from autopar.plan.plan import MemoryOptions
+    from autopar.frontend.trace import trace
     from examples.models import lm_loss
 
     x, y = _batch(cfg)

@@ -34,8 +34,8 @@ import traceback
 from dataclasses import dataclass
 
 import autopar
-from autopar.errors import CheckpointError, RankMismatchError, TraceError
-from autopar.plan import PlanError
+from autopar.core.errors import CheckpointError, RankMismatchError, TraceError
+from autopar.plan.plan import PlanError
 from fuzz_cases import Case
 from fuzz_models import batch_of, build, loss_of
 from oracle import assert_same_training, assert_within_torch_noise, distance, parallel_run, reference_run

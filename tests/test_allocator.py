@@ -4,7 +4,7 @@ import sys
 
 SCRIPT = """
 import resource, sys, torch
-from autopar.allocator import keep_freed_memory
+from autopar.core.allocator import keep_freed_memory
 print(keep_freed_memory(), keep_freed_memory())
 torch.set_num_threads(1)
 model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024), torch.nn.GELU(),

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.autotune import TIE, Trial, choose, layout_key, pick, plan_label, shortlist
+from autopar.modules.autotune import TIE, Trial, choose, layout_key, pick, plan_label, shortlist
 from conftest import run_ranks
 from examples.models import MLP
 from oracle import assert_same_training, make_batch, parallel_run, reference_run
@@ -110,7 +110,7 @@ def test_autotune_times_one_plan_at_a_time_when_the_copies_exceed_memory():
 def _plans(top_k):
     from autopar.api import _plan_traced
     from autopar.graph.retrace import Retracer
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
 
     x, y = make_batch("vector", 8, d_in=D_IN)
     torch.manual_seed(0)

@@ -27,8 +27,8 @@ from torch import nn
 import autopar
 from autopar import Shard
 from autopar.graph.buffer_writes import updates_buffers, written_buffers
-from autopar.plan import PlanError
-from autopar.trace import trace
+from autopar.plan.plan import PlanError
+from autopar.frontend.trace import trace
 from conftest import run_ranks
 from oracle import assert_same_training, parallel_run, reference_run
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import autopar
-import autopar.pipeline_module
+import autopar.modules.pipeline_module
 import autopar.runtime.grad_sync
 import autopar.runtime.zero
 import autopar.runtime.zero3

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.collectives.watch import failure_kind, guard, note
-from autopar.comm_timeout import DEFAULT_TIMEOUT_S, comm_timeout_s, group_timeout_s, using
-from autopar.errors import CommError
+from autopar.core.comm_timeout import DEFAULT_TIMEOUT_S, comm_timeout_s, group_timeout_s, using
+from autopar.core.errors import CommError
 from autopar.runtime.launch import _GRACE_S, _MIN_SETTLE_S
 from autopar.runtime.rank_failure import Failure, describe
 from conftest import run_ranks
@@ -97,7 +97,7 @@ def test_launch_leads_with_the_stalled_rank_and_its_stack():
     assert '--- rank 1 was here when it was stopped (its Python stack, most recent call first) ---\n  File ' \
            '"train.py", line 9 in fn' in msg
     assert msg.endswith("then failed because it lost a peer (a consequence of the above, not a cause): "
-                        "autopar.errors.CommError: rank 0: pmodel.step (step 2 of this process) timed out after 3 s "
+                        "autopar.core.errors.CommError: rank 0: pmodel.step (step 2 of this process) timed out after 3 s "
                         "waiting in the all_reduce over mesh axis 'd0' (backward): ...")
     two = describe("fn", [lost], running={1: "", 2: ""}, grace_s=6.0)
     assert two.startswith("fn: ranks 1, 2 had not failed but were still running 6.0 s after the first rank failed: "
@@ -110,7 +110,7 @@ def test_launch_leads_with_the_stalled_rank_and_its_stack():
 # ---- every group autopar makes carries the timeout (the shared pool) -------------------------
 
 def _group_timeouts(rank, seconds):
-    from autopar.comm_timeout import world_group
+    from autopar.core.comm_timeout import world_group
 
     autopar.set_auto_parallel_context(zero=1)
     torch.manual_seed(0)
@@ -214,8 +214,7 @@ def test_a_rank_killed_mid_step_is_named_and_its_peer_fails_at_once(tmp_path):
 def _stalled_collective(rank, seconds):
     """Rank 1 sleeps through step 3 (in the pool: its process group lives on; only the groups made for
     ``seconds``, which no other test uses, see the timeout, and they are dropped after)."""
-    from autopar import comm_timeout
-    from autopar.collectives import groups
+    from autopar.core import comm_timeout    from autopar.collectives import groups
 
     torch.manual_seed(0)
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))

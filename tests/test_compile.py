@@ -19,7 +19,7 @@ from autopar import Shard
 from autopar.cost_models import profile as prof
 from autopar.cost_models.compute import node_cost
 from autopar.cost_models.devices import get_device
-from autopar.plan import Plan, PlanError
+from autopar.plan.plan import Plan, PlanError
 from conftest import run_ranks
 from examples.models import GPT, MLP, lm_loss
 from oracle import assert_same_training, distance, make_batch, parallel_run, reference_run
@@ -145,7 +145,7 @@ def test_plan_records_compile_and_costs_compute_at_the_profile_speedup(tmp_path,
 def test_node_cost_scales_by_compiled_speedup():
     dev = dataclasses.replace(get_device("a100-80gb"), compiled_speedup=1.25)
     x = torch.randn(8, 32)
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
 
     gm = trace(torch.nn.Linear(32, 16), (x,)).gm
     node = next(n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target))

@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.opaque_functions import opaque_functions
-from autopar.trace import trace
+from autopar.frontend.opaque_functions import opaque_functions
+from autopar.frontend.trace import trace
 from conftest import run_ranks
 from oracle import assert_same_training, make_batch, parallel_run, reference_run
 from semantics_models import StraightThroughRound

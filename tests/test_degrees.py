@@ -112,7 +112,7 @@ def test_a_batch_split_made_after_a_replicated_input_is_data_parallel():
 
     from autopar.sharding.placements import Replicate, Shard, Spec
     from autopar.solver.degrees import axis_shares, role
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
 
     class Tiny(nn.Module):
         def __init__(self):

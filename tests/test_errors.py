@@ -174,7 +174,7 @@ def test_plan_whose_local_implementations_miss_a_mesh_axis():
     """A decision lists one local implementation per mesh axis; a shorter list (a plan edited by
     hand, or lifted to a pipeline mesh without them) would bind its collectives to the wrong axis."""
     from autopar.passes.insert_collectives import insert_collectives
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
 
     x, y = make_batch("tokens", 8)
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.gc_pause import PLANNING_THRESHOLD, fewer_collections
+from autopar.core.gc_pause import PLANNING_THRESHOLD, fewer_collections
 
 
 def test_threshold_raised_inside_and_restored_after_an_error():

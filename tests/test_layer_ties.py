@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 from autopar.graph.layers import find_layers, tie_groups
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from examples.models import GPT, Llama
 
 

@@ -23,7 +23,7 @@ from autopar.sharding.candidates import build_candidates
 from autopar.sharding.local_impls import LOCAL_IMPLS, family, local_collectives
 from autopar.sharding.shard_params import local_piece
 from autopar.sharding.strategy import tensor_inputs
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from conftest import run_ranks
 
 RULES = Path(local_impls.__file__).parent / "rules"

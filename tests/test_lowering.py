@@ -19,7 +19,7 @@ from autopar.passes.split_stages import Transfer
 from autopar.runtime.pipeline import PipelineExecutor
 from autopar.solver import mesh_solve
 from autopar.solver.problem import feasible_hint
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from conftest import run_ranks
 from examples.models import CNN, GPT, MLP, Bert, Llama, lm_loss
 from oracle import assert_same_training, make_batch, parallel_run, reference_run

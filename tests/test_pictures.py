@@ -10,9 +10,9 @@ import pytest
 
 import autopar
 import autopar.cli as cli
-from autopar.device_memory import device_groups
-from autopar.memory_explain import PARTS
-from autopar.report_pictures import PicturesUnavailable, save_alternatives, save_timeline
+from autopar.report.device_memory import device_groups
+from autopar.report.memory_explain import PARTS
+from autopar.report.pictures import PicturesUnavailable, save_alternatives, save_timeline
 from examples.models import GPT, lm_loss
 from oracle import make_batch
 

@@ -8,12 +8,12 @@ import pytest
 import torch.nn as nn
 
 import autopar
-from autopar.context import ParallelMode
+from autopar.core.context import ParallelMode
 from autopar.graph.cut_points import assign_units
 from autopar.solver.inter_op import brute_force_partition, partition_stages
 from autopar.solver.pipeline_search import pipeline_candidates, unit_profiles
 from autopar.solver.search import PlanError, PlanOptions, solve_on_mesh
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from examples.models import GPT, Llama, lm_loss
 from oracle import make_batch
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import autopar
-from autopar.context import ParallelMode
+from autopar.core.context import ParallelMode
 from autopar.graph.retrace import Retracer
 from autopar.solver import pipeline_search as ps
 from autopar.solver.mesh_solve import PlanOptions
 from autopar.solver.pipeline_search import pipeline_candidates
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from examples.models import GPT, lm_loss
 
 CAP_GB = 0.1

@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 
 import autopar
-from autopar.plan import FORMAT_VERSION, PipelineInfo
+from autopar.plan.plan import FORMAT_VERSION, PipelineInfo
 from conftest import run_ranks
 from examples.models import GPT, lm_loss
 from oracle import assert_same_training, make_batch, parallel_run, reference_run

@@ -23,7 +23,7 @@ import torch
 import autopar
 import hf_zoo
 from autopar import Shard
-from autopar.errors import CheckpointError
+from autopar.core.errors import CheckpointError
 from conftest import run_ranks
 from hf_zoo import lm_loss
 from oracle import make_batch

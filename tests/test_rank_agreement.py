@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.errors import RankMismatchError
+from autopar.core.errors import RankMismatchError
 from conftest import run_ranks
 from examples.models import GPT, lm_loss
 

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from autopar.receive_window import ReceiveWindow, chain_messages, most_posted, schedule_receive_buffers
+from autopar.schedules.receive_window import ReceiveWindow, chain_messages, most_posted, schedule_receive_buffers
 
 SCHEDULES = [("gpipe", p, m, 1) for p, m in itertools.product((2, 3, 4), (1, 4, 7))] + \
     [("1f1b", p, m, 1) for p, m in itertools.product((2, 3, 4, 8), (1, 4, 8, 32))] + \

@@ -17,8 +17,8 @@ from autopar.cost_models.devices import get_device
 from autopar.cost_models.memory import saved_activations
 from autopar.cost_models.recompute import layer_options, recompute_cost
 from autopar.graph.recompute_regions import choices_for, find_regions
-from autopar.plan import MemoryOptions, PlanError
-from autopar.trace import trace
+from autopar.plan.plan import MemoryOptions, PlanError
+from autopar.frontend.trace import trace
 from bench.recompute import saved_bytes
 from analytic_gpt import GPT as HandGPT
 from conftest import run_ranks

@@ -176,7 +176,7 @@ def test_state_needs_pipeline_compares_the_state_over_a_node_with_the_cap():
     from autopar.cost_models.memory import param_numel
     from autopar.solver.mesh_solve import PlanOptions
     from autopar.solver.search import state_needs_pipeline
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
 
     x = torch.zeros(8, 32, dtype=torch.long)
     traced = trace(PIPE_MODEL(), (x,), lm_loss, x)

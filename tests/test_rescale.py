@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from autopar.graph.rescale import reference_batches, rescaled
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from examples.models import GPT, Llama
 
 

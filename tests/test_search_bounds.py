@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.context import ParallelMode
+from autopar.core.context import ParallelMode
 from autopar.graph.retrace import Retracer, microbatch_trace
 from autopar.solver import intra_op
 from autopar.solver.progress import SearchProgress
 from autopar.solver.accumulation import accumulated_time
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from examples import factories
 
 

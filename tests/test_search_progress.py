@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import autopar
-from autopar.progress_display import ProgressDisplay
+from autopar.report.progress_display import ProgressDisplay
 from autopar.solver.progress import SearchProgress
 from autopar.solver.search import rank_key
 from examples import factories
@@ -139,9 +139,9 @@ def test_pipelines_come_before_the_meshes_when_the_state_needs_a_pipeline(monkey
     """``_candidates(pipelines_first=)``: the pipelines are solved before the meshes without stages
     (whose best then bounds nothing of theirs), else after them; both are solved either way."""
     import autopar.solver.search as search
-    from autopar.context import ParallelMode
+    from autopar.core.context import ParallelMode
     from autopar.solver.mesh_solve import PlanOptions
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
 
     order = []
     real_mesh, real_pipes = search.solve_on_mesh, search.pipeline_plans

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.plan import CandidateError
+from autopar.plan.plan import CandidateError
 from examples.models import GPT, lm_loss
 
 

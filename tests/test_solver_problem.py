@@ -10,7 +10,7 @@ from autopar.sharding.candidates import build_candidates
 from autopar.sharding.rules import axis_options, has_rule
 from autopar.sharding.strategy import _combinations, out_shapes, replicate_all, shape_of, tensor_inputs
 from autopar.solver.problem import Costing, build_problem, cost_key, node_costs
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from examples.models import GPT, lm_loss
 from oracle import make_batch
 

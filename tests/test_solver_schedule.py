@@ -1,7 +1,7 @@
 """Pipeline schedules as data: completeness, dependencies, step times, in-flight bounds, printing."""
 import pytest
 
-from autopar.schedule import Action, build_schedule, simulate
+from autopar.schedules.schedule import Action, build_schedule, simulate
 
 CASES = [("gpipe", p, m, 1) for p in (1, 2, 4) for m in (1, 3, 8)] + \
         [("1f1b", p, m, 1) for p in (1, 2, 4) for m in (1, 3, 8)] + \
@@ -87,7 +87,7 @@ def test_errors():
 
 def test_in_flight_without_building_the_schedule_is_the_built_one():
     """``schedule.in_flight``: the counts the built action orders give, for every kind."""
-    from autopar.schedule import in_flight
+    from autopar.schedules.schedule import in_flight
 
     for kind in ("gpipe", "1f1b", "interleaved_1f1b"):
         for p in range(1, 6):

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import autopar
 from autopar.passes.split_stages import split_stages
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 
 
 class CosTable(nn.Module):

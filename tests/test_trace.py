@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from examples.models import GPT, lm_loss
 from oracle import make_batch
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.plan import PlanError
+from autopar.plan.plan import PlanError
 from conftest import run_ranks
 from oracle import assert_same_training, parallel_run, reference_run
 from examples.models import GPT

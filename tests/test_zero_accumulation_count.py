@@ -9,7 +9,7 @@ import re
 import pytest
 
 import autopar
-from autopar.report import render
+from autopar.report.text import render
 from examples.factories import gpt
 
 K = 4

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 import autopar
-from autopar.plan import PlanError
+from autopar.plan.plan import PlanError
 from conftest import run_ranks
 from examples.models import GPT, lm_loss
 from oracle import assert_same_training, distance, make_batch, parallel_run, reference_run

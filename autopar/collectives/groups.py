@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from autopar.comm_timeout import comm_timeout_s, span_groups, world_group
+from autopar.core.comm_timeout import comm_timeout_s, span_groups, world_group
 
 _local = threading.local()
 

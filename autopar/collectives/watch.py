@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from autopar.comm_timeout import comm_timeout_s
-from autopar.errors import CommError
+from autopar.core.comm_timeout import comm_timeout_s
+from autopar.core.errors import CommError
 
 _PHASES = {"fwd": "forward", "bwd": "backward", "step": "optimizer step", "recompute": "recomputation"}
 _LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crash|"

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from autopar.allocator import keep_freed_memory
+from autopar.core.allocator import keep_freed_memory
 
 from .profile import PROFILE_VERSION, fingerprint, profile_path, save_profile
 
@@ -87,7 +87,7 @@ def measure_matmul_curve(peak: float, dims: Sequence[int], width: int = 1024, re
     the GELUs and the loss at ``memory_bandwidth``), against the linears' FLOPs at ``peak``.
     The matmuls of a real step run slower than the same matmul in a loop (cold caches, freshly
     allocated gradients): 2-3x at 16 tokens here."""
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
 
     from .compute import node_work
 
@@ -161,7 +161,7 @@ def measure_kernel_overhead(reps: int = 20) -> float:
     the kernels the cost model counts in their aten graph (``compute.node_work``). At these sizes
     arithmetic takes a few percent of the time; what is left is the framework's per-op cost
     (dispatch, autograd bookkeeping, allocation), which a chain of one cheap op underestimates."""
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
 
     from .compute import node_work
 

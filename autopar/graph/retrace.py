@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.call_inputs import map_tensors
+from autopar.frontend.call_inputs import map_tensors
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.rescale import reference_batches, rescaled
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:

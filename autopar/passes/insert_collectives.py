@@ -14,8 +14,8 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.collectives import comm, local_ops
-from autopar.plan import PlanError
-from autopar.plan_specs import PlanSpecs
+from autopar.plan.plan import PlanError
+from autopar.plan.specs import PlanSpecs
 from autopar.sharding.candidates import is_dropped
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.sharding.placements import Replicate

@@ -5,7 +5,7 @@ import torch
 import torch.fx as fx
 from torch.ops import aten
 
-from autopar.plan_specs import PlanSpecs
+from autopar.plan.specs import PlanSpecs
 from autopar.sharding.placements import Shard, local_shape
 
 _SIZE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}

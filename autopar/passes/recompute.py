@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import bound_axes, current_axes
 from autopar.graph.recompute_regions import Region, choices_for, find_regions, layer_names, unknown_layers
-from autopar.plan import PlanError
+from autopar.plan.plan import PlanError
 
 
 class _Run:

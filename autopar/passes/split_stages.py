@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from autopar.graph.stage_cuts import (SplitError, Transfer, assign_stages, stage_placeholders,  # noqa: F401
+from autopar.plan.stage_cuts import (SplitError, Transfer, assign_stages, stage_placeholders,  # noqa: F401
                                       stage_transfers)
-from autopar.plan_specs import PlanSpecs
+from autopar.plan.specs import PlanSpecs
 
 
 @dataclass

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.collectives.watch import note
-from autopar.comm_timeout import world_group
-from autopar.errors import RankMismatchError
+from autopar.core.comm_timeout import world_group
+from autopar.core.errors import RankMismatchError
 
 
 def tensor_summary(tensors) -> list[str]:

@@ -58,8 +58,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from autopar.comm_timeout import comm_timeout_s, new_group, world_group
-from autopar.errors import CheckpointError
+from autopar.core.comm_timeout import comm_timeout_s, new_group, world_group
+from autopar.core.errors import CheckpointError
 from autopar.runtime.checkpoint_restore import Restore, rng_state
 from autopar.runtime.checkpoint_state import (META, LoadPlanner, Pieces, SavePlanner, merge_optimizer_info,
                                               model_state, optimizer_state, optimizer_step, rng_key)

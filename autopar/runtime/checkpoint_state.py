@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from autopar.errors import CheckpointError
+from autopar.core.errors import CheckpointError
 from autopar.runtime import idle_rank
 from autopar.sharding.boxes import boxes, flat_rects, runs, slices
 

@@ -27,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import group_name, span_group
 from autopar.collectives.watch import guard, note
-from autopar.comm_timeout import comm_timeout_s, world_group
+from autopar.core.comm_timeout import comm_timeout_s, world_group
 
 
 def _sum_hook(group, bucket):

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autopar.allocator import keep_freed_memory
+from autopar.core.allocator import keep_freed_memory
 from autopar.collectives.watch import guard, note
-from autopar.comm_timeout import DEFAULT_TIMEOUT_S, comm_timeout_s
+from autopar.core.comm_timeout import DEFAULT_TIMEOUT_S, comm_timeout_s
 from autopar.runtime import rank_failure
 _GRACE_S = 2.0      # after a rank fails, how long the others may take to fail on their own (and say why)
 _POLL_S = 0.05      # how often launch looks for a rank's recorded error while all are running

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.collectives.watch import note
-from autopar.context import LossScaling, get_auto_parallel_context
+from autopar.core.context import LossScaling, get_auto_parallel_context
 
 _SCALED, _UNSCALED, _STEPPED = "scaled", "unscaled", "stepped"
 

@@ -15,7 +15,7 @@ import torch
 
 from autopar.runtime.checkpoint_state import model_tensor
 from autopar.sharding.boxes import slices
-from autopar.trace import run_device
+from autopar.frontend.trace import run_device
 
 
 def empty_piece(meta_piece: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Run a pipeline schedule on this rank: stage forwards/backwards with p2p between stages.
 
-The executor follows ``autopar.schedule.build_schedule(...)``'s action list for this
+The executor follows ``autopar.schedules.schedule.build_schedule(...)``'s action list for this
 rank (the same data the planner simulated):
 
     F(s, i):  receive stage s's inputs of microbatch i (from the producing stage's peer rank),
@@ -39,12 +39,12 @@ import torch.distributed as dist
 from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import bound_axes
 from autopar.collectives.watch import note
-from autopar.comm_timeout import comm_timeout_s
+from autopar.core.comm_timeout import comm_timeout_s
 from autopar.passes.split_stages import StageGraph, Transfer
-from autopar.receive_window import ReceiveWindow
+from autopar.schedules.receive_window import ReceiveWindow
 from autopar.runtime.compiled import runner
 from autopar.runtime.program import fill_slots
-from autopar.schedule import Action, Schedule
+from autopar.schedules.schedule import Action, Schedule
 
 
 @dataclass

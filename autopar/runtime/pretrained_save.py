@@ -36,8 +36,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from autopar.comm_timeout import world_group
-from autopar.errors import CheckpointError
+from autopar.core.comm_timeout import world_group
+from autopar.core.errors import CheckpointError
 from autopar.runtime.pieces import local_pieces, state_entries
 
 WRITER = 0

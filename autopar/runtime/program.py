@@ -9,7 +9,7 @@ from autopar.collectives.groups import AxisGroup, bound_axes
 from autopar.runtime.compiled import runner
 from autopar.runtime.materialize import empty_piece
 from autopar.sharding.shard_params import local_piece
-from autopar.trace import cast_floating
+from autopar.frontend.trace import cast_floating
 
 
 def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from autopar.errors import CheckpointError
+from autopar.core.errors import CheckpointError
 
 PREFIX = "step-"
 _COMPLETE = re.compile(rf"{PREFIX}(\d+)$")

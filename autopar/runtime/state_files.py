@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from autopar.errors import CheckpointError
+from autopar.core.errors import CheckpointError
 from autopar.sharding.boxes import boxes, runs, slices
 
 PLAIN = (".pt", ".pth", ".bin")

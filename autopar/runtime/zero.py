@@ -52,9 +52,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import span_group
 from autopar.collectives.watch import guard
-from autopar.comm_timeout import comm_timeout_s
+from autopar.core.comm_timeout import comm_timeout_s
 from autopar.cost_models.zero import ZERO_BUCKET_MB, gather_unit
-from autopar.plan import PlanError
+from autopar.plan.plan import PlanError
 from autopar.runtime.program import _owner
 
 BUCKET_MB = ZERO_BUCKET_MB

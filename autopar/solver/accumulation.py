@@ -18,9 +18,9 @@ powers of two while nothing fits (the smallest k that fits is the fastest: T gro
 """
 from __future__ import annotations
 
-from autopar.context import ParallelMode
+from autopar.core.context import ParallelMode
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
-from autopar.plan import MicrobatchTrace, Plan, PlanError
+from autopar.plan.plan import MicrobatchTrace, Plan, PlanError
 
 
 def memory_choices(batch: int, mode: ParallelMode, accumulation: int | None,

@@ -8,7 +8,7 @@ import numpy as np
 import torch.fx as fx
 
 from autopar.cost_models.compute import grad_nodes
-from autopar.plan import Collective, NodeDecision, ParamDecision
+from autopar.plan.plan import Collective, NodeDecision, ParamDecision
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.sharding.placements import Partial, Spec, shard_factor

@@ -58,8 +58,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autopar.schedule import build_schedule, simulate
-from autopar.schedule import in_flight as schedule_in_flight
+from autopar.schedules.schedule import build_schedule, simulate
+from autopar.schedules.schedule import in_flight as schedule_in_flight
 
 GIB = float(1 << 30)
 

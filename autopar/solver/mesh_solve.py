@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.context import ParallelMode
+from autopar.core.context import ParallelMode
 from autopar.cost_models.compute import total_flops
 from autopar.cost_models.memory import training_state_parts
 from autopar.cost_models.zero import zero_axes, zero_collectives
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.graph.layers import find_layers, tie_groups
 from autopar.graph.retrace import graph_fingerprint
-from autopar.mesh import Mesh
-from autopar.plan import CandidateError, Collective, MemoryOptions, Plan, PlanError
+from autopar.core.mesh import Mesh
+from autopar.plan.plan import CandidateError, Collective, MemoryOptions, Plan, PlanError
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard, shard_factor
 from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs

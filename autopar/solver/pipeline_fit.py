@@ -14,7 +14,7 @@ import math
 
 from autopar.cost_models.memory import dropout_mask_bytes_for, param_numel, parameter_nodes, training_state_bytes
 from autopar.graph.cut_points import assign_units
-from autopar.schedule import in_flight
+from autopar.schedules.schedule import in_flight
 from autopar.solver.inter_op import LayerProfile, least_stage_memory
 from autopar.solver.memory_floor import state_floor, unit_floors
 

@@ -38,18 +38,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from autopar.context import ParallelMode
+from autopar.core.context import ParallelMode
 from autopar.cost_models.compute import optimizer_step_time, total_flops
 from autopar.cost_models.devices import axis_link
 from autopar.cost_models.zero import zero_axes
 from autopar.graph.buffer_writes import updates_buffers
 from autopar.graph.cut_points import assign_units, unit_of_module
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
-from autopar.graph.stage_cuts import assign_stages, stage_placeholders, stage_transfers
-from autopar.mesh import Mesh
-from autopar.plan import Collective, PipelineInfo, Plan, PlanError, Stage
-from autopar.plan_specs import PlanSpecs
-from autopar.receive_window import schedule_receive_buffers
+from autopar.plan.stage_cuts import assign_stages, stage_placeholders, stage_transfers
+from autopar.core.mesh import Mesh
+from autopar.plan.plan import Collective, PipelineInfo, Plan, PlanError, Stage
+from autopar.plan.specs import PlanSpecs
+from autopar.schedules.receive_window import schedule_receive_buffers
 from autopar.sharding.placements import R, Spec, local_shape, shard_factor
 from autopar.solver.inter_op import PipelinePartition, StageMemoryError, partition_stages
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error

@@ -12,13 +12,13 @@ import dataclasses
 import math
 import time
 
-from autopar.context import ParallelMode
+from autopar.core.context import ParallelMode
 from autopar.cost_models.memory import param_numel, parameter_nodes, training_state_bytes, training_state_parts
 from autopar.graph.buffer_writes import updates_buffers
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer
-from autopar.mesh import Mesh
-from autopar.plan import Alternative, CandidateError, Plan, PlanError
+from autopar.core.mesh import Mesh
+from autopar.plan.plan import Alternative, CandidateError, Plan, PlanError
 from autopar.sharding.placements import R
 from autopar.solver.accumulation import accumulated, accumulated_time, memory_choices, microbatch_traced, zero_ladder
 from autopar.solver.fit_error import Failure, no_plan_error, smallest_of

@@ -9,7 +9,7 @@ layers and each holds at least one). A violation is one PlanError that names the
 from __future__ import annotations
 
 from autopar.graph.cut_points import Unit, unit_of_module
-from autopar.plan import PlanError
+from autopar.plan.plan import PlanError
 from autopar.solver.annotations import LEFTOVER
 
 

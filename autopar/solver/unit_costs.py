@@ -23,8 +23,8 @@ from autopar.cost_models.memory import dropout_mask_bytes_for, saves_input, trai
 from autopar.cost_models.recompute import saved_storages
 from autopar.cost_models.zero import zero_axes
 from autopar.graph.cut_points import crossing_values
-from autopar.plan import Plan
-from autopar.plan_specs import PlanSpecs
+from autopar.plan.plan import Plan
+from autopar.plan.specs import PlanSpecs
 from autopar.sharding.candidates import producer
 from autopar.sharding.placements import Replicate, shard_factor
 from autopar.sharding.strategy import tensor_inputs

@@ -9,8 +9,8 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from autopar.context import ParallelMode
-from autopar.mesh import Mesh
+from autopar.core.context import ParallelMode
+from autopar.core.mesh import Mesh
 from autopar.sharding.placements import Spec, as_spec
 
 FORMAT_VERSION = 2
@@ -305,25 +305,25 @@ class Plan:
         return [specs] if isinstance(specs, Spec) else list(specs)
 
     def explain(self, name: str) -> str:
-        from autopar.report import explain
+        from autopar.report.text import explain
 
         return explain(self, name)
 
     def save_timeline(self, path) -> Path:
         """Draw the pipeline schedule with predicted stage times as a PNG (needs matplotlib)."""
-        from autopar.report_pictures import save_timeline
+        from autopar.report.pictures import save_timeline
 
         return save_timeline(self, path)
 
     def save_pictures(self, folder) -> list[Path]:
         """Write the plan's pictures (memory per device, alternatives, pipeline timeline: those that
         apply) as PNGs into ``folder``; returns their paths. Needs matplotlib (``autopar[plot]``)."""
-        from autopar.report_pictures import save_pictures
+        from autopar.report.pictures import save_pictures
 
         return save_pictures(self, folder)
 
     def report(self) -> str:
-        from autopar.report import render
+        from autopar.report.text import render
 
         return render(self)
 

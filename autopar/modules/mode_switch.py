@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
-from autopar.plan import PlanError
+from autopar.plan.plan import PlanError
 from autopar.runtime.compiled import runner
 from autopar.sharding.candidates import is_dropped
 

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from autopar.context import check_comm_timeout, get_auto_parallel_context
+from autopar.core.context import check_comm_timeout, get_auto_parallel_context
 
 DEFAULT_TIMEOUT_S = 120.0       # the default group autopar initializes (launch, torchrun) when nothing is set
 

@@ -12,10 +12,10 @@ import math
 import os
 from pathlib import Path
 
-from autopar.device_memory import device_groups, rank_runs
-from autopar.memory_explain import human_bytes
-from autopar.pipeline_report import plan_schedule
-from autopar.schedule import simulate
+from autopar.report.device_memory import device_groups, rank_runs
+from autopar.report.memory_explain import human_bytes
+from autopar.report.pipeline import plan_schedule
+from autopar.schedules.schedule import simulate
 
 INSTALL = "pip install 'autopar[plot]'"
 MEMORY, ALTERNATIVES, TIMELINE = "memory.png", "alternatives.png", "pipeline_timeline.png"

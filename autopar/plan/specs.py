@@ -5,7 +5,7 @@ import operator
 
 import torch.fx as fx
 
-from autopar.plan import PlanError
+from autopar.plan.plan import PlanError
 from autopar.sharding.placements import replicated
 
 

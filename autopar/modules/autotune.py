@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.collectives.watch import note
-from autopar.comm_timeout import world_group
-from autopar.errors import CommError
-from autopar.plan import AutotuneTrial, Plan
+from autopar.core.comm_timeout import world_group
+from autopar.core.errors import CommError
+from autopar.plan.plan import AutotuneTrial, Plan
 
 
 @dataclass(frozen=True)

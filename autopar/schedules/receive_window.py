@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from functools import lru_cache
 
-from autopar.schedule import build_schedule
+from autopar.schedules.schedule import build_schedule
 
 LOOKAHEAD = 2       # messages posted ahead of the one a rank waits for, per sender
 

@@ -24,21 +24,21 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_unflatten
 
-from autopar.comm_timeout import new_group
-from autopar.trace import compute_dtype
+from autopar.core.comm_timeout import new_group
+from autopar.frontend.trace import compute_dtype
 from autopar.collectives import comm
 from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import AxisGroup, axis_groups, bound_axes
 from autopar.collectives.watch import note
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
-from autopar.parallel_module import ParallelModule, _to_replicate
+from autopar.modules.parallel_module import ParallelModule, _to_replicate
 from autopar.passes.split_stages import forward_only, split_stages
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, sum_grads
 from autopar.runtime.materialize import allocate_extra
 from autopar.runtime.pipeline import PipelineExecutor, StageCall
 from autopar.runtime.program import ParamTree, placeholder_slot
 from autopar.runtime.step_result import step_loss
-from autopar.schedule import build_schedule
+from autopar.schedules.schedule import build_schedule
 from autopar.sharding.placements import Partial, local_shape, replicated, shard_factor
 from autopar.sharding.shard_params import assemble
 

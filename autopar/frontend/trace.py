@@ -19,9 +19,9 @@ import torch.nn as nn
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.utils._pytree import TreeSpec
 
-from autopar.call_inputs import CallSignature, map_tensors, split_example
-from autopar.errors import TraceError
-from autopar.opaque_functions import opaque_functions
+from autopar.frontend.call_inputs import CallSignature, map_tensors, split_example
+from autopar.core.errors import TraceError
+from autopar.frontend.opaque_functions import opaque_functions
 
 _WRAP = "model."
 

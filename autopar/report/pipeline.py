@@ -2,7 +2,7 @@
 ``report_pictures.save_timeline``)."""
 from __future__ import annotations
 
-from autopar.schedule import Schedule, build_schedule
+from autopar.schedules.schedule import Schedule, build_schedule
 
 
 def plan_schedule(plan) -> Schedule:

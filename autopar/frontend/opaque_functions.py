@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from autopar.errors import TraceError
+from autopar.core.errors import TraceError
 
 _WHAT_TO_DO = ("keep it opaque by passing tensors (and plain Python values) as apply's arguments and returning "
                "a tensor or a tuple of tensors, or call its forward's ops directly in the model if autograd of "

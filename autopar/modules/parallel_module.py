@@ -10,13 +10,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autopar.call_inputs import TENSOR, CallSignature
+from autopar.frontend.call_inputs import TENSOR, CallSignature
 from autopar.collectives import comm
 from autopar.collectives.groups import bound_axes, group_name
 from autopar.collectives.watch import guard, note
-from autopar.comm_timeout import comm_timeout_s, using, world_group
-from autopar.errors import CheckpointError
-from autopar.plan import PlanError
+from autopar.core.comm_timeout import comm_timeout_s, using, world_group
+from autopar.core.errors import CheckpointError
+from autopar.plan.plan import PlanError
 from autopar.runtime import idle_rank
 from autopar.runtime.loss_scale import make_scaler
 from autopar.runtime.optimizer_check import watch
@@ -66,7 +66,7 @@ class ParallelModule(nn.Module):
         """Train or eval mode, as ``model.train()``/``model.eval()`` on one device: dropout, batch norm and
         ``self.training`` branches switch; the first switch to a mode traces and lowers it once
         (``mode_switch.py``). Every rank switches together."""
-        from autopar.mode_switch import switch
+        from autopar.modules.mode_switch import switch
 
         with self._guard(f"pmodel.{'train' if mode else 'eval'}() (its first call lowers that mode)"):
             switch(self, mode)

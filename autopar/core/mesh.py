@@ -119,7 +119,7 @@ class Mesh:
         with the communication timeout in force (``autopar.comm_timeout``)."""
         import torch.distributed as dist
 
-        from autopar.comm_timeout import device_mesh
+        from autopar.core.comm_timeout import device_mesh
 
         if self._device_mesh is None:
             if not dist.is_initialized():

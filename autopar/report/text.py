@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from autopar.memory_explain import explain_lines
+from autopar.report.memory_explain import explain_lines
 from autopar.sharding.placements import Shard
 
 
@@ -84,7 +84,7 @@ def render(plan) -> str:
                      "replicated on would save, per rank:")
         lines += explain_lines(plan)
     if plan.stages:
-        from autopar.pipeline_report import render_pipeline
+        from autopar.report.pipeline import render_pipeline
 
         lines.append("")
         lines += render_pipeline(plan)

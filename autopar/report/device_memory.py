@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.memory_explain import PARTS, param_effect
+from autopar.report.memory_explain import PARTS, param_effect
 
 STATE = "params+grads+optimizer"
 ACTIVATIONS = "activations"

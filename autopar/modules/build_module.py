@@ -10,19 +10,19 @@ import torch.nn as nn
 
 from autopar.collectives.groups import AxisGroup, axis_groups
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
-from autopar.mode_switch import attach
-from autopar.parallel_module import ParallelModule
+from autopar.modules.mode_switch import attach
+from autopar.modules.parallel_module import ParallelModule
 from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.localize_shapes import localize_shapes
 from autopar.passes.recompute import apply_recompute, recompute_choices
-from autopar.pipeline_module import build_pipeline_module
-from autopar.plan import Plan, PlanError
+from autopar.modules.pipeline_module import build_pipeline_module
+from autopar.plan.plan import Plan, PlanError
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, setup_grad_sync, sum_grads
 from autopar.runtime.materialize import allocate_extra
 from autopar.runtime.program import RankProgram, placeholder_slot
 from autopar.runtime.zero import ZeroSync, check_zero_supported
 from autopar.runtime.zero3 import Zero3, Zero3Runner
-from autopar.trace import Traced, compute_dtype
+from autopar.frontend.trace import Traced, compute_dtype
 
 
 def _forward_graph(gm: fx.GraphModule, traced: Traced) -> fx.GraphModule:
