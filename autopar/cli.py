@@ -7,6 +7,7 @@ import inspect
 import os
 import sys
 from pathlib import Path
+from autopar.cost_models.devices import mesh_device
 
 
 def _demo(argv) -> int:
@@ -95,7 +96,7 @@ def _mesh(args):
     except (TypeError, ValueError) as err:
         raise CliError(f"--mesh {args.mesh}" + (f" --axes {args.axes}" if args.axes else "") + f": {err}", 2) from None
     try:
-        mesh.spec()
+        mesh_device(mesh)
     except ValueError as err:
         raise CliError(f"--device {args.device}: {err}", 2) from None
     return mesh

@@ -10,17 +10,20 @@ ROOT = Path(__file__).resolve().parent.parent / "autopar"
 
 # lowest first; a module may import its own layer and the ones before it (docs/architecture.md)
 LAYERS = [
-    ("foundation", {"context", "allocator", "errors", "trace", "call_inputs", "opaque_functions", "gc_pause",
-                    "comm_timeout"}),
-    ("analysis", {"graph", "cost_models", "sharding", "schedule", "receive_window", "mesh"}),
-    ("plan", {"plan", "plan_specs", "report", "pipeline_report", "memory_explain", "device_memory",
-              "report_pictures"}),
+    ("core", {"core"}),
+    ("frontend", {"frontend"}),
+    ("graph", {"graph"}),
+    ("sharding", {"sharding"}),
+    ("cost_models", {"cost_models"}),
+    ("schedules", {"schedules"}),
+    ("plan", {"plan"}),
     ("solver", {"solver"}),
+    ("report", {"report"}),
     ("collectives", {"collectives"}),
     ("passes", {"passes"}),
     ("runtime", {"runtime"}),
-    ("modules", {"parallel_module", "pipeline_module", "autotune", "build_module", "mode_switch"}),
-    ("entry", {"api", "cli", "progress_display", ""}),
+    ("modules", {"modules"}),
+    ("entry", {"api", "cli", ""}),
 ]
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.collectives import comm, local_ops
 from autopar.collectives.groups import axis_groups, bound_axes
-from autopar.cost_models.compute import grad_nodes
+from autopar.graph.grads import grad_nodes
 from autopar.sharding import local_impls
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.local_impls import LOCAL_IMPLS, family, local_collectives

@@ -14,6 +14,7 @@ from autopar.solver.inter_op import brute_force_partition, partition_stages
 from autopar.solver.pipeline_search import pipeline_candidates, unit_profiles
 from autopar.solver.search import PlanError, PlanOptions, solve_on_mesh
 from autopar.frontend.trace import trace
+from autopar.cost_models.devices import mesh_device
 from examples.models import GPT, Llama, lm_loss
 from oracle import make_batch
 
@@ -45,7 +46,7 @@ def _profiles(model, batch, sub):
     traced = trace(model, (X[:batch],), lm_loss, Y[:batch])
     sub_plan = solve_on_mesh(traced, sub, ParallelMode.AUTO, PlanOptions(), {}, {})
     units, unit_of = assign_units(traced.gm)
-    return unit_profiles(traced, sub_plan, units, unit_of, sub.spec(), PlanOptions()).profiles
+    return unit_profiles(traced, sub_plan, units, unit_of, mesh_device(sub), PlanOptions()).profiles
 
 
 def test_embedding_dominated_model_partition_matches_brute_force_and_fits():
@@ -190,7 +191,7 @@ def test_a_stage_holds_only_its_own_share_of_the_accumulated_gradients():
     copy = sub.memory_breakdown["accumulated gradients"]
     assert copy > 0 and _extra(sub) < copy      # not added to every stage
     units, unit_of = assign_units(traced.gm)
-    costs = unit_profiles(traced, sub, units, unit_of, mesh.spec(), PlanOptions())
+    costs = unit_profiles(traced, sub, units, unit_of, mesh_device(mesh), PlanOptions())
     one = costs.at(costs.batch, 1)
     four = costs.at(costs.batch, 4)
     assert [p.param_bytes for p in four] == [p.param_bytes for p in costs.profiles]
@@ -244,7 +245,7 @@ def test_a_stage_holds_its_own_units_gathered_parameter_copies_per_microbatch():
     copies = sub.memory_breakdown["gathered parameters"]
     assert copies > 0
     units, unit_of = assign_units(traced.gm)
-    costs = unit_profiles(traced, sub, units, unit_of, mesh.spec(), PlanOptions())
+    costs = unit_profiles(traced, sub, units, unit_of, mesh_device(mesh), PlanOptions())
     assert sum(costs.kept) == pytest.approx(copies, rel=1e-9) and sum(k > 0 for k in costs.kept) >= 2
     assert _extra(sub) == pytest.approx(sub.memory_breakdown["transient"] + sub.memory_breakdown["inputs"])
     half = costs.at(costs.batch // 2)
@@ -263,7 +264,7 @@ def test_unit_activations_are_what_the_solver_charges_the_layout(hidden, shape, 
     mesh = autopar.Mesh(shape, axis_names=names)
     sub = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(), {}, {})
     units, unit_of = assign_units(traced.gm)
-    costs = unit_profiles(traced, sub, units, unit_of, mesh.spec(), PlanOptions())
+    costs = unit_profiles(traced, sub, units, unit_of, mesh_device(mesh), PlanOptions())
     assert sum(p.activation_bytes for p in costs.profiles) == pytest.approx(sub.memory_breakdown["activations"],
                                                                             rel=1e-3)
 
@@ -345,7 +346,7 @@ def test_the_state_floor_is_at_most_what_any_solved_layout_holds(shape):
             sub = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(memory_budget_gb=budget), {}, {})
         except Exception:   # noqa: BLE001 - a budget no layout meets: nothing to compare
             continue
-        costs = unit_profiles(traced, sub, units, unit_of, mesh.spec(), PlanOptions())
+        costs = unit_profiles(traced, sub, units, unit_of, mesh_device(mesh), PlanOptions())
         assert floor <= sum(p.param_bytes for p in costs.profiles) * (1 + 1e-12)
 
 
@@ -387,7 +388,7 @@ def test_unit_floors_are_at_most_what_solved_layouts_charge(recompute, shape, na
     mesh = autopar.Mesh(shape, axis_names=names)
     units, unit_of = assign_units(traced.gm)
     state, acts = unit_floors(traced, units, mesh.shape, "adamw", "fp32", recompute,
-                              dropout_mask_bytes_for(mesh.spec().name))
+                              dropout_mask_bytes_for(mesh_device(mesh).name))
     assert sum(acts) > 0 and sum(state) > 0
     retracer = Retracer(model, (X,), lm_loss, Y)
     for batch in (traced.batch_size, traced.batch_size // 2):
@@ -399,7 +400,7 @@ def test_unit_floors_are_at_most_what_solved_layouts_charge(recompute, shape, na
                 sub = solve_on_mesh(mb, mesh, ParallelMode.AUTO, opts, {}, {})
             except Exception:   # noqa: BLE001 - a budget no layout meets: nothing to compare
                 continue
-            profiles = unit_profiles(mb, sub, units_m, unit_of_m, mesh.spec(), opts).profiles
+            profiles = unit_profiles(mb, sub, units_m, unit_of_m, mesh_device(mesh), opts).profiles
             for p, st, a in zip(profiles, state, acts):
                 assert st <= p.param_bytes * (1 + 1e-12)
                 assert a * batch / traced.batch_size <= p.activation_bytes * (1 + 1e-12)

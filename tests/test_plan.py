@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
+from autopar.cost_models.devices import mesh_device
 from examples.models import GPT, MLP, lm_loss
 from oracle import make_batch
 
@@ -112,7 +113,7 @@ def test_gradient_sync_is_costed_as_bucketed_all_reduces():
     assert len(sync) > 20 and all(c.axes == ["d0"] for c in sync)
     total = sum(c.bytes for c in sync)
     assert total < GRAD_BUCKET_BYTES
-    device = plan.mesh.spec().shared_by(4)
+    device = mesh_device(plan.mesh).shared_by(4)
     one_all_reduce = axis_collective_time("all_reduce", total, device, 4)
     charged = sum(c.time for c in sync) + plan.grad_sync_overhead
     assert abs(charged - one_all_reduce) <= 1e-4 * one_all_reduce

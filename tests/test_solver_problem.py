@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from autopar.cost_models.compute import grad_nodes
+from autopar.graph.grads import grad_nodes
 from autopar.cost_models.devices import get_device
 from autopar.cost_models.memory import saved_bytes_by_node
 from autopar.sharding.candidates import build_candidates

@@ -13,7 +13,8 @@ class Mesh:
 
     ``Mesh(4)`` is one unnamed axis; ``Mesh((2, 2), axis_names=("dp", "tp"))`` a named 2-D mesh.
     An unnamed mesh may be re-factored by AUTO (e.g. 4 devices as dp=2 × tp=2).
-    ``device`` names a preset of ``autopar.cost_models.devices`` used for planning costs.
+    ``device`` names a preset of ``autopar.cost_models.devices`` used for planning costs
+    (``devices.mesh_device(mesh)``).
     """
 
     shape: tuple
@@ -73,12 +74,6 @@ class Mesh:
             out.append(rank % s)
             rank //= s
         return tuple(reversed(out))
-
-    def spec(self):
-        """The device spec (peak FLOP/s, memory, links) for planning."""
-        from autopar.cost_models.devices import get_device
-
-        return get_device(self.device, memory_gb=self.memory_gb, gpus_per_node=self.gpus_per_node)
 
     def reshape(self, shape, axis_names) -> "Mesh":
         if math.prod(shape) != self.size:

@@ -406,3 +406,8 @@ def axis_nodes(device: DeviceSpec, axis_size: int, inner_size: int = 1) -> int:
 def axis_link(device: DeviceSpec, axis_size: int, inner_size: int = 1) -> Link:
     """The link a mesh axis's collectives run over: inter-node if one group spans nodes."""
     return device.link_for(axis_nodes(device, axis_size, inner_size) > 1)
+
+
+def mesh_device(mesh) -> DeviceSpec:
+    """The device spec (peak FLOP/s, memory, links) a ``Mesh`` is planned for."""
+    return get_device(mesh.device, memory_gb=mesh.memory_gb, gpus_per_node=mesh.gpus_per_node)

@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
-from .compute import grad_nodes, is_parameter
+from autopar.graph.grads import grad_nodes, is_parameter
 from .save_rules import SAVE_RULES, Internal, default_rule, dropout_rule, node_value, tensor_bytes
 
 aten = torch.ops.aten

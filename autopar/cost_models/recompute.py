@@ -43,7 +43,9 @@ import torch.fx as fx
 
 from autopar.graph.recompute_regions import CHOICES, Region, choices_for, find_regions, layer_names
 
-from .compute import is_parameter, node_cost
+from autopar.graph.grads import is_parameter
+
+from .compute import node_cost
 from .devices import DeviceSpec
 from .memory import _param_keys, _saved_by_node, _storage
 

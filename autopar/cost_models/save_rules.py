@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .compute import grad_nodes
+from autopar.graph.grads import grad_nodes
 
 aten = torch.ops.aten
 

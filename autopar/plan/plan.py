@@ -12,6 +12,7 @@ from pathlib import Path
 from autopar.core.context import ParallelMode
 from autopar.core.mesh import Mesh
 from autopar.sharding.placements import Spec, as_spec
+from autopar.plan.views import view
 
 FORMAT_VERSION = 2
 _READABLE_VERSIONS = (1, 2)   # 1: pipeline, grad compression etc. lived in ``options``
@@ -305,27 +306,21 @@ class Plan:
         return [specs] if isinstance(specs, Spec) else list(specs)
 
     def explain(self, name: str) -> str:
-        from autopar.report.text import explain
-
-        return explain(self, name)
+        """Why a node or parameter got its placement (rendered by ``autopar.report``)."""
+        return view("explain")(self, name)
 
     def save_timeline(self, path) -> Path:
         """Draw the pipeline schedule with predicted stage times as a PNG (needs matplotlib)."""
-        from autopar.report.pictures import save_timeline
-
-        return save_timeline(self, path)
+        return view("save_timeline")(self, path)
 
     def save_pictures(self, folder) -> list[Path]:
         """Write the plan's pictures (memory per device, alternatives, pipeline timeline: those that
         apply) as PNGs into ``folder``; returns their paths. Needs matplotlib (``autopar[plot]``)."""
-        from autopar.report.pictures import save_pictures
-
-        return save_pictures(self, folder)
+        return view("save_pictures")(self, folder)
 
     def report(self) -> str:
-        from autopar.report.text import render
-
-        return render(self)
+        """The human-readable plan report (rendered by ``autopar.report``)."""
+        return view("report")(self)
 
     # ---- JSON ------------------------------------------------------------------------
     def to_dict(self) -> dict:

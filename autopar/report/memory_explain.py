@@ -17,6 +17,8 @@ from autopar.cost_models.comm import bucketed_collective_time
 from autopar.cost_models.memory import training_state_parts
 from autopar.cost_models.zero import sharded_state, zero_axes
 from autopar.sharding.placements import shard_factor
+from autopar.cost_models.devices import mesh_device
+from autopar.core.units import human_bytes
 
 PARTS = ("parameters", "gradients", "optimizer state")
 
@@ -36,14 +38,6 @@ class ZeroEffect:
         return f"ZeRO-{self.stage}: {saved or 'nothing sharded'}, +{self.seconds * 1e3:.3f} ms per step"
 
 
-def human_bytes(nbytes: float) -> str:
-    """``nbytes`` in the largest binary unit it fills: "12.3 GiB", "16 KiB", "512 B"."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def param_effect(plan, name: str, stage: int) -> ZeroEffect:
     """ZeRO ``stage``'s effect on one parameter of ``plan``."""
     d = plan.params[name]
@@ -54,7 +48,7 @@ def param_effect(plan, name: str, stage: int) -> ZeroEffect:
     axes, size = zero_axes(d.spec, mesh.shape) if d.trainable else ([], 1)
     after = [sharded_state(*parts[:i], *([0.0] * (3 - i)), size, stage) for i in (1, 2, 3)]
     after = {PARTS[0]: after[0], PARTS[1]: after[1] - after[0], PARTS[2]: after[2] - after[1]}
-    device = mesh.spec()
+    device = mesh_device(mesh)
     gathers = 0 if not stage else 2 if stage == 3 else 1
     seconds = gathers * sum(bucketed_collective_time("all_gather", parts[0], device, mesh.shape[a],
                                                      math.prod(mesh.shape[a + 1:])) for a in axes)

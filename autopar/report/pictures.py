@@ -13,9 +13,11 @@ import os
 from pathlib import Path
 
 from autopar.report.device_memory import device_groups, rank_runs
-from autopar.report.memory_explain import human_bytes
+from autopar.core.units import human_bytes
 from autopar.report.pipeline import plan_schedule
 from autopar.schedules.schedule import simulate
+from autopar.cost_models.devices import mesh_device
+from autopar.plan.views import register_view
 
 INSTALL = "pip install 'autopar[plot]'"
 MEMORY, ALTERNATIVES, TIMELINE = "memory.png", "alternatives.png", "pipeline_timeline.png"
@@ -70,7 +72,7 @@ def _unit(nbytes: float) -> tuple[str, float]:
 
 def _capacity(plan) -> tuple[float, str]:
     """Bytes per device the plan was fitted to, and what to call them."""
-    device = plan.mesh.spec()
+    device = mesh_device(plan.mesh)
     cap = plan.memory_budget or device.memory_bytes
     what = f"{device.name} capacity" if cap == device.memory_bytes else "memory budget"
     return cap, f"{what} {human_bytes(cap)}"
@@ -238,6 +240,7 @@ def _short(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+@register_view("save_timeline")
 def save_timeline(plan, path) -> Path:
     """The pipeline schedule as a Gantt chart: one row per pipeline rank, a box per forward and
     backward of a microbatch at its predicted time, idle time (the bubble) hatched, and the gradient
@@ -293,6 +296,7 @@ def _rank_row(plan, sched, r: int) -> str:
     return f"pp rank {r}: {which}\n" + ("device " if len(devices) == 1 else "devices ") + rank_runs(devices)
 
 
+@register_view("save_pictures")
 def save_pictures(plan, folder) -> list[Path]:
     """Write the pictures that apply to ``plan`` into ``folder`` (made if missing): memory.png always,
     alternatives.png when the plan lists alternatives that were planned, pipeline_timeline.png when

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from autopar.solver.progress import SearchProgress
+from autopar.solver.progress import SearchProgress  # noqa: F401  (the type it renders)
 
 
 class ProgressDisplay:

@@ -5,6 +5,7 @@ from collections import Counter, defaultdict
 
 from autopar.report.memory_explain import explain_lines
 from autopar.sharding.placements import Shard
+from autopar.plan.views import register_view
 
 
 def _gb(b: float) -> str:
@@ -15,6 +16,7 @@ def _ms(t: float) -> str:
     return f"{t * 1e3:.3f} ms"
 
 
+@register_view("report")
 def render(plan) -> str:
     m = plan.mesh
     lines = [f"autopar plan — mode {plan.mode.name}",
@@ -148,6 +150,7 @@ def _deg(d: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in d.items()) or "-"
 
 
+@register_view("explain")
 def explain(plan, name: str) -> str:
     if name in plan.params:
         d = plan.params[name]

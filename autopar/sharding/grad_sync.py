@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from autopar.cost_models.compute import grad_nodes, is_parameter
+from autopar.graph.grads import grad_nodes, is_parameter
 from autopar.sharding.placements import Replicate
 from autopar.sharding.strategy import tensor_inputs
 

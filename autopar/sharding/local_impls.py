@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.cost_models.compute import grad_nodes
+from autopar.graph.grads import grad_nodes
 from autopar.sharding.placements import local_shape, shard_factor
 from autopar.sharding.strategy import Strategy, tensor_inputs
 

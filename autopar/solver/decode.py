@@ -7,7 +7,7 @@ import operator
 import numpy as np
 import torch.fx as fx
 
-from autopar.cost_models.compute import grad_nodes
+from autopar.graph.grads import grad_nodes
 from autopar.plan.plan import Collective, NodeDecision, ParamDecision
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params

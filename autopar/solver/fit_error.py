@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.cost_models.memory import training_state_parts
-from autopar.report.memory_explain import human_bytes
+from autopar.core.units import human_bytes
 from autopar.plan.plan import CandidateError, PlanError
 from autopar.solver.inter_op import StageMemoryError
 from autopar.solver.intra_op import SolverTimeoutError

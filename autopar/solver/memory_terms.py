@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
-from autopar.cost_models.compute import grad_nodes
+from autopar.graph.grads import grad_nodes
 from autopar.cost_models.memory import saved_bytes_by_node, storage_key, training_state_parts
 from autopar.cost_models.zero import (gather_unit, shard_elements, zero1_bucket_bytes, zero3_gathered_bytes, zero_axes,
                                       zero_buckets)

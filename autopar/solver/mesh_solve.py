@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.cost_models.devices import mesh_device
 from autopar.core.context import ParallelMode
 from autopar.cost_models.compute import total_flops
 from autopar.cost_models.memory import training_state_parts
@@ -223,7 +224,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     (``problem.activation_weighted``; a pipeline's whole-model layout); the plan's memory is then in
     those units."""
     t0 = time.perf_counter()
-    device = mesh.spec()
+    device = mesh_device(mesh)
     per_node = ranks_per_node or min(mesh.size, mesh.gpus_per_node or mesh.size)
     device = device.shared_by(per_node).with_compile(opts.compiled)  # CPU ranks beyond the core count share the cores
     cands = _candidates(traced, mesh.shape)

@@ -17,6 +17,7 @@ from autopar.graph.cut_points import assign_units
 from autopar.schedules.schedule import in_flight
 from autopar.solver.inter_op import LayerProfile, least_stage_memory
 from autopar.solver.memory_floor import state_floor, unit_floors
+from autopar.cost_models.devices import mesh_device
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -71,7 +72,7 @@ def holds_more(schedule: str, pp: int, m: int, other: int) -> bool:
 
 def budget_bytes(cand, opts) -> float:
     """Bytes one device of the candidate may use."""
-    return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else cand.sub.spec().memory_bytes
+    return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else mesh_device(cand.sub).memory_bytes
 
 
 def model_parallel_first(traced, cands: list, opts) -> list:
@@ -116,7 +117,7 @@ def fit_refusal(traced, cand, opts) -> PipelineRequestError | None:
     dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
     batch = traced.batch_size
     state, acts = unit_floors(traced, units, cand.sub.shape, opts.optimizer, opts.precision, opts.recompute,
-                              dropout_mask_bytes_for(cand.sub.spec().name))
+                              dropout_mask_bytes_for(mesh_device(cand.sub).name))
     least = math.inf
     for schedule in schedules(opts, cand.pp, len(units)):
         counts = [m for m in microbatch_counts(batch, dp, opts)

@@ -59,6 +59,7 @@ from autopar.solver.pipeline_fit import (PipelineRequestError, budget_bytes, fit
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.stage_tags import check_stage_tags
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
+from autopar.cost_models.devices import mesh_device
 
 # ---- candidates -------------------------------------------------------------------------
 
@@ -202,7 +203,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     kinds = schedules(opts, cand.pp, len(units))
     per_node = min(cand.full.size, cand.full.gpus_per_node or cand.full.size)
     # CPU ranks of every stage share the cores; a compiled program's ops run at the compiled speedup
-    device = cand.sub.spec().shared_by(per_node).with_compile(opts.compiled)
+    device = mesh_device(cand.sub).shared_by(per_node).with_compile(opts.compiled)
     budget = budget_bytes(cand, opts)
     loose = PlanOptions(**{**opts.__dict__, "memory_budget_gb": 1e6})
     link_spec = axis_link(device, cand.pp, cand.sub.size)
@@ -535,7 +536,7 @@ def optimizer_time(plan: Plan, optimizer: str = "adamw") -> float:
     mesh = plan.mesh
     params = [d for d in plan.params.values() if d.kind == "parameter"]
     numel = sum(math.prod(d.shape) / shard_factor(d.spec, mesh.shape) / _zero_shards(plan, d.spec) for d in params)
-    device = mesh.spec().shared_by(min(mesh.size, mesh.gpus_per_node or mesh.size))
+    device = mesh_device(mesh).shared_by(min(mesh.size, mesh.gpus_per_node or mesh.size))
     return optimizer_step_time(numel, device, len(params), optimizer)
 
 

@@ -34,8 +34,9 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_models.comm import GRAD_BUCKET_BYTES, axis_collective_time, bucketed_collective_time
-from autopar.cost_models.compute import (OpCost, grad_nodes, is_parameter, local_node_cost, node_cost, optimizer_step_time,
+from autopar.cost_models.compute import (OpCost, local_node_cost, node_cost, optimizer_step_time,
                                          node_signature)
+from autopar.graph.grads import grad_nodes, is_parameter
 from autopar.cost_models.memory import saved_bytes_by_node, saves_input, storage_key, training_state_parts
 from autopar.cost_models.zero import sharded_state, zero_axes
 from autopar.cost_models.recompute import saved_bytes_after

@@ -26,6 +26,7 @@ from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeo
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, pipeline_requested
 from autopar.solver.progress import SearchProgress
+from autopar.cost_models.devices import mesh_device
 
 
 @dataclasses.dataclass
@@ -139,7 +140,7 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
 
 def _cap(mesh: Mesh, opts: PlanOptions) -> float:
     """The per-device memory cap the candidates were solved under (bytes)."""
-    return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else mesh.spec().memory_bytes
+    return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else mesh_device(mesh).memory_bytes
 
 
 def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict,

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from autopar.cost_models.compute import grad_nodes, node_cost, optimizer_step_time
+from autopar.cost_models.compute import node_cost, optimizer_step_time
+from autopar.graph.grads import grad_nodes
 from autopar.cost_models.memory import dropout_mask_bytes_for, saves_input, training_state_bytes, training_state_parts
 from autopar.cost_models.recompute import saved_storages
 from autopar.cost_models.zero import zero_axes
