@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.graph.grads import grad_nodes
 from autopar.graph.grads import is_float_value as _is_float
 from autopar.graph.grads import node_value as _val
 
