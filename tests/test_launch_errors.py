@@ -29,7 +29,11 @@ def test_the_rank_that_raised_leads_its_peers_follow():
         autopar.launch(_raise_while_peer_waits, nprocs=2, timeout_s=20)
     msg = str(err.value)
     assert msg.startswith("autopar.launch(_raise_while_peer_waits): rank 1 raised ValueError: the real cause\n"), msg
-    assert msg.index("--- rank 1 traceback ---") < msg.index("rank 0 then failed because it lost a peer"), msg
+    # rank 0 follows the cause: it either failed on the lost peer already, or (on a loaded machine) was
+    # still waiting for it when the grace period ended and was stopped; both are said after the cause
+    follow = [m for m in ("--- rank 0 then failed because it lost a peer", "--- rank 0 was still running") if m in msg]
+    assert follow, msg
+    assert msg.index("--- rank 1 traceback ---") < msg.index(follow[0]), msg
     assert 'raise ValueError("the real cause")' in msg
 
 
