@@ -214,7 +214,8 @@ def test_a_rank_killed_mid_step_is_named_and_its_peer_fails_at_once(tmp_path):
 def _stalled_collective(rank, seconds):
     """Rank 1 sleeps through step 3 (in the pool: its process group lives on; only the groups made for
     ``seconds``, which no other test uses, see the timeout, and they are dropped after)."""
-    from autopar.core import comm_timeout    from autopar.collectives import groups
+    from autopar.core import comm_timeout
+    from autopar.collectives import groups
 
     torch.manual_seed(0)
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
