@@ -103,7 +103,7 @@ def _job(rank, kind):
     for p in pmodel.parameters():
         p.grad = None
     synced: set = set()
-    mods = [autopar.runtime.grad_sync, autopar.pipeline_module, autopar.runtime.zero,   # ZeRO: the reduce-scatter is the sync
+    mods = [autopar.runtime.grad_sync, autopar.modules.pipeline_module, autopar.runtime.zero,   # ZeRO: the reduce-scatter is the sync
             autopar.runtime.zero3]
     with autopar.count_collectives() as counter:
         for m in mods:

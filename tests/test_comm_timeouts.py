@@ -89,7 +89,7 @@ def test_guard_leaves_other_errors_alone():
 
 
 def test_launch_leads_with_the_stalled_rank_and_its_stack():
-    lost = Failure(0, 1.0, "Traceback ...\nautopar.errors.CommError: rank 0: pmodel.step (step 2 of this process) "
+    lost = Failure(0, 1.0, "Traceback ...\nautopar.core.errors.CommError: rank 0: pmodel.step (step 2 of this process) "
                            "timed out after 3 s waiting in the all_reduce over mesh axis 'd0' (backward): ...")
     msg = describe("fn", [lost], running={1: '  File "train.py", line 9 in fn'}, grace_s=0.5)
     assert msg.startswith("fn: rank 1 stalled: it had not failed but was still running 0.5 s after the first rank "

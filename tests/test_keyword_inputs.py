@@ -1,4 +1,4 @@
-"""Keyword and None inputs (``example_kwargs``, autopar/call_inputs.py): a model whose forward takes an
+"""Keyword and None inputs (``example_kwargs``, autopar/frontend/call_inputs.py): a model whose forward takes an
 optional mask keyword trains like one process under a DATA plan and a pipeline with
 ``pmodel.step(x, target=y, mask=m)``; a tiny Hugging Face T5 trains called by keywords only; None and
 constants are traced in, may be left out, and any other value at run time is refused clearly."""

@@ -1,4 +1,4 @@
-"""The pipeline runtime's window of posted receives (``autopar/receive_window.py``)."""
+"""The pipeline runtime's window of posted receives (``autopar/schedules/receive_window.py``)."""
 import itertools
 
 import pytest

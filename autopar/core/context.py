@@ -66,7 +66,7 @@ _DEFAULTS: dict[str, Any] = {
     "autotune_steps": 8,
     "autotune_slack": 1.5,
     # seconds any collective or point-to-point wait may take before the rank raises autopar.CommError
-    # (a peer died or stalled); None: the default process group's timeout (autopar/comm_timeout.py)
+    # (a peer died or stalled); None: the default process group's timeout (autopar/core/comm_timeout.py)
     "comm_timeout_s": None,
     # True: each rank's program (each pipeline stage's graphs) runs through torch.compile / inductor,
     # and the cost model times compute at the profile's compiled_speedup (autopar/runtime/compiled.py)

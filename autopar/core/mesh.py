@@ -111,7 +111,7 @@ class Mesh:
 
     def device_mesh(self):
         """torch's DeviceMesh over the default process group (created once, on first use), its groups made
-        with the communication timeout in force (``autopar.comm_timeout``)."""
+        with the communication timeout in force (``autopar.core.comm_timeout``)."""
         import torch.distributed as dist
 
         from autopar.core.comm_timeout import device_mesh

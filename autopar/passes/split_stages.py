@@ -11,7 +11,7 @@ users run on several stages (one gather of a tied weight shared by the embedding
 head) is copied per stage. So only planned values cross a cut, each in its producer's
 placement (peer ranks of two stages share their (dp, tp) coordinates, so each sends its local
 piece to its peer: no resharding at the cut). The stage rule, the transfers and each stage's
-placeholders are ``graph/stage_cuts.py``'s: the solver lists the same transfers as the plan's
+placeholders are ``plan/stage_cuts.py``'s: the solver lists the same transfers as the plan's
 sends and receives (``plan.collectives``).
 
 A stage graph keeps the graph-module attributes (``get_attr`` nodes) its nodes read, like the

@@ -24,7 +24,7 @@ schedules checked), not the 2 m it held when every receive of the step was poste
 Values between stages on the same rank (interleaved schedules) go through a local mailbox.
 After the last action every pending send is waited on. Collectives inside a stage (tensor
 parallel) run in the same order on every rank of the stage's (dp, tp) group, so they match.
-Every wait is bounded by the communication timeout (``autopar.comm_timeout``) and noted
+Every wait is bounded by the communication timeout (``autopar.core.comm_timeout``) and noted
 (``watch.note``: the transfer, microbatch and peer rank), so the ``CommError`` that
 ``pmodel.step`` raises when a peer stage died or stalled names them.
 """

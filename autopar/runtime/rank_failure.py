@@ -20,7 +20,7 @@ import traceback
 from dataclasses import dataclass
 
 # a collective's error on a rank whose peer went away or stalled (autopar's CommError, gloo, NCCL, the TCP store)
-_PEER_LOST = re.compile(r"^autopar\.errors\.CommError:|Connection closed by peer|Connection reset by peer|Broken pipe|"
+_PEER_LOST = re.compile(r"^autopar\.core\.errors\.CommError:|Connection closed by peer|Connection reset by peer|Broken pipe|"
                         r"remote worker crash|communicator was aborted|NCCL.*(?:abort|watchdog)|recvBytes|"
                         r"Socket Timeout|Timed out waiting", re.I)
 STACK_SIGNAL = getattr(signal, "SIGUSR1", None)

@@ -468,7 +468,7 @@ def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: Pipelin
 
 def pipeline_collectives(gm, plan: Plan, link: tuple[float, float]) -> list[Collective]:
     """``plan.collective_list`` (the intra-op plan's, one microbatch) with what pipelining adds,
-    from the same stage cuts the runtime splits the graph at (``graph/stage_cuts.py``):
+    from the same stage cuts the runtime splits the graph at (``plan/stage_cuts.py``):
 
     * per transfer ``t`` between stages on different ranks, per microbatch: forward, a send on
       ``t.src`` and a receive on ``t.dst``; backward (floating values), the gradient back

@@ -6,7 +6,7 @@ asks ``out_of_time`` before solving another one. With ``time_budget_s`` set, onc
 fits and less of the budget is left than a candidate takes, no further candidate is solved: the best plan so far is
 returned and its report says the search was cut short (``stopped_note``). Without a fitting plan
 the search goes on to the first one (a budget never turns a plannable model into an error).
-``on_update(progress)`` is called after each change (a display: ``autopar/progress_display.py``).
+``on_update(progress)`` is called after each change (a display: ``autopar/report/progress_display.py``).
 """
 from __future__ import annotations
 
