@@ -64,9 +64,9 @@ def test_the_refusal_lists_the_counts_that_came_closest_first(monkeypatch):
     seen = {}
     real = ps._partition
 
-    def partition(costs, batch, pp, m, schedule, budget, link, fixed):
+    def partition(costs, batch, pp, m, schedule, budget, link, fixed, *rest):
         try:
-            return real(costs, batch, pp, m, schedule, budget, link, fixed)
+            return real(costs, batch, pp, m, schedule, budget, link, fixed, *rest)
         except ps.StageMemoryError as err:
             seen[f"{schedule} m={m}"] = (err.state + err.activations) / budget if budget > 0 else float("inf")
             raise

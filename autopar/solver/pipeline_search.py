@@ -56,6 +56,7 @@ from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
 from autopar.solver.pipeline_fit import (PipelineRequestError, budget_bytes, fit_refusal, held, holds_more,
                                          microbatch_counts, model_parallel_first, schedules)
+from autopar.solver.pipeline_steer import between_shares
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.stage_tags import check_stage_tags
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
@@ -210,15 +211,25 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
     link = (link_spec.bandwidth, link_spec.latency)
     share = [1.0]       # of pp x the cap the whole model's layout is solved under (``_tighter``)
     unbounded = [False]  # the last layout fitted no such budget (solved without one): a tighter one cannot help
+    fitted = [None]     # the share of the last budget a layout fitted (``between_shares``)
 
     def solve(m):
         mb = microbatch_trace(traced, batch // m, retracer)
-        whole = PlanOptions(**{**opts.__dict__, "memory_budget_gb": share[0] * budget * cand.pp / 2**30})
         unbounded[0] = False
-        try:
-            sub_plan = solve_on_mesh(mb, cand.sub, mode, whole, param_ann, input_ann, per_node, microbatches=m,
-                                     activation_weight=in_flight_weight(kinds, cand.pp, counts, batch, batch // m))
-        except InfeasibleError:     # pp x the cap only guides the whole model's layout:
+        weight = in_flight_weight(kinds, cand.pp, counts, batch, batch // m)
+        shares, sub_plan, first = [share[0]], None, True
+        while shares and sub_plan is None:
+            s = shares.pop(0)
+            whole = PlanOptions(**{**opts.__dict__, "memory_budget_gb": s * budget * cand.pp / 2**30})
+            try:
+                sub_plan = solve_on_mesh(mb, cand.sub, mode, whole, param_ann, input_ann, per_node, microbatches=m,
+                                         activation_weight=weight)
+                share[0] = fitted[0] = s
+            except InfeasibleError as err:      # between it and the last budget that fitted, if any
+                if first:
+                    shares = between_shares(s, fitted[0], getattr(err, "least_memory", None), budget * cand.pp)
+            first = False
+        if sub_plan is None:        # pp x the cap only guides the whole model's layout:
             unbounded[0] = True
             sub_plan = solve_on_mesh(mb, cand.sub, mode, loose, param_ann, input_ann, per_node,
                                      microbatches=m)    # the partition enforces it
