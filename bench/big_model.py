@@ -1,6 +1,6 @@
 """A job whose training state does not fit once per rank: a GPT built on the meta device, planned
 under AUTO with a per-device memory cap, initialized with ``pmodel.init_weights``, trained 2 AdamW
-steps and saved, on 4 CPU ranks. Each rank reports its peak RSS (VmHWM) after parallelize, after
+steps, saved (DCP) and exported (``save_pretrained``), on 4 CPU ranks. Each rank reports its peak RSS (VmHWM) after parallelize, after
 init_weights, after the steps and after the save, against the plan's predicted per-device peak.
 
 ``--real`` runs the starting code's path instead: the model built for real on every rank (then
@@ -85,6 +85,10 @@ def job(rank: int, shape: dict, cap: float, real: bool, out_dir: str, save_dir: 
     t = time.perf_counter()
     pm.save(save_dir)
     rec["save_s"], rec["after_save"] = time.perf_counter() - t, peak_gib()
+    t = time.perf_counter()
+    export = pm.save_pretrained(save_dir + "_export", max_shard_size="1GB")   # safetensors, streamed to rank 0
+    rec["export_s"], rec["after_export"] = time.perf_counter() - t, peak_gib()
+    rec["export_files"] = len(export.files) if rank == 0 else None
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)
 
@@ -109,21 +113,24 @@ def main() -> None:
         wall = time.perf_counter() - t
         recs = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(4)]
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(save_dir) for f in fs)
+        exported = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(save_dir + "_export") for f in fs)
         shutil.rmtree(save_dir, ignore_errors=True)
+        shutil.rmtree(save_dir + "_export", ignore_errors=True)
     for r in recs:
         bound = 1.3 * r["predicted_gib"] + 1.0
         print(f"rank {r['rank']}: local params {r['local_params'] / 1e6:.0f}M, peak RSS GiB: parallelize "
               f"{r['after_parallelize']:.2f}, init {r.get('after_init', float('nan')):.2f}, steps "
-              f"{r['after_steps']:.2f}, save {r['after_save']:.2f}; predicted {r['predicted_gib']:.2f} "
-              f"(bound 1.3x+1 = {bound:.2f}: {'ok' if r['after_save'] <= bound else 'OVER'}); losses "
+              f"{r['after_steps']:.2f}, save {r['after_save']:.2f}, export {r['after_export']:.2f}; predicted {r['predicted_gib']:.2f} "
+              f"(bound 1.3x+1 = {bound:.2f}: {'ok' if r['after_export'] <= bound else 'OVER'}); losses "
               f"{[round(v, 4) for v in r['losses']]}", flush=True)
     print(f"plan {recs[0]['plan']}; parallelize {recs[0]['parallelize_s']:.0f} s, init "
           f"{recs[0].get('init_s', 0):.0f} s, steps {[round(s, 1) for s in recs[0]['step_s']]} s, save "
-          f"{recs[0]['save_s']:.0f} s ({size / GIB:.2f} GiB on disk); wall {wall:.0f} s")
+          f"{recs[0]['save_s']:.0f} s ({size / GIB:.2f} GiB on disk), save_pretrained {recs[0]['export_s']:.0f} s "
+          f"({recs[0]['export_files']} safetensors files, {exported / GIB:.2f} GiB); wall {wall:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": shape, "params": n, "cap_gib": cap, "real": args.real, "ranks": recs,
-                       "wall_s": wall, "checkpoint_bytes": size}, f, indent=1)
+                       "wall_s": wall, "checkpoint_bytes": size, "export_bytes": exported}, f, indent=1)
 
 
 if __name__ == "__main__":
