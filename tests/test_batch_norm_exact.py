@@ -163,7 +163,8 @@ def _train_all(rank, mesh_name: str, names: list[str]) -> dict:
 
 
 FAST = [n for n in MODELS if n != "hf_resnet"]
-CASES = [pytest.param("data", list(MODELS), id="data"), pytest.param("auto", list(MODELS), id="auto"),
+CASES = [pytest.param("data", list(MODELS), id="data"),
+         pytest.param("auto", list(MODELS), marks=pytest.mark.slow, id="auto"),   # AUTO picks dp, as "data" runs
          pytest.param("dp_tp", FAST, id="dp_tp"),
          pytest.param("dp_tp", ["hf_resnet"], marks=pytest.mark.slow, id="dp_tp-hf_resnet"),
          pytest.param("dp_tp_channels", list(MODELS), marks=pytest.mark.slow, id="dp_tp_channels")]

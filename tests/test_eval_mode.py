@@ -65,7 +65,7 @@ KINDS |= {
     "accumulation": (2, (2,), None, "data", None, _ctx(accumulation=2)),
     "compiled": (2, (2,), None, "data", None, _ctx(compile=True)),
 }
-SLOW = {"3d", "auto_tuned", "auto", "compiled", "zero2", "recompute", "tp", "zero1"}   # default run: data, pp, zero3, accumulation
+SLOW = {"3d", "auto_tuned", "auto", "compiled", "zero2", "recompute", "tp", "zero1", "zero3"}   # default run: data, pp, accumulation
 
 
 def _pmodel(name, p):

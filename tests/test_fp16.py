@@ -214,7 +214,7 @@ def test_the_job_overflows_where_intended(references):
     assert 0 < torch_d < 2e-2, f"torch FSDP2 lands {torch_d:.3e} from the fp16 reference: the reference is off"
 
 
-@pytest.mark.parametrize("name", list(PLANS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("tp", "zero3") else n for n in PLANS])
 def test_fp16_trains_and_skips_like_one_device_with_grad_scaler(name, references):
     ref = references["fp16"]
     results = run_ranks(2, _job, name)

@@ -142,7 +142,7 @@ def _round_trip(rank, name, paths, out):
 
 
 SLOW = pytest.mark.slow
-CASES = ["data", "tp", "pp", "zero3", pytest.param("zero1", marks=SLOW), pytest.param("3d", marks=SLOW)]
+CASES = ["data", "tp", pytest.param("pp", marks=SLOW), "zero3", pytest.param("zero1", marks=SLOW), pytest.param("3d", marks=SLOW)]
 
 
 @pytest.mark.parametrize("name", CASES)
