@@ -56,7 +56,7 @@ from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
 from autopar.solver.pipeline_fit import (PipelineRequestError, budget_bytes, fit_refusal, held, holds_more,
                                          microbatch_counts, model_parallel_first, schedules)
-from autopar.solver.pipeline_steer import between_shares
+from autopar.solver.pipeline_steer import _next_share, _tighter, in_flight_weight, between_shares
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.stage_tags import check_stage_tags
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
@@ -357,44 +357,6 @@ def _closeness(err: Exception, room: float) -> float:
 
 REFERENCE_MARGIN = 0.1  # a candidate whose reference-cost estimate is this much over the best plan is dropped
 TIGHTER = 2     # re-solves of the whole model's layout under a tighter budget when no stage cut fits
-
-
-def _tighter(errors: list, room: float) -> float | None:
-    """The factor to shrink the whole model's budget by when no partition fits for memory, or None.
-
-    The layout is solved for the whole model under pp x the cap, which only bounds the average stage:
-    a loose budget lets the solver keep weights whole for speed (Table 1's 1T row on a (6, 8)
-    sub-mesh kept the attention projection and the embedding replicated over tp, 26 GiB of state
-    per layer), and then the fullest stage is over the cap at every cut. ``room``: the cap less what
-    a stage holds beyond its units. The factor is 0.9 room / need, ``need`` the fullest stage of the
-    least-peak cut (``StageMemoryError``); None when no error was for memory or the cut already fits."""
-    needs = [e.state + e.activations for e in errors if isinstance(e, StageMemoryError)]
-    if not needs or room <= 0 or min(needs) <= room:
-        return None
-    return 0.9 * room / min(needs)
-
-
-def in_flight_weight(kinds: list[str], pp: int, counts: list[int], batch: int, rows: int) -> float:
-    """How many microbatches of ``rows`` the whole model's layout counts activations for: the fewest
-    rows any count's fullest stage holds in flight (1F1B: min(pp, m) microbatches of batch / m;
-    GPipe: all m), over ``rows``, at least 1. Under an even cut a stage holds 1 / pp of the state
-    and of those activations, so the budget pp x the cap then bounds the fullest stage, not the
-    average one (counted once, Table 1's 1T row's layouts on (6, 8) held ~106 GiB of activations
-    against 1505-3009 GiB of state at 24 rows, and no budget traded them, while a stage holds 64
-    microbatches)."""
-    per_count = (min(pp, m) if kinds != ["gpipe"] else m for m in counts)
-    least = min(f * (batch // m) for f, m in zip(per_count, counts))
-    return max(1.0, least / rows)
-
-
-def _next_share(share: float, tighter: float, whole: float, total: float) -> float:
-    """The share of ``total`` (pp x the cap) the whole model's layout is solved under next: ``tighter``
-    times the smaller of the last budget's share and what the last layout held (``whole`` bytes), so
-    the next budget binds it. Scaling the budget alone left a layout far under it unchanged: Table 1's
-    1T row on a (6, 8) sub-mesh held 3374 GiB of a 5120 GiB budget (the attention projections and the
-    embedding kept whole over tp), two tightenings by 0.9 never reached it, and no stage cut fitted;
-    one tightening from what it held fits at 1F1B, 512 microbatches."""
-    return tighter * min(share, whole / total)
 
 
 def _extra(sub_plan: Plan) -> float:
