@@ -2,8 +2,8 @@
 
 A tiny ``LlamaForCausalLM`` is built from a config and saved with ``save_pretrained`` to a temporary
 directory: that is "the pretrained checkpoint". Then, on 2 processes (``autopar.launch``), each rank
-builds the model (on the meta device where autopar supports it, so nothing is allocated until the
-plan gives the rank its pieces), parallelizes it, reads only its slices of the checkpoint
+builds the model on the meta device (nothing is allocated until the plan gives the rank its
+pieces), parallelizes it, reads only its slices of the checkpoint
 (``pmodel.load_pretrained``), trains a few steps and exports the result (``pmodel.save_pretrained``:
 safetensors + config.json, streamed one tensor at a time to rank 0). Finally one process loads the
 export with ``transformers.AutoModelForCausalLM.from_pretrained`` and checks it against the same
@@ -44,22 +44,15 @@ def build(on_meta: bool) -> LogitsOnly:
     return LogitsOnly(LlamaForCausalLM(cfg))
 
 
-def meta_supported() -> bool:
-    """Whether this autopar parallelizes meta-device models (``pmodel.init_weights``)."""
-    return hasattr(autopar.ParallelModule, "init_weights")
-
-
 def rank_main(rank: int, pretrained: str, out: str, mode: str, steps: int) -> None:
     world = torch.distributed.get_world_size()
-    on_meta = meta_supported()
-    model = build(on_meta)
+    model = build(on_meta=True)            # nothing allocated: each rank makes only its pieces
     if mode == "semi_auto":
         annotate_tensor_parallel("llama")
     mesh = autopar.Mesh(world, axis_names=("tp",)) if mode == "semi_auto" else autopar.Mesh(world)
     x, y = batch(0)
     pmodel = autopar.parallelize(model, mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode=mode)
-    if on_meta:
-        pmodel.init_weights(seed=0)          # buffers (rotary frequencies); the weights come next
+    pmodel.init_weights(seed=0)              # buffers (rotary frequencies); the weights come next
     pmodel.load_pretrained(pretrained, prefix="inner.")
     opt = torch.optim.SGD(pmodel.parameters(), lr=LR, momentum=0.9)
     losses = []
@@ -71,7 +64,7 @@ def rank_main(rank: int, pretrained: str, out: str, mode: str, steps: int) -> No
     export = pmodel.save_pretrained(out, prefix="inner.")
     if rank == 0:
         print(f"fine-tuned on {world} processes ({mode}, plan {pmodel.plan.degrees}, built on "
-              f"{'meta' if on_meta else 'cpu'}): losses {[round(v, 4) for v in losses]}")
+              f"meta): losses {[round(v, 4) for v in losses]}")
         print(f"exported {export.tensors} tensors to {', '.join(export.files)}; the writer held at most "
               f"{export.peak_bytes} bytes of gathered tensors at once")
 
