@@ -106,7 +106,7 @@ def tflops_per_gpu(row: Row, step_time: float) -> float:
 def forced_mismatches(row: Row, plan: autopar.Plan) -> list[str]:
     """What the forced plan does not do as the paper did (empty when all was planned as forced)."""
     out = []
-    want = {"dp": row.d, "tp": row.t, "pp": row.p}
+    want = {"dp": row.d, "tp": row.t, "pp": row.p, "ep": 1, "cp": 1}
     if plan.degrees != want:
         out.append(f"degrees {plan.degrees} != {want}")
     mo = plan.memory_options
