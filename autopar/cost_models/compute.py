@@ -47,6 +47,7 @@ from autopar.graph.grads import is_float_value as _is_float
 from autopar.graph.grads import node_value as _val
 
 from .devices import DeviceSpec
+import autopar.frontend.moe_experts  # noqa: F401,E402 - defines autopar::moe_experts
 
 aten = torch.ops.aten
 
@@ -334,10 +335,33 @@ def node_work(node: fx.Node) -> OpWork:
     if target.is_view or target in _NO_KERNEL:
         return OpWork()
     need = grad_nodes(node.graph)
+    if target is _MOE:
+        return _moe_work(node, need)
     try:
         return _work(target, node_signature(node))
     except Exception:
         return _fallback_work(node, need)
+
+
+_MOE = torch.ops.autopar.moe_experts.default
+
+
+def _moe_work(node: fx.Node, need: frozenset) -> OpWork:
+    """``autopar::moe_experts`` (never run on fake tensors): each of the ``T * k`` routed rows is
+    multiplied by one expert's parameters, 2 FLOPs per parameter forward and twice that backward
+    (input and weight gradients) when the node needs a gradient; the matmuls are as efficient as
+    their smallest dimension, the rows per expert or the hidden size."""
+    hidden, index = _val(node.args[1]), _val(node.args[2])
+    params = [_val(p) for p in node.args[4]]
+    experts = max(int(params[0].shape[0]), 1)
+    per_expert = sum(p.numel() for p in params) / experts
+    rows = float(index.numel())
+    fwd = 2.0 * rows * per_expert
+    moved = 2.0 * _nbytes(hidden) * index.shape[-1] + sum(_nbytes(p) for p in params)
+    small = max(1, min(int(hidden.shape[-1]), int(rows // experts) or 1))
+    has_bwd = node in need
+    return OpWork(fwd, 2.0 * fwd if has_bwd else 0.0, moved, 2.0 * moved if has_bwd else 0.0, 8, 12 if has_bwd else 0,
+                  ((small, fwd),), ((small, 2.0 * fwd),) if has_bwd else ())
 
 
 def node_signature(node: fx.Node):
