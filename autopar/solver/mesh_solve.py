@@ -27,6 +27,7 @@ from autopar.core.mesh import Mesh
 from autopar.plan.plan import CandidateError, Collective, MemoryOptions, Plan, PlanError
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard, shard_factor
+from autopar.solver.annotations import restrict_op_strategies
 from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
@@ -107,6 +108,8 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
         ph = traced.inputs[i]
         _check_axes(f"input {i}", placements, mesh, tuple(traced.node(ph).meta["val"].shape))
         only(ph, lambda spec, pl=placements: all(spec[mesh.axis_index(a)] == p for a, p in pl.items()))
+    if mode == ParallelMode.SEMI_AUTO:
+        restrict_op_strategies(traced, cands, mesh, allowed)
     return allowed
 
 
