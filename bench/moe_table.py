@@ -23,7 +23,9 @@ Rows (``MOE_ROWS``), models built on the meta device from Hugging Face configs:
 
 For each row: FORCED, the published layout as a named mesh ``("pp", "dp", "ep")`` (every
 ``moe_experts`` node takes "ep" on the "ep" axis, ``solver/moe_axes.py``; dense ops data-parallel over
-``dp x ep``), bf16 mixed precision and the published ZeRO stage, in SEMI_AUTO (the planner picks
+``dp x ep``), bf16 mixed precision and ZeRO 0 (both sources shard the optimizer state over the
+data-parallel ranks; autopar does not combine ZeRO with a pipeline yet: the forced plans keep it whole,
+which changes memory, not the step's communication volume), in SEMI_AUTO (the planner picks
 microbatches, schedule and recomputation); AUTO, autopar's own plan on an unnamed mesh of the same
 GPUs. Each job runs in its own process (``paper_table.run_isolated`` style) with a hard timeout.
 
@@ -73,9 +75,9 @@ DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                    max_position_embeddings=4096)
 
 MOE_ROWS = [
-    MoeRow("mixtral_8x7b", "mixtral", MIXTRAL_8X7B, "h100", 64, (4, 2, 8), 4096, 256, 1, 468.0,
+    MoeRow("mixtral_8x7b", "mixtral", MIXTRAL_8X7B, "h100", 64, (4, 2, 8), 4096, 256, 0, 468.0,
            "Megatron-Core MoE README (MCore v0.9): TP1 EP8 PP4 VP8, 64 H100, seq 4096, GBS 256"),
-    MoeRow("deepseek_v3", "deepseek_v3", DEEPSEEK_V3, "h800", 2048, (16, 2, 64), 4096, 15360, 1, 342.6,
+    MoeRow("deepseek_v3", "deepseek_v3", DEEPSEEK_V3, "h800", 2048, (16, 2, 64), 4096, 15360, 0, 342.6,
            "DeepSeek-V3 report: PP16 EP64 ZeRO-1 on 2048 H800; 180K GPU hours / 1T tokens -> 342.6 TF (6N)",
            flops_kind="6n", activated=37e9),
 ]
