@@ -112,6 +112,7 @@ def test_imbalance_scales_expert_compute_and_dispatch():
         node = next(iter(_moe_nodes(plan).values()))
         a2a = sum(c.time for c in plan.collective_list if c.kind == "all_to_all" and c.node in _moe_nodes(plan))
         times[k] = (node.time, a2a, plan.step_time)
+        assert plan.options["moe_imbalance"] == k
     assert times[1.5][1] == pytest.approx(1.5 * times[1.0][1])
     assert times[1.5][0] > times[1.0][0] and times[1.5][2] > times[1.0][2]
 

@@ -31,7 +31,7 @@ from autopar.solver.annotations import restrict_op_strategies
 from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
-from autopar.solver.moe_axes import ROLE_EXPERT, expert_axis_choices
+from autopar.solver.moe_axes import ROLE_EXPERT, expert_axis_choices, nodes_moe
 from autopar.solver.memory_terms import accumulated_grad_bytes, op_transients, transient_bytes, zero_layer_buffers
 from autopar.solver.progress import SearchProgress
 from autopar.solver.problem import (Costing, activation_weighted, build_problem, grad_sync_overhead,
@@ -281,7 +281,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 memory_budget=budget,
                 grad_sync_overhead=last_bucket, axis_shares=shares,
                 once_per_step_time=built.once_time(sol.choice) + last_bucket,
-                options={"precision": opts.precision, "solver_vars": sol.num_vars},
+                options={"precision": opts.precision, "solver_vars": sol.num_vars,
+                         **({"moe_imbalance": opts.moe_imbalance} if nodes_moe(nodes) else {})},
                 memory_options=MemoryOptions(mixed_precision=opts.mixed_precision,
                                              reduce_dtype="bf16" if opts.grad_compression == "bf16" else "fp32",
                                              recompute=opts.recompute or "none", zero=opts.zero or 0),

@@ -44,3 +44,8 @@ def expert_axis_choices(traced, cands, mesh: Mesh, allowed: dict) -> None:
                             f"of {where} ({e} experts) cannot be split over it (the expert count and the tokens must "
                             f"divide by {size}); use an 'ep' axis whose size divides {e}")
         allowed[node.name] = [i for i in allowed.get(node.name, keep) if i in keep] or keep
+
+
+def nodes_moe(nodes: dict) -> bool:
+    """Whether a plan's node decisions include an MoE experts node."""
+    return any(d.op.startswith("autopar.moe_experts") for d in nodes.values())
