@@ -111,7 +111,7 @@ def _job(rank, routing):
 
 @pytest.mark.parametrize("routing", ["one_rank", "random"])
 def test_every_strategy_matches_one_device(routing):
-    results = run_ranks(2, _job, routing)
+    results = run_ranks(2, _job, routing, timeout_s=600)
     assert set(results[0]) == {"replicate", "batch", "ep", "experts"}, set(results[0])
     for name in results[0]:
         ran = [r[name] for r in results]

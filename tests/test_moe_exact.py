@@ -88,7 +88,7 @@ def _check(name, results, family="mixtral"):
 
 @pytest.mark.parametrize("name", ["ep4"])
 def test_expert_parallel_trains_like_one_device(name):
-    results = run_ranks(4, _job, name, count=True)
+    results = run_ranks(4, _job, name, count=True, timeout_s=600)
     plan = _check(name, results)
     assert _roles(plan) == CASES[name][5], _roles(plan)
     a2a = results[0]["inspect"]
@@ -100,7 +100,7 @@ def test_expert_parallel_trains_like_one_device(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["data", "ep2_dp2", "ep2_tp2", "auto"])
 def test_moe_plans_train_like_one_device(name):
-    results = run_ranks(CASES[name][0], _job, name)
+    results = run_ranks(CASES[name][0], _job, name, timeout_s=600)
     plan = _check(name, results)
     roles = _roles(plan)
     if name == "data":
@@ -121,7 +121,7 @@ def test_moe_families_train_with_expert_parallelism(family):
         except Exception as err:  # noqa: BLE001 - the MLA attention trace, not the experts
             pytest.skip(f"DeepSeek-V3 does not trace for a reason outside the experts: {type(err).__name__}: "
                         f"{str(err)[:200]}")
-    results = run_ranks(4, _job_family, family)
+    results = run_ranks(4, _job_family, family, timeout_s=600)
     plan = _check("ep4", results, family)
     assert ("dp", "ep") in _roles(plan), _roles(plan)
 
