@@ -33,12 +33,13 @@ def experts_modules(model) -> dict:
     return {n: m for n, m in model.named_modules() if why_not_opaque(m) is None}
 
 
-def _annotate_experts(axis: str, strategy: str = "ep"):
-    """SEMI_AUTO: every expert parameter split on ``axis`` and the experts ops run ``strategy`` there."""
+def _annotate_experts(axis: str, strategy: str = "ep", **others: str):
+    """SEMI_AUTO: every expert parameter split on ``axis`` and the experts ops run ``strategy`` there
+    (and the strategies ``others`` names on other axes)."""
     def setup(model):
         for path, mod in experts_modules(model).items():
             autopar.shard(path, **{n: {axis: Shard(0)} for n, _ in mod.named_parameters()})
-            autopar.op_strategy(path, **{axis: strategy})
+            autopar.op_strategy(path, **{axis: strategy}, **others)
     return setup
 
 
@@ -62,7 +63,7 @@ def _annotate_both(model):
 CASES = {   # name: (ranks, mesh shape, axis names, mode, setup, the roles the moe nodes must take)
     "data": (4, (4,), None, "data", None, {("x0", "batch")}),
     "ep4": (4, (4,), ("dp",), "semi_auto", _annotate_experts("dp"), {("dp", "ep")}),
-    "ep2_dp2": (4, (2, 2), ("dp", "x"), "semi_auto", _annotate_experts("x"), None),
+    "ep2_dp2": (4, (2, 2), ("dp", "x"), "semi_auto", _annotate_experts("x", dp="batch"), None),
     "ep2_tp2": (4, (2, 2), ("dp", "tp"), "semi_auto", _annotate_both, None),
     "auto": (4, (4,), None, "auto", None, None),
 }

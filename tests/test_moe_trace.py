@@ -99,6 +99,12 @@ def test_stand_alone_and_eval_run_the_local_implementation():
         torch.testing.assert_close(seen["out"], model.eval()(x), rtol=1e-5, atol=1e-6)
 
 
+def test_an_unregistered_key_says_to_trace_first():
+    with pytest.raises(RuntimeError, match=r"no experts module registered under 'nope' in this process; trace the "
+                                           r"model in this process"):
+        moe_experts.entry("nope")
+
+
 def test_op_strategy_errors_name_the_fault():
     model, (x, y) = moe_lm("mixtral", experts=3), batch()
     mesh = autopar.Mesh(2, axis_names=("dp",))
