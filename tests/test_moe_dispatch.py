@@ -68,55 +68,72 @@ def _reference(block, hidden, index, weights, seed):
                           **{n: p.grad for n, p in block.experts.named_parameters()}}
 
 
-def _job(rank, routing):
+def _job(rank, routing, shape=(2,), names=("a",)):
     torch.manual_seed(0)
     block = Block()
     hidden, index, weights, seed = _inputs(routing)
     want_out, want_grads = _reference(block, hidden, index, weights, seed)
-    mesh = autopar.Mesh(2, axis_names=("a",))
+    mesh = autopar.Mesh(shape, axis_names=names)
     coords = mesh.coords(rank)
+    groups = axis_groups(mesh)
     gm = trace(block, (hidden, index, weights)).gm
     node = next(n for n in gm.graph.nodes if n.target is torch.ops.autopar.moe_experts.default)
-    names = ["hidden", "index", "weights", *(n for n, _ in block.experts.named_parameters())]
+    inputs = ["hidden", "index", "weights", *(n for n, _ in block.experts.named_parameters())]
     full = [hidden, index, weights, *block.experts.parameters()]
     checked = {}
-    with bound_axes(axis_groups(mesh)):
+    with bound_axes(groups):
         for st in build_candidates(gm, mesh.shape).strategies[node.name]:
             local = [local_piece(t.detach(), spec, coords, mesh.shape) for t, spec in zip(full, st.inputs)]
             local = [t.requires_grad_() if t.is_floating_point() else t for t in local]
-            roles = {loc.split(":")[1]: ["a"] for loc in st.local if loc}
-            out_spec = st.output[0]
+            roles: dict[str, list[str]] = {}
+            for ax, loc in enumerate(st.local):
+                if loc:
+                    roles.setdefault(loc.split(":")[1], []).append(names[ax])
             with comm.count_collectives() as counter:
                 out = local_ops.IMPLS["moe"](node.args[0], local[0], local[1], local[2], local[3:],
                                              _op="moe_experts", _axes=roles)
                 (out * local_piece(seed, st.output, coords, mesh.shape)).sum().backward()
             got = out.detach().clone()
-            if not isinstance(out_spec, (Shard, Replicate)):       # Partial: summed over the axis
-                dist.all_reduce(got)
+            for ax, p in enumerate(st.output):
+                if not isinstance(p, (Shard, Replicate)):          # Partial: summed over the axis
+                    dist.all_reduce(got, group=groups[names[ax]].group)
             torch.testing.assert_close(got, local_piece(want_out, st.output, coords, mesh.shape), rtol=1e-5,
                                        atol=1e-6, msg=f"{st.name} output")
-            for name, t, spec in zip(names, local, st.inputs):
+            for name, t, spec in zip(inputs, local, st.inputs):
                 if not t.is_floating_point():
                     continue
                 grad = t.grad if t.grad is not None else torch.zeros_like(t)
-                if isinstance(spec[0], Replicate) and not isinstance(out_spec, Replicate):
-                    dist.all_reduce(grad)      # a whole input of a split computation: partial gradients
+                for ax, (p, o) in enumerate(zip(spec, st.output)):
+                    if isinstance(p, Replicate) and not isinstance(o, Replicate):   # whole input, split work
+                        dist.all_reduce(grad, group=groups[names[ax]].group)        # partial gradients
                 torch.testing.assert_close(grad, local_piece(want_grads[name], spec, coords, mesh.shape),
                                            rtol=1e-5, atol=1e-6, msg=f"{st.name} gradient of {name}")
-            expect = [(k, b, mesh.axis_names[ax], ph) for k, b, ax, ph in local_collectives(node, st, mesh.shape)]
+            expect = [(k, b, names[ax], ph) for k, b, ax, ph in local_collectives(node, st, mesh.shape)]
             checked[st.name] = ([(k, a, ph) for k, _, a, ph in counter.calls], sum(b for _, b, _, _ in counter.calls),
                                 [(k, a, ph) for k, _, a, ph in expect], sum(b for _, b, _, _ in expect))
     return checked
 
 
-@pytest.mark.parametrize("routing", ["one_rank", "random"])
-def test_every_strategy_matches_one_device(routing):
-    results = run_ranks(2, _job, routing, timeout_s=600)
-    assert set(results[0]) == {"replicate", "batch", "ep", "experts"}, set(results[0])
+def _check_counts(results):
     for name in results[0]:
         ran = [r[name] for r in results]
         for kinds, _, want_kinds, _ in ran:
             assert Counter(kinds) == Counter(want_kinds), f"{name}: ran {kinds}, local_impls lists {want_kinds}"
         assert sum(r[1] for r in ran) == sum(r[3] for r in ran), \
             f"{name}: {sum(r[1] for r in ran)} bytes ran over the ranks, local_impls lists {sum(r[3] for r in ran)}"
+
+
+@pytest.mark.parametrize("routing", ["one_rank", pytest.param("random", marks=pytest.mark.slow)])
+def test_every_strategy_matches_one_device(routing):
+    results = run_ranks(2, _job, routing, timeout_s=600)
+    assert set(results[0]) == {"replicate", "batch", "ep", "experts"}, set(results[0])
+    _check_counts(results)
     assert results[0]["ep"][0], "ep must run all_to_alls"
+
+
+@pytest.mark.slow
+def test_every_strategy_pair_on_a_2x2_mesh_matches_one_device():
+    """Two split axes compose: ep on both (two hops), ep with experts, ep with batch, and so on."""
+    results = run_ranks(4, _job, "random", (2, 2), ("a", "b"), timeout_s=600)
+    assert {"ep×ep", "ep×experts", "experts×ep", "batch×ep", "experts×experts"} <= set(results[0]), set(results[0])
+    _check_counts(results)
