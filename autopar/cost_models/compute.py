@@ -42,12 +42,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+import autopar.frontend.moe_experts  # noqa: F401 - defines autopar::moe_experts (costed by _moe_work)
 from autopar.graph.grads import grad_nodes
 from autopar.graph.grads import is_float_value as _is_float
 from autopar.graph.grads import node_value as _val
 
 from .devices import DeviceSpec
-import autopar.frontend.moe_experts  # noqa: F401,E402 - defines autopar::moe_experts
 
 aten = torch.ops.aten
 
