@@ -164,7 +164,7 @@ def test_named_pp_axis_of_size_one_plans_without_a_pipeline():
 
 @pytest.mark.parametrize("microbatches", [4, 8])
 def test_a_rescaled_microbatch_trace_keeps_the_masters_dtypes_under_bf16(microbatches):
-    """Found by tests/test_fuzz.py: a microbatch trace derived by rescaling (8 microbatches of a batch of 8:
+    """Found by tests/ranks/test_fuzz.py: a microbatch trace derived by rescaling (8 microbatches of a batch of 8:
     traced at 4 and 2 rows, rescaled to 1) lost the trace's stored dtypes, so a bf16 plan recorded its fp32
     parameters as bfloat16; the pipeline's gradient gather then all-gathered fp32 on one stage and bf16
     on the other, and gloo aborted the job ("Received data size doesn't match expected size")."""

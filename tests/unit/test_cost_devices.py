@@ -195,7 +195,7 @@ def test_calibrate_tiny_end_to_end(no_profile):
         collective_sizes=(1 << 10, 1 << 16),
         world_sizes=(2,),
         reps=2,
-        compiled=False,     # inductor's first compile takes seconds: tests/test_compile.py measures it (slow)
+        compiled=False,     # inductor's first compile takes seconds: tests/ranks/test_compile.py measures it (slow)
     )
     assert profile["path"] == str(no_profile) and no_profile.exists()
     assert len(profile["collectives"]["all_reduce"]) == 2

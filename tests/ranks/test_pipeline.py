@@ -39,7 +39,7 @@ def _train(rank, name, shape, names, schedule, microbatches):
 
 def _check(name, results, pp, schedule, microbatches):
     """pp is the pipeline depth asked for; dp and tp count the axes the plan really splits (on these
-    tiny models the solver often leaves a dp or tp axis unsplit: tests/test_degrees.py)."""
+    tiny models the solver often leaves a dp or tp axis unsplit: tests/ranks/test_degrees.py)."""
     ref = _reference(name)
     for r, res in enumerate(results):
         assert_same_training(ref, res, what=f"{name} rank {r}")
