@@ -124,16 +124,22 @@ def _pipe_plan(mesh, rc=None, microbatches=None, schedule=None):
         autopar.reset_auto_parallel_context()
 
 
-def _pipe_capped_mesh() -> autopar.Mesh:
-    """A 2-stage pipeline mesh whose cap lies between the least peaks (over 4 and 8 microbatches,
-    1F1B and interleaved: an interleaved rank posts receive buffers for two stages) with and without
-    recomputation."""
+@functools.lru_cache(maxsize=None)
+def _pipe_cap_gb() -> float:
+    """The cap of ``_pipe_capped_mesh``: 8 plans, made once per process (the ranks are given it)."""
     peak = {rc: min(max(_pipe_plan(autopar.Mesh((2,), axis_names=("pp",)), rc, m, sched).memory_per_device)
                     for m in (4, 8) for sched in ("1f1b", "interleaved_1f1b"))
             for rc in ("none", "full")}
     assert peak["full"] < peak["none"]
     cap = peak["full"] + 0.75 * (peak["none"] - peak["full"])   # room for AUTO's own choice of m and schedule
-    return autopar.Mesh((2,), axis_names=("pp",), memory_gb=cap / 2**30)
+    return cap / 2**30
+
+
+def _pipe_capped_mesh(cap_gb: float | None = None) -> autopar.Mesh:
+    """A 2-stage pipeline mesh whose cap lies between the least peaks (over 4 and 8 microbatches,
+    1F1B and interleaved: an interleaved rank posts receive buffers for two stages) with and without
+    recomputation."""
+    return autopar.Mesh((2,), axis_names=("pp",), memory_gb=cap_gb if cap_gb is not None else _pipe_cap_gb())
 
 
 def test_auto_pipelines_with_recomputation_when_nothing_else_fits():
@@ -145,15 +151,15 @@ def test_auto_pipelines_with_recomputation_when_nothing_else_fits():
     assert max(plan.memory_per_device) <= mesh.memory_gb * 2**30
 
 
-def _pipe_job(rank):
+def _pipe_job(rank, cap_gb):
     x = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
-    return parallel_run(rank, PIPE_MODEL, lm_loss, x, x, _pipe_capped_mesh(), "auto", steps=2)
+    return parallel_run(rank, PIPE_MODEL, lm_loss, x, x, _pipe_capped_mesh(cap_gb), "auto", steps=2)
 
 
 def test_auto_recomputed_pipeline_trains_like_one_device():
     x = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     ref = reference_run(PIPE_MODEL, lm_loss, x, x, steps=2)
-    for r in run_ranks(2, _pipe_job):
+    for r in run_ranks(2, _pipe_job, _pipe_cap_gb()):
         plan = autopar.Plan.from_json(r["plan"])
         assert plan.degrees["pp"] == 2 and plan.memory_options.recompute != "none", plan.memory_options
         assert_same_training(ref, r, what=f"pipeline {plan.memory_options.summary()}")
