@@ -2,8 +2,8 @@
 
 ``class_graph.reduce_graph`` eliminates the classes of degree <= 2 (min-plus products along
 chains and leaves). What it leaves has higher degree: a transformer layer's tied classes form a
-small core of a few tens of classes on which a CP-SAT run costs its set-up (docs/solver.md). Without a memory budget the problem is a pure min-sum over
-a graph of unary and pairwise terms,
+small core of a few tens of classes, on which a CP-SAT run costs mostly its set-up (docs/solver.md).
+Without a memory budget the problem is a pure min-sum over a graph of unary and pairwise terms,
 
     min_i  sum_a c_a[i_a] + sum_{(a,b)} R_ab[i_a, i_b],
 

@@ -75,12 +75,24 @@ def test_bad_recompute_setting_is_refused(value):
         autopar.set_auto_parallel_context(recompute=value)
 
 
+@functools.lru_cache(maxsize=None)
+def _auto_under_tight_cap():
+    """AUTO's plan under ``_capped_mesh(0.3)`` and the search stages it went through (one search, read by
+    the two tests below; the progress callback only records)."""
+    x, y = make_batch("tokens", BATCH)
+    stages = []
+    plan = autopar.plan(MODEL(), _capped_mesh(0.3), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                        mode="auto",
+                        progress=lambda p: stages.append(p.stage) if not stages or stages[-1] != p.stage else None)
+    return plan, stages
+
+
 def test_the_fastest_of_accumulation_and_recomputation_wins():
     """Under a cap that neither lever alone meets at k = 1 without recomputation, the search keeps,
     for each recompute choice, the smallest accumulation that fits, and picks the fastest."""
     x, y = make_batch("tokens", BATCH)
     mesh = _capped_mesh(0.3)
-    plan = autopar.plan(MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="auto")
+    plan, _ = _auto_under_tight_cap()
     fits = [a for a in plan.alternatives if a.fits]
     assert all(plan.step_time <= a.step_time for a in fits)
     options = {plan.memory_options.summary()} | {a.memory_options for a in fits}
@@ -218,9 +230,7 @@ def test_every_zero_stage_is_searched_before_more_recomputation():
     6.7B on 16 V100s: 87 -> 47 s of planning, same plan). The plan is still the fastest of all."""
     x, y = make_batch("tokens", BATCH)
     mesh = _capped_mesh(0.3)
-    stages = []
-    plan = autopar.plan(MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="auto",
-                        progress=lambda p: stages.append(p.stage) if not stages or stages[-1] != p.stage else None)
+    plan, stages = _auto_under_tight_cap()
     zero_none = [i for i, s in enumerate(stages) if s.startswith("ZeRO-1, recompute none")]
     recomputed = [i for i, s in enumerate(stages) if s.startswith("ZeRO") and "recompute none" not in s]
     assert zero_none and recomputed and max(zero_none) < min(recomputed), stages
