@@ -18,15 +18,12 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
        shrink with the batch), and ``inter_op.partition_stages`` cuts the units into stages
        (DP over cut points, memory incl. the schedule's in-flight activations).
            step(m, schedule) = simulate(schedule).critical_path + max_r sum_{u on rank r} (sync_u + opt_u)
-       (``plan.step_time``, like a non-pipelined plan's, includes the optimizer step; the fullest
-       rank's optimizer time is kept as ``plan.optimizer_time``).
+       (the optimizer step included, as in any plan; the fullest rank's is ``plan.optimizer_time``).
        The best (m, schedule) (ties: less memory) is re-solved at its own microbatch shape (exact decisions), then
        re-partitioned with the exact profile; unless its estimate by the reference's costs is over
        (1 + ``REFERENCE_MARGIN``) x the best plan the search has (the search solves the meshes
        without pipeline stages first, so that their best bounds the pipelines): then the candidate
-       is dropped with that reason (GPT-2 XL on 64 devices: 30 sub-mesh solves -> 20). A heuristic:
-       the estimate was 0.41-1.08 of the re-solved step over GPT-2 XL's 20 candidates and 0.84-1.00
-       over Llama-7B's 7 (a candidate is wrongly dropped only if it is over by more than the margin).
+       is dropped with that reason (a heuristic: docs/solver.md).
 
 ``pipeline_plans`` enumerates the candidates for a request: a named mesh with a ``pp`` axis
 fixes pp and the sub-mesh; ``pipeline_stage`` tags fix pp = max tag + 1 and the cuts they name;
@@ -131,9 +128,7 @@ def node_first(cand: PipelineCandidate) -> tuple[int, int]:
     """The order AUTO tries a clustered mesh's pipeline candidates in: tensor parallelism as wide as a
     node first, then fewer stages (Narayanan et al., SC'21, takeaway 1: on g-GPU servers tensor
     parallelism up to degree g, pipeline parallelism across servers). Every candidate is still
-    tried; the order decides what a time budget has reached when it ends (Table 1's 530B row:
-    tp = 8 at pp 35, 45, 63 gave 157-173 TFLOP/s, ordered by pp alone the budget ended at pp 35 after
-    54 candidates of pp <= 35 that did not fit)."""
+    tried; the order decides what a time budget has reached when it ends."""
     tp = cand.sub.shape[cand.sub.axis_names.index("tp")] if "tp" in cand.sub.axis_names else 1
     return -tp, cand.pp
 
@@ -364,9 +359,9 @@ def _extra_at(ref_plan: Plan, ref: int, m: int) -> float:
     """``_extra`` of the reference solve (``ref`` microbatches) as a lower bound for ``m``: with fewer
     rows per microbatch (m > ref) the backward workspace is at least ref / m of the reference's (its
     activation-sized part scales with the rows, its parameter gradients do not shrink), so a count
-    is ranked in at least the room it has; its own solve then checks the partition exactly. (The
-    reference's whole workspace, charged at every count, left GPT-15B's pp=4 x dp=8 candidate 7.23
-    of 16 GiB at 128 microbatches of 8 rows: the loss's logits at the reference's 128 rows.)"""
+    is ranked in at least the room it has; its own solve then checks the partition exactly (the
+    reference's whole workspace, charged at every count, overstates a count of smaller microbatches
+    by the loss's logits at the reference's rows)."""
     sub = ref_plan.memory_breakdown or {}
     return sub.get("transient", 0.0) * min(1.0, ref / m) + sub.get("inputs", 0.0)
 
@@ -386,10 +381,9 @@ TIGHTER = 2     # re-solves of the whole model's layout under a tighter budget w
 def _extra(sub_plan: Plan) -> float:
     """Bytes a stage holds beyond its partition's state and in-flight activations: the sub-plan's
     backward transients and the step's inputs (``_stage_memory``). Not its gathered parameter copies:
-    each unit's are in its activations (``unit_costs.KeptCopies``; the whole model's, added to every
-    stage, left Table 1's 1T row on a (6, 8) sub-mesh 3.9 GiB of an 80 GiB cap). Not its
-    "accumulated gradients": the whole model's, of which each stage's own share is in its units'
-    state (``UnitCosts.at``); added in full to every stage, they refused Table 1's 1T row (752 GiB)."""
+    each unit's are in its activations (``unit_costs.KeptCopies``), so adding the whole model's would
+    count them pp times. Not its "accumulated gradients": the whole model's, of which each stage's own
+    share is in its units' state (``UnitCosts.at``)."""
     sub = sub_plan.memory_breakdown or {}
     return sub.get("transient", 0.0) + sub.get("inputs", 0.0)
 
@@ -397,8 +391,7 @@ def _extra(sub_plan: Plan) -> float:
 def _buffers(costs: UnitCosts, batch: int, m: int, schedule: str, pp: int) -> float:
     """Bytes of a rank's receive buffers: the runtime keeps a window of posted receives per sender
     (``receive_window``), at most ``schedule_receive_buffers`` at once, each at most the largest
-    unit's output. (Every receive of the step posted up front, as the runtime once did, was 2 m of
-    them: 13.4 GB per rank on Table 1's 1T row at m = 512.)"""
+    unit's output (not 2 m of them: the runtime does not post every receive of the step up front)."""
     largest = max((x.out_bytes for x in costs.at(batch)), default=0.0)
     v = 2 if schedule == "interleaved_1f1b" else 1
     return largest * schedule_receive_buffers(schedule, pp, m, v)
