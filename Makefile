@@ -3,7 +3,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-fast install bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -20,8 +20,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m autopar.cli demo
 
+# What CI runs (.ci/run): every tier, slow cases excluded.
 test: $(STAMP)
 	$(VPY) -m pytest tests -x -q -m "not slow" --durations=15
+
+# The inner loop: the single-process tier (tests/unit), slow cases excluded.
+test-fast: $(STAMP)
+	$(VPY) -m pytest tests/unit -x -q -m "not slow"
 
 bench: $(STAMP)
 	$(VPY) bench/data_parallel.py

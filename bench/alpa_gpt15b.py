@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
 from autopar.cost_models.devices import get_device, register_device  # noqa: E402
+from bench import common  # noqa: E402
 from bench.paper_table import annotate_data_parallel  # noqa: E402
 from examples.factories import gpt  # noqa: E402
 
@@ -121,21 +121,7 @@ def _worker(kind: str, args: dict, queue) -> None:
 
 
 def run_isolated(kind: str, args: dict, hard_timeout: float) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_worker, args=(kind, args, queue), daemon=True)
-    t0 = time.perf_counter()
-    proc.start()
-    try:
-        res = queue.get(timeout=hard_timeout)
-    except Exception:  # noqa: BLE001 - queue.Empty: over the hard limit
-        res = {"error": f"killed after {hard_timeout:.0f} s (hard timeout)"}
-    proc.join(5)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    res["wall"] = time.perf_counter() - t0
-    return res
+    return common.run_isolated(_worker, (kind, args), hard_timeout)
 
 
 def _fmt(kind: str, r: dict) -> str:

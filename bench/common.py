@@ -9,6 +9,7 @@ per-round paired ratios A_i / B_i).
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import random
 import statistics
@@ -129,6 +130,27 @@ class Ratio:
 def check(label: str, value: float, target: float, le: bool = True) -> str:
     ok = value <= target if le else value >= target
     return f"{label}: {value:.3f} (target {'<=' if le else '>='} {target}) -> {'MET' if ok else 'MISSED'}"
+
+
+def run_isolated(worker: Callable, args: tuple, hard_timeout: float, on_timeout: dict | None = None) -> dict:
+    """``worker(*args, queue)`` in a fresh spawned process; its ``queue.put`` result, or
+    ``{"error": "killed after ... (hard timeout)", **on_timeout}`` when nothing came within
+    ``hard_timeout`` s (the process is then killed). ``"wall"``: seconds from start to result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=worker, args=(*args, queue), daemon=True)
+    t0 = time.perf_counter()
+    proc.start()
+    try:
+        res = queue.get(timeout=hard_timeout)
+    except Exception:  # noqa: BLE001 - queue.Empty: over the hard limit
+        res = {"error": f"killed after {hard_timeout:.0f} s (hard timeout)", **(on_timeout or {})}
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    res["wall"] = time.perf_counter() - t0
+    return res
 
 
 def run_fresh(module: str, func: str, kwargs: dict, timeout_s: float = 600) -> dict:

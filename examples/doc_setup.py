@@ -1,6 +1,6 @@
 """The names the docs' code blocks take as given, built small enough to run on one CPU.
 
-A block preceded by ``<!-- doc-test: setup NAME -->`` runs (tests/test_docs.py) in a fresh
+A block preceded by ``<!-- doc-test: setup NAME -->`` runs (tests/ranks/test_docs.py) in a fresh
 namespace holding what ``NAME()`` here returns: a 2-layer GPT, its global batch, a loss and a
 one-device mesh, and with ``trained`` a parallelized module and its optimizer as well.
 """

@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 from autopar.runtime.launch import RankPool  # noqa: E402
 
 _POOLS: dict[int, RankPool] = {}
+POOL_TIMEOUT_S = 90     # every process group of the pool times out after this
 
 
 def _pool(n: int) -> RankPool:
@@ -26,7 +27,7 @@ def _pool(n: int) -> RankPool:
     if pool is None or pool.broken:
         if pool is not None:
             pool.close()
-        pool = _POOLS[n] = RankPool(n, timeout_s=90)
+        pool = _POOLS[n] = RankPool(n, timeout_s=POOL_TIMEOUT_S)
     return pool
 
 

@@ -1,4 +1,4 @@
-"""Random training jobs for the property of ``fuzz_check.py`` (tests/test_fuzz.py, bench/fuzz.py).
+"""Random training jobs for the property of ``fuzz_check.py`` (tests/ranks/test_fuzz.py, bench/fuzz.py).
 
 A ``Case`` is plain, picklable data: a model spec (``fuzz_models``), the global batch, a mesh (1, 2
 or 4 ranks; 1-D or 2-D, axes unnamed or named from dp/tp/pp), a parallel mode, the memory options

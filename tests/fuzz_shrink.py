@@ -3,7 +3,7 @@
 Greedy: try the one-step simplifications of ``simpler`` in order (fewer parts first: annotations,
 options, ranks, layers, batch; then smaller values), keep the first that still fails the same way
 (``signature``), and start again from it, until none does or the budget of case runs is spent.
-Hypothesis shrinks the failures of tests/test_fuzz.py itself; a benchmark of hundreds of cases
+Hypothesis shrinks the failures of tests/ranks/test_fuzz.py itself; a benchmark of hundreds of cases
 shrinks each distinct failure here, with a bounded number of runs.
 """
 from __future__ import annotations

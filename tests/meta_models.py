@@ -1,4 +1,4 @@
-"""Models whose initialization a meta-built model can replay (tests/test_meta_init.py)."""
+"""Models whose initialization a meta-built model can replay (tests/ranks/test_meta_init.py)."""
 from __future__ import annotations
 
 import math

@@ -34,7 +34,7 @@ def _config(family: str, experts: int):
         return tf.DeepseekV3Config(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=experts,
                                    num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
                                    q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                   v_head_dim=8, **_COMMON)
+                                   v_head_dim=8, **{**_COMMON, "num_key_value_heads": 4})
     raise ValueError(family)
 
 

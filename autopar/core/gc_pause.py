@@ -3,9 +3,9 @@
 Tracing and solving allocate millions of short-lived objects while the traced graphs, problems and
 candidates stay alive, so with Python's default thresholds (a young collection every 700 net
 allocations) each young-generation pass, and every tenth older pass, walks a heap that grows with
-the model: on a 96-layer GPT planned for 64 devices, 9120 collections took 13 s of a 69 s search.
-Raising the young threshold for the duration of a plan keeps cycles collected (a pass every 100k
-allocations) at 40 passes and under 2 s. The previous thresholds come back on exit, errors included.
+the model, so the passes' cost grows with the model squared. Raising the young threshold for the
+duration of a plan keeps cycles collected (a pass every 100k allocations) in a few passes
+(bench/RESULTS.md). The previous thresholds come back on exit, errors included.
 """
 from __future__ import annotations
 

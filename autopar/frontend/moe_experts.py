@@ -110,7 +110,8 @@ def why_not_opaque(module: nn.Module) -> str | None:
 
 def _plain_attrs(module: nn.Module) -> tuple:
     return tuple(sorted((k, v) for k, v in vars(module).items()
-                        if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))))
+                        if not k.startswith("_") and k != "training"
+                        and isinstance(v, (bool, int, float, str, type(None)))))
 
 
 def _key(module: nn.Module, top_k: int) -> str:

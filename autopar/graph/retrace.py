@@ -44,7 +44,7 @@ def microbatch_trace(traced, batch: int, retracer: Retracer | None, rescale: boo
     """The training step with every input and the target cut to ``batch`` rows (cached). With
     ``rescale`` (planning), derived from two traces that differ only in batch-affine sizes
     (``graph/rescale.py``): the first of the ``reference_batches`` and the global step itself
-    (the second reference too, which GPT-2 XL's pipeline search exported for nothing), or, where
+    (not the second reference, which would be an export for nothing), or, where
     the global graph differs otherwise, the second reference (one export more); else traced
     again; the runtime traces (``rescale=False``) and checks the plan's fingerprint."""
     cache = traced.meta.setdefault("microbatch_traces", {})
@@ -78,8 +78,8 @@ KEPT_TRACES = 6     # microbatch traces kept besides the rescaling references, t
 def _evict(cache: dict, keep: set) -> None:
     """Drop the least recently used microbatch traces beyond ``KEPT_TRACES`` (``keep``: the references
     and the size just derived, which counts among them):
-    each holds a copy of the graph and the problems solved on it (Table 1's 1T row grew to 14.6 GB
-    over its pipeline candidates' microbatch sizes). A dropped size is derived again if asked for."""
+    each holds a copy of the graph and the problems solved on it, so a pipeline search over many
+    microbatch sizes would otherwise grow without bound. A dropped size is derived again if asked for."""
     others = [b for b in cache if b not in keep]          # least recently used first
     for b in others[:max(0, len(others) + 1 - KEPT_TRACES)]:
         del cache[b]

@@ -31,7 +31,8 @@ from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import AxisGroup, axis_groups, bound_axes
 from autopar.collectives.watch import note
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
-from autopar.modules.parallel_module import ParallelModule, _to_replicate
+from autopar.modules.parallel_module import ParallelModule
+from autopar.modules.step_logic import _to_replicate
 from autopar.passes.split_stages import forward_only, split_stages
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, sum_grads
 from autopar.runtime.materialize import allocate_extra

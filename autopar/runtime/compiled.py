@@ -18,8 +18,8 @@ program draws the same masks as the eager one.
 Compile threads: inductor compiles kernels in a pool of ``compile_threads`` worker processes per
 rank (default: the cores). Ranks sharing a host share its cores, so unless the user set
 ``TORCHINDUCTOR_COMPILE_THREADS``, each rank takes ``cores // ranks on the host`` (at least 1):
-4 gloo ranks on 2 cores otherwise start 4 pools of 2 (measured: the first compile of the test
-suite's tiny MLP on 2 ranks took 57 s with the default, 36 s with 1 thread each).
+4 gloo ranks on 2 cores otherwise start 4 pools of 2 that compete for the same cores
+(bench/RESULTS.md §16).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from autopar.runtime.materialize import finish, local_pieces, write_full
+from autopar.runtime.pieces import local_pieces, refresh, write_full
 from autopar.runtime.replay_init import InitReplayError, Replayer, Shadow, _Tensor
 
 
@@ -139,7 +139,7 @@ def _clear_hf_flags(model: nn.Module) -> None:
 class _Replay:
     def __init__(self, pmodel, model: nn.Module):
         self.model = model
-        pieces = local_pieces(pmodel)
+        pieces = local_pieces(pmodel, everything=True)
         by_alias = dict(pieces)
         for name, d in pmodel.plan.params.items():
             for alias in d.aliases:
@@ -243,7 +243,7 @@ def init_weights(pmodel, seed: int = 0) -> None:
         raise ValueError("pmodel.init_weights() initializes a model given to parallelize() on the meta device; this "
                          "one was built from real weights, which it holds already")
     _Replay(pmodel, model).run(seed)
-    finish(pmodel)
+    refresh(pmodel)
 
 
 __all__ = ["CONSTRUCTION_INITS", "InitReplayError", "check_replayable", "init_steps", "init_weights"]

@@ -85,7 +85,7 @@ def init_from_env(timeout_s: float | None = None) -> bool:
 def _destroy_at_exit() -> None:
     """Shut the group ``init_from_env`` made down before the interpreter exits: left to static
     destruction, gloo's threads could abort a rank that had trained ("terminate called without an
-    active exception", exit -6, in ~1 of 3 torchrun runs of tests/test_launch.py)."""
+    active exception", exit -6, in ~1 of 3 torchrun runs of tests/ranks/test_launch.py)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

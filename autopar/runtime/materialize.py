@@ -4,18 +4,14 @@ A model whose parameters and buffers are on the meta device is built by ``parall
 weights: each rank allocates only its own pieces (``empty_piece``), uninitialized, on its run
 device. They are filled afterwards from full tensors, one parameter at a time, by ``init_weights``
 (``runtime/replay_init.py``) or a checkpoint reader: ``local_pieces`` says, for every tensor this
-rank holds, which boxes of the full tensor it holds and where (views into the rank's storage), and
-``write_full`` copies those boxes out of a full tensor. ``finish`` then refreshes what is derived
-from the pieces (ZeRO-1/2 master shards)."""
+rank holds, which boxes of the full tensor it holds and where, and ``write_full`` copies those boxes
+out of a full tensor (both in ``runtime/pieces.py``)."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
-from autopar.runtime.checkpoint_state import model_tensor
-from autopar.sharding.boxes import slices
 from autopar.frontend.trace import run_device
+from autopar.runtime.pieces import local_pieces, refresh
 
 
 def empty_piece(meta_piece: torch.Tensor) -> torch.Tensor:
@@ -46,52 +42,9 @@ def keep_meta_model(pmodel, model: torch.nn.Module) -> None:
 def fill_zeros(pmodel) -> None:
     """Zeros in every piece (a module that is only timed, e.g. by autotune, needs finite values)."""
     with torch.no_grad():
-        for piece in local_pieces(pmodel).values():
-            piece.storage.zero_()
-    finish(pmodel)
-
-
-@dataclass
-class LocalPiece:
-    """One tensor this rank holds: ``name`` (the plan's canonical name), the full tensor's ``shape``,
-    ``storage`` (the tensor that holds this rank's part: a plan piece, or a ZeRO flat shard) and
-    ``boxes``: (global offsets, view into ``storage``) for every box of the full tensor it holds;
-    ``full[slices(offsets, view.shape)]`` is what the view holds."""
-
-    name: str
-    shape: tuple
-    storage: torch.Tensor
-    boxes: list
-
-
-def local_pieces(pmodel) -> dict[str, LocalPiece]:
-    """Every parameter and buffer this rank holds (canonical names; a tensor no rank's graph uses is
-    held whole, under its state-dict name)."""
-    out = {}
-    for name, d in pmodel.plan.params.items():
-        if d.kind == "constant" or not pmodel.program.has(name):
-            continue
-        t, lay = model_tensor(pmodel, name)
-        out[name] = LocalPiece(name, lay.shape, t, [(g, v) for g, v in lay.pieces(t).parts])
-    for key, t in pmodel._extra_state.items():
-        out.setdefault(key, LocalPiece(key, tuple(t.shape), t, [((0,) * t.dim(), t)]))
-    return out
-
-
-def write_full(piece: LocalPiece, full: torch.Tensor) -> None:
-    """Copy this rank's boxes of ``full`` (the whole tensor, any device) into its storage."""
-    if tuple(full.shape) != tuple(piece.shape):
-        raise ValueError(f"{piece.name}: a full tensor of shape {list(full.shape)} given for a tensor of shape "
-                         f"{list(piece.shape)}")
-    with torch.no_grad():
-        for g, view in piece.boxes:
-            view.copy_(full[slices(g, view.shape)])
-
-
-def finish(pmodel) -> None:
-    """After the pieces were written: ZeRO-1/2 master shards copied from the working pieces."""
-    if pmodel._zero is not None:
-        pmodel._zero.refresh_shards()
+        for piece in local_pieces(pmodel, everything=True).values():
+            piece.tensor.zero_()
+    refresh(pmodel)
 
 
 def allocate_extra(extra: dict) -> dict:
@@ -99,5 +52,5 @@ def allocate_extra(extra: dict) -> dict:
     return {k: empty_piece(v) if v.is_meta else v for k, v in extra.items()}
 
 
-__all__ = ["LocalPiece", "allocate_extra", "check_all_meta", "empty_piece", "fill_zeros", "finish", "is_meta_model",
-           "keep_meta_model", "local_pieces", "run_device", "write_full"]
+__all__ = ["allocate_extra", "check_all_meta", "empty_piece", "fill_zeros", "is_meta_model", "keep_meta_model",
+           "run_device"]

@@ -6,7 +6,8 @@
 in state-dict order), with its global shape and dtype, whether or not this rank holds any of it.
 ``local_pieces``: for each tensor this rank holds, the tensor written in place (the program's
 piece; under ZeRO-1/2 the working piece; under ZeRO-3 the flat shard) and its boxes: (offsets in
-the full tensor, sizes, a view of the rank's tensor). A ZeRO-3 shard holds a flat range of the
+the full tensor, sizes, a view of the rank's tensor); ``write_full`` copies those boxes out of a
+full tensor (``init_weights``), ``refresh`` re-derives what depends on the pieces. A ZeRO-3 shard holds a flat range of the
 plan's piece, cut into rectangles (``sharding/boxes.flat_rects``), so reading one reads only its
 rows. A pipeline stage holds only its layers' tensors. Nothing here reads a tensor's values: a
 module whose pieces are allocated but not initialized works the same.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.runtime.checkpoint_state import held_names, model_tensor
+from autopar.sharding.boxes import slices
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,12 @@ class StateEntry:
 
 @dataclass
 class LocalPiece:
-    """This rank's part of one tensor: ``tensor`` (written in place) and its ``boxes``, each
-    (global offsets, sizes, view of ``tensor``)."""
+    """This rank's part of one tensor: the full tensor's ``shape``, ``tensor`` (written in place: a
+    plan piece or a ZeRO flat shard) and its ``boxes``, each (global offsets, sizes, view of
+    ``tensor``); ``full[slices(offsets, sizes)]`` is what the view holds."""
 
     name: str
+    shape: tuple
     tensor: torch.Tensor
     boxes: list[tuple[tuple, tuple, torch.Tensor]]
 
@@ -69,18 +73,34 @@ def state_entries(pmodel) -> list[StateEntry]:
     return sorted(out, key=lambda e: order.get(e.aliases[0], len(order)))
 
 
-def local_pieces(pmodel) -> dict[str, LocalPiece]:
-    """Canonical name -> this rank's ``LocalPiece``, for every state tensor a program of this rank holds."""
+def local_pieces(pmodel, everything: bool = False) -> dict[str, LocalPiece]:
+    """Canonical name -> this rank's ``LocalPiece``, for every state tensor a program of this rank
+    holds; ``everything``: also the tensors outside the state dict (non-persistent buffers) and the
+    state kept whole on every rank (``pmodel._extra_state``, under its state-dict name)."""
     out = {}
-    for name in held_names(pmodel):
+    names = [n for n, d in pmodel.plan.params.items() if d.kind != "constant" and pmodel.program.has(n)] \
+        if everything else held_names(pmodel)
+    for name in names:
         t, lay = model_tensor(pmodel, name)
-        parts = lay.pieces(t).parts
-        out[name] = LocalPiece(name, t, [(tuple(o), tuple(v.shape), v) for o, v in parts])
+        out[name] = LocalPiece(name, tuple(lay.shape), t, [(tuple(o), tuple(v.shape), v) for o, v in lay.pieces(t).parts])
+    if everything:
+        for key, t in pmodel._extra_state.items():
+            out.setdefault(key, LocalPiece(key, tuple(t.shape), t, [((0,) * t.dim(), tuple(t.shape), t)]))
     return out
 
 
+def write_full(piece: LocalPiece, full: torch.Tensor) -> None:
+    """Copy this rank's boxes of ``full`` (the whole tensor, any device) into its tensor."""
+    if tuple(full.shape) != tuple(piece.shape):
+        raise ValueError(f"{piece.name}: a full tensor of shape {list(full.shape)} given for a tensor of shape "
+                         f"{list(piece.shape)}")
+    with torch.no_grad():
+        for offsets, sizes, view in piece.boxes:
+            view.copy_(full[slices(offsets, sizes)])
+
+
 def refresh(pmodel) -> None:
-    """After writing the pieces: ZeRO-1/2 re-cut their shards from the working pieces."""
+    """After writing the pieces: ZeRO-1/2 re-cut their master shards from the working pieces."""
     zero = pmodel._zero
     if zero is not None:
         zero.refresh_shards()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map
 
-from autopar.runtime.materialize import LocalPiece, write_full
+from autopar.runtime.pieces import LocalPiece, write_full
 
 aten = torch.ops.aten
 
@@ -149,7 +149,7 @@ class Replayer:
                         tree)
 
     def _views(self, info: _Tensor) -> list[torch.Tensor]:
-        return [] if info.piece is None or info.scratch else [v for _, v in info.piece.boxes]
+        return [] if info.piece is None or info.scratch else [v for *_, v in info.piece.boxes]
 
 
 __all__ = ["ELEMENTWISE", "OVERWRITE", "InitReplayError", "Replayer", "Shadow"]

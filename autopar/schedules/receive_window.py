@@ -2,8 +2,8 @@
 
 A receive must be posted before its message can leave the sender's connection (gloo sends one pair's
 messages in order, so an unposted large message blocks the ones behind it). Posting every receive of
-the step up front is always safe but holds 2 m activation-sized buffers per rank (Table 1's 1T row:
-13.4 GB at m = 512). ``ReceiveWindow`` posts, per sender, in that sender's own send order:
+the step up front is always safe but holds 2 m activation-sized buffers per rank (docs/pipeline.md
+gives a measured case). ``ReceiveWindow`` posts, per sender, in that sender's own send order:
 
     need(k):  post every not-yet-posted message of k's sender up to k in its send order, and the
               next ``lookahead`` after it (their transfer overlaps the work before they are used).

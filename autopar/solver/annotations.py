@@ -143,8 +143,9 @@ def restrict_op_strategies(traced, cands, mesh, allowed: dict, ann: Annotations 
                 hits += 1
         if not hits:
             raise ValueError(f"op_strategy({target!r}, {', '.join(f'{a}={w!r}' for a, w in axes.items())}) matches no "
-                             "op with such a strategy; check the module path (pmodel.plan.nodes[...].module) and the "
-                             f"strategy names in autopar/sharding/rules/. {LEFTOVER}")
+                             "op with such a strategy; check the module path (plan.nodes[...].module) and the strategy names "
+                             "in autopar/sharding/rules/; a strategy is offered only where its splits divide evenly "
+                             f"(e.g. the expert count by the size of the axis that splits the experts). {LEFTOVER}")
 
 
 def clear_annotations() -> None:

@@ -121,7 +121,7 @@ class ClassGraph:
 
 @dataclass
 class Workspace:
-    """Workspace beside the memory row, on the classes (``intra_op``'s Transients): the budget holds
+    """Workspace beside the memory row, on the classes (docs/solver.md, Transients): the budget holds
     the row + the sum terms of the picks + the largest max term of the picks."""
     peak: dict[int, np.ndarray] = field(default_factory=dict)    # active class -> max term per candidate
     added: dict[int, np.ndarray] = field(default_factory=dict)   # active class -> sum term per candidate

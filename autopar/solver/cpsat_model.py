@@ -60,7 +60,7 @@ def _add_memory(mdl: _Model, g: ClassGraph, active: list[int], budget: float, ke
     """sum m x + sum G e (+ sum a x + W) <= budget, in units of 1e-9 of the largest spread,
     memories ceiled, budget floored, workspace floored. ``kept``: edge key -> [(pair variable,
     bytes)] of the edges keeping bytes (``G``; each edge's smallest allowed pair is in the base).
-    ``work``: the workspace terms (module docstring, Transients)."""
+    ``work``: the workspace terms (docs/solver.md, Transients)."""
     work = work or Workspace()
     low = {key: min(b for _, b in pairs) for key, pairs in kept.items() if pairs}
     base = g.fixed_memory + sum(float(g.memory[a].min()) for a in g.alive) + sum(low.values())

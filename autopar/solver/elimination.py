@@ -2,9 +2,8 @@
 
 ``class_graph.reduce_graph`` eliminates the classes of degree <= 2 (min-plus products along
 chains and leaves). What it leaves has higher degree: a transformer layer's tied classes form a
-small core (Llama-7B on a 4 x 4 mesh with memory priced: 15 classes of 9-44 candidates, 24 edges)
-on which CP-SAT spends ~2 s per solve. Without a memory budget the problem is a pure min-sum over
-a graph of unary and pairwise terms,
+small core of a few tens of classes, on which a CP-SAT run costs mostly its set-up (docs/solver.md).
+Without a memory budget the problem is a pure min-sum over a graph of unary and pairwise terms,
 
     min_i  sum_a c_a[i_a] + sum_{(a,b)} R_ab[i_a, i_b],
 
@@ -29,7 +28,7 @@ import numpy as np
 
 from autopar.solver.class_graph import ClassGraph
 
-LIMIT = 64_000_000     # sums one elimination step may do (its table times the class's candidates: ~0.5 s)
+LIMIT = 64_000_000     # sums one elimination step may do (its table times the class's candidates)
 TABLE = 4_000_000      # entries of the largest table it may keep (32 MB of float64)
 
 Factor = tuple[tuple[int, ...], np.ndarray]     # (scope: classes, one array axis each in this order, values)

@@ -1,54 +1,28 @@
 """Inter-op parallelism: cut a sequence of layers into pipeline stages (Alpa's inter-op DP).
 
-Input: ``L`` layers in order (``LayerProfile``: forward/backward seconds for one microbatch on
-one stage's sub-mesh, parameter+grad+optimizer bytes, saved-activation bytes per microbatch,
-bytes sent to the next layer), ``p`` pipeline ranks, ``m`` microbatches, a schedule. With the
-interleaved schedule the model is cut into ``S = p * v`` stages (stage ``s`` on rank ``s % p``),
-otherwise ``S = p``.
+Input: ``L`` layers in order (``LayerProfile``: forward/backward seconds for one microbatch on one
+stage's sub-mesh, state bytes, saved-activation bytes per microbatch, bytes sent onwards), ``p``
+pipeline ranks, ``m`` microbatches, a schedule; ``S = p * v`` stages when interleaved (stage ``s``
+on rank ``s % p``), else ``S = p``. Variables: cut points ``0 = c_0 < ... < c_S = L``.
 
-Variables
-    cut points ``0 = c_0 < c_1 < ... < c_S = L``; stage ``s`` holds layers ``[c_s, c_{s+1})``.
+Stage time (``_StageTables``): t_s = sum of its layers' (fwd + bwd) + 2 * hop(c_{s+1}) for s < S - 1,
+hop(c) = latency + out_bytes[c - 1] / bandwidth.
 
-Stage time (``_StageTables``)
-    t_s = sum over its layers of (fwd + bwd) + 2 * hop(c_{s+1})   for s < S - 1
-    hop(c) = latency + out_bytes[c - 1] / bandwidth                (activation forward, gradient back)
-    The last stage sends nothing.
+Objective (``_solve_dp``): minimise T = sum_s t_s + (m - 1) * max_s t_s (Alpa's estimate). The max
+is handled by enumerating the bound ``t_max`` over the distinct stage times and, for each, the
+additive DP
+    f[0][0] = 0,  f[s+1][l] = min_{k < l, stage [k,l) allowed at s} f[s][k] + t[k, l],
+    T(t_max) = f[S][L] + (m - 1) * t_max,
+from the least feasible ``t_max`` (bisection) until the lower bound reaches the best T. The
+reported ``step_time`` is the simulated critical path of the real schedule (``schedule.simulate``).
 
-Objective (``_solve_dp``)
-    minimise  T = sum_s t_s + (m - 1) * max_s t_s
-    This is Alpa's estimate of a synchronous pipeline's step time: the first microbatch crosses
-    every stage once (sum_s t_s) and the other ``m - 1`` are paced by the slowest stage. The
-    max makes the objective non-additive, so the DP enumerates the bound ``t_max`` over every
-    distinct stage time (ascending) and, for each, minimises the additive ``sum_s t_s`` over
-    partitions with ``t_s <= t_max``:
-        f[0][0] = 0,  f[s+1][l] = min_{k < l, stage [k,l) allowed at s} f[s][k] + t[k, l]
-        T(t_max) = f[S][L] + (m - 1) * t_max
-    The optimal partition's own max is one of the enumerated values, so min_{t_max} T(t_max)
-    is the optimum. Enumeration starts at the smallest ``t_max`` under which any partition
-    exists, found by bisection (the allowed stages only grow with ``t_max``, so feasibility is
-    monotone; on a 96-layer GPT 97 % of the enumerated values lay below it), and stops once
-    ``sum_l (fwd+bwd) + (m - 1) * t_max`` (a lower bound for every larger ``t_max``) reaches the
-    best T found. The reported ``step_time`` is not T
-    but the critical path of the actual schedule (``schedule.simulate``), with per-boundary
-    p2p delays ``hop``.
+Constraints (``_StageTables``, ``_validate``): stage memory = params + max(in_flight[s] *
+activations, after) <= budget / v, ``in_flight`` read from the schedule's order; user-fixed cuts
+are cut points; every stage holds >= 1 layer; no idle stage (no parameters) where a partition
+without one exists, else ``allow_idle`` decides (``idle_stages`` or ``IdleStageError``).
 
-Constraints
-    memory (``_StageTables``): stage s's memory = params + max(in_flight[s] * activations, after),
-    ``after`` the bytes held only once the schedule is done (``LayerProfile.after_bytes``: the
-    data-parallel gradients' second copy the gradient sync makes, when the activations are gone), where
-    ``in_flight[s]`` is read from the schedule's action order (GPipe: m; 1F1B: min(p - s, m);
-    interleaved: Megatron's warm-up depth) and must be <= budget. With ``v`` stages per rank
-    each stage must fit ``budget / v`` so that a rank's stages fit together.
-    fixed boundaries (``_StageTables``): a user-fixed cut ``b`` may not fall strictly inside a
-    stage, so every fixed cut is one of the ``c_s``.
-    every stage holds >= 1 layer (``_validate``).
-    no idle stage (``_StageTables.working``): a stage whose layers hold no parameters (a pooling or
-    reshape left alone) would give its rank no parameters to train; such stages are ruled out
-    whenever a partition without them exists. When none does, ``allow_idle`` decides: the partition
-    with idle stages (``PipelinePartition.idle_stages``), or an ``IdleStageError``.
-
-Microbatches (``choose_microbatches``) runs the partition for each candidate count dividing
-the batch and keeps the smallest simulated step time.
+``choose_microbatches`` runs the partition for every count dividing the batch and keeps the
+smallest simulated step. The derivations in full: docs/solver.md.
 """
 from __future__ import annotations
 

@@ -1,113 +1,32 @@
 """Intra-op parallelism: choose one sharding strategy per op group (Alpa's intra-op ILP, CP-SAT).
 
-Problem (``IntraOpProblem``)
-    nodes v with candidate strategies s = 0..k_v-1, each with compute time c[v,s] (seconds,
-    including the strategy's own collectives) and memory m[v,s] (bytes live at the peak);
-    edges (u, v) with resharding time R[u,v][i,j] when u picks i and v picks j, and optionally
-    bytes G[u,v][i,j] the pair keeps (a parameter used in another placement than the stored one
-    keeps the gathered copy for backward); an optional memory budget M; optional ties (groups of
-    nodes that must pick the same index).
+Problem (``IntraOpProblem``): nodes v with candidate strategies s, compute c[v,s] (seconds, the
+strategy's own collectives included) and memory m[v,s] (bytes live at the peak); edges (u, v) with
+resharding time R[u,v][i,j] and optionally bytes G[u,v][i,j] the pair keeps; an optional budget M;
+ties (node groups that pick the same index); optional transients t[v,s], a[v,s].
 
-Variables (``cpsat_model.build_model``)
-    x[v,s] in {0,1}             node v picks strategy s
-    e[u,v,i,j] in {0,1}         edge (u,v) carries pair (i,j); only for allowed (finite) pairs
+ILP (``cpsat_model.build_model``): x[v,s] one-hot per node, e[u,v,i,j] per allowed pair, coupled by
+the exact transportation linearisation (sum_j e[u,v,i,j] = x[u,i], sum_i e[u,v,i,j] = x[v,j]);
+    minimise    sum c[v,s] x[v,s] + sum R[u,v][i,j] e[u,v,i,j]
+    subject to  sum m x + sum G e + sum a x + W <= M,   W >= sum_s t[v,s] x[v,s] per class.
+Costs are shifted >= 0 and scaled to integers (largest ~1e9); memories round up and the budget down,
+so a reported solution always fits. A strategy or pair costing >= HUGE_COST (or not finite) gets no
+variable. Ties are substituted: a tie group is one class with its members' costs summed.
 
-Objective (``cpsat_model.build_model``)
-    minimise  sum_{v,s} c[v,s] x[v,s] + sum_{(u,v),i,j} R[u,v][i,j] e[u,v,i,j]
-    Costs are shifted to be >= 0 and scaled to integers so that the largest coefficient is
-    about 1e9 (``cpsat_model._scale``): relative rounding error <= 1e-9 per term, sums fit in int64.
-
-Constraints
-    one strategy:   sum_s x[v,s] = 1                                    (``cpsat_model.build_model``)
-    edge coupling:  sum_j e[u,v,i,j] = x[u,i]  and  sum_i e[u,v,i,j] = x[v,j]
-                    This is the exact (transportation) linearisation of e = x[u,i] x[v,j]; its
-                    LP relaxation is tighter than e >= x[u,i] + x[v,j] - 1.  (``cpsat_model._add_edge_vars``)
-    memory:         sum_{v,s} m[v,s] x[v,s] + sum_{(u,v),i,j} G[u,v][i,j] e[u,v,i,j] <= M,
-                    memories rounded up and the budget down, so a reported solution always
-                    fits. G on the pair variables makes the gathered copies exact in one
-                    solve (they once were priced in a loop of re-solves).  (``cpsat_model._add_memory``)
-    forbidden:      strategies with non-finite or >= HUGE_COST compute and pairs with such
-                    resharding get no variable, so they cannot be chosen.  (``is_forbidden``, ``_prune_forbidden``)
-    allowed:        annotations restrict x[v,s] to ``allowed``             (``_collapse_ties``)
-    ties:           x[a,s] = x[b,s] for tied a, b. Applied by substitution: each tie group is
-                    one *class* sharing one set of variables, with the members' compute and
-                    memory summed, edges mapped onto classes and parallel class edges summed. 48
-                    structurally identical layers therefore give the model of one layer with
-                    costs multiplied by 48 (an edge inside a class adds its diagonal R[i,i] to
-                    the class's compute). Exact for any ties, identical layers or not.
-                    (``_collapse_ties``, ``_map_edges``)
-
-Pre-solve reductions (``class_graph.reduce_graph``), each exact: forbidden and dominated
-strategies dropped, fixed classes and separable edges folded, classes of degree <= 2 eliminated
-by min-plus products (Alpa's graph simplification); the math is in ``class_graph``.
-
-Budget shortcut (``solve_intra_op``): with a budget, the problem is first solved without it
-(memory then never blocks elimination, so trees and chains vanish entirely). If that optimum
-fits the budget it is optimal for the budgeted problem; otherwise it is CP-SAT's hint. Before
-that, ``memory_floor`` (each node's and edge's least bytes, summed) above the budget proves that
-nothing fits: the memory explanation is raised without a time solve, even under a cutoff (an
-unbudgeted domination there would only spare the search the same solve at the larger
-accumulation the least memory sends this mesh to; Llama-7B spent 16 s on such solves that
-dominated nothing).
-
-Unbudgeted remainder (``_solve``, ``elimination``): without a budget (the free solve, every
-priced solve of the Bound below) what the reductions leave is solved exactly by variable
-elimination (min-sum over tables, numpy) when its largest step stays under ``elimination.LIMIT``;
-Llama-7B's priced (4, 4) layer core, 15 classes of up to 44 candidates: 0.2 s, CP-SAT 2.2 s.
-
-Small remainder (``_solve``): when the reduced graph's remaining combinations are few enough
-(``exhaustive.small_enough``: tens of millions, the last class's candidates scored as one array
-axis), they are enumerated exactly instead of building a CP-SAT model.
-
-Large budgeted remainder (``_lagrangian``): when the budgeted CP-SAT model would have more than
-``LAGRANGIAN_PAIRS`` edge-pair variables (building it alone took minutes for a Llama-7B stage on 8
-devices), the budget is priced instead: min time + lam * memory without a budget, lam raised
-until the optimum fits and then bisected; the fitting assignment of least time is returned as
-FEASIBLE (the duality gap is not closed).
-
-Bound (``cutoff``, ``_dual_bound``): for any price lam >= 0 (s/GiB),
-    L(lam) = min_x [ time(x) + lam · memory(x) ] − lam · M  <=  the budgeted optimum,
-since every x within the budget has memory(x) <= M (Lagrangian duality; lam = 0 is the
-unbudgeted optimum). Each L(lam) is an unbudgeted solve, which the reductions make fast; a solve
-out of time still proves CP-SAT's objective bound (``cpsat_model.objective_bound``: its bound on
-the scaled objective, less half a unit per coefficient for the rounding, plus what the reductions
-fixed), and that bound in place of the min keeps L a lower bound. When the caller gives ``cutoff``
-(its best plan so far, in objective units) and an L(lam) reaches it, the budgeted solve cannot
-beat that plan: ``DominatedError`` is raised instead of running it. The unbudgeted solution
-(T, m > M) caps L(lam) <= T + lam (m - M), so prices under lam0 = (cutoff - T) / (m - M) cannot
-reach the cutoff: lam starts at 1.5 lam0 and runs up geometrically until the priced optimum fits
-(past that L falls off), then is bisected a few times above lam0; each priced CP-SAT run is hinted
-with the last price's choice, and the bound's solves may use ``DUAL_SHARE`` of the time limit (a
-proof saves the budgeted solve, which on Llama-7B's (8, 2) mesh at batch 32 runs to the limit and
-loses anyway; starting at 1e-4 s/GiB, the bound spent its share on prices under lam0 there).
-
-Ceiling (``cpsat_model._add_ceiling``): when the bound stays under the cutoff, the budgeted CP-SAT
-model also gets the row objective <= cutoff (rounding allowed for), so it looks only for a fitting
-assignment that beats the best plan so far, and INFEASIBLE proves there is none (``DominatedError``).
-The Lagrangian's duality gap is large where memory forces a coarse trade (Llama-7B on (4, 4) at
-accumulation 8: the bound 0.859 s against a cutoff of 0.875 s, the best fitting assignment far
-above it); the ceiling's proof took 6 s there, the plain budgeted solve ran to its limit.
-
-Transients (``IntraOpProblem.transient``, ``cpsat_model._add_memory``): the step's peak also holds the backward
-workspace of its largest op, a max over ops, and beside it (without ZeRO, under accumulation) a
-second copy of every data-parallel gradient, a sum (``memory_terms.op_transients``: t[v,s] and a[v,s]
-bytes, lower bounds of what the caller adds after the solve). The budgeted CP-SAT model bounds
-them with one more variable,
-    W >= sum_s t[v,s] x[v,s]  for each active class v (members: the max of theirs),
-    W >= min_s t[v,s]         for classes the reductions removed (their pick is not in the model),
-    memory row + sum a[v,s] x[v,s] + W <= M,
-t and a rounded down so that the constraint only removes assignments whose workspace cannot fit;
-the dominance reduction weighs (a, t) like memory (``ClassGraph.workspace``). The unbudgeted
-optimum is still returned when its row fits (the caller adds the transients and solves again if
-they do not fit). Without the room, most first budgeted solves left none for the workspace and
-were solved again (Llama-7B: two solves to the time limit per candidate mesh).
-
-Infeasible budget (``_memory_error``): the smallest achievable memory is the same problem with
-memory as the objective and no budget, solved by the same reductions and solvers.
-
-Status: "OPTIMAL" only when CP-SAT proved it (or the reductions solved everything), else
-"FEASIBLE" (time limit hit). CP-SAT 9.15's inclusion presolve is switched off (``cpsat_model.run_model``): it
-certifies wrong optima on one-hot + linear models like this one (google/or-tools#5293).
+Solve (``solve_intra_op``), exact unless marked:
+  1. a budget under ``memory_floor`` raises the memory explanation without a time solve;
+  2. reductions (``class_graph.reduce_graph``): dominated strategies, folds, min-plus elimination
+     of classes of degree <= 2;
+  3. unbudgeted (free and priced solves): variable elimination (``elimination``) under its LIMIT,
+     else enumeration when few combinations remain (``exhaustive.small_enough``), else CP-SAT;
+  4. budgeted: the unbudgeted optimum first (the answer if it fits, else the hint). Under a
+     ``cutoff`` the Lagrangian bound L(lam) = min_x[time(x) + lam memory(x)] - lam M <= the budgeted
+     optimum (``_dual_bound``) raises ``DominatedError`` once it reaches the cutoff, and the CP-SAT
+     model gets the ceiling row objective <= cutoff; a model too large to build is priced instead
+     (``_lagrangian``: FEASIBLE, the duality gap not closed).
+An infeasible budget is explained by the least memory (``_memory_error``). Status "OPTIMAL" only
+when proven, else "FEASIBLE". CP-SAT 9.15's inclusion presolve is off (google/or-tools#5293).
+The derivations and the measured cases behind each step: docs/solver.md.
 """
 from __future__ import annotations
 
@@ -138,7 +57,7 @@ class SolverTimeoutError(RuntimeError):
 
 class DominatedError(Exception):
     """The problem's proven lower bound is at least its ``cutoff``: it cannot beat the plan the
-    cutoff came from (module docstring, Bound)."""
+    cutoff came from (docs/solver.md, Bound)."""
 
     def __init__(self, lower_bound: float, cutoff: float, unbudgeted: bool):
         super().__init__(f"cannot beat the best plan so far: its lower bound {lower_bound:.4g} >= {cutoff:.4g}"
@@ -174,9 +93,9 @@ class IntraOpProblem:
     workers: int = 2
     hint: list[int] | None = None  # a feasible assignment (e.g. greedy): CP-SAT starts from it, and it is
                                    # returned (status "FEASIBLE(hint)") if CP-SAT finds nothing in time
-    cutoff: float | None = None    # objective a budgeted solve must beat (module docstring, Bound)
+    cutoff: float | None = None    # objective a budgeted solve must beat (docs/solver.md, Bound)
     transient: tuple[list, list] | None = None  # (max terms, sum terms): per node, bytes by strategy (or
-                                   # None) of workspace beside the row (module docstring, Transients)
+                                   # None) of workspace beside the row (docs/solver.md, Transients)
 
 
 @dataclass
@@ -486,8 +405,7 @@ def _priced(p: IntraOpProblem, deadline: float, start: float, hint: list[int] | 
     """``at(price)`` of ``solver/pricing.py``: the unbudgeted problem with node and kept edge bytes
     priced at ``price`` s/GiB -> (proven lower bound on the priced optimum, choice, unpriced
     objective, memory GiB). Each CP-SAT run starts from the previous price's choice (the first from
-    ``hint``): neighbouring prices have neighbouring optima (Llama-7B on (8, 2): a priced solve
-    4.0 -> 2.2 s)."""
+    ``hint``): neighbouring prices have neighbouring optima."""
     mem = [np.asarray(n.memory, dtype=float) / GIB for n in p.nodes]
     last = [hint]
 
@@ -523,7 +441,7 @@ def _lagrangian(p: IntraOpProblem, deadline: float, start: float, steps: int = 1
 
 
 def _dual_bound(p: IntraOpProblem, deadline: float, start: float, free: IntraOpSolution) -> Dual:
-    """max over the prices tried of L(lam) (module docstring, Bound; ``pricing.dual_bound``). The
+    """max over the prices tried of L(lam) (docs/solver.md, Bound; ``pricing.dual_bound``). The
     unbudgeted solution ``free`` (time T, memory m over the budget M) bounds L from above, L(lam)
     <= T + lam (m - M), so no price under lam0 = (cutoff - T) / (m - M) can reach the cutoff: the
     prices start at 1.5 lam0, lam0 is the floor of the bisection."""

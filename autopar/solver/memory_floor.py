@@ -18,8 +18,7 @@ def memory_floor(p) -> float:
     """A lower bound on any assignment's memory (``p``: an ``intra_op.IntraOpProblem``): each
     node's least over its allowed, unforbidden strategies plus each edge's least over its
     unforbidden pairs (the coupling ignored). Above
-    the budget, no assignment fits, and the time solves are skipped (Llama-7B on (4, 4) and
-    (8, 2) at batch 256: 360.7 GiB of 80, 5.4 s each before)."""
+    the budget, no assignment fits, and the time solves are skipped."""
     total = 0.0
     for n in p.nodes:
         compute = np.asarray(n.compute, dtype=float)
@@ -89,7 +88,5 @@ def state_floor(traced, mesh_shape: tuple, optimizer: str, precision: str) -> fl
     """A lower bound on the training state of the whole model over one ``mesh_shape`` sub-mesh without
     ZeRO: the sum of ``param_floors``. A pipeline of pp stages sums its stages' units, each
     parameter at least once, so its fullest rank holds at least ``state_floor / pp``, whatever
-    the cut, schedule, microbatches or recomputation. (Table 1's 1T row on tp 8: pp <= 24 with a
-    data-parallel size the hidden sizes do not divide needs more than 80 GiB per rank for the
-    state alone; each such candidate took 3-10 s to solve and refuse.)"""
+    the cut, schedule, microbatches or recomputation."""
     return sum(param_floors(traced, mesh_shape, optimizer, precision).values())

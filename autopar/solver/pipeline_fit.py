@@ -80,8 +80,8 @@ def model_parallel_first(traced, cands: list, opts) -> list:
     model-parallel devices (pp x the sub-mesh's non-"dp" axes) first, each part in its given order
     (Narayanan et al., SC'21, takeaway 2: a model-parallel size t · p at which the model fits,
     data parallelism for the rest). The others fit only by sharding weights over "dp" as well,
-    gathered again for every microbatch: Table 1's 1T row first fitted at pp 6 x dp 64 x tp 8 that
-    way (28.7 TFLOP/s per GPU), after which a time budget ended the search."""
+    gathered again for every microbatch, slow plans that a time budget could otherwise end the
+    search at."""
     params = parameter_nodes(traced.gm)
     if not params:
         return cands
@@ -105,7 +105,7 @@ def fit_refusal(traced, cand, opts) -> PipelineRequestError | None:
       is skipped where another m' of the schedule holds at most as many activations in flight on
       every stage (``in_flight(m') / m' <= in_flight(m) / m``: activations scale as 1 / m).
     Both are lower bounds on what ``partition_stages`` charges, so a refused candidate has no
-    partition that fits. (Table 1's 1T row: every candidate without recomputation.)"""
+    partition that fits."""
     budget, sub = budget_bytes(cand, opts), dict(zip(cand.sub.axis_names, cand.sub.shape))
     floor = state_floor(traced, cand.sub.shape, opts.optimizer, opts.precision) / cand.pp
     if floor > budget:

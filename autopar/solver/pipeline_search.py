@@ -18,15 +18,12 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
        shrink with the batch), and ``inter_op.partition_stages`` cuts the units into stages
        (DP over cut points, memory incl. the schedule's in-flight activations).
            step(m, schedule) = simulate(schedule).critical_path + max_r sum_{u on rank r} (sync_u + opt_u)
-       (``plan.step_time``, like a non-pipelined plan's, includes the optimizer step; the fullest
-       rank's optimizer time is kept as ``plan.optimizer_time``).
+       (the optimizer step included, as in any plan; the fullest rank's is ``plan.optimizer_time``).
        The best (m, schedule) (ties: less memory) is re-solved at its own microbatch shape (exact decisions), then
        re-partitioned with the exact profile; unless its estimate by the reference's costs is over
        (1 + ``REFERENCE_MARGIN``) x the best plan the search has (the search solves the meshes
        without pipeline stages first, so that their best bounds the pipelines): then the candidate
-       is dropped with that reason (GPT-2 XL on 64 devices: 30 sub-mesh solves -> 20). A heuristic:
-       the estimate was 0.41-1.08 of the re-solved step over GPT-2 XL's 20 candidates and 0.84-1.00
-       over Llama-7B's 7 (a candidate is wrongly dropped only if it is over by more than the margin).
+       is dropped with that reason (a heuristic: docs/solver.md).
 
 ``pipeline_plans`` enumerates the candidates for a request: a named mesh with a ``pp`` axis
 fixes pp and the sub-mesh; ``pipeline_stage`` tags fix pp = max tag + 1 and the cuts they name;
@@ -131,9 +128,7 @@ def node_first(cand: PipelineCandidate) -> tuple[int, int]:
     """The order AUTO tries a clustered mesh's pipeline candidates in: tensor parallelism as wide as a
     node first, then fewer stages (Narayanan et al., SC'21, takeaway 1: on g-GPU servers tensor
     parallelism up to degree g, pipeline parallelism across servers). Every candidate is still
-    tried; the order decides what a time budget has reached when it ends (Table 1's 530B row:
-    tp = 8 at pp 35, 45, 63 gave 157-173 TFLOP/s, ordered by pp alone the budget ended at pp 35 after
-    54 candidates of pp <= 35 that did not fit)."""
+    tried; the order decides what a time budget has reached when it ends."""
     tp = cand.sub.shape[cand.sub.axis_names.index("tp")] if "tp" in cand.sub.axis_names else 1
     return -tp, cand.pp
 
@@ -192,59 +187,75 @@ def _check_tags(part: PipelinePartition, cand: PipelineCandidate, units, gm) -> 
 def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, param_ann: dict, input_ann: dict,
                   retracer: Retracer | None = None) -> Plan:
     """The best pipeline plan for one (pp, sub-mesh) candidate (module docstring)."""
-    batch = traced.batch_size
-    dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
-    counts = microbatch_counts(batch, dp, opts)
-    units, _ = assign_units(traced.gm)
-    if cand.pp > len(units):
-        raise PipelineRequestError(
-            f"cannot split the model into {cand.pp} pipeline stages: the traced model has {len(units)} layer(s) "
-            f"({', '.join(u.name for u in units[:8])}) and every stage needs at least one; use at most {len(units)} "
-            "stages")
-    kinds = schedules(opts, cand.pp, len(units))
-    per_node = min(cand.full.size, cand.full.gpus_per_node or cand.full.size)
-    # CPU ranks of every stage share the cores; a compiled program's ops run at the compiled speedup
-    device = mesh_device(cand.sub).shared_by(per_node).with_compile(opts.compiled)
-    budget = budget_bytes(cand, opts)
-    loose = PlanOptions(**{**opts.__dict__, "memory_budget_gb": 1e6})
-    link_spec = axis_link(device, cand.pp, cand.sub.size)
-    link = (link_spec.bandwidth, link_spec.latency)
-    share = [1.0]       # of pp x the cap the whole model's layout is solved under (``_tighter``)
-    unbounded = [False]  # the last layout fitted no such budget (solved without one): a tighter one cannot help
-    fitted = [None]     # the share of the last budget a layout fitted (``between_shares``)
+    return _CandidateSearch(traced, cand, mode, opts, param_ann, input_ann, retracer).run()
 
-    def solve(m):
-        mb = microbatch_trace(traced, batch // m, retracer)
-        unbounded[0] = False
-        weight = in_flight_weight(kinds, cand.pp, counts, batch, batch // m)
-        shares, sub_plan, first = [share[0]], None, True
+
+class _CandidateSearch:
+    """``plan_pipeline`` for one candidate: solve the reference microbatch count, tighten the
+    whole-model budget while no cut fits (``pipeline_steer``), rank every (schedule, m) by the
+    reference's costs, then re-solve the best counts at their own shapes until one fits."""
+
+    def __init__(self, traced, cand: PipelineCandidate, mode: ParallelMode, opts, param_ann: dict, input_ann: dict,
+                 retracer: Retracer | None):
+        self.traced, self.cand, self.mode, self.opts = traced, cand, mode, opts
+        self.param_ann, self.input_ann, self.retracer = param_ann, input_ann, retracer
+        self.batch = batch = traced.batch_size
+        dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
+        self.counts = microbatch_counts(batch, dp, opts)
+        units, _ = assign_units(traced.gm)
+        if cand.pp > len(units):
+            raise PipelineRequestError(
+                f"cannot split the model into {cand.pp} pipeline stages: the traced model has {len(units)} layer(s) "
+                f"({', '.join(u.name for u in units[:8])}) and every stage needs at least one; use at most "
+                f"{len(units)} stages")
+        self.kinds = schedules(opts, cand.pp, len(units))
+        self.per_node = min(cand.full.size, cand.full.gpus_per_node or cand.full.size)
+        # CPU ranks of every stage share the cores; a compiled program's ops run at the compiled speedup
+        self.device = mesh_device(cand.sub).shared_by(self.per_node).with_compile(opts.compiled)
+        self.budget = budget_bytes(cand, opts)
+        self.loose = PlanOptions(**{**opts.__dict__, "memory_budget_gb": 1e6})
+        link_spec = axis_link(self.device, cand.pp, cand.sub.size)
+        self.link = (link_spec.bandwidth, link_spec.latency)
+        self.share = 1.0          # of pp x the cap the whole model's layout is solved under (``_tighter``)
+        self.unbounded = False    # the last layout fitted no such budget (solved without one): tighter cannot help
+        self.fitted = None        # the share of the last budget a layout fitted (``between_shares``)
+        self.fixed: list[int] = []
+
+    def solve(self, m: int):
+        """The sub-mesh plan at m microbatches: (traced microbatch, plan, units, unit_of, unit costs)."""
+        cand, opts, batch = self.cand, self.opts, self.batch
+        mb = microbatch_trace(self.traced, batch // m, self.retracer)
+        self.unbounded = False
+        weight = in_flight_weight(self.kinds, cand.pp, self.counts, batch, batch // m)
+        shares, sub_plan, first = [self.share], None, True
         while shares and sub_plan is None:
             s = shares.pop(0)
-            whole = PlanOptions(**{**opts.__dict__, "memory_budget_gb": s * budget * cand.pp / 2**30})
+            whole = PlanOptions(**{**opts.__dict__, "memory_budget_gb": s * self.budget * cand.pp / 2**30})
             try:
-                sub_plan = solve_on_mesh(mb, cand.sub, mode, whole, param_ann, input_ann, per_node, microbatches=m,
-                                         activation_weight=weight)
-                share[0] = fitted[0] = s
+                sub_plan = solve_on_mesh(mb, cand.sub, self.mode, whole, self.param_ann, self.input_ann,
+                                         self.per_node, microbatches=m, activation_weight=weight)
+                self.share = self.fitted = s
             except InfeasibleError as err:      # between it and the last budget that fitted, if any
                 if first:
-                    shares = between_shares(s, fitted[0], getattr(err, "least_memory", None), budget * cand.pp)
+                    shares = between_shares(s, self.fitted, getattr(err, "least_memory", None), self.budget * cand.pp)
             first = False
         if sub_plan is None:        # pp x the cap only guides the whole model's layout:
-            unbounded[0] = True
-            sub_plan = solve_on_mesh(mb, cand.sub, mode, loose, param_ann, input_ann, per_node,
-                                     microbatches=m)    # the partition enforces it
+            self.unbounded = True
+            sub_plan = solve_on_mesh(mb, cand.sub, self.mode, self.loose, self.param_ann, self.input_ann,
+                                     self.per_node, microbatches=m)    # the partition enforces it
         units_m, unit_of = assign_units(mb.gm)
-        return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, device, opts)
+        return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, self.device, opts)
 
-    def rank(costs, ref_plan):
+    def rank(self, costs, ref_plan, ref: int):
         """(key, m, schedule) of each partition that fits by the reference costs; why the others failed.
         The count holding the fewest activations in flight is cut first; once it fits no cut for
         memory, a count m > 1 holding at least as many on every stage (``held``) in no more room is
         refused without its DP: its stages hold at least as much at every cut (the state and the
         gradients' second copy are the same, activations scale as 1 / m)."""
+        cand, batch, budget = self.cand, self.batch, self.budget
         ranked, reasons, errors = [], [], []
-        for schedule in kinds:
-            ms = [m for m in counts if schedule != "interleaved_1f1b" or m % cand.pp == 0]
+        for schedule in self.kinds:
+            ms = [m for m in self.counts if schedule != "interleaved_1f1b" or m % cand.pp == 0]
             room = {m: budget - _extra_at(ref_plan, ref, m) - _buffers(costs, batch // m, m, schedule, cand.pp)
                     for m in ms}
             tried: dict = {}
@@ -256,7 +267,7 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
                                           f"room, and m={over} fits no cut")
                     continue
                 try:
-                    part, t, _ = _partition(costs, batch // m, cand.pp, m, schedule, room[m], link, fixed,
+                    part, t, _ = _partition(costs, batch // m, cand.pp, m, schedule, room[m], self.link, self.fixed,
                                             cand.allow_idle)
                     tried[m] = ((round(t, 12), max(part.rank_memory)), m, schedule)
                 except ValueError as err:
@@ -269,80 +280,88 @@ def plan_pipeline(traced, cand: PipelineCandidate, mode: ParallelMode, opts, par
                     ranked.append(tried[m])
         return ranked, [r for _, r in sorted(reasons, key=lambda r: r[0])], errors
 
-    ref = max([m for m in counts if m <= 2 * cand.pp] or [min(counts)])
-    solved = {ref: solve(ref)}
-    mb, ref_plan, units_ref, _, costs = solved[ref]
-    fixed = _fixed_boundaries(cand, units_ref, mb.gm)
-    ranked, reasons, errors = rank(costs, ref_plan)
-    for _ in range(TIGHTER):
-        if ranked or unbounded[0] or (tighter := _tighter(errors, budget - _extra(ref_plan))) is None:
-            break
-        share[0] = _next_share(share[0], tighter, max(ref_plan.memory_per_device), budget * cand.pp)
-        solved = {ref: solve(ref)}
+    def run(self) -> Plan:
+        cand, opts, budget = self.cand, self.opts, self.budget
+        ref = max([m for m in self.counts if m <= 2 * cand.pp] or [min(self.counts)])
+        solved = {ref: self.solve(ref)}
         mb, ref_plan, units_ref, _, costs = solved[ref]
-        ranked, reasons, errors = rank(costs, ref_plan)
-    cutoff = opts.progress.cutoff() if opts.progress is not None else None
-    if ranked and cutoff is not None and min(r[0][0] for r in ranked) >= (1 + REFERENCE_MARGIN) * cutoff:
-        raise PipelineRequestError(
-            f"slower than the best plan so far ({cutoff:.4g} s): its best stage cut by the reference microbatch's "
-            f"costs takes {min(r[0][0] for r in ranked):.4g} s (over {1 + REFERENCE_MARGIN:g}x; not solved at other "
-            "microbatch sizes)")
-    if not ranked:
-        msg = "no pipeline partition fits: " + "; ".join(reasons[:3])
-        raise stage_fit_error(msg, errors, ref_plan.memory_breakdown, cand.full, budget, opts) or \
-            PipelineRequestError(msg)
-    ranked.sort(key=lambda r: r[0])
-    found, failed, timeouts, timeouts_at = None, [], [], set()
-    for _, m, schedule in ranked:
-        # out of time: only the microbatch counts already solved, no other solve
-        if m not in solved and opts.progress is not None and opts.progress.out_of_time() and \
-                any(r[1] in solved for r in ranked):
-            continue
-        if m in timeouts_at:
-            continue
-        if m not in solved:
-            if len(solved) >= 3:
-                break               # the reference costs misjudge this candidate: give up after two more solves
-            try:
-                solved[m] = solve(m)
-            except SolverTimeoutError as err:   # the counts already solved may still give a plan
-                failed.append(f"{schedule} m={m}: {err}")
-                timeouts.append(err)
-                timeouts_at.add(m)
+        self.fixed = _fixed_boundaries(cand, units_ref, mb.gm)
+        ranked, reasons, errors = self.rank(costs, ref_plan, ref)
+        for _ in range(TIGHTER):
+            if ranked or self.unbounded or (tighter := _tighter(errors, budget - _extra(ref_plan))) is None:
+                break
+            self.share = _next_share(self.share, tighter, max(ref_plan.memory_per_device), budget * cand.pp)
+            solved = {ref: self.solve(ref)}
+            mb, ref_plan, units_ref, _, costs = solved[ref]
+            ranked, reasons, errors = self.rank(costs, ref_plan, ref)
+        cutoff = opts.progress.cutoff() if opts.progress is not None else None
+        if ranked and cutoff is not None and min(r[0][0] for r in ranked) >= (1 + REFERENCE_MARGIN) * cutoff:
+            raise PipelineRequestError(
+                f"slower than the best plan so far ({cutoff:.4g} s): its best stage cut by the reference microbatch's "
+                f"costs takes {min(r[0][0] for r in ranked):.4g} s (over {1 + REFERENCE_MARGIN:g}x; not solved at "
+                "other microbatch sizes)")
+        if not ranked:
+            msg = "no pipeline partition fits: " + "; ".join(reasons[:3])
+            raise stage_fit_error(msg, errors, ref_plan.memory_breakdown, cand.full, budget, opts) or \
+                PipelineRequestError(msg)
+        ranked.sort(key=lambda r: r[0])
+        return self.finish(ranked, solved, errors)
+
+    def finish(self, ranked: list, solved: dict, errors: list) -> Plan:
+        """Re-solve the ranked counts at their own shapes, best first, until one partitions."""
+        cand, opts, batch, budget = self.cand, self.opts, self.batch, self.budget
+        found, failed, timeouts, timeouts_at = None, [], [], set()
+        for _, m, schedule in ranked:
+            # out of time: only the microbatch counts already solved, no other solve
+            if m not in solved and opts.progress is not None and opts.progress.out_of_time() and \
+                    any(r[1] in solved for r in ranked):
                 continue
-        mb, sub_plan, units_m, unit_of, costs_m = solved[m]
-        try:        # the partition at m's own costs (a partition that fit by the reference's may not)
-            part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule,
-                                         budget - _extra(sub_plan) - _buffers(costs_m, batch // m, m, schedule, cand.pp), link,
-                                         fixed, cand.allow_idle)
-        except ValueError as err:
-            failed.append(f"{schedule} m={m}: {err}")
-            errors.append(err)
-            continue
-        found = m
-        break
-    if found is None:
-        if timeouts and len(timeouts) == len(failed):
-            raise timeouts[0]       # no count was refused for memory: the time limit is what to raise
-        msg = "no pipeline partition fits at the microbatch counts solved: " + "; ".join(failed[:3])
-        raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts) or \
-            PipelineRequestError(msg)
-    _check_tags(part, cand, units_m, mb.gm)
-    step += sub_plan.grad_sync_overhead
-    plan = _assemble(traced, mb, sub_plan, cand, part, step, units_m, mode, budget)
-    plan.collective_list = pipeline_collectives(mb.gm, plan, link)
-    _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
-    plan.optimizer_time = opt
-    return plan
+            if m in timeouts_at:
+                continue
+            if m not in solved:
+                if len(solved) >= 3:
+                    break               # the reference costs misjudge this candidate: give up after two more solves
+                try:
+                    solved[m] = self.solve(m)
+                except SolverTimeoutError as err:   # the counts already solved may still give a plan
+                    failed.append(f"{schedule} m={m}: {err}")
+                    timeouts.append(err)
+                    timeouts_at.add(m)
+                    continue
+            mb, sub_plan, units_m, unit_of, costs_m = solved[m]
+            try:        # the partition at m's own costs (a partition that fit by the reference's may not)
+                part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule,
+                                             budget - _extra(sub_plan) - _buffers(costs_m, batch // m, m, schedule,
+                                                                                  cand.pp), self.link,
+                                             self.fixed, cand.allow_idle)
+            except ValueError as err:
+                failed.append(f"{schedule} m={m}: {err}")
+                errors.append(err)
+                continue
+            found = m
+            break
+        if found is None:
+            if timeouts and len(timeouts) == len(failed):
+                raise timeouts[0]       # no count was refused for memory: the time limit is what to raise
+            msg = "no pipeline partition fits at the microbatch counts solved: " + "; ".join(failed[:3])
+            raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts) or \
+                PipelineRequestError(msg)
+        _check_tags(part, cand, units_m, mb.gm)
+        step += sub_plan.grad_sync_overhead
+        plan = _assemble(self.traced, mb, sub_plan, cand, part, step, units_m, self.mode, budget)
+        plan.collective_list = pipeline_collectives(mb.gm, plan, self.link)
+        _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
+        plan.optimizer_time = opt
+        return plan
 
 
 def _extra_at(ref_plan: Plan, ref: int, m: int) -> float:
     """``_extra`` of the reference solve (``ref`` microbatches) as a lower bound for ``m``: with fewer
     rows per microbatch (m > ref) the backward workspace is at least ref / m of the reference's (its
     activation-sized part scales with the rows, its parameter gradients do not shrink), so a count
-    is ranked in at least the room it has; its own solve then checks the partition exactly. (The
-    reference's whole workspace, charged at every count, left GPT-15B's pp=4 x dp=8 candidate 7.23
-    of 16 GiB at 128 microbatches of 8 rows: the loss's logits at the reference's 128 rows.)"""
+    is ranked in at least the room it has; its own solve then checks the partition exactly (the
+    reference's whole workspace, charged at every count, overstates a count of smaller microbatches
+    by the loss's logits at the reference's rows)."""
     sub = ref_plan.memory_breakdown or {}
     return sub.get("transient", 0.0) * min(1.0, ref / m) + sub.get("inputs", 0.0)
 
@@ -362,10 +381,9 @@ TIGHTER = 2     # re-solves of the whole model's layout under a tighter budget w
 def _extra(sub_plan: Plan) -> float:
     """Bytes a stage holds beyond its partition's state and in-flight activations: the sub-plan's
     backward transients and the step's inputs (``_stage_memory``). Not its gathered parameter copies:
-    each unit's are in its activations (``unit_costs.KeptCopies``; the whole model's, added to every
-    stage, left Table 1's 1T row on a (6, 8) sub-mesh 3.9 GiB of an 80 GiB cap). Not its
-    "accumulated gradients": the whole model's, of which each stage's own share is in its units'
-    state (``UnitCosts.at``); added in full to every stage, they refused Table 1's 1T row (752 GiB)."""
+    each unit's are in its activations (``unit_costs.KeptCopies``), so adding the whole model's would
+    count them pp times. Not its "accumulated gradients": the whole model's, of which each stage's own
+    share is in its units' state (``UnitCosts.at``)."""
     sub = sub_plan.memory_breakdown or {}
     return sub.get("transient", 0.0) + sub.get("inputs", 0.0)
 
@@ -373,8 +391,7 @@ def _extra(sub_plan: Plan) -> float:
 def _buffers(costs: UnitCosts, batch: int, m: int, schedule: str, pp: int) -> float:
     """Bytes of a rank's receive buffers: the runtime keeps a window of posted receives per sender
     (``receive_window``), at most ``schedule_receive_buffers`` at once, each at most the largest
-    unit's output. (Every receive of the step posted up front, as the runtime once did, was 2 m of
-    them: 13.4 GB per rank on Table 1's 1T row at m = 512.)"""
+    unit's output (not 2 m of them: the runtime does not post every receive of the step up front)."""
     largest = max((x.out_bytes for x in costs.at(batch)), default=0.0)
     v = 2 if schedule == "interleaved_1f1b" else 1
     return largest * schedule_receive_buffers(schedule, pp, m, v)

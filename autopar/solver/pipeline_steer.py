@@ -36,9 +36,8 @@ def _tighter(errors: list, room: float) -> float | None:
     """The factor to shrink the whole model's budget by when no partition fits for memory, or None.
 
     The layout is solved for the whole model under pp x the cap, which only bounds the average stage:
-    a loose budget lets the solver keep weights whole for speed (Table 1's 1T row on a (6, 8)
-    sub-mesh kept the attention projection and the embedding replicated over tp, 26 GiB of state
-    per layer), and then the fullest stage is over the cap at every cut. ``room``: the cap less what
+    a loose budget lets the solver keep weights whole for speed, and then the fullest stage is over
+    the cap at every cut. ``room``: the cap less what
     a stage holds beyond its units. The factor is 0.9 room / need, ``need`` the fullest stage of the
     least-peak cut (``StageMemoryError``); None when no error was for memory or the cut already fits."""
     needs = [e.state + e.activations for e in errors if isinstance(e, StageMemoryError)]
@@ -52,9 +51,8 @@ def in_flight_weight(kinds: list[str], pp: int, counts: list[int], batch: int, r
     rows any count's fullest stage holds in flight (1F1B: min(pp, m) microbatches of batch / m;
     GPipe: all m), over ``rows``, at least 1. Under an even cut a stage holds 1 / pp of the state
     and of those activations, so the budget pp x the cap then bounds the fullest stage, not the
-    average one (counted once, Table 1's 1T row's layouts on (6, 8) held ~106 GiB of activations
-    against 1505-3009 GiB of state at 24 rows, and no budget traded them, while a stage holds 64
-    microbatches)."""
+    average one (counted once, the activations are too small beside the state for any budget to
+    trade them, while a stage holds many microbatches in flight)."""
     per_count = (min(pp, m) if kinds != ["gpipe"] else m for m in counts)
     least = min(f * (batch // m) for f, m in zip(per_count, counts))
     return max(1.0, least / rows)
@@ -63,8 +61,6 @@ def in_flight_weight(kinds: list[str], pp: int, counts: list[int], batch: int, r
 def _next_share(share: float, tighter: float, whole: float, total: float) -> float:
     """The share of ``total`` (pp x the cap) the whole model's layout is solved under next: ``tighter``
     times the smaller of the last budget's share and what the last layout held (``whole`` bytes), so
-    the next budget binds it. Scaling the budget alone left a layout far under it unchanged: Table 1's
-    1T row on a (6, 8) sub-mesh held 3374 GiB of a 5120 GiB budget (the attention projections and the
-    embedding kept whole over tp), two tightenings by 0.9 never reached it, and no stage cut fitted;
-    one tightening from what it held fits at 1F1B, 512 microbatches."""
+    the next budget binds it: scaling the budget alone leaves a layout far under it unchanged
+    (docs/solver.md, Inter-op)."""
     return tighter * min(share, whole / total)

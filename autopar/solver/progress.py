@@ -69,8 +69,7 @@ class SearchProgress:
 
     def out_of_time(self) -> bool:
         """True once a fitting plan exists and what is left of the budget is less than a candidate
-        takes (``typical``): a candidate is not started that would end after the budget (Table 1's
-        76B row ended 7 s after a 55 s budget in the candidate it had started at 54 s)."""
+        takes (``typical``): a candidate is not started that would end after the budget."""
         if self.time_budget_s is None or self.fitting == 0:
             return False
         if not self.stopped and self.time_budget_s - self.elapsed() > self.typical():

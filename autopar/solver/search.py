@@ -165,15 +165,12 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     nothing fits at k = 1 and the state split over a node exceeds the cap
     (``state_needs_pipeline``), the recomputed pipelines are tried right after k = 1, before the
     accumulation ladder: otherwise a time budget can end the search at a ladder plan that fits only
-    by tensor parallelism across nodes (Table 1's 1T row: 1.9 TFLOP/s per GPU instead of ~160). Both
-    are heuristics, not bounds (the published 530B and 1T layouts need recomputation to fit at
-    all; GPT 6.7B on 16 V100s spent 25 s on recomputed pipelines that lost). Every k
+    by tensor parallelism across nodes. Both are heuristics, not bounds (docs/solver.md). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
     which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls;
     ``state``: this ZeRO stage's bounds, carried from one recompute choice to the next
     (``make_plans`` runs every stage at one choice before the next choice, so that the cheap levers'
-    plans bound the recomputed ones: GPT 6.7B on 16 V100s walked two recomputed ladders at ZeRO-0,
-    40 s of solves, before ZeRO-1 found the 163 s plan that dominates them).
+    plans bound the recomputed ones).
     (plans, failures, pipeline failures) as in :func:`_candidates`."""
     plans, failures, pipe_failures = [], [], []
     progress = opts.progress

@@ -11,7 +11,7 @@ from conftest import run_ranks
 from examples.models import GPT, lm_loss
 from oracle import assert_same_training, make_batch, parallel_run, reference_run
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 GPT_DATA = functools.partial(GPT, vocab=256, qkv_bias=False)
 GPT_PIPE = functools.partial(GPT, qkv_bias=False, layers=2, hidden=32)
 

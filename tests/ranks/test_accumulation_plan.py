@@ -78,7 +78,7 @@ def test_accumulation_that_does_not_divide_the_batch_is_refused():
 
 @pytest.mark.parametrize("mode", ["data", "auto"])
 def test_accumulation_that_leaves_microbatches_dp_cannot_split_says_so(mode):
-    """Found by tests/test_fuzz.py: was "no plan fits memory", though no memory cap was involved."""
+    """Found by tests/ranks/test_fuzz.py: was "no plan fits memory", though no memory cap was involved."""
     x, y = make_batch("tokens", 8)
     autopar.set_auto_parallel_context(accumulation=8)
     want = (r"^no plan can be made on Mesh\(dp=2.*: accumulation 8: the global batch \(1, .* not divisible by the "
@@ -89,7 +89,7 @@ def test_accumulation_that_leaves_microbatches_dp_cannot_split_says_so(mode):
 
 
 def test_an_annotation_that_cannot_be_applied_under_accumulation_is_not_called_memory():
-    """Found by tests/test_fuzz.py: a fixed accumulation's microbatch failing for any reason but memory was
+    """Found by tests/ranks/test_fuzz.py: a fixed accumulation's microbatch failing for any reason but memory was
     reported as "no plan fits memory"."""
     x, y = make_batch("tokens", 8)
     autopar.set_auto_parallel_context(accumulation=2)
@@ -102,7 +102,7 @@ def test_an_annotation_that_cannot_be_applied_under_accumulation_is_not_called_m
 
 @pytest.mark.parametrize("mode,names", [("data", None), ("auto", ("dp",))])
 def test_microbatches_of_one_row_on_one_device_train_like_one_device(mode, names):
-    """Found by tests/test_fuzz.py: DATA (and a named dp axis) forced Shard(0) on inputs of one row, which no
+    """Found by tests/ranks/test_fuzz.py: DATA (and a named dp axis) forced Shard(0) on inputs of one row, which no
     candidate offers (a dim of size 1 is never split): 'min() arg is an empty sequence' while planning."""
     x, y = make_batch("tokens", 4)
     autopar.set_auto_parallel_context(accumulation=4)

@@ -4,7 +4,7 @@ with the parameters of an uninterrupted run made in the test, bit for bit (torch
 
 The kill step is drawn from a seed that is printed (``AUTOPAR_KILL_SEED=<seed>`` draws it again).
 2 ranks run in the suite; 4 ranks (where the order of a sum over ranks can change, which 2 cannot
-show) are marked slow; tests/test_checkpoint.py checks that order on 4 ranks in the shared pool.
+show) are marked slow; tests/ranks/test_checkpoint.py checks that order on 4 ranks in the shared pool.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 
 from examples import resume as example
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "resume.py"
 
 

@@ -39,7 +39,7 @@ def test_the_users_own_mesh_that_the_batch_does_not_divide_is_the_error():
 
 @pytest.mark.parametrize("shape,axis", [((2, 2), "d1"), ((2, 2), "d0"), ((4,), "tp"), ((4,), "d0")])
 def test_auto_on_an_unnamed_mesh_keeps_the_annotations_axes(shape, axis):
-    """Found by tests/test_fuzz.py: AUTO re-factors an unnamed mesh, and the first candidate without the
+    """Found by tests/ranks/test_fuzz.py: AUTO re-factors an unnamed mesh, and the first candidate without the
     annotated axis ended the search ("unknown mesh axis 'd1'; the mesh has axes ('d0',)", a mesh the user
     never gave). Candidates now keep the annotated axes (the mesh as given when they are its own), and
     DDP's layout, which keeps every weight whole, is not offered against an annotation that splits one."""

@@ -101,7 +101,7 @@ def test_bad_zero_settings_are_refused():
     with pytest.raises(PlanError, match=r"zero=1 is not supported with a pipeline yet .* use zero=0"):
         _plan(autopar.Mesh(2, axis_names=("pp",)))
     autopar.reset_auto_parallel_context()
-    for mode in ("semi_auto", "stand_alone"):      # found by tests/test_fuzz.py: was "no pipeline plan fits: "
+    for mode in ("semi_auto", "stand_alone"):      # found by tests/ranks/test_fuzz.py: was "no pipeline plan fits: "
         autopar.set_auto_parallel_context(zero=2)
         with pytest.raises(PlanError, match=r"zero=2 shards .* mesh .* has 1 device: there is nothing to shard it "
                                             r"over; use zero=0 \(or leave zero unset\)"):
@@ -147,7 +147,7 @@ def test_zero_under_bf16_mixed_precision_trains_like_bf16_without_it():
     two-term sum is exact in any order) it trains exactly like the same bf16 plan without ZeRO.
     ZeRO-3 gathers bf16 weights per layer, so a tied weight's two uses meet in another order: it
     must be no further from the fp32 one-device run than 2x the bf16 plan without ZeRO (the
-    yardstick of tests/test_mixed_precision.py)."""
+    yardstick of tests/ranks/test_mixed_precision.py)."""
     x, y = make_batch("tokens", BATCH)
     ref = reference_run(MODEL, lm_loss, x, y, steps=2)
     plain = run_ranks(2, _mixed_job, 0)

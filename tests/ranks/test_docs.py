@@ -26,7 +26,7 @@ import pytest
 
 from conftest import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```python\s*$")
 _MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*(?P<body>.*?)\s*-->\s*$")
 

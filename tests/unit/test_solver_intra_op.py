@@ -386,7 +386,7 @@ def test_memory_floor_is_a_lower_bound_and_short_cuts_hopeless_budgets(seed, mon
 
 
 def test_a_solve_out_of_time_says_which_setting_to_raise(monkeypatch):
-    """Found by tests/test_fuzz.py (a 3 s limit on a loaded machine): the message named the internal
+    """Found by tests/ranks/test_fuzz.py (a 3 s limit on a loaded machine): the message named the internal
     ``time_limit_s``; it names the context key a user sets."""
     from ortools.sat.python import cp_model
 

@@ -33,12 +33,13 @@ def experts_modules(model) -> dict:
     return {n: m for n, m in model.named_modules() if why_not_opaque(m) is None}
 
 
-def _annotate_experts(axis: str, strategy: str = "ep"):
-    """SEMI_AUTO: every expert parameter split on ``axis`` and the experts ops run ``strategy`` there."""
+def _annotate_experts(axis: str, strategy: str = "ep", **others: str):
+    """SEMI_AUTO: every expert parameter split on ``axis`` and the experts ops run ``strategy`` there
+    (and the strategies ``others`` names on other axes)."""
     def setup(model):
         for path, mod in experts_modules(model).items():
             autopar.shard(path, **{n: {axis: Shard(0)} for n, _ in mod.named_parameters()})
-            autopar.op_strategy(path, **{axis: strategy})
+            autopar.op_strategy(path, **{axis: strategy}, **others)
     return setup
 
 
@@ -62,7 +63,7 @@ def _annotate_both(model):
 CASES = {   # name: (ranks, mesh shape, axis names, mode, setup, the roles the moe nodes must take)
     "data": (4, (4,), None, "data", None, {("x0", "batch")}),
     "ep4": (4, (4,), ("dp",), "semi_auto", _annotate_experts("dp"), {("dp", "ep")}),
-    "ep2_dp2": (4, (2, 2), ("dp", "x"), "semi_auto", _annotate_experts("x"), None),
+    "ep2_dp2": (4, (2, 2), ("dp", "x"), "semi_auto", _annotate_experts("x", dp="batch"), None),
     "ep2_tp2": (4, (2, 2), ("dp", "tp"), "semi_auto", _annotate_both, None),
     "auto": (4, (4,), None, "auto", None, None),
 }
@@ -88,7 +89,7 @@ def _check(name, results, family="mixtral"):
 
 @pytest.mark.parametrize("name", ["ep4"])
 def test_expert_parallel_trains_like_one_device(name):
-    results = run_ranks(4, _job, name, count=True)
+    results = run_ranks(4, _job, name, count=True, timeout_s=600)
     plan = _check(name, results)
     assert _roles(plan) == CASES[name][5], _roles(plan)
     a2a = results[0]["inspect"]
@@ -100,7 +101,7 @@ def test_expert_parallel_trains_like_one_device(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["data", "ep2_dp2", "ep2_tp2", "auto"])
 def test_moe_plans_train_like_one_device(name):
-    results = run_ranks(CASES[name][0], _job, name)
+    results = run_ranks(CASES[name][0], _job, name, timeout_s=600)
     plan = _check(name, results)
     roles = _roles(plan)
     if name == "data":
@@ -121,7 +122,7 @@ def test_moe_families_train_with_expert_parallelism(family):
         except Exception as err:  # noqa: BLE001 - the MLA attention trace, not the experts
             pytest.skip(f"DeepSeek-V3 does not trace for a reason outside the experts: {type(err).__name__}: "
                         f"{str(err)[:200]}")
-    results = run_ranks(4, _job_family, family)
+    results = run_ranks(4, _job_family, family, timeout_s=600)
     plan = _check("ep4", results, family)
     assert ("dp", "ep") in _roles(plan), _roles(plan)
 

@@ -75,12 +75,24 @@ def test_bad_recompute_setting_is_refused(value):
         autopar.set_auto_parallel_context(recompute=value)
 
 
+@functools.lru_cache(maxsize=None)
+def _auto_under_tight_cap():
+    """AUTO's plan under ``_capped_mesh(0.3)`` and the search stages it went through (one search, read by
+    the two tests below; the progress callback only records)."""
+    x, y = make_batch("tokens", BATCH)
+    stages = []
+    plan = autopar.plan(MODEL(), _capped_mesh(0.3), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                        mode="auto",
+                        progress=lambda p: stages.append(p.stage) if not stages or stages[-1] != p.stage else None)
+    return plan, stages
+
+
 def test_the_fastest_of_accumulation_and_recomputation_wins():
     """Under a cap that neither lever alone meets at k = 1 without recomputation, the search keeps,
     for each recompute choice, the smallest accumulation that fits, and picks the fastest."""
     x, y = make_batch("tokens", BATCH)
     mesh = _capped_mesh(0.3)
-    plan = autopar.plan(MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="auto")
+    plan, _ = _auto_under_tight_cap()
     fits = [a for a in plan.alternatives if a.fits]
     assert all(plan.step_time <= a.step_time for a in fits)
     options = {plan.memory_options.summary()} | {a.memory_options for a in fits}
@@ -124,16 +136,22 @@ def _pipe_plan(mesh, rc=None, microbatches=None, schedule=None):
         autopar.reset_auto_parallel_context()
 
 
-def _pipe_capped_mesh() -> autopar.Mesh:
-    """A 2-stage pipeline mesh whose cap lies between the least peaks (over 4 and 8 microbatches,
-    1F1B and interleaved: an interleaved rank posts receive buffers for two stages) with and without
-    recomputation."""
+@functools.lru_cache(maxsize=None)
+def _pipe_cap_gb() -> float:
+    """The cap of ``_pipe_capped_mesh``: 8 plans, made once per process (the ranks are given it)."""
     peak = {rc: min(max(_pipe_plan(autopar.Mesh((2,), axis_names=("pp",)), rc, m, sched).memory_per_device)
                     for m in (4, 8) for sched in ("1f1b", "interleaved_1f1b"))
             for rc in ("none", "full")}
     assert peak["full"] < peak["none"]
     cap = peak["full"] + 0.75 * (peak["none"] - peak["full"])   # room for AUTO's own choice of m and schedule
-    return autopar.Mesh((2,), axis_names=("pp",), memory_gb=cap / 2**30)
+    return cap / 2**30
+
+
+def _pipe_capped_mesh(cap_gb: float | None = None) -> autopar.Mesh:
+    """A 2-stage pipeline mesh whose cap lies between the least peaks (over 4 and 8 microbatches,
+    1F1B and interleaved: an interleaved rank posts receive buffers for two stages) with and without
+    recomputation."""
+    return autopar.Mesh((2,), axis_names=("pp",), memory_gb=cap_gb if cap_gb is not None else _pipe_cap_gb())
 
 
 def test_auto_pipelines_with_recomputation_when_nothing_else_fits():
@@ -145,15 +163,15 @@ def test_auto_pipelines_with_recomputation_when_nothing_else_fits():
     assert max(plan.memory_per_device) <= mesh.memory_gb * 2**30
 
 
-def _pipe_job(rank):
+def _pipe_job(rank, cap_gb):
     x = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
-    return parallel_run(rank, PIPE_MODEL, lm_loss, x, x, _pipe_capped_mesh(), "auto", steps=2)
+    return parallel_run(rank, PIPE_MODEL, lm_loss, x, x, _pipe_capped_mesh(cap_gb), "auto", steps=2)
 
 
 def test_auto_recomputed_pipeline_trains_like_one_device():
     x = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     ref = reference_run(PIPE_MODEL, lm_loss, x, x, steps=2)
-    for r in run_ranks(2, _pipe_job):
+    for r in run_ranks(2, _pipe_job, _pipe_cap_gb()):
         plan = autopar.Plan.from_json(r["plan"])
         assert plan.degrees["pp"] == 2 and plan.memory_options.recompute != "none", plan.memory_options
         assert_same_training(ref, r, what=f"pipeline {plan.memory_options.summary()}")
@@ -212,9 +230,7 @@ def test_every_zero_stage_is_searched_before_more_recomputation():
     6.7B on 16 V100s: 87 -> 47 s of planning, same plan). The plan is still the fastest of all."""
     x, y = make_batch("tokens", BATCH)
     mesh = _capped_mesh(0.3)
-    stages = []
-    plan = autopar.plan(MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="auto",
-                        progress=lambda p: stages.append(p.stage) if not stages or stages[-1] != p.stage else None)
+    plan, stages = _auto_under_tight_cap()
     zero_none = [i for i, s in enumerate(stages) if s.startswith("ZeRO-1, recompute none")]
     recomputed = [i for i, s in enumerate(stages) if s.startswith("ZeRO") and "recompute none" not in s]
     assert zero_none and recomputed and max(zero_none) < min(recomputed), stages

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import networkx as nx
 
-ROOT = Path(__file__).resolve().parent.parent / "autopar"
+ROOT = Path(__file__).resolve().parents[2] / "autopar"
 
 # lowest first; a module may import its own layer and the ones before it (docs/architecture.md)
 LAYERS = [

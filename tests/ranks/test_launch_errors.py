@@ -61,7 +61,7 @@ def test_launch_without_a_main_guard_is_one_clear_error(tmp_path):
 
         autopar.launch(work, nprocs=2, timeout_s=20)
     """))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode != 0

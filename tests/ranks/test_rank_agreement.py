@@ -10,7 +10,7 @@ import torch
 
 import autopar
 from autopar.core.errors import RankMismatchError
-from conftest import run_ranks
+from conftest import POOL_TIMEOUT_S, run_ranks
 from examples.models import GPT, lm_loss
 
 
@@ -41,7 +41,7 @@ def test_ranks_started_differently_fail_together_naming_rank_and_field(what, fie
         assert f"ranks disagree at start-up: rank 1's {field} differs from rank 0's" in message
         assert "Every rank must run the same script" in message
         assert re.search(detail, message), message
-        assert seconds < 5.0
+        assert seconds < POOL_TIMEOUT_S / 3     # failed at the check, not at a timeout (a bound that holds at load 10)
 
 
 def test_ranks_started_alike_agree():
