@@ -18,7 +18,7 @@ from autopar.sharding.placements import Replicate
 from autopar.solver.degrees import degrees_of, split_axes_of
 from autopar.solver.progress import _describe
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "data"
 
 
 def _node(op, strategy, local):
