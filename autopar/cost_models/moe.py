@@ -6,7 +6,7 @@ The op runs ``T`` token rows (``hidden [T, H]``) through ``k`` of ``E`` experts 
 E)`` parameters and each routed row costs ``2 n_e`` FLOPs forward (one multiply-add per weight: the
 expert's matmuls; biases add ``n_e``'s small rest)::
 
-    flops_fwd  = 2 T k n_e                        (+ T k H for the weighted combine)
+    flops_fwd  = 2 T k n_e                        (the weighted combine's T k H is left out: < 1 %)
     flops_bwd  = flops_fwd x (hidden needs a gradient + the parameters need one)   (dgrad, wgrad)
     matmuls    the expert GEMMs by their smallest dimension min(rows per expert, H, n_e / H), with
                rows per expert = T k / E: a grouped GEMM of few rows per expert runs far below peak
@@ -98,12 +98,11 @@ def moe_work_numbers(node: fx.Node) -> dict:
     s = MoeShape(node)
     need = grad_nodes(node.graph)
     mm = 2.0 * s.rows * s.per_expert
-    combine = float(s.rows * s.width)
     grads = int(s.hidden in need) + int(any(p in need and is_parameter(p) for p in s.params))
     dim = s.gemm_dim(s.rows / s.experts)
     moved = float(s.param_bytes + s.rows * (2 * s.width + 2 * s.inner) * s.itemsize)
     kernels = 6 + 4 * s.experts
-    return dict(flops_fwd=mm + combine, flops_bwd=(mm + 2 * combine) * grads if grads else 0.0,
+    return dict(flops_fwd=mm, flops_bwd=mm * grads,
                 bytes_fwd=moved, bytes_bwd=2 * moved if grads else 0.0,
                 kernels_fwd=kernels, kernels_bwd=2 * kernels if grads else 0,
                 matmuls_fwd=((dim, mm),), matmuls_bwd=((dim, mm * grads),) if grads else ())
