@@ -26,7 +26,8 @@ For each row: FORCED, the published layout as a named mesh ``("pp", "dp", "ep")`
 ``dp x ep``), bf16 mixed precision and ZeRO 0 (both sources shard the optimizer state over the
 data-parallel ranks; autopar does not combine ZeRO with a pipeline yet: the forced plans keep it whole,
 which changes memory, not the step's communication volume), in SEMI_AUTO (the planner picks
-microbatches, schedule and recomputation); AUTO, autopar's own plan on an unnamed mesh of the same
+schedule and recomputation; microbatches are the published ones: one sequence per data-parallel rank,
+``batch / (dp x ep)``); AUTO, autopar's own plan on an unnamed mesh of the same
 GPUs. Each job runs in its own process (``paper_table.run_isolated`` style) with a hard timeout.
 
     PYTHONPATH=. .venv/bin/python bench/paper_table.py --table moe [--rows mixtral_8x7b] [--skip-auto]
@@ -119,7 +120,8 @@ def plan_row(row: MoeRow, forced: bool, time_budget: float | None) -> tuple[auto
     autopar.reset_auto_parallel_context()
     autopar.clear_annotations()
     if forced:
-        autopar.set_auto_parallel_context(zero=row.zero)
+        # the published micro-batch of 1 sequence per data-parallel rank: batch / (dp x ep) microbatches
+        autopar.set_auto_parallel_context(zero=row.zero, microbatches=row.batch // (row.mesh[1] * row.mesh[2]))
         mesh = autopar.Mesh(row.mesh, axis_names=("pp", "dp", "ep"), device=row.device, gpus_per_node=row.gpus_per_node)
         mode = "semi_auto"
     else:
