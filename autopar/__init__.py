@@ -15,10 +15,10 @@ from autopar.runtime.data import DataParallelLoader, DataParallelSampler
 from autopar.runtime.launch import RankError, launch
 from autopar.runtime.resume import CheckpointManager, latest_checkpoint
 from autopar.sharding.placements import Partial, Replicate, Shard
-from autopar.solver.annotations import clear_annotations, pipeline_stage, shard, shard_input
+from autopar.solver.annotations import clear_annotations, op_strategy, pipeline_stage, shard, shard_input
 
 __all__ = ["parallelize", "plan", "Mesh", "ParallelMode", "Plan", "ParallelModule", "Shard", "Replicate", "Partial",
-           "shard", "shard_input", "pipeline_stage", "clear_annotations", "set_auto_parallel_context",
+           "shard", "shard_input", "op_strategy", "pipeline_stage", "clear_annotations", "set_auto_parallel_context",
            "get_auto_parallel_context", "reset_auto_parallel_context", "launch", "RankError", "PlanError",
            "TraceError", "CheckpointError", "CommError", "RankMismatchError", "count_collectives", "CheckpointManager",
            "latest_checkpoint", "DataParallelSampler", "DataParallelLoader"]

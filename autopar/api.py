@@ -60,6 +60,7 @@ def _options(mixed_precision=None, compiled: bool = False) -> PlanOptions:
                        time_limit_s=ctx["solver_time_limit"], microbatches=ctx["microbatches"],
                        schedule=ctx["schedule"], mixed_precision=mixed_precision, accumulation=ctx["accumulation"],
                        recompute=ctx["recompute"], zero=ctx["zero"], compiled=compiled,
+                       moe_imbalance=ctx["moe_imbalance"],
                        precision="mixed" if mixed_precision else "fp32")
 
 

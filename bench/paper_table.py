@@ -26,6 +26,7 @@ reports its peak RSS.
 
     PYTHONPATH=. .venv/bin/python bench/paper_table.py [--rows 1.7,18.4] [--skip-auto] [--skip-forced]
         [--time-budget S] [--hard-timeout S] [--breakdown]
+    PYTHONPATH=. .venv/bin/python bench/paper_table.py --table moe [...]   (bench/moe_table.py)
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def tflops_per_gpu(row: Row, step_time: float) -> float:
 def forced_mismatches(row: Row, plan: autopar.Plan) -> list[str]:
     """What the forced plan does not do as the paper did (empty when all was planned as forced)."""
     out = []
-    want = {"dp": row.d, "tp": row.t, "pp": row.p}
+    want = {"dp": row.d, "tp": row.t, "pp": row.p, "ep": 1, "cp": 1}
     if plan.degrees != want:
         out.append(f"degrees {plan.degrees} != {want}")
     mo = plan.memory_options
@@ -250,6 +251,15 @@ def _fmt_terms(f: dict) -> str:
 
 
 def main() -> None:
+    if "--table" in sys.argv:          # --table moe: the mixture-of-experts rows (bench/moe_table.py)
+        i = sys.argv.index("--table")
+        table, rest = sys.argv[i + 1] if i + 1 < len(sys.argv) else "", sys.argv[1:i] + sys.argv[i + 2:]
+        if table == "moe":
+            from bench.moe_table import main as moe_main
+
+            return moe_main(rest)
+        if table != "megatron":
+            raise SystemExit(f"--table {table!r}: use 'megatron' (Table 1 of Narayanan et al., the default) or 'moe'")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(f"{r.billions:g}" for r in TABLE1),
                     help="comma-separated row names (billions of parameters), e.g. 1.7,18.4")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.ops import aten
 
-from autopar.collectives import comm
+from autopar.collectives import comm, moe_dispatch
 from autopar.collectives.groups import axis as _axis
 
 
@@ -159,6 +159,9 @@ def batch_norm(input, weight, bias, running_mean, running_var, training, momentu
 
 
 # family -> the function that replaces the op (``passes/insert_collectives._apply_local``)
-IMPLS = {"embedding": embedding, "loss": cross_entropy_loss, "batch_norm": batch_norm}
+IMPLS = {"embedding": embedding, "loss": cross_entropy_loss, "batch_norm": batch_norm, "moe": moe_dispatch.moe_experts}
+# ops that never run as themselves in a per-rank program (no autograd of their own): op -> family.
+# ``passes/insert_collectives.py`` swaps every node of these for ``IMPLS[family]``, with or without roles.
+ALWAYS_LOCAL = {torch.ops.autopar.moe_experts.default: "moe"}
 # family -> the local rescale that follows the op itself (a mean over a split dim)
 RESCALES = {"mean": scale}

@@ -71,6 +71,9 @@ _DEFAULTS: dict[str, Any] = {
     # True: each rank's program (each pipeline stage's graphs) runs through torch.compile / inductor,
     # and the cost model times compute at the profile's compiled_speedup (autopar/runtime/compiled.py)
     "compile": False,
+    # the busiest expert-parallel rank's routed tokens over the mean: MoE expert compute and dispatch
+    # all-to-alls are costed at this factor where the experts are split (autopar/cost_models/moe.py)
+    "moe_imbalance": 1.1,
 }
 
 
@@ -135,6 +138,10 @@ def set_auto_parallel_context(**kwargs) -> None:
             check_comm_timeout(value)
         if key == "compile":
             check_compile(value)
+        if key == "moe_imbalance" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                       or not math.isfinite(value) or value < 1):
+            raise ValueError(f"moe_imbalance must be a number >= 1 (the busiest expert-parallel rank's routed tokens "
+                             f"over the mean; 1.0 = perfect balance), got {value!r}")
         if key == "mixed_precision" and value not in MIXED_PRECISIONS:
             raise ValueError(f"mixed_precision must be None, 'bf16' or 'fp16', got {value!r}")
         if key == "loss_scaling":

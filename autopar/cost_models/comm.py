@@ -7,7 +7,7 @@ size), ``p`` the group size, ``B`` the link bandwidth per direction, ``alpha`` i
 all_reduce      2(p-1)/p * n/B + 2(p-1) * alpha     (ring)
 all_gather      (p-1)/p * n/B + (p-1) * alpha       (ring)
 reduce_scatter  (p-1)/p * n/B + (p-1) * alpha       (ring)
-all_to_all      (p-1)/p * n/B + (p-1) * alpha       (pairwise)
+all_to_all      (p-1)/p * n/B + (p-1) * alpha       (pairwise; across nodes split_all_to_all_time)
 broadcast       ceil(log2 p) * (n/B + alpha)        (binomial tree)
 reduce          ceil(log2 p) * (n/B + alpha)        (binomial tree)
 send_recv       n/B + alpha                          (one hop)
@@ -97,16 +97,31 @@ def axis_collective_time(kind: str, nbytes: float, device: DeviceSpec, axis_size
 
     An axis inside one node uses the intra-node link. An axis spanning nodes runs flat over
     the inter-node link, except all_reduce, which takes the cheaper of the flat ring and
-    :func:`hierarchical_all_reduce_time` (``local = axis_size / nodes`` devices per node).
+    :func:`hierarchical_all_reduce_time` (``local = axis_size / nodes`` devices per node), and
+    all_to_all, whose node-local pieces travel over the intra-node link (:func:`split_all_to_all_time`).
     """
     nodes = axis_nodes(device, axis_size, inner_size)
     if nodes <= 1:
         return collective_time(kind, nbytes, axis_size, device.intra_node_link)
     flat = collective_time(kind, nbytes, axis_size, device.inter_node_link)
     local = axis_size // nodes
+    if kind == "all_to_all" and local > 1:
+        return min(flat, split_all_to_all_time(nbytes, axis_size, local, device))
     if kind != "all_reduce" or local <= 1:
         return flat
     return min(flat, hierarchical_all_reduce_time(nbytes, local, nodes, device))
+
+
+def split_all_to_all_time(nbytes: float, p: int, local: int, device: DeviceSpec) -> float:
+    """Pairwise all-to-all over ``p`` ranks, ``local`` per node: each rank's ``n / p`` pieces go to its
+    ``local - 1`` node peers over the intra-node link and to the ``p - local`` others over the
+    inter-node link, both at once::
+
+        max((local-1)/p * n/B_intra + (local-1) alpha_intra,  (p-local)/p * n/B_inter + (p-local) alpha_inter)
+    """
+    intra, inter = device.intra_node_link, device.inter_node_link
+    return max((local - 1) / p * nbytes / intra.bandwidth + (local - 1) * intra.latency,
+               (p - local) / p * nbytes / inter.bandwidth + (p - local) * inter.latency)
 
 
 GRAD_BUCKET_BYTES = 25 * 2**20     # DDP's bucket_cap_mb default, used by runtime.grad_sync and runtime.zero

@@ -47,6 +47,7 @@ from autopar.graph.grads import is_float_value as _is_float
 from autopar.graph.grads import node_value as _val
 
 from .devices import DeviceSpec
+from .moe import is_moe, moe_work_numbers
 
 aten = torch.ops.aten
 
@@ -333,6 +334,8 @@ def node_work(node: fx.Node) -> OpWork:
         return OpWork()
     if target.is_view or target in _NO_KERNEL:
         return OpWork()
+    if is_moe(node):         # its fake kernel does no work: the formula of cost_models/moe.py
+        return OpWork(**moe_work_numbers(node))
     need = grad_nodes(node.graph)
     try:
         return _work(target, node_signature(node))

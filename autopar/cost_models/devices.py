@@ -257,6 +257,14 @@ def _h200() -> DeviceSpec:
     return dataclasses.replace(_h100(), name="h200", memory_bytes=141 * GiB, memory_bandwidth=4.8e12)
 
 
+def _h800() -> DeviceSpec:
+    """NVIDIA H800 SXM5 80 GB: the H100 SXM5 with NVLink cut to 400 GB/s aggregate = 200 GB/s per
+    direction (compute, HBM3 and 8 GPUs per node as H100). Inter-node as in DeepSeek-V3's cluster
+    (DeepSeek-V3 technical report, section 3.1): one 400 Gbit/s InfiniBand NIC per GPU = 50 GB/s.
+    """
+    return dataclasses.replace(_h100(), name="h800", intra_node_link=Link(bandwidth=200 * GIGA, latency=5e-6))
+
+
 def _cpu() -> DeviceSpec:
     """This machine, one rank = one process with one thread.
 
@@ -349,6 +357,7 @@ _PRESETS = {
     "h100": _h100,
     "h100-sxm": _h100,
     "h200": _h200,
+    "h800": _h800,
     "cpu": _cpu,
 }
 

@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from autopar.graph.grads import grad_nodes, is_parameter
+from .moe import is_moe, moe_save_rule
 from .save_rules import SAVE_RULES, Internal, default_rule, dropout_rule, node_value, tensor_bytes
 
 aten = torch.ops.aten
@@ -140,6 +141,8 @@ def _saved_items(node: fx.Node, mask_bytes: int | None) -> list:
         return []
     if node.target is aten.dropout.default:
         rule = dropout_rule(mask_bytes)
+    elif is_moe(node):
+        rule = moe_save_rule
     else:
         rule = SAVE_RULES.get(node.target, default_rule)
     return [s for s in rule(node) if isinstance(s, Internal) or isinstance(node_value(s), torch.Tensor)]

@@ -74,7 +74,8 @@ def plan_label(plan: Plan) -> str:
     mesh = " × ".join(f"{n}={s}" for n, s in zip(plan.mesh.axis_names, plan.mesh.shape))
     sched = f" {plan.microbatches}×{plan.schedule}" if plan.schedule != "none" else ""
     note = f" ({plan.candidate})" if plan.candidate else ""
-    return f"pp={d.get('pp', 1)} dp={d.get('dp', 1)} tp={d.get('tp', 1)} [{mesh}]{sched}{note}"
+    extra = "".join(f" {k}={d[k]}" for k in ("ep", "cp") if d.get(k, 1) > 1)
+    return f"pp={d.get('pp', 1)} dp={d.get('dp', 1)} tp={d.get('tp', 1)}{extra} [{mesh}]{sched}{note}"
 
 
 def layout_key(plan: Plan) -> str:

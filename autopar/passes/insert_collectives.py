@@ -94,6 +94,7 @@ def insert_collectives(gm: fx.GraphModule, plan, axis_names: tuple, mesh_shape: 
                 new_inputs.append(cache[key])
         _replace_tensor_inputs(node, new_inputs)
         _apply_local(gm, node, decision, axis_names, mesh_shape, specs)
+    _lower_always_local(graph)
     graph.lint()
     gm.recompile()
     return gm, {ph: {axis_names[a] for a in axes} for ph, axes in rule.param_axes.items()}
@@ -127,6 +128,17 @@ def _check_local(node: fx.Node, decision, axis_names) -> None:
         raise ValueError(f"the plan's decision for {node.name} names local implementations for "
                          f"{len(decision.local)} mesh axes, the mesh has {len(axis_names)} {tuple(axis_names)}; "
                          "the plan is inconsistent, make a new one")
+
+
+def _lower_always_local(graph: fx.Graph) -> None:
+    """Every node of an op that never runs as itself (``local_ops.ALWAYS_LOCAL``: ``autopar::moe_experts``)
+    and still calls it (replicated on every axis, a 1-device mesh, STAND_ALONE, no plan decision) runs
+    its local implementation with no roles."""
+    for node in graph.nodes:
+        family = local_ops.ALWAYS_LOCAL.get(node.target) if node.op == "call_function" else None
+        if family is not None:
+            node.kwargs = dict(node.kwargs, _op=node.target.__name__.split(".")[0], _axes={})
+            node.target = local_ops.IMPLS[family]
 
 
 def _apply_local(gm: fx.GraphModule, node: fx.Node, decision, axis_names, mesh_shape, specs: PlanSpecs) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from autopar.core.context import ParallelMode
 from autopar.core.mesh import Mesh
 from autopar.sharding.placements import Spec, as_spec
+from autopar.plan.degree_keys import full_degrees
 from autopar.plan.views import view
 
 FORMAT_VERSION = 2
@@ -99,7 +100,7 @@ class Collective:
 
 @dataclass
 class Alternative:
-    degrees: dict
+    degrees: dict                # every key of plan.degree_keys.DEGREE_KEYS (filled in on construction)
     step_time: float
     memory: float                # peak bytes on the fullest device
     fits: bool
@@ -109,6 +110,9 @@ class Alternative:
     optimizer_time: float = 0.0  # predicted optimizer-step seconds (part of step_time)
     redundant_axes: list[str] = field(default_factory=list)   # mesh axes on which every rank repeats the work
     memory_options: str = "none"  # MemoryOptions.summary() of the candidate
+
+    def __post_init__(self):
+        self.degrees = full_degrees(self.degrees)
 
 
 @dataclass
@@ -262,6 +266,9 @@ class Plan:
     autotune: list[AutotuneTrial] = field(default_factory=list)
     autotune_timing: str = ""
     options: dict = field(default_factory=dict)  # free-form solver diagnostics; nothing downstream reads them
+
+    def __post_init__(self):
+        self.degrees = full_degrees(self.degrees)    # "ep", "cp" (and any key a caller left out) are 1 where unused
 
     # ---- queries ---------------------------------------------------------------------
     def collectives(self, rank: int = 0) -> list[Collective]:

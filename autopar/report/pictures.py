@@ -17,6 +17,7 @@ from autopar.core.units import human_bytes
 from autopar.report.pipeline import plan_schedule
 from autopar.schedules.schedule import simulate
 from autopar.cost_models.devices import mesh_device
+from autopar.plan.degree_keys import degrees_text
 from autopar.plan.views import register_view
 
 INSTALL = "pip install 'autopar[plot]'"
@@ -79,7 +80,7 @@ def _capacity(plan) -> tuple[float, str]:
 
 
 def _degrees(degrees: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in degrees.items()) or "-"
+    return degrees_text(degrees) or "-"
 
 
 def _shows_cap(peak: float, cap: float) -> bool:

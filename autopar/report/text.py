@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from autopar.plan.degree_keys import degrees_text
 from autopar.report.memory_explain import explain_lines
 from autopar.sharding.placements import Shard
 from autopar.plan.views import register_view
@@ -21,7 +22,7 @@ def render(plan) -> str:
     m = plan.mesh
     lines = [f"autopar plan — mode {plan.mode.name}",
              f"mesh: {' × '.join(f'{n}={s}' for n, s in zip(m.axis_names, m.shape))} ({m.size} devices, {m.device})",
-             f"degrees: dp={plan.degrees.get('dp', 1)} tp={plan.degrees.get('tp', 1)} pp={plan.degrees.get('pp', 1)}"
+             f"degrees: {degrees_text(plan.degrees)}"
              f"   microbatches={plan.microbatches} schedule={plan.schedule}",
              *_redundant_lines(plan),
              f"memory options: {plan.memory_options.summary()}",
@@ -147,7 +148,7 @@ def _pattern(module: str) -> str:
 
 
 def _deg(d: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in d.items()) or "-"
+    return degrees_text(d) or "-"
 
 
 @register_view("explain")

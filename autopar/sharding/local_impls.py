@@ -70,6 +70,37 @@ def _batch_norm(node: fx.Node, st: Strategy, roles: dict, mesh_shape) -> list[Lo
     return out
 
 
+def _moe(node: fx.Node, st: Strategy, roles: dict, mesh_shape) -> list[LocalCollective]:
+    """``collectives/moe_dispatch.py``: per ep axis in mesh order, forward, an all_to_all of the
+    per-expert row counts (E int64s) and one of the rows (hidden row and routing weight side by side:
+    ``T_local * k`` rows whatever the routing, on the first ep axis; on a further one the same count
+    for balanced routing), or two (hidden, then weights) when their dtypes differ; then, in reverse
+    axis order, the results back (``rows x H``). Backward, when the node needs a gradient, each
+    data all_to_all reversed: the results' in axis order, then the rows' in reverse order."""
+    ep = roles.get("ep", [])
+    if not ep:
+        return []
+    hidden, index, weights = tensor_inputs(node)[:3]
+    h, idx, w = (a.meta["val"] for a in (hidden, index, weights))
+    rows = idx.numel() / shard_factor(st.inputs[1], mesh_shape)
+    width = h.shape[-1]
+    num_experts = tensor_inputs(node)[3].meta["val"].shape[0]
+    if w.dtype == h.dtype:
+        sends = [rows * (width + 1) * h.element_size()]
+    else:
+        sends = [rows * width * h.element_size(), rows * w.element_size()]
+    back = rows * width * h.element_size()
+    fwd = [c for ax in ep for c in [("all_to_all", 8.0 * num_experts, ax, "fwd")]
+           + [("all_to_all", b, ax, "fwd") for b in sends]]
+    fwd += [("all_to_all", back, ax, "fwd") for ax in reversed(ep)]
+    if node not in grad_nodes(node.graph):
+        return fwd
+    bwd = [("all_to_all", back, ax, "bwd") for ax in ep]
+    if hidden in grad_nodes(node.graph) or weights in grad_nodes(node.graph):
+        bwd += [("all_to_all", b, ax, "bwd") for ax in reversed(ep) for b in reversed(sends)]
+    return fwd + bwd
+
+
 def _none(node, st, roles, mesh_shape) -> list[LocalCollective]:
     return []
 
@@ -79,6 +110,7 @@ LOCAL_IMPLS: dict[str, LocalImpl] = {
     "batch_norm": LocalImpl(("sync",), _batch_norm),
     "embedding": LocalImpl(("vocab",), _none),     # masked lookup, Partial out: the edge sums it
     "mean": LocalImpl(("scale",), _none),          # local mean rescaled by the shard count
+    "moe": LocalImpl(("batch", "ep", "experts"), _moe),   # experts: Partial out, the edge sums it
 }
 
 

@@ -26,20 +26,23 @@ class Annotations:
     params: list[ParamAnnotation] = field(default_factory=list)
     inputs: dict[int, dict] = field(default_factory=dict)
     stages: list[tuple[object, int]] = field(default_factory=list)
+    ops: list[tuple[str, dict]] = field(default_factory=list)     # (module-path glob, {axis: strategy name})
 
     def clear(self) -> None:
         self.params.clear()
         self.inputs.clear()
         self.stages.clear()
+        self.ops.clear()
 
     def empty(self) -> bool:
-        return not (self.params or self.inputs or self.stages)
+        return not (self.params or self.inputs or self.stages or self.ops)
 
     def describe(self, limit: int = 4) -> str:
         """The annotations set, as the calls that made them: "shard('layers.0'), pipeline_stage('blocks.3', 1)"."""
         name = lambda t: repr(t) if isinstance(t, str) else f"<{type(t).__name__}>"  # noqa: E731
         calls = ([f"shard({name(a.target)})" for a in self.params] + [f"shard_input({i})" for i in self.inputs]
-                 + [f"pipeline_stage({name(m)}, {k})" for m, k in self.stages])
+                 + [f"pipeline_stage({name(m)}, {k})" for m, k in self.stages]
+                 + [f"op_strategy({t!r})" for t, _ in self.ops])
         return ", ".join(calls[:limit]) + (f" and {len(calls) - limit} more" if len(calls) > limit else "")
 
 
@@ -104,6 +107,45 @@ def pipeline_stage(module, stage: int) -> None:
     if int(stage) < 0:
         raise ValueError(f"pipeline stage must be >= 0, got {stage}")
     ANNOTATIONS.stages.append((module, int(stage)))
+
+
+def op_strategy(target: str, **axes: str) -> None:
+    """SEMI_AUTO: fix, per mesh axis, the strategy of the ops traced inside the modules ``target`` (a module-path
+    glob) that have a strategy of that name: ``op_strategy("layers.*.mlp.experts", dp="ep")`` runs every
+    experts op there expert-parallel on axis "dp" (the names a rule gives: ``sharding/rules/*.py``)."""
+    if not isinstance(target, str):
+        raise TypeError(f"op_strategy() takes a module-path glob such as 'layers.*.mlp.experts', got "
+                        f"{type(target).__name__}")
+    if not axes or not all(isinstance(v, str) for v in axes.values()):
+        raise ValueError("op_strategy() needs at least one axis=strategy name, e.g. op_strategy('layers.*.experts', "
+                         f"dp='ep'); got {axes!r}")
+    ANNOTATIONS.ops.append((target, dict(axes)))
+
+
+def restrict_op_strategies(traced, cands, mesh, allowed: dict, ann: Annotations = ANNOTATIONS) -> None:
+    """Keep, for each op under an ``op_strategy`` target, only the strategies named so on those axes;
+    a target matching no op with such a strategy is an error naming what there is."""
+    for target, axes in ann.ops:
+        for ax in axes:
+            if ax not in mesh.axis_names:
+                raise ValueError(f"op_strategy({target!r}, {ax}=...): the mesh has no axis {ax!r}; its axes are "
+                                 f"{list(mesh.axis_names)}. {LEFTOVER}")
+        hits = 0
+        for node in traced.gm.graph.nodes:
+            strategies = cands.strategies.get(node.name)
+            path = node.meta.get("module_path", "")
+            if not strategies or not fnmatch.fnmatchcase(path, target):
+                continue
+            keep = [i for i in allowed.get(node.name, range(len(strategies)))
+                    if all(strategies[i].name.split("×")[mesh.axis_index(ax)] == want for ax, want in axes.items())]
+            if keep:
+                allowed[node.name] = keep
+                hits += 1
+        if not hits:
+            raise ValueError(f"op_strategy({target!r}, {', '.join(f'{a}={w!r}' for a, w in axes.items())}) matches no "
+                             "op with such a strategy; check the module path (plan.nodes[...].module) and the strategy names "
+                             "in autopar/sharding/rules/; a strategy is offered only where its splits divide evenly "
+                             f"(e.g. the expert count by the size of the axis that splits the experts). {LEFTOVER}")
 
 
 def clear_annotations() -> None:

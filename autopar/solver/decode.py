@@ -13,10 +13,9 @@ from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.sharding.placements import Partial, Spec, shard_factor
 from autopar.sharding.edge import edge_collectives
-from autopar.sharding.local_impls import local_collectives
 from autopar.sharding.redistribute import step_bytes
 from autopar.sharding.strategy import tensor_inputs
-from autopar.solver.problem import BuiltProblem, Costing, split_axes, tensor_bytes
+from autopar.solver.problem import BuiltProblem, Costing, local_impl_times, split_axes, tensor_bytes
 
 
 def _spec_out(st, idx):
@@ -130,8 +129,8 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
                 for ax in edge.grad_sum:
                     collectives.append(Collective("all_reduce", int(nbytes), [axis_names[ax]], "bwd", name,
                                                   c.comm("all_reduce", nbytes, ax)))
-        for kind, nbytes, ax, phase in local_collectives(node, st, c.mesh_shape):
-            collectives.append(Collective(kind, int(nbytes), [axis_names[ax]], phase, name, c.comm(kind, nbytes, ax)))
+        for kind, nbytes, ax, phase, seconds in local_impl_times(node, st, c):
+            collectives.append(Collective(kind, int(nbytes), [axis_names[ax]], phase, name, seconds))
     params = {}
     for ph, pname in traced.params.items():
         if ph not in chosen:

@@ -21,7 +21,13 @@ largest share of the compute:
             still be stored split, which saves memory only).
 
 Ties go to "dp", then "tp". ``degrees = {"dp": prod of dp axis sizes, "tp": prod of tp axis
-sizes, "pp": 1}``.
+sizes, "pp": 1, "ep": ..., "cp": ...}``, where (``split_axes_of``)
+
+    "ep"    prod of the sizes of the axes on which some MoE experts node (local family "moe") has
+            role "ep" or "experts": its experts stored split there (the contract of
+            ``sharding/rules/moe.py``); an "ep" axis is also counted by its "dp" or "tp" role,
+    "cp"    prod of the sizes of the axes on which some attention node's strategy is named "cp"
+            (context parallel: the sequence split); counted by its role too.
 """
 from __future__ import annotations
 
@@ -139,7 +145,32 @@ def role(shares: dict) -> str:
     return max((DP, TP, NONE), key=lambda k: (shares[k], -(DP, TP, NONE).index(k)))
 
 
-def degrees_of(roles: dict, axis_names: tuple, mesh_shape: tuple) -> dict:
+EP_ROLES = ("ep", "experts")        # local roles of the "moe" family that keep the experts split
+
+
+def _axis_names_of(strategy: str, ndim: int) -> list[str]:
+    """Per-axis strategy names of a mesh strategy's name (``"ep×replicate"``; ``sharding/strategy.py``)."""
+    parts = strategy.split("×")
+    return parts if len(parts) == ndim else [""] * ndim
+
+
+def split_axes_of(nodes: dict, mesh_shape: tuple) -> dict[str, set[int]]:
+    """{"ep": axes, "cp": axes} of a plan's node decisions (module docstring), axes of size > 1."""
+    ndim = len(mesh_shape)
+    out: dict[str, set[int]] = {"ep": set(), "cp": set()}
+    for d in nodes.values():
+        for a, loc in enumerate(d.local or ()):
+            if a < ndim and loc and loc.split(":")[0] == "moe" and loc.split(":")[-1] in EP_ROLES:
+                out["ep"].add(a)
+        if "attention" in d.op:
+            out["cp"].update(a for a, n in enumerate(_axis_names_of(d.strategy, ndim)) if n == "cp")
+    return {k: {a for a in v if mesh_shape[a] > 1} for k, v in out.items()}
+
+
+def degrees_of(roles: dict, axis_names: tuple, mesh_shape: tuple, nodes: dict | None = None) -> dict:
+    """``plan.degrees`` (module docstring) from the axis roles and, for "ep" and "cp", the node decisions."""
     size = dict(zip(axis_names, mesh_shape))
+    split = split_axes_of(nodes or {}, mesh_shape)
     return {"dp": math.prod(size[n] for n, r in roles.items() if r == DP),
-            "tp": math.prod(size[n] for n, r in roles.items() if r == TP), "pp": 1}
+            "tp": math.prod(size[n] for n, r in roles.items() if r == TP), "pp": 1,
+            "ep": math.prod(mesh_shape[a] for a in split["ep"]), "cp": math.prod(mesh_shape[a] for a in split["cp"])}

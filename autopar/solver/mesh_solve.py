@@ -18,6 +18,7 @@ from autopar.cost_models.devices import mesh_device
 from autopar.core.context import ParallelMode
 from autopar.cost_models.compute import total_flops
 from autopar.cost_models.memory import training_state_parts
+from autopar.cost_models.moe import DEFAULT_IMBALANCE
 from autopar.cost_models.zero import zero_axes, zero_collectives
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.graph.layers import find_layers, tie_groups
@@ -26,9 +27,11 @@ from autopar.core.mesh import Mesh
 from autopar.plan.plan import CandidateError, Collective, MemoryOptions, Plan, PlanError
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard, shard_factor
+from autopar.solver.annotations import restrict_op_strategies
 from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
+from autopar.solver.moe_axes import ROLE_EXPERT, expert_axis_choices, nodes_moe
 from autopar.solver.memory_terms import accumulated_grad_bytes, op_transients, transient_bytes, zero_layer_buffers
 from autopar.solver.progress import SearchProgress
 from autopar.solver.problem import (Costing, activation_weighted, build_problem, grad_sync_overhead,
@@ -49,6 +52,7 @@ class PlanOptions:
     recompute: str | dict | None = None   # activation recomputation (None: AUTO/SEMI_AUTO pick when needed)
     zero: int | None = None          # ZeRO stage over the data-parallel axes (None: AUTO/SEMI_AUTO pick when needed)
     compiled: bool = False           # per-rank programs through torch.compile: compute at the compiled speedup
+    moe_imbalance: float = DEFAULT_IMBALANCE   # MoE expert load of the busiest rank over the mean (cost_models/moe.py)
     progress: SearchProgress | None = None     # reports the search and holds its time budget (solver/progress.py)
 
 
@@ -80,6 +84,7 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
         _keep_batch_split(traced, cands, allowed)
     if mesh.named and mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO):
         _axis_roles(traced, cands, mesh, input_ann, only)
+        expert_axis_choices(traced, cands, mesh, allowed)
     by_canon = {}
     for ph, pname in traced.params.items():
         for alias in traced.aliases.get(pname, [pname]):
@@ -103,6 +108,8 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
         ph = traced.inputs[i]
         _check_axes(f"input {i}", placements, mesh, tuple(traced.node(ph).meta["val"].shape))
         only(ph, lambda spec, pl=placements: all(spec[mesh.axis_index(a)] == p for a, p in pl.items()))
+    if mode == ParallelMode.SEMI_AUTO:
+        restrict_op_strategies(traced, cands, mesh, allowed)
     return allowed
 
 
@@ -110,8 +117,10 @@ ROLE_DATA, ROLE_TENSOR = ("dp", "data", "batch"), ("tp", "tensor", "model", "mp"
 
 
 def _axis_roles(traced, cands, mesh: Mesh, input_ann: dict, only) -> None:
-    """Named axes carry their role: "dp" shards the batch of every input, "tp" keeps inputs whole."""
-    data = [i for i, n in enumerate(mesh.axis_names) if n in ROLE_DATA]
+    """Named axes carry their role: "dp" shards the batch of every input, "tp" keeps inputs whole;
+    an expert axis ("ep", ``moe_axes.ROLE_EXPERT``) is a data axis for them (``expert_axis_choices``
+    keeps its experts split)."""
+    data = [i for i, n in enumerate(mesh.axis_names) if n in ROLE_DATA + ROLE_EXPERT]
     tensor = [i for i, n in enumerate(mesh.axis_names) if n in ROLE_TENSOR]
     if not data and not tensor:
         return
@@ -234,7 +243,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers),
                       recompute=opts.recompute or "none", zero=opts.zero or 0, microbatches=microbatches,
                       grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),
-                      _redistribution=redistribution, _memo=memo, _tables=tables)
+                      moe_imbalance=opts.moe_imbalance, _redistribution=redistribution, _memo=memo, _tables=tables)
     names = dict(traced.params)
     names.update(traced.buffers)
     ties = tie_groups(find_layers(traced.gm, names))
@@ -257,7 +266,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                                                if c.node in traced.params for a in c.axes])
     shares = axis_shares(traced.gm, nodes, inputs, mesh.axis_names, mesh.shape)
     roles = {a: role(s) for a, s in shares.items()}
-    return Plan(mode=mode, mesh=mesh, degrees=degrees_of(roles, mesh.axis_names, mesh.shape), axis_roles=roles,
+    return Plan(mode=mode, mesh=mesh, degrees=degrees_of(roles, mesh.axis_names, mesh.shape, nodes), axis_roles=roles,
                 nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
                 memory_per_device=[float(sol.memory) + gathered + transient + held] * mesh.size, memory_bound=sol.bound,
@@ -272,7 +281,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 memory_budget=budget,
                 grad_sync_overhead=last_bucket, axis_shares=shares,
                 once_per_step_time=built.once_time(sol.choice) + last_bucket,
-                options={"precision": opts.precision, "solver_vars": sol.num_vars},
+                options={"precision": opts.precision, "solver_vars": sol.num_vars,
+                         **({"moe_imbalance": opts.moe_imbalance} if nodes_moe(nodes) else {})},
                 memory_options=MemoryOptions(mixed_precision=opts.mixed_precision,
                                              reduce_dtype="bf16" if opts.grad_compression == "bf16" else "fp32",
                                              recompute=opts.recompute or "none", zero=opts.zero or 0),

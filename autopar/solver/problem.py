@@ -38,6 +38,7 @@ from autopar.cost_models.compute import (OpCost, local_node_cost, node_cost, opt
                                          node_signature)
 from autopar.graph.grads import grad_nodes, is_parameter
 from autopar.cost_models.memory import saved_bytes_by_node, saves_input, storage_key, training_state_parts
+from autopar.cost_models.moe import DEFAULT_IMBALANCE, is_moe
 from autopar.cost_models.zero import sharded_state, zero_axes
 from autopar.cost_models.recompute import saved_bytes_after
 from autopar.graph.recompute_regions import choices_for, find_regions
@@ -46,6 +47,7 @@ from autopar.sharding.local_impls import local_collectives
 from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
 from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
 from autopar.sharding.strategy import Strategy, tensor_inputs
+from autopar.solver.moe_costs import imbalanced_dispatch, moe_split_cost
 from autopar.solver.intra_op import HUGE_COST, EdgeCost, IntraOpProblem, NodeChoices, is_forbidden
 
 
@@ -64,6 +66,7 @@ class Costing:
     grad_element_bytes: int | None = None   # bytes per gradient element as synced (``sync_element_bytes``)
     microbatches: int = 1           # microbatches per step (accumulation or a pipeline's): the gradients of
                                     # the earlier ones are held while a later one's are computed
+    moe_imbalance: float = DEFAULT_IMBALANCE   # busiest expert rank's load over the mean (cost_models/moe.py)
     _redistribution: dict = field(default_factory=dict, repr=False)  # (src, dst, bytes) -> seconds
     _memo: dict = field(default_factory=dict, repr=False)  # node costs, edge lists of one graph (``build_problem``)
     _tables: dict = field(default_factory=dict, repr=False)  # edge resharding tables and gathered-copy matrices,
@@ -161,6 +164,8 @@ def split_cost(node: fx.Node, base: OpCost, st: Strategy, ins: list[fx.Node], c:
     launches not divided (``OpCost.scaled``); a matmul is costed on its local shapes instead,
     since its efficiency follows its smallest local dimension."""
     f = work_split(st, c.mesh_shape)
+    if is_moe(node):
+        return moe_split_cost(node, base, st, f, c)
     if f <= 1:
         return base
     shapes = {a: local_shape(a.meta["val"].shape, spec, c.mesh_shape) for a, spec in zip(ins, st.inputs)}
@@ -186,10 +191,20 @@ def grad_sync_inputs(st: Strategy) -> list[tuple[int, int]]:
     return [(i, a) for i, spec in enumerate(st.inputs) for a in axes if isinstance(spec[a], Replicate)]
 
 
+def local_impl_times(node: fx.Node, st: Strategy, c: Costing) -> list[tuple[str, float, int, str, float]]:
+    """(kind, bytes, axis, phase, seconds) of each collective of ``st``'s local implementation
+    (``sharding/local_impls.py``), forward and backward: the list the plan shows, with the times the
+    ILP charges (an MoE dispatch's all-to-alls at the load imbalance, ``solver/moe_costs.py``)."""
+    out = [(kind, nbytes, ax, phase, c.comm(kind, nbytes, ax))
+           for kind, nbytes, ax, phase in local_collectives(node, st, c.mesh_shape)]
+    if out and is_moe(node):
+        out = imbalanced_dispatch(out, st, c)
+    return out
+
+
 def _local_impl_time(node: fx.Node, st: Strategy, c: Costing) -> float:
-    """The collectives of ``st``'s local implementation (``sharding/local_impls.py``), forward
-    and backward: the same list the plan shows."""
-    return sum(c.comm(kind, nbytes, ax) for kind, nbytes, ax, _ in local_collectives(node, st, c.mesh_shape))
+    """The seconds of ``local_impl_times``."""
+    return sum(t for *_, t in local_impl_times(node, st, c))
 
 
 def _param_state_cost(numel: float, parts: list[float], st: Strategy, c: Costing) -> tuple[float, float, float]:

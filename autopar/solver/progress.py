@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from autopar.plan.degree_keys import degrees_text
+
 
 @dataclass
 class SearchProgress:
@@ -104,6 +106,5 @@ class SearchProgress:
 
 
 def _describe(plan) -> str:
-    d = plan.degrees
     opts = plan.memory_options.summary()
-    return f"dp={d.get('dp', 1)} tp={d.get('tp', 1)} pp={d.get('pp', 1)}" + (f", {opts}" if opts != "none" else "")
+    return degrees_text(plan.degrees) + (f", {opts}" if opts != "none" else "")

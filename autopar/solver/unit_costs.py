@@ -137,7 +137,8 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
     """Per-unit time, memory and crossing bytes under the intra-op ``plan`` (module docstring, step 2)."""
     gm, shape = traced.gm, plan.mesh.shape
     costing = Costing(shape, device, opts.optimizer, opts.precision,
-                      grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression))
+                      grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),
+                      moe_imbalance=opts.moe_imbalance)
     specs = PlanSpecs(plan, len(shape))
     by_name = {n.name: n for n in gm.graph.nodes}
     saved: dict[str, list[tuple[object, int, bool, str]]] = {}

@@ -26,7 +26,7 @@ def test_stand_alone_splits_nothing():
     x, y = make_batch("tokens", 8)
     plan = autopar.plan(GPT(qkv_bias=False, layers=2, hidden=32), autopar.Mesh(4), example_inputs=(x,),
                         loss_fn=lm_loss, example_target=y, mode="stand_alone")
-    assert plan.degrees == {"dp": 1, "tp": 1, "pp": 1}
+    assert plan.degrees == {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "cp": 1}
     assert plan.axis_roles == {"d0": "none"} and plan.redundant_axes() == ["d0"]
     assert "axis d0 (size 4): no op is split on it — every rank on it repeats the same work" in plan.report()
 
@@ -34,7 +34,7 @@ def test_stand_alone_splits_nothing():
 def test_auto_plan_that_can_split_nothing_says_so():
     """Batch 1 and sizes 3, 5 on 2 devices: no dimension divides, so nothing can be split."""
     plan = autopar.plan(nn.Linear(3, 5), autopar.Mesh(2), example_inputs=(torch.randn(1, 3),), mode="auto")
-    assert plan.degrees == {"dp": 1, "tp": 1, "pp": 1}
+    assert plan.degrees == {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "cp": 1}
     assert "axis d0 (size 2): no op is split on it — every rank on it repeats the same work" in plan.report()
 
 
@@ -47,7 +47,7 @@ def test_semi_auto_batch_gathered_over_dp_is_not_data_parallel():
                         loss_fn=F.cross_entropy, example_target=y, mode="semi_auto")
     first = next(iter(plan.nodes.values()))
     assert str(plan.inputs["args_0"]) == "[S(0),R]" and str(first.inputs[0]) == "[R,R]", "the batch must be gathered over dp"
-    assert plan.degrees == {"dp": 1, "tp": 2, "pp": 1}
+    assert plan.degrees == {"dp": 1, "tp": 2, "pp": 1, "ep": 1, "cp": 1}
     assert plan.axis_roles == {"dp": "none", "tp": "tp"}
     report = plan.report()
     assert "degrees: dp=1 tp=2 pp=1" in report
@@ -57,7 +57,7 @@ def test_semi_auto_batch_gathered_over_dp_is_not_data_parallel():
 
 def test_data_plan_is_data_parallel():
     plan = _small_mlp_plan(autopar.Mesh(4, device=A100), "data")
-    assert plan.degrees == {"dp": 4, "tp": 1, "pp": 1} and plan.axis_roles == {"d0": "dp"}
+    assert plan.degrees == {"dp": 4, "tp": 1, "pp": 1, "ep": 1, "cp": 1} and plan.axis_roles == {"d0": "dp"}
     assert plan.redundant_axes() == []
 
 

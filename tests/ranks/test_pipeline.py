@@ -46,7 +46,7 @@ def _check(name, results, pp, schedule, microbatches):
     plan = autopar.Plan.from_json(results[0]["plan"])
     size = dict(zip(plan.mesh.axis_names, plan.mesh.shape))
     split = {r: math.prod(size[a] for a, role in plan.axis_roles.items() if role == r) for r in ("dp", "tp")}
-    assert plan.degrees == {**split, "pp": pp} and plan.axis_roles[plan.mesh.axis_names[0]] == "pp"
+    assert plan.degrees == {**split, "pp": pp, "ep": 1, "cp": 1} and plan.axis_roles[plan.mesh.axis_names[0]] == "pp"
     assert (plan.schedule, plan.microbatches) == (schedule, microbatches)
 
 
@@ -165,7 +165,7 @@ def test_tensor_parallel_inside_stages_trains_like_single_device():
     results = run_ranks(4, _tp_in_stage)
     _check("gpt", results, 2, "1f1b", 2)
     plan = autopar.Plan.from_json(results[0]["plan"])
-    assert plan.degrees == {"dp": 1, "tp": 2, "pp": 2}
+    assert plan.degrees == {"dp": 1, "tp": 2, "pp": 2, "ep": 1, "cp": 1}
     assert str(plan.params["blocks.0.fc1.weight"].spec) == "[R,S(0)]" and results[0]["tp_collectives"] > 0
 
 

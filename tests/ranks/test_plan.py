@@ -36,7 +36,7 @@ def test_json_round_trip_is_identical(tmp_path):
 def test_public_plan_fields():
     plan = _gpt_plan(mode="data")
     assert plan.mode == autopar.ParallelMode.DATA
-    assert plan.degrees == {"dp": 4, "tp": 1, "pp": 1}
+    assert plan.degrees == {"dp": 4, "tp": 1, "pp": 1, "ep": 1, "cp": 1}
     assert plan.microbatches == 1 and plan.schedule == "none"
     assert plan.step_time > 0 and plan.flops > 0 and plan.solve_time > 0
     assert len(plan.memory_per_device) == 4 and all(m > 0 for m in plan.memory_per_device)

@@ -19,7 +19,7 @@ SMALL = dataclasses.replace(TABLE1[4], billions=0.05, heads=4, hidden=256, layer
 def test_forced_plan_is_the_published_configuration():
     before = autopar.get_auto_parallel_context()
     plan, wall = plan_forced(SMALL)
-    assert plan.degrees == {"dp": 2, "tp": 2, "pp": 2}
+    assert plan.degrees == {"dp": 2, "tp": 2, "pp": 2, "ep": 1, "cp": 1}
     assert plan.mesh.axis_names == ("pp", "dp", "tp")
     mo = plan.memory_options
     assert (mo.mixed_precision, mo.recompute, mo.zero) == ("bf16", "full", 0)

@@ -1,0 +1,43 @@
+"""The intra-op problem's prices of an ``autopar::moe_experts`` node under one strategy
+(``cost_models/moe.py`` has the formulas): its compute on one rank and its dispatch all-to-alls,
+each at the load imbalance where the experts are split (``Costing.moe_imbalance``)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from autopar.cost_models.compute import OpCost, OpWork, cost_from_work, node_work
+from autopar.cost_models.moe import MoeShape, expert_split_axes, local_rows_per_expert
+from autopar.sharding.strategy import Strategy
+
+
+def moe_split_cost(node: fx.Node, base: OpCost, st: Strategy, f: int, c) -> OpCost:
+    """One rank's cost: the work over ``f`` (``problem.work_split``), its GEMMs at the local rows per
+    expert (``cost_models.moe.local_rows_per_expert``), times ``c.moe_imbalance`` (launches excluded)
+    where the experts are split."""
+    if f <= 1:
+        return base
+    work = node_work(node)
+    dim = MoeShape(node).gemm_dim(local_rows_per_expert(node, st.inputs, c.mesh_shape))
+    local = OpWork(work.flops_fwd / f, work.flops_bwd / f, work.bytes_fwd / f, work.bytes_bwd / f,
+                   work.kernels_fwd, work.kernels_bwd,
+                   tuple((dim, fl / f) for _, fl in work.matmuls_fwd), tuple((dim, fl / f) for _, fl in work.matmuls_bwd))
+    cost = cost_from_work(local, c.device, base_dtype(node))
+    k = c.moe_imbalance if expert_split_axes(st.local, c.mesh_shape) else 1.0
+    if k == 1.0:
+        return cost
+    return dataclasses.replace(cost, time_fwd=(cost.time_fwd - cost.launch_fwd) * k + cost.launch_fwd,
+                               time_bwd=(cost.time_bwd - cost.launch_bwd) * k + cost.launch_bwd)
+
+
+def base_dtype(node: fx.Node):
+    return node.args[1].meta["val"].dtype
+
+
+def imbalanced_dispatch(colls: list[tuple], st: Strategy, c) -> list[tuple]:
+    """``(kind, bytes, axis, phase, seconds)`` entries with each all-to-all on an axis that splits the
+    experts charged ``c.moe_imbalance`` times its seconds (the busiest rank's share)."""
+    axes = set(expert_split_axes(st.local, c.mesh_shape))
+    k = c.moe_imbalance
+    return [(kind, nb, ax, ph, t * k if kind == "all_to_all" and ax in axes else t) for kind, nb, ax, ph, t in colls]

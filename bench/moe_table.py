@@ -1,0 +1,208 @@
+"""Benchmark (issue 34): published mixture-of-experts training throughputs, planned by autopar on
+simulated clusters (``bench/paper_table.py --table moe``).
+
+Rows (``MOE_ROWS``), models built on the meta device from Hugging Face configs:
+
+* **Mixtral 8x7B on 64 H100** (Megatron-Core, ``megatron/core/transformer/moe/README.md``, "Reference
+  Best Parallel Mapping" and its headline): TP1 x EP8 x PP4 (VP 8), dropless all-to-all dispatcher,
+  bf16, sequence 4096, micro-batch 1, global batch 256, distributed optimizer; **468 TFLOP/s per
+  GPU** (MCore v0.9). TFLOP/s counted as Megatron counts them (``megatron_flops``, its
+  ``num_floating_point_operations``: 12 B s L h^2 ((1 + g/a + s/h) + f/h k 3/2 + V/(2 L h))).
+* **DeepSeek-V3 671B on 2048 H800** (DeepSeek-V3 technical report, arXiv 2412.19437): PP16 x EP64
+  (spanning 8 nodes) x ZeRO-1 data parallelism, no tensor parallelism, sequence 4096, batch 15360
+  sequences at the end of its batch-size schedule. The report gives no TFLOP/s; it gives 180K H800
+  GPU hours per trillion training tokens (section 1). Per GPU::
+
+      tokens / GPU-second = 1e12 / (180e3 x 3600) = 1543
+      FLOPs / token       = 6 x 37e9 (activated parameters; forward + backward, attention left out)
+      TFLOP/s per GPU     = 6 x 37e9 x 1543 / 1e12 = 342.6
+
+  DeepSeek ran its GEMMs in FP8 with DualPipe overlapping the all-to-alls; autopar plans bf16 and
+  adds communication to compute where it does not model overlap. Its attention is MLA (the HF
+  config traces with ``attn_implementation="eager"``).
+
+For each row: FORCED, the published layout as a named mesh ``("pp", "dp", "ep")`` (every
+``moe_experts`` node takes "ep" on the "ep" axis, ``solver/moe_axes.py``; dense ops data-parallel over
+``dp x ep``), bf16 mixed precision and ZeRO 0 (both sources shard the optimizer state over the
+data-parallel ranks; autopar does not combine ZeRO with a pipeline yet: the forced plans keep it whole,
+which changes memory, not the step's communication volume), in SEMI_AUTO (the planner picks
+schedule and recomputation; microbatches are the published ones: one sequence per data-parallel rank,
+``batch / (dp x ep)``); AUTO, autopar's own plan on an unnamed mesh of the same
+GPUs. Each job runs in its own process (``paper_table.run_isolated`` style) with a hard timeout.
+
+    PYTHONPATH=. .venv/bin/python bench/paper_table.py --table moe [--rows mixtral_8x7b] [--skip-auto]
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+import autopar
+
+TOLERANCE = 0.25
+
+
+@dataclass(frozen=True)
+class MoeRow:
+    name: str
+    family: str                  # "mixtral" | "deepseek_v3"
+    config: dict                 # the HF config's fields
+    device: str
+    gpus: int
+    mesh: tuple                  # forced (pp, dp, ep)
+    seq: int
+    batch: int                   # global batch, sequences
+    zero: int
+    tflops: float                # published (or derived) TFLOP/s per GPU
+    source: str
+    gpus_per_node: int = 8
+    flops_kind: str = "megatron"  # how TFLOP/s is counted: "megatron" or "6n" (6 x activated parameters)
+    activated: float = 0.0       # activated parameters per token ("6n")
+    extra: dict = field(default_factory=dict)
+
+
+MIXTRAL_8X7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                    max_position_embeddings=32768)
+DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                   num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+                   n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+                   q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                   max_position_embeddings=4096)
+
+MOE_ROWS = [
+    MoeRow("mixtral_8x7b", "mixtral", MIXTRAL_8X7B, "h100", 64, (4, 2, 8), 4096, 256, 0, 468.0,
+           "Megatron-Core MoE README (MCore v0.9): TP1 EP8 PP4 VP8, 64 H100, seq 4096, GBS 256"),
+    MoeRow("deepseek_v3", "deepseek_v3", DEEPSEEK_V3, "h800", 2048, (16, 2, 64), 4096, 15360, 0, 342.6,
+           "DeepSeek-V3 report: PP16 EP64 ZeRO-1 on 2048 H800; 180K GPU hours / 1T tokens -> 342.6 TF (6N)",
+           flops_kind="6n", activated=37e9),
+]
+
+
+def megatron_flops(cfg: dict, batch: int, seq: int) -> float:
+    """Megatron-LM's ``num_floating_point_operations`` (training.py) for a SwiGLU GQA MoE model."""
+    h, L, a = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    g, f, k, v = cfg["num_key_value_heads"], cfg["intermediate_size"], cfg["num_experts_per_tok"], cfg["vocab_size"]
+    return 12 * batch * seq * L * h * h * ((1 + g / a + seq / h) + f / h * k * 1.5 + v / (2 * L * h))
+
+
+def step_flops(row: MoeRow) -> float:
+    """FLOPs per step as the row's source counts them."""
+    if row.flops_kind == "6n":
+        return 6 * row.activated * row.batch * row.seq
+    return megatron_flops(row.config, row.batch, row.seq)
+
+
+def build(row: MoeRow):
+    """(model, inputs, loss, target) on the meta device."""
+    import transformers as tf
+
+    from examples.hf_zoo import LogitsOnly, lm_loss
+
+    common = dict(use_cache=False, attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if row.family == "mixtral":
+        cfg, cls = tf.MixtralConfig(**row.config, **common), tf.MixtralForCausalLM
+    else:
+        cfg, cls = tf.DeepseekV3Config(**row.config, **common), tf.DeepseekV3ForCausalLM
+    with torch.device("meta"):
+        model = LogitsOnly(cls(cfg))
+    x = torch.zeros(row.batch, row.seq, dtype=torch.long)
+    return model, (x,), lm_loss, x
+
+
+def plan_row(row: MoeRow, forced: bool, time_budget: float | None) -> tuple[autopar.Plan, float]:
+    model, inputs, loss, target = build(row)
+    autopar.reset_auto_parallel_context()
+    autopar.clear_annotations()
+    if forced:
+        # the published micro-batch of 1 sequence per data-parallel rank: batch / (dp x ep) microbatches
+        autopar.set_auto_parallel_context(zero=row.zero, microbatches=row.batch // (row.mesh[1] * row.mesh[2]))
+        mesh = autopar.Mesh(row.mesh, axis_names=("pp", "dp", "ep"), device=row.device, gpus_per_node=row.gpus_per_node)
+        mode = "semi_auto"
+    else:
+        mesh = autopar.Mesh(row.gpus, device=row.device, gpus_per_node=row.gpus_per_node)
+        mode = "auto"
+    try:
+        t0 = time.perf_counter()
+        plan = autopar.plan(model, mesh, example_inputs=inputs, loss_fn=loss, example_target=target, mode=mode,
+                            mixed_precision="bf16", time_budget=time_budget)
+        return plan, time.perf_counter() - t0
+    finally:
+        autopar.reset_auto_parallel_context()
+
+
+def result(row: MoeRow, forced: bool, time_budget: float | None) -> dict:
+    try:
+        plan, wall = plan_row(row, forced, time_budget)
+    except Exception as err:  # noqa: BLE001 - a row that cannot be planned is a finding
+        return {"error": f"{type(err).__name__}: {err}"}
+    tf = step_flops(row) / plan.step_time / row.gpus / 1e12
+    d = plan.degrees
+    return {"tflops": tf, "ratio": tf / row.tflops, "step": plan.step_time, "solve": wall,
+            "degrees": " ".join(f"{k}={d[k]}" for k in ("pp", "dp", "tp", "ep") if d.get(k, 1) > 1) or "1",
+            "mb": f"{plan.microbatches} {plan.schedule}", "options": plan.memory_options.summary(),
+            "mem_gib": max(plan.memory_per_device) / 2**30, "note": plan.search_note,
+            "flops_ratio": plan.flops / step_flops(row) if plan.flops else math.nan}
+
+
+def _worker(row, forced, budget, queue):
+    try:
+        queue.put(result(row, forced, budget))
+    except BaseException:  # noqa: BLE001
+        queue.put({"error": traceback.format_exc(limit=3)})
+
+
+def run_isolated(row: MoeRow, forced: bool, budget, hard_timeout: float) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_worker, args=(row, forced, budget, queue), daemon=True)
+    t0 = time.perf_counter()
+    proc.start()
+    try:
+        res = queue.get(timeout=hard_timeout)
+    except Exception:  # noqa: BLE001 - over the hard limit
+        res = {"error": f"killed after {hard_timeout:.0f} s (hard timeout)"}
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    res["wall"] = time.perf_counter() - t0
+    return res
+
+
+def _fmt(kind: str, r: dict | None) -> str:
+    if r is None:
+        return f"{kind}: skipped"
+    if "error" in r:
+        return f"{kind}: ERROR {r['error'].strip().splitlines()[-1][:300]} (wall {r.get('wall', math.nan):.0f} s)"
+    flag = "" if kind == "auto" or abs(r["ratio"] - 1) <= TOLERANCE else " OFF"
+    return (f"{kind}: {r['degrees']} mb {r['mb']} | {r['options']} | {r['tflops']:.1f} TF ({r['ratio']:.2f}x{flag}) | "
+            f"step {r['step']:.2f} s | {r['mem_gib']:.1f} GiB | solve {r['solve']:.1f} s | planner/counted FLOPs "
+            f"{r['flops_ratio']:.2f}" + (f" | {r['note']}" if r.get("note") else ""))
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="MoE rows of bench/paper_table.py")
+    ap.add_argument("--rows", default=",".join(r.name for r in MOE_ROWS))
+    ap.add_argument("--skip-auto", action="store_true")
+    ap.add_argument("--skip-forced", action="store_true")
+    ap.add_argument("--time-budget", type=float, default=60.0)
+    ap.add_argument("--hard-timeout", type=float, default=900.0)
+    args = ap.parse_args(argv)
+    rows = {r.name: r for r in MOE_ROWS}
+    for name in args.rows.split(","):
+        row = rows[name.strip()]
+        f = None if args.skip_forced else run_isolated(row, True, None, args.hard_timeout)
+        a = None if args.skip_auto else run_isolated(row, False, args.time_budget, args.hard_timeout)
+        vs = ""
+        if f and a and "tflops" in f and "tflops" in a:
+            vs = f" | AUTO/FORCED {a['tflops'] / f['tflops']:.2f}x"
+        print(f"{row.name} on {row.gpus} {row.device} | published {row.tflops:g} TF ({row.source})\n  "
+              f"{_fmt('forced', f)}\n  {_fmt('auto', a)}{vs}", flush=True)
