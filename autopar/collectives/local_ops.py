@@ -12,6 +12,7 @@ import torch
 from torch.ops import aten
 
 from autopar.collectives import comm
+from autopar.collectives.attention_cp import attention_gather, attention_ring
 from autopar.collectives.groups import axis as _axis
 
 
@@ -159,6 +160,7 @@ def batch_norm(input, weight, bias, running_mean, running_var, training, momentu
 
 
 # family -> the function that replaces the op (``passes/insert_collectives._apply_local``)
-IMPLS = {"embedding": embedding, "loss": cross_entropy_loss, "batch_norm": batch_norm}
+IMPLS = {"embedding": embedding, "loss": cross_entropy_loss, "batch_norm": batch_norm,
+         "attn_gather": attention_gather, "attn_ring": attention_ring}
 # family -> the local rescale that follows the op itself (a mean over a split dim)
 RESCALES = {"mean": scale}
