@@ -137,8 +137,8 @@ def _fold(g: torch.Tensor, heads: int) -> torch.Tensor:
 class _Ring:
     """One rank's ring over an axis: send the held tensors on, receive the previous rank's."""
 
-    def __init__(self, name: str, phase: str):
-        self.ax, self.phase = _axis(name), phase
+    def __init__(self, ax, phase: str):
+        self.ax, self.phase = ax, phase
         n, r = self.ax.size, self.ax.rank
         self.next = dist.get_global_rank(self.ax.group, (r + 1) % n)
         self.prev = dist.get_global_rank(self.ax.group, (r - 1) % n)
@@ -166,10 +166,10 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, qpos, kpos, causal, scale, name):
-        ring = _Ring(name, "fwd")
+        ring = _Ring(_axis(name), "fwd")
         n, r, heads = ring.ax.size, ring.ax.rank, q.shape[-3]
         out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
         blk = [k, v]
         for step in range(n):
             pending = ring.start(blk) if step < n - 1 else None
@@ -181,18 +181,18 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 blk = _Ring.finish(pending)
         ctx.save_for_backward(q, k, v, mask, qpos, kpos, out, lse)
-        ctx.causal, ctx.scale, ctx.name = causal, scale, name
+        ctx.causal, ctx.scale, ctx.ax = causal, scale, ring.ax      # backward runs outside the bound axes
         return out
 
     @staticmethod
     def backward(ctx, g):
         q, k, v, mask, qpos, kpos, out, lse = ctx.saved_tensors
-        ring = _Ring(ctx.name, "bwd")
+        ring = _Ring(ctx.ax, "bwd")
         n, r, heads = ring.ax.size, ring.ax.rank, q.shape[-3]
         g = g.contiguous()
-        delta = (g.float() * out.float()).sum(-1)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        blk = [k, v, torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        delta = (g.to(_acc(q)) * out.to(_acc(q))).sum(-1)
+        dq = torch.zeros_like(q, dtype=_acc(q))
+        blk = [k, v, torch.zeros_like(k, dtype=_acc(q)), torch.zeros_like(v, dtype=_acc(q))]
         for step in range(n):
             pending = ring.start(blk[:2]) if step < n - 1 else None
             src = (r - step) % n
@@ -210,6 +210,11 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), blk[2].to(k.dtype), blk[3].to(v.dtype), None, None, None, None, None, None
 
 
+def _acc(q: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: float32 for low-precision inputs, the inputs' own otherwise."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def _block_args(mask, qpos, kpos, causal):
     """(mask columns of the block, visibility) or None where the causal mask hides the whole block."""
     if causal and int(kpos.min()) > int(qpos.max()):
@@ -221,7 +226,7 @@ def _block_args(mask, qpos, kpos, causal):
 
 
 def _scores(q, kb, scale, cols, visible):
-    s = torch.matmul(q.float(), kb.float().transpose(-1, -2)) * scale
+    s = torch.matmul(q.to(_acc(q)), kb.to(_acc(q)).transpose(-1, -2)) * scale
     return _mask_scores(s, cols, visible)
 
 
@@ -229,7 +234,7 @@ def _block_forward(q, kb, vb, scale, cols, visible):
     s = _scores(q, kb, scale, cols, visible)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
-    return torch.matmul(p, vb.float()), lse
+    return torch.matmul(p, vb.to(_acc(q))), lse
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -240,17 +245,17 @@ def _merge(out, lse, o_b, lse_b):
     new = torch.logaddexp(lse, lse_b)
     safe = _finite(new)
     w, w_b = torch.exp(lse - safe).unsqueeze(-1), torch.exp(lse_b - safe).unsqueeze(-1)
-    return (out.float() * w + o_b * w_b).to(out.dtype), new
+    return (out.to(o_b.dtype) * w + o_b * w_b).to(out.dtype), new
 
 
 def _block_backward(q, kb, vb, g, lse, delta, scale, cols, visible):
     s = _scores(q, kb, scale, cols, visible)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
-    gf = g.float()
+    gf = g.to(_acc(q))
     dv = torch.matmul(p.transpose(-1, -2), gf)
-    ds = p * (torch.matmul(gf, vb.float().transpose(-1, -2)) - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, kb.float()) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+    ds = p * (torch.matmul(gf, vb.to(_acc(q)).transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, kb.to(_acc(q))) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(_acc(q))) * scale
     return dq, dk, dv
 
 

@@ -97,8 +97,8 @@ def _attn_gather(node: fx.Node, st: Strategy, roles: dict, mesh_shape) -> list[L
 
 def _attn_ring(node: fx.Node, st: Strategy, roles: dict, mesh_shape) -> list[LocalCollective]:
     """``attention_cp.attention_ring``: over the last cp axis (n ranks) K and V each hop n-1 times
-    forward; backward they hop n-1 times again and their fp32 gradient accumulators n times.
-    Further cp axes are gathered first (``_gathers``)."""
+    forward; backward they hop n-1 times again and their gradient accumulators (at least fp32)
+    n times. Further cp axes are gathered first (``_gathers``)."""
     axes = roles.get("cp", [])
     if not axes:
         return []
@@ -108,7 +108,7 @@ def _attn_ring(node: fx.Node, st: Strategy, roles: dict, mesh_shape) -> list[Loc
     ring, n = axes[-1], mesh_shape[axes[-1]]
     out += [("send_recv", b, ring, "fwd") for _ in range(n - 1) for b in kv]
     if any(a in need for a in ins[:3]):
-        grad = [b / max(_itemsize(a), 1) * 4 for a, b in zip(ins[1:3], kv)]
+        grad = [b / _itemsize(a) * max(_itemsize(a), 4) for a, b in zip(ins[1:3], kv)]
         out += [("send_recv", b, ring, "bwd") for _ in range(n - 1) for b in kv]
         out += [("send_recv", b, ring, "bwd") for _ in range(n) for b in grad]
     return out
