@@ -9,15 +9,33 @@ import torch
 import autopar
 from autopar import Shard
 from autopar.collectives.attention_cp import causal_flops_per_rank, zigzag_chunks
-from conftest import run_ranks
+import conftest
 from cp_models import TinyGPT, encoder, token_loss, tokens
 from oracle import assert_same_training, parallel_run, reference_run
 
 BATCH = 2
 
 
+def run_ranks(n: int, fn, *args) -> list:
+    """``conftest.run_ranks`` with room for a loaded machine: each of these plans and trains a
+    model on every rank (the pool's own limit is 120 s)."""
+    return conftest._pool(n).run(conftest._fresh_call, fn, *args, timeout_s=600)
+
+
 def _cp_input(model):
     autopar.shard_input(0, {"cp": Shard(1)})
+
+
+def _dp_cp_input(model):
+    autopar.shard_input(0, {"dp": Shard(0), "cp": Shard(1)})
+
+
+def _hf_llama():
+    """HF Llama: sdpa attention with its mask tensor, grouped-query heads (2 K/V heads), rotary."""
+    from hf_zoo import llama
+
+    torch.manual_seed(0)
+    return llama(2, attn_implementation="sdpa", num_key_value_heads=2, max_position_embeddings=64)
 
 
 def _attention(plan) -> list:
@@ -29,10 +47,10 @@ def _job(rank, model_fn, shape, names, form, pad):
     switched to ``form`` (run as given, HYBRID)."""
     x, y = tokens(BATCH, pad=pad)
     mesh = autopar.Mesh(shape, axis_names=names)
-    kw = {}
+    kw, annotate = {}, _dp_cp_input if "dp" in names else _cp_input
     if form is not None:
         torch.manual_seed(0)
-        _cp_input(None)
+        annotate(None)
         plan = autopar.plan(model_fn(), mesh, example_inputs=(x,), loss_fn=token_loss, example_target=y,
                             mode="semi_auto")
         autopar.clear_annotations()
@@ -40,7 +58,7 @@ def _job(rank, model_fn, shape, names, form, pad):
             n.local = [form if loc and loc.endswith(":cp") else loc for loc in n.local]
         kw = {"plan": plan}
     out = parallel_run(rank, model_fn, token_loss, x, y, mesh, "hybrid" if form else "semi_auto",
-                       setup=None if form else _cp_input, **kw)
+                       setup=None if form else annotate, **kw)
     out["attention"] = [n.local for n in _attention(autopar.Plan.from_json(out["plan"]))]
     return out
 
@@ -54,10 +72,34 @@ def _check(model_fn, shape, names, form, pad=0, ranks=4):
     return results
 
 
-@pytest.mark.parametrize("form", ["attn_gather:cp", "attn_ring:cp"])
+@pytest.mark.parametrize("form", ["attn_gather:cp", pytest.param("attn_ring:cp", marks=pytest.mark.slow)])
 def test_gpt_causal_cp4_trains_like_one_device(form):
     results = _check(TinyGPT, (4,), ("cp",), form)
     used = results[0]["attention"]
+    assert used and all(loc == [form] for loc in used), used
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["attn_gather:cp", "attn_ring:cp"])
+def test_hf_llama_sdpa_gqa_rotary_cp4_trains_like_one_device(form):
+    pytest.importorskip("transformers")
+    used = _check(_hf_llama, (4,), ("cp",), form)[0]["attention"]
+    assert used and all(loc == [form] for loc in used), used
+
+
+@pytest.mark.slow
+def test_gpt_cp2_dp2_trains_like_one_device():
+    results = _check(TinyGPT, (2, 2), ("dp", "cp"), None)
+    plan = autopar.Plan.from_json(results[0]["plan"])
+    for n in _attention(plan):
+        assert n.local == [None, "attn_gather:cp"] or n.local == [None, "attn_ring:cp"], n.local
+    assert plan.params["tok.weight"].grad_sync == ["dp", "cp"] or set(plan.params["tok.weight"].grad_sync) == {"dp", "cp"}
+
+
+@pytest.mark.parametrize("form", ["attn_gather:cp", pytest.param("attn_ring:cp", marks=pytest.mark.slow)])
+def test_bidirectional_encoder_with_padding_mask_cp4_trains_like_one_device(form):
+    used = _check(encoder, (4,), ("cp",), form, pad=5)[0]["attention"]
     assert used and all(loc == [form] for loc in used), used
 
 
@@ -105,3 +147,27 @@ def test_attention_op_forms_match_the_whole_op(form):
         for out_err, grad_errs, calls in run_ranks(4, _op_job, form, shape, causal, gqa, masked):
             assert out_err < 1e-10 and max(grad_errs) < 1e-10, (form, shape, causal, gqa, masked, out_err, grad_errs)
             assert calls > 0
+
+
+def test_zigzag_split_balances_causal_attention_within_ten_percent():
+    """Per-rank work of causal attention: the zig-zag order (rank r: chunks r, 2n-1-r) is balanced
+    within 10 %; the contiguous split and ``Shard(dim, chunks=2)``'s order (r, n+r) are not."""
+    seq, d = 1024, 64
+    whole = causal_flops_per_rank(seq, [[0]], 1, d)[0]
+    assert whole == 2 * d * seq * (seq + 1) // 2
+    for n in (2, 4, 8):
+        zigzag = causal_flops_per_rank(seq, [list(zigzag_chunks(r, n)) for r in range(n)], 2 * n, d)
+        contiguous = causal_flops_per_rank(seq, [[r] for r in range(n)], n, d)
+        blockwise = causal_flops_per_rank(seq, [[r, n + r] for r in range(n)], 2 * n, d)
+        for split in (zigzag, contiguous, blockwise):
+            assert sum(split) == whole
+        assert max(zigzag) <= 1.1 * min(zigzag), zigzag
+        assert max(contiguous) > 1.5 * min(contiguous) and max(blockwise) > 1.1 * min(blockwise)
+
+
+def test_a_sequence_the_cp_axis_does_not_divide_is_a_clear_error():
+    x, y = tokens(BATCH)
+    x, y = x[:, :62], y[:, :62]
+    with pytest.raises(Exception, match=r"sequence \(62, dim 1 of .*context-parallel size 4.*multiple of 4"):
+        autopar.plan(TinyGPT(), autopar.Mesh(4, axis_names=("cp",)), example_inputs=(x,), loss_fn=token_loss,
+                     example_target=y, mode="semi_auto")
