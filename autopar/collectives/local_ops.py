@@ -2,7 +2,8 @@
 
 Each takes the aten op's own arguments plus ``_axes`` ({role: [mesh axis names]}):
 vocab-parallel embedding and cross entropy (Megatron), batch-split losses that divide by
-the global count, and batch norm with statistics synced over the batch axes. The collectives
+the global count, batch norm with statistics synced over the batch axes, and sequence-split
+attention (``attention_cp.py``: all-gather K/V or ring). The collectives
 each runs are described in ``autopar/sharding/local_impls.py`` (the plan's list and its cost):
 change both together (``tests/test_local_impls.py`` counts them).
 """
