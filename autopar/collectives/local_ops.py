@@ -2,7 +2,8 @@
 
 Each takes the aten op's own arguments plus ``_axes`` ({role: [mesh axis names]}):
 vocab-parallel embedding and cross entropy (Megatron), batch-split losses that divide by
-the global count, and batch norm with statistics synced over the batch axes. The collectives
+the global count, batch norm with statistics synced over the batch axes, and sequence-split
+attention (``attention_cp.py``: all-gather K/V or ring). The collectives
 each runs are described in ``autopar/sharding/local_impls.py`` (the plan's list and its cost):
 change both together (``tests/ranks/test_local_impls.py`` counts them).
 """
@@ -12,6 +13,7 @@ import torch
 from torch.ops import aten
 
 from autopar.collectives import comm, moe_dispatch
+from autopar.collectives.attention_cp import attention_gather, attention_ring
 from autopar.collectives.groups import axis as _axis
 
 
@@ -159,7 +161,8 @@ def batch_norm(input, weight, bias, running_mean, running_var, training, momentu
 
 
 # family -> the function that replaces the op (``passes/insert_collectives._apply_local``)
-IMPLS = {"embedding": embedding, "loss": cross_entropy_loss, "batch_norm": batch_norm, "moe": moe_dispatch.moe_experts}
+IMPLS = {"embedding": embedding, "loss": cross_entropy_loss, "batch_norm": batch_norm, "moe": moe_dispatch.moe_experts,
+         "attn_gather": attention_gather, "attn_ring": attention_ring}
 # ops that never run as themselves in a per-rank program (no autograd of their own): op -> family.
 # ``passes/insert_collectives.py`` swaps every node of these for ``IMPLS[family]``, with or without roles.
 ALWAYS_LOCAL = {torch.ops.autopar.moe_experts.default: "moe"}

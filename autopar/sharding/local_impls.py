@@ -101,6 +101,50 @@ def _moe(node: fx.Node, st: Strategy, roles: dict, mesh_shape) -> list[LocalColl
     return fwd + bwd
 
 
+def _kv_bytes(node: fx.Node, st: Strategy, mesh_shape, i: int, itemsize: int | None = None) -> float:
+    """Bytes of this rank's piece of input ``i`` (1: keys, 2: values)."""
+    v = tensor_inputs(node)[i].meta["val"]
+    return v.numel() / shard_factor(st.inputs[i], mesh_shape) * (itemsize or v.element_size())
+
+
+def _gathers(node, st, mesh_shape, axes, grads: bool) -> tuple[list[LocalCollective], list[float]]:
+    """``attention_cp._gather_kv``: K then V all-gathered over each axis, innermost first (each
+    gather's bytes its output); backward, where they need gradients, reduce-scatters of the same
+    sizes. Returns the list and the K/V bytes gathered."""
+    sizes, out = [_kv_bytes(node, st, mesh_shape, 1), _kv_bytes(node, st, mesh_shape, 2)], []
+    for ax in reversed(axes):
+        sizes = [b * mesh_shape[ax] for b in sizes]
+        out += [("all_gather", b, ax, "fwd") for b in sizes]
+        out += [("reduce_scatter", b, ax, "bwd") for i, b in enumerate(sizes) if grads[i]]
+    return out, sizes
+
+
+def _attn_gather(node: fx.Node, st: Strategy, roles: dict, mesh_shape) -> list[LocalCollective]:
+    """``attention_cp.attention_gather``: K and V gathered along the sequence over the cp axes."""
+    need = grad_nodes(node.graph)
+    grads = [a in need for a in tensor_inputs(node)[1:3]]
+    return _gathers(node, st, mesh_shape, roles.get("cp", []), grads)[0]
+
+
+def _attn_ring(node: fx.Node, st: Strategy, roles: dict, mesh_shape) -> list[LocalCollective]:
+    """``attention_cp.attention_ring``: over the last cp axis (n ranks) K and V each hop n-1 times
+    forward; backward they hop n-1 times again and their gradient accumulators (at least fp32)
+    n times. Further cp axes are gathered first (``_gathers``)."""
+    axes = roles.get("cp", [])
+    if not axes:
+        return []
+    need = grad_nodes(node.graph)
+    ins = tensor_inputs(node)
+    out, kv = _gathers(node, st, mesh_shape, axes[:-1], [a in need for a in ins[1:3]])
+    ring, n = axes[-1], mesh_shape[axes[-1]]
+    out += [("send_recv", b, ring, "fwd") for _ in range(n - 1) for b in kv]
+    if any(a in need for a in ins[:3]):
+        grad = [b / _itemsize(a) * max(_itemsize(a), 4) for a, b in zip(ins[1:3], kv)]
+        out += [("send_recv", b, ring, "bwd") for _ in range(n - 1) for b in kv]
+        out += [("send_recv", b, ring, "bwd") for _ in range(n) for b in grad]
+    return out
+
+
 def _none(node, st, roles, mesh_shape) -> list[LocalCollective]:
     return []
 
@@ -111,6 +155,8 @@ LOCAL_IMPLS: dict[str, LocalImpl] = {
     "embedding": LocalImpl(("vocab",), _none),     # masked lookup, Partial out: the edge sums it
     "mean": LocalImpl(("scale",), _none),          # local mean rescaled by the shard count
     "moe": LocalImpl(("batch", "ep", "experts"), _moe),   # experts: Partial out, the edge sums it
+    "attn_gather": LocalImpl(("cp",), _attn_gather),   # context parallelism, all-gather K/V
+    "attn_ring": LocalImpl(("cp",), _attn_ring),       # context parallelism, ring attention
 }
 
 

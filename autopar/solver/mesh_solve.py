@@ -28,6 +28,7 @@ from autopar.plan.plan import CandidateError, Collective, MemoryOptions, Plan, P
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard, shard_factor
 from autopar.solver.annotations import restrict_op_strategies
+from autopar.solver.context_axes import keep_sequence_split
 from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
@@ -85,6 +86,7 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
     if mesh.named and mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO):
         _axis_roles(traced, cands, mesh, input_ann, only)
         expert_axis_choices(traced, cands, mesh, allowed)
+        keep_sequence_split(traced, cands, mesh, input_ann, allowed, only)
     by_canon = {}
     for ph, pname in traced.params.items():
         for alias in traced.aliases.get(pname, [pname]):

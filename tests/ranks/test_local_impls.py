@@ -93,12 +93,27 @@ class Emb(nn.Module):
         return self.emb(ids).mean(-1)
 
 
+class Attn(nn.Module):
+    """Causal grouped-query attention (4 query heads, 2 K/V heads): both sequence-split forms."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 2).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 4, 2).transpose(1, 2).chunk(2, 1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return a.transpose(1, 2).reshape(b, t, 8)
+
+
 def _nll(out, y):
     return F.nll_loss(F.log_softmax(out, -1), y, reduction="sum")
 
 
 CASES = [(Head, "vector", F.cross_entropy), (Head, "vector", _nll), (Norms, "image", F.cross_entropy),
-         (Emb, "ids", lambda out, y: F.mse_loss(out, y))]
+         (Emb, "ids", lambda out, y: F.mse_loss(out, y)), (Attn, "seq", F.mse_loss)]
 
 
 def _inputs(kind):
@@ -107,6 +122,8 @@ def _inputs(kind):
         return torch.randn(8, 6, generator=g), torch.randint(0, 8, (8,), generator=g)
     if kind == "image":
         return torch.randn(4, 3, 2, 2, generator=g), torch.randint(0, 4, (4,), generator=g)
+    if kind == "seq":
+        return torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 8, generator=g)
     return torch.randint(0, 8, (4, 4), generator=g), torch.randn(4, 4, generator=g)
 
 
@@ -172,7 +189,9 @@ def _job(rank):
 def test_what_each_local_implementation_runs_is_what_the_registry_says():
     """Every candidate strategy with a local implementation of a vocab/batch-split loss (mean and
     sum, cross entropy and nll), synced batch norm (input with and without a gradient), the
-    vocab-split embedding and a split mean, on a 2x2 mesh: counted collectives = the entry's."""
+    vocab-split embedding, a split mean and sequence-split attention (all-gather and ring, on one
+    axis or both), on a 2x2 mesh: counted collectives = the entry's."""
     for seen, checked in run_ranks(4, _job):
-        assert {"loss:batch", "loss:vocab", "batch_norm:sync", "embedding:vocab", "mean:scale"} <= seen
+        assert {"loss:batch", "loss:vocab", "batch_norm:sync", "embedding:vocab", "mean:scale", "attn_gather:cp",
+                "attn_ring:cp"} <= seen
         assert checked >= 6

@@ -1,4 +1,19 @@
-"""scaled_dot_product_attention: split batch or heads (the mask follows where it has the dim)."""
+"""scaled_dot_product_attention: split batch or heads (the mask follows where it has the dim),
+or the sequence (context parallelism, strategy name ``"cp"``).
+
+Sequence split: queries, keys and values split along their sequence dim over the axis, the
+output split like the queries; a mask splits its query dim and keeps its key dim whole. Two
+local implementations (``collectives/attention_cp.py``), both exact in forward and backward:
+
+* ``attn_gather:cp`` (Llama 3's): all-gather K and V, attend with this rank's queries under
+  the causal mask offset by their positions; backward reduce-scatters the K/V gradients.
+* ``attn_ring:cp`` (ring attention): K/V blocks pass around the ring, merged by log-sum-exp;
+  the backward passes them again with their gradients. Holds one block at a time, never the
+  whole K/V.
+
+They are two families so that one node never mixes them across axes; the solver picks by the
+cost of the collectives ``sharding/local_impls.py`` lists for each.
+"""
 from __future__ import annotations
 
 from torch.ops import aten
@@ -6,6 +21,8 @@ from torch.ops import aten
 from autopar.sharding.placements import R, Shard
 from autopar.sharding.registry import register_rule
 from autopar.sharding.strategy import AxisStrategy, shape_of, tensor_inputs
+
+CP_FORMS = ("attn_gather:cp", "attn_ring:cp")
 
 
 @register_rule(aten.scaled_dot_product_attention.default)
@@ -22,4 +39,16 @@ def sdpa(node):
             j = d - (len(q) - len(s))
             pl.append(Shard(j) if j >= 0 and s[j] != 1 else R)
         opts.append(AxisStrategy(tuple(pl), Shard(d), None, "heads" if d == len(q) - 3 else f"S{d}"))
-    return opts
+    return opts + _sequence(ins)
+
+
+def _sequence(ins) -> list[AxisStrategy]:
+    """Queries, keys, values split along the sequence (dim -2); a mask along its query dim."""
+    q = shape_of(ins[0])
+    if len(q) < 2 or len(ins) < 3 or any(len(shape_of(a)) < 2 for a in ins[:3]):
+        return []
+    pl = [Shard(len(q) - 2), Shard(len(shape_of(ins[1])) - 2), Shard(len(shape_of(ins[2])) - 2)]
+    for m in ins[3:]:
+        s = shape_of(m)
+        pl.append(Shard(len(s) - 2) if len(s) >= 2 and s[-2] != 1 else R)
+    return [AxisStrategy(tuple(pl), Shard(len(q) - 2), form, "cp") for form in CP_FORMS]

@@ -23,10 +23,29 @@ def cross_entropy(node):
     if len(x) >= 1 and len(shape_of(ins[1])) >= 1:
         out = Shard(0) if reduction == _NONE else P
         opts.append(AxisStrategy((Shard(0), Shard(0)) + extra, out, "loss:batch", "batch"))
+        if reduction != _NONE:
+            opts += [AxisStrategy((Shard(0, k), Shard(0, k)) + extra, P, "loss:batch", f"batch/{k}")
+                     for k in _row_blocks(ins[0])]
     if (node.target == aten.cross_entropy_loss.default and len(x) == 2 and not smoothing and len(ins) == 2
             and reduction != _NONE):
         opts.append(AxisStrategy((Shard(1), R), R, "loss:vocab", "vocab"))
     return opts
+
+
+def _row_blocks(x) -> list[int]:
+    """Block counts under which the rows of ``x`` may arrive split block-wise: ``x`` a flatten of
+    ``[B, T, ...]`` into ``[B*T, ...]`` with T split (a sequence split) is ``Shard(0, chunks=B)``.
+    The batch-split loss sums its rows over the global count, so any row split is exact."""
+    src = shape_of(x.args[0]) if x.op == "call_function" and x.args and hasattr(x.args[0], "meta") else ()
+    dst = shape_of(x)
+    if len(src) <= len(dst) or not dst:
+        return []
+    out, k = [], 1
+    for d in src[:len(src) - len(dst) + 1]:
+        if k > 1 and dst[0] % k == 0:
+            out.append(k)
+        k *= d
+    return out
 
 
 @register_rule(aten.mse_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,

@@ -2,6 +2,8 @@
 (un)squeeze, expand, slice/select, cat, split/chunk/unbind. All are linear (Partial passes)."""
 from __future__ import annotations
 
+import math
+
 from torch.ops import aten
 
 from autopar.sharding.placements import P, R, Shard
@@ -46,8 +48,27 @@ def _view_options(node, src: tuple, dst: tuple) -> list[AxisStrategy]:
         if a is None or b is None:
             continue
         opts.append(AxisStrategy((Shard(a),), Shard(b), None, f"S{a}→S{b}"))
+        opts += _inner_options(gi, gj, src, dst)
         if hint > 1 and len(gi) == 1 and len(gj) == 1 and a == len(src) - 1 and b == len(dst) - 1:
             opts.append(AxisStrategy((Shard(a, hint),), Shard(b, hint), None, f"S{a}/{hint}"))
+    return opts
+
+
+def _inner_options(gi: list[int], gj: list[int], src: tuple, dst: tuple) -> list[AxisStrategy]:
+    """A merge of dims split on an inner one: ``[B,T,V] -> [B*T,V]`` with T split is the merged
+    dim split block-wise, ``Shard(0, chunks=B)`` (each of the B blocks split alike: a sequence split
+    kept through a flatten); and its inverse for the unflatten."""
+    opts = []
+    if len(gj) == 1 and len(gi) > 1:
+        for m in range(1, len(gi)):
+            k = math.prod(src[d] for d in gi[:m])
+            if k > 1 and src[gi[m]] > 1:
+                opts.append(AxisStrategy((Shard(gi[m]),), Shard(gj[0], k), None, f"S{gi[m]}→S{gj[0]}/{k}"))
+    if len(gi) == 1 and len(gj) > 1:
+        for m in range(1, len(gj)):
+            k = math.prod(dst[d] for d in gj[:m])
+            if k > 1 and dst[gj[m]] > 1:
+                opts.append(AxisStrategy((Shard(gi[0], k),), Shard(gj[m]), None, f"S{gi[0]}/{k}→S{gj[m]}"))
     return opts
 
 

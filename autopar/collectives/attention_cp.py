@@ -1,0 +1,281 @@
+"""Context-parallel attention: ``scaled_dot_product_attention`` with q, k, v split along the
+sequence over mesh axes (``sharding/rules/attention.py``'s ``"cp"`` strategies).
+
+Each rank holds the queries, keys and values of one contiguous piece of the sequence (piece
+index = ``local_ops.piece_index(axes)``, the first axis outermost); a mask arrives with its
+query dim split and its key dim whole. Positions are explicit: a key at global position ``j``
+is visible to a query at ``i`` under ``is_causal`` iff ``j <= i`` (torch's top-left causal mask
+of the unsplit op).
+
+* ``attention_gather`` (Llama 3): all-gather K and V (``comm.all_gather_rs``: backward
+  reduce-scatters their gradients, which are partial per rank), then the op itself on this
+  rank's queries with the causal mask offset by their positions.
+* ``attention_ring`` (ring attention): ``_RingAttention`` passes the K/V blocks around the ring
+  of the last cp axis with ``batch_isend_irecv`` while computing on the block it holds, merges
+  the blocks' outputs by their log-sum-exp, and in backward recomputes each block's softmax from
+  the saved log-sum-exp while the blocks travel again with their gradient accumulators (one more
+  hop brings the gradients home). Further cp axes are all-gathered first as in the gather form.
+  Blocks entirely above the causal diagonal are skipped (no compute, still forwarded).
+
+Load balance under a causal mask: with contiguous pieces rank ``r`` of ``n`` attends to ``r+1``
+blocks, so the last rank does about ``2n/(n+1)`` times the mean work. The balanced (zig-zag)
+order, rank ``r`` holding chunks ``r`` and ``2n-1-r`` of ``2n``, is a property of the placement
+of every tensor on that axis (token ids, rotary positions, masks, targets and the loss all
+follow the same order), so it belongs in the placement (a mirrored variant of
+``Shard(dim, chunks=2)``, whose block order is ``r, n+r``), not inside the attention op: a
+permutation inside the op would cost two all-to-alls of q, k, v and the output per layer and
+per direction. Both implementations here take positions per block, so a mirrored placement
+needs only a different ``_positions``. ``zigzag_chunks`` and ``causal_flops_per_rank``
+(checked in ``tests/test_context_parallel.py``) measure the balance; the placement itself is
+not implemented yet.
+
+The collectives each runs are listed in ``sharding/local_impls.py`` (``_attn_gather``,
+``_attn_ring``): change both together.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch.ops import aten
+
+from autopar.collectives import comm
+from autopar.collectives.groups import axis as _axis
+
+
+# ---- positions and the balance of a causal split --------------------------------------------
+
+def _piece(indices, sizes) -> int:
+    idx = 0
+    for i, n in zip(indices, sizes):
+        idx = idx * n + i
+    return idx
+
+
+def _positions(piece: int, length: int, device) -> torch.Tensor:
+    return torch.arange(piece * length, (piece + 1) * length, device=device)
+
+
+def zigzag_chunks(rank: int, n: int) -> tuple[int, int]:
+    """The zig-zag (head-tail) order: rank ``r`` of ``n`` holds chunks ``r`` and ``2n-1-r`` of ``2n``."""
+    return rank, 2 * n - 1 - rank
+
+
+def causal_flops_per_rank(seq: int, chunks_of: list[list[int]], n_chunks: int, head_dim: int = 1) -> list[int]:
+    """Multiply-adds of causal attention (QK^T and PV, unmasked entries only) per rank, when rank
+    ``r`` holds the queries of the chunks ``chunks_of[r]`` of ``n_chunks`` equal chunks."""
+    size = seq // n_chunks
+    out = []
+    for chunks in chunks_of:
+        entries = sum(sum(c * size + i + 1 for i in range(size)) for c in chunks)
+        out.append(2 * entries * head_dim)
+    return out
+
+
+def _split_axes(names: list[str]) -> list[str]:
+    """The axes that split: an axis of size 1 holds the whole dim and runs nothing."""
+    return [a for a in names if _axis(a).size > 1]
+
+
+# ---- masks ------------------------------------------------------------------------------
+
+def _mask_scores(s: torch.Tensor, mask, visible) -> torch.Tensor:
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return s
+
+
+def _join_masks(mask, visible: torch.Tensor):
+    if mask is None:
+        return visible
+    if mask.dtype == torch.bool:
+        return mask & visible
+    return mask.masked_fill(~visible, float("-inf"))
+
+
+# ---- all-gather form ----------------------------------------------------------------------
+
+def _gather_kv(key, value, axes: list[str]):
+    """K and V gathered along the sequence over ``axes`` (innermost first: pieces in order)."""
+    for name in reversed(axes):
+        key = comm.all_gather_rs(key, key.dim() - 2, name)
+        value = comm.all_gather_rs(value, value.dim() - 2, name)
+    return key, value
+
+
+def attention_gather(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False, *, _op, _axes):
+    """Llama 3's context parallelism: gather K/V, attend with this rank's queries."""
+    axes = _split_axes(_axes["cp"])
+    key, value = _gather_kv(key, value, axes)
+    if is_causal:
+        tq = query.shape[-2]
+        rows = _positions(_piece([_axis(a).rank for a in axes], [_axis(a).size for a in axes]), tq, query.device)
+        visible = torch.arange(key.shape[-2], device=query.device) <= rows.unsqueeze(-1)
+        attn_mask = _join_masks(attn_mask, visible)
+    return aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, False, scale=scale,
+                                                     enable_gqa=enable_gqa)
+
+
+# ---- ring form ------------------------------------------------------------------------------
+
+def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """K/V heads repeated for grouped-query attention (torch's ``enable_gqa`` order)."""
+    return t if t.shape[-3] == heads else t.repeat_interleave(heads // t.shape[-3], dim=-3)
+
+
+def _fold(g: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of ``_expand``: sum over each group of repeated heads."""
+    if g.shape[-3] == heads:
+        return g
+    return g.unflatten(-3, (heads, g.shape[-3] // heads)).sum(-3)
+
+
+class _Ring:
+    """One rank's ring over an axis: send the held tensors on, receive the previous rank's."""
+
+    def __init__(self, ax, phase: str):
+        self.ax, self.phase = ax, phase
+        n, r = self.ax.size, self.ax.rank
+        self.next = dist.get_global_rank(self.ax.group, (r + 1) % n)
+        self.prev = dist.get_global_rank(self.ax.group, (r - 1) % n)
+
+    def start(self, tensors: list[torch.Tensor]):
+        tensors = [t.contiguous() for t in tensors]
+        got = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.ax.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.ax.group) for t in got]
+        for t in tensors:
+            comm.COUNTER.record("send_recv", t, self.ax.name, self.phase)
+        return dist.batch_isend_irecv(ops), got
+
+    @staticmethod
+    def finish(pending) -> list[torch.Tensor]:
+        reqs, got = pending
+        for req in reqs:
+            req.wait()
+        return got
+
+
+class _RingAttention(torch.autograd.Function):
+    """Exact attention of local queries against K/V blocks passed around a ring (see module doc).
+    ``kpos[s]``: global positions of the keys held by ring rank ``s``; ``qpos``: this rank's queries'."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, qpos, kpos, causal, scale, name):
+        ring = _Ring(_axis(name), "fwd")
+        n, r, heads = ring.ax.size, ring.ax.rank, q.shape[-3]
+        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
+        blk = [k, v]
+        for step in range(n):
+            pending = ring.start(blk) if step < n - 1 else None
+            src = (r - step) % n
+            args = _block_args(mask, qpos, kpos[src], causal)
+            if args is not None:
+                o_b, lse_b = _block_forward(q, _expand(blk[0], heads), _expand(blk[1], heads), scale, *args)
+                out, lse = _merge(out, lse, o_b, lse_b)
+            if pending is not None:
+                blk = _Ring.finish(pending)
+        ctx.save_for_backward(q, k, v, mask, qpos, kpos, out, lse)
+        ctx.causal, ctx.scale, ctx.ax = causal, scale, ring.ax      # backward runs outside the bound axes
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, mask, qpos, kpos, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.ax, "bwd")
+        n, r, heads = ring.ax.size, ring.ax.rank, q.shape[-3]
+        g = g.contiguous()
+        delta = (g.to(_acc(q)) * out.to(_acc(q))).sum(-1)
+        dq = torch.zeros_like(q, dtype=_acc(q))
+        blk = [k, v, torch.zeros_like(k, dtype=_acc(q)), torch.zeros_like(v, dtype=_acc(q))]
+        for step in range(n):
+            pending = ring.start(blk[:2]) if step < n - 1 else None
+            src = (r - step) % n
+            args = _block_args(mask, qpos, kpos[src], ctx.causal)
+            if args is not None:
+                kb, vb = _expand(blk[0], heads), _expand(blk[1], heads)
+                dq_b, dk_b, dv_b = _block_backward(q, kb, vb, g, lse, delta, ctx.scale, *args)
+                dq += dq_b
+                blk[2] = blk[2] + _fold(dk_b, k.shape[-3])
+                blk[3] = blk[3] + _fold(dv_b, v.shape[-3])
+            grads = _Ring.finish(ring.start(blk[2:]))     # the accumulators move on with their block
+            if pending is not None:
+                blk[:2] = _Ring.finish(pending)
+            blk[2:] = grads
+        return dq.to(q.dtype), blk[2].to(k.dtype), blk[3].to(v.dtype), None, None, None, None, None, None
+
+
+def _acc(q: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: float32 for low-precision inputs, the inputs' own otherwise."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _block_args(mask, qpos, kpos, causal):
+    """(mask columns of the block, visibility) or None where the causal mask hides the whole block."""
+    if causal and int(kpos.min()) > int(qpos.max()):
+        return None
+    cols = None if mask is None or mask.shape[-1] == 1 else mask.index_select(-1, kpos)
+    cols = mask if cols is None else cols
+    visible = kpos <= qpos.unsqueeze(-1) if causal else None
+    return cols, visible
+
+
+def _scores(q, kb, scale, cols, visible):
+    s = torch.matmul(q.to(_acc(q)), kb.to(_acc(q)).transpose(-1, -2)) * scale
+    return _mask_scores(s, cols, visible)
+
+
+def _block_forward(q, kb, vb, scale, cols, visible):
+    s = _scores(q, kb, scale, cols, visible)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    return torch.matmul(p, vb.to(_acc(q))), lse
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _merge(out, lse, o_b, lse_b):
+    new = torch.logaddexp(lse, lse_b)
+    safe = _finite(new)
+    w, w_b = torch.exp(lse - safe).unsqueeze(-1), torch.exp(lse_b - safe).unsqueeze(-1)
+    return (out.to(o_b.dtype) * w + o_b * w_b).to(out.dtype), new
+
+
+def _block_backward(q, kb, vb, g, lse, delta, scale, cols, visible):
+    s = _scores(q, kb, scale, cols, visible)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    gf = g.to(_acc(q))
+    dv = torch.matmul(p.transpose(-1, -2), gf)
+    ds = p * (torch.matmul(gf, vb.to(_acc(q)).transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, kb.to(_acc(q))) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(_acc(q))) * scale
+    return dq, dk, dv
+
+
+def attention_ring(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False, *, _op, _axes):
+    """Ring attention over the last ``"cp"`` axis (further cp axes all-gathered first)."""
+    axes = _split_axes(_axes["cp"])
+    if not axes:
+        return aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal,
+                                                         scale=scale, enable_gqa=enable_gqa)
+    if dropout_p:
+        raise NotImplementedError("ring attention with dropout: use dropout_p=0 or the all-gather form")
+    sizes = [_axis(a).size for a in axes]
+    ranks = [_axis(a).rank for a in axes]
+    tk = key.shape[-2]
+    key, value = _gather_kv(key, value, axes[:-1])
+    qpos = _positions(_piece(ranks, sizes), query.shape[-2], query.device)
+    kpos = torch.stack([
+        torch.cat([_positions(_piece(list(outer) + [src], sizes), tk, query.device)
+                   for outer in itertools.product(*[range(s) for s in sizes[:-1]])])
+        for src in range(sizes[-1])])
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return _RingAttention.apply(query, key, value, attn_mask, qpos, kpos, bool(is_causal), scale, axes[-1])

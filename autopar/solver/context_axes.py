@@ -1,0 +1,61 @@
+"""A mesh axis named ``"cp"`` (or ``"context"``) splits the sequence (context parallelism).
+
+SEMI_AUTO and AUTO on a named mesh: every model input and the target not annotated otherwise
+is split along dim 1 (the sequence of a ``[batch, seq, ...]`` input; whole where it has no
+dim 1 that the axis divides), and every op downstream of them keeps an output split on the cp
+axes where it has such a strategy, as DATA keeps the batch split: without it a small model is
+cheaper gathered at once, and the axis would repeat the work. Attention splits its sequence
+there with a ``"cp"`` strategy (``sharding/rules/attention.py``).
+"""
+from __future__ import annotations
+
+import math
+
+from autopar.plan.plan import CandidateError
+from autopar.sharding.placements import R, Replicate, Shard
+
+ROLE_CONTEXT = ("cp", "context")
+
+
+def context_axes(mesh) -> list[int]:
+    return [i for i, n in enumerate(mesh.axis_names) if n in ROLE_CONTEXT]
+
+
+def keep_sequence_split(traced, cands, mesh, input_ann: dict, allowed: dict, only) -> None:
+    """Inputs split along the sequence on the cp axes; their downstream ops keep it split."""
+    axes = context_axes(mesh)
+    if not axes:
+        return
+    cp = math.prod(mesh.shape[a] for a in axes)
+    phs = list(enumerate(traced.inputs)) + ([(None, traced.target)] if traced.target else [])
+    for i, ph in phs:
+        if i in input_ann:
+            continue
+        shape = tuple(traced.node(ph).meta["val"].shape)
+        if len(shape) >= 2 and shape[1] % cp:
+            raise CandidateError(f"the sequence ({shape[1]}, dim 1 of {ph!r}) is not divisible by the context-parallel "
+                                 f"size {cp} (mesh axes {[mesh.axis_names[a] for a in axes]}); use a sequence length "
+                                 f"that is a multiple of {cp}")
+        split = Shard(1) if len(shape) >= 2 and shape[1] > 1 else R
+        current = set(allowed.get(ph, range(len(cands.strategies[ph]))))
+        idx = [k for k in only(ph, lambda spec: all(spec[a] == split for a in axes)) if k in current]
+        allowed[ph] = idx
+    sources = set(traced.inputs) | ({traced.target} if traced.target else set())
+    downstream = set()
+    for node in traced.gm.graph.nodes:
+        if node.name in sources or any(a.name in downstream for a in node.all_input_nodes):
+            downstream.add(node.name)
+    for name in downstream - sources:
+        strategies = cands.strategies.get(name)
+        if not strategies:
+            continue
+        current = allowed.get(name, range(len(strategies)))
+        keep = [k for k in current if all(not isinstance(spec[a], Replicate) for spec in _outs(strategies[k])
+                                          for a in axes)]
+        if keep:
+            allowed[name] = keep
+
+
+def _outs(st):
+    o = st.output
+    return list(o) if o and isinstance(o[0], tuple) else [o]

@@ -1,0 +1,173 @@
+"""Context parallelism (issue 35): attention with q, k, v split along the sequence, both local
+forms (all-gather K/V, ring), through the oracle: loss, gathered gradients before every SGD step
+and parameters after it equal one-device training at 1e-5."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar import Shard
+from autopar.collectives.attention_cp import causal_flops_per_rank, zigzag_chunks
+import conftest
+from cp_models import TinyGPT, encoder, token_loss, tokens
+from oracle import assert_same_training, parallel_run, reference_run
+
+BATCH = 2
+
+
+def run_ranks(n: int, fn, *args) -> list:
+    """``conftest.run_ranks`` with room for a loaded machine: each of these plans and trains a
+    model on every rank (the pool's own limit is 120 s)."""
+    return conftest._pool(n).run(conftest._fresh_call, fn, *args, timeout_s=600)
+
+
+def _cp_input(model):
+    autopar.shard_input(0, {"cp": Shard(1)})
+
+
+def _dp_cp_input(model):
+    autopar.shard_input(0, {"dp": Shard(0), "cp": Shard(1)})
+
+
+def _hf_llama():
+    """HF Llama: sdpa attention with its mask tensor, grouped-query heads (2 K/V heads), rotary."""
+    from hf_zoo import llama
+
+    torch.manual_seed(0)
+    return llama(2, attn_implementation="sdpa", num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _attention(plan) -> list:
+    return [n for n in plan.nodes.values() if "scaled_dot_product_attention" in n.op]
+
+
+def _job(rank, model_fn, shape, names, form, pad):
+    """The solver's plan (``form`` None), or that plan with every sequence-split attention
+    switched to ``form`` (run as given, HYBRID)."""
+    x, y = tokens(BATCH, pad=pad)
+    mesh = autopar.Mesh(shape, axis_names=names)
+    kw, annotate = {}, _dp_cp_input if "dp" in names else _cp_input
+    if form is not None:
+        torch.manual_seed(0)
+        annotate(None)
+        plan = autopar.plan(model_fn(), mesh, example_inputs=(x,), loss_fn=token_loss, example_target=y,
+                            mode="semi_auto")
+        autopar.clear_annotations()
+        for n in _attention(plan):
+            n.local = [form if loc and loc.endswith(":cp") else loc for loc in n.local]
+        kw = {"plan": plan}
+    out = parallel_run(rank, model_fn, token_loss, x, y, mesh, "hybrid" if form else "semi_auto",
+                       setup=None if form else annotate, **kw)
+    out["attention"] = [n.local for n in _attention(autopar.Plan.from_json(out["plan"]))]
+    return out
+
+
+def _check(model_fn, shape, names, form, pad=0, ranks=4):
+    x, y = tokens(BATCH, pad=pad)
+    ref = reference_run(model_fn, token_loss, x, y)
+    results = run_ranks(ranks, _job, model_fn, shape, names, form, pad)
+    for r in results:
+        assert_same_training(ref, r, what=f"cp {shape} {form}")
+    return results
+
+
+@pytest.mark.parametrize("form", ["attn_gather:cp", pytest.param("attn_ring:cp", marks=pytest.mark.slow)])
+def test_gpt_causal_cp4_trains_like_one_device(form):
+    results = _check(TinyGPT, (4,), ("cp",), form)
+    used = results[0]["attention"]
+    assert used and all(loc == [form] for loc in used), used
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["attn_gather:cp", "attn_ring:cp"])
+def test_hf_llama_sdpa_gqa_rotary_cp4_trains_like_one_device(form):
+    pytest.importorskip("transformers")
+    used = _check(_hf_llama, (4,), ("cp",), form)[0]["attention"]
+    assert used and all(loc == [form] for loc in used), used
+
+
+@pytest.mark.slow
+def test_gpt_cp2_dp2_trains_like_one_device():
+    results = _check(TinyGPT, (2, 2), ("dp", "cp"), None)
+    plan = autopar.Plan.from_json(results[0]["plan"])
+    for n in _attention(plan):
+        assert n.local == [None, "attn_gather:cp"] or n.local == [None, "attn_ring:cp"], n.local
+    assert plan.params["tok.weight"].grad_sync == ["dp", "cp"] or set(plan.params["tok.weight"].grad_sync) == {"dp", "cp"}
+
+
+@pytest.mark.parametrize("form", ["attn_gather:cp", pytest.param("attn_ring:cp", marks=pytest.mark.slow)])
+def test_bidirectional_encoder_with_padding_mask_cp4_trains_like_one_device(form):
+    used = _check(encoder, (4,), ("cp",), form, pad=5)[0]["attention"]
+    assert used and all(loc == [form] for loc in used), used
+
+
+def _op_job(rank, form, shape, causal, gqa, masked):
+    """One attention op: the local form on this rank's sequence piece vs the whole op on one rank."""
+    from autopar.collectives import comm, local_ops
+    from autopar.collectives.groups import axis_groups, bound_axes
+
+    mesh = autopar.Mesh(shape, axis_names=tuple(f"c{i}" for i in range(len(shape))))
+    g = torch.Generator().manual_seed(0)
+    b, h, t, d = 2, 4, 16, 8
+    hk = 2 if gqa else h
+    q, k, v = (torch.randn(b, n, t, d, generator=g, dtype=torch.float64) for n in (h, hk, hk))
+    mask = torch.rand(b, 1, t, t, generator=g) > 0.3 if masked else None
+    if mask is not None:
+        mask[..., 0] = True
+    full = [z.clone().requires_grad_() for z in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    grad_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    out.backward(grad_out)
+    n = 1
+    for s in shape:
+        n *= s
+    coords = mesh.coords(rank)
+    piece = 0
+    for c, s in zip(coords, shape):
+        piece = piece * s + c
+
+    def mine(z):
+        return z.chunk(n, -2)[piece]
+
+    local = [mine(z).clone().requires_grad_() for z in (q, k, v)]
+    with bound_axes(axis_groups(mesh)), comm.count_collectives() as counter:
+        o = local_ops.IMPLS[form](*local, None if mask is None else mask.chunk(n, -2)[piece], 0.0, causal,
+                                  enable_gqa=gqa, _op="scaled_dot_product_attention", _axes={"cp": list(mesh.axis_names)})
+        o.backward(mine(grad_out))
+    errs = [float((mine(f.grad) - l.grad).abs().max()) for f, l in zip(full, local)]
+    return float((o - mine(out)).abs().max()), errs, len(counter.calls)
+
+
+@pytest.mark.parametrize("form", ["attn_gather", "attn_ring"])
+def test_attention_op_forms_match_the_whole_op(form):
+    for shape, causal, gqa, masked in [((4,), True, False, False), ((2, 2), True, True, False),
+                                       ((4,), False, True, True)]:
+        for out_err, grad_errs, calls in run_ranks(4, _op_job, form, shape, causal, gqa, masked):
+            assert out_err < 1e-10 and max(grad_errs) < 1e-10, (form, shape, causal, gqa, masked, out_err, grad_errs)
+            assert calls > 0
+
+
+def test_zigzag_split_balances_causal_attention_within_ten_percent():
+    """Per-rank work of causal attention: the zig-zag order (rank r: chunks r, 2n-1-r) is balanced
+    within 10 %; the contiguous split and ``Shard(dim, chunks=2)``'s order (r, n+r) are not."""
+    seq, d = 1024, 64
+    whole = causal_flops_per_rank(seq, [[0]], 1, d)[0]
+    assert whole == 2 * d * seq * (seq + 1) // 2
+    for n in (2, 4, 8):
+        zigzag = causal_flops_per_rank(seq, [list(zigzag_chunks(r, n)) for r in range(n)], 2 * n, d)
+        contiguous = causal_flops_per_rank(seq, [[r] for r in range(n)], n, d)
+        blockwise = causal_flops_per_rank(seq, [[r, n + r] for r in range(n)], 2 * n, d)
+        for split in (zigzag, contiguous, blockwise):
+            assert sum(split) == whole
+        assert max(zigzag) <= 1.1 * min(zigzag), zigzag
+        assert max(contiguous) > 1.5 * min(contiguous) and max(blockwise) > 1.1 * min(blockwise)
+
+
+def test_a_sequence_the_cp_axis_does_not_divide_is_a_clear_error():
+    x, y = tokens(BATCH)
+    x, y = x[:, :62], y[:, :62]
+    with pytest.raises(Exception, match=r"sequence \(62, dim 1 of .*context-parallel size 4.*multiple of 4"):
+        autopar.plan(TinyGPT(), autopar.Mesh(4, axis_names=("cp",)), example_inputs=(x,), loss_fn=token_loss,
+                     example_target=y, mode="semi_auto")
