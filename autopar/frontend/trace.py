@@ -21,6 +21,7 @@ from torch.utils._pytree import TreeSpec
 
 from autopar.frontend.call_inputs import CallSignature, map_tensors, split_example
 from autopar.core.errors import TraceError
+from autopar.frontend.latent_attention import latent_attention_groups
 from autopar.frontend.opaque_functions import opaque_functions
 
 _WRAP = "model."
@@ -207,7 +208,7 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
         args, kwargs = map_tensors(lambda a: a.to("meta"), args, kwargs)
     step = _Step(model, loss_fn, float_loss=mixed_precision == "fp16")
     try:
-        with opaque_functions():
+        with opaque_functions(), latent_attention_groups(model):
             ep = torch.export.export(step, args, kwargs or None, strict=False)
     except TraceError:
         raise
