@@ -21,6 +21,8 @@ from torch.utils._pytree import TreeSpec
 
 from autopar.frontend.call_inputs import CallSignature, map_tensors, split_example
 from autopar.core.errors import TraceError
+from autopar.core.quiet_logs import quiet_fake_tensor_logs
+from autopar.frontend.grouped_mm import traceable_grouped_mm
 from autopar.frontend.latent_attention import latent_attention_groups
 from autopar.frontend.opaque_functions import opaque_functions
 
@@ -208,7 +210,7 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
         args, kwargs = map_tensors(lambda a: a.to("meta"), args, kwargs)
     step = _Step(model, loss_fn, float_loss=mixed_precision == "fp16")
     try:
-        with opaque_functions(), latent_attention_groups(model):
+        with opaque_functions(), latent_attention_groups(model), traceable_grouped_mm(), quiet_fake_tensor_logs():
             ep = torch.export.export(step, args, kwargs or None, strict=False)
     except TraceError:
         raise
