@@ -25,6 +25,7 @@ from autopar.core.quiet_logs import quiet_fake_tensor_logs
 from autopar.frontend.grouped_mm import traceable_grouped_mm
 from autopar.frontend.latent_attention import latent_attention_groups
 from autopar.frontend.opaque_functions import opaque_functions
+from autopar.frontend.static_shapes import check_static_shapes
 
 _WRAP = "model."
 
@@ -216,6 +217,7 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
         raise
     except Exception as err:  # noqa: BLE001 - every failure is reported with its location
         raise _explain_failure(err, model, example_target) from err
+    check_static_shapes(ep.graph_module, _WRAP)
     traced = _from_exported(ep, model, inputs, example_target, loss_fn is not None,
                             signature.num_positional_tensors)
     traced.input_dtypes = dtypes
