@@ -67,3 +67,14 @@ def test_moe_family_trains_like_one_process(name):
 def test_moe_family_trains_like_one_process_in_data_and_auto(name):
     res = _check(name, MODES)
     assert res["data"]["degrees"]["dp"] == WORLD
+
+
+def test_docs_moe_table_matches_the_tests():
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "zoo.md").read_text()
+    section = text.split("## Mixture of experts", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 1 + len(MODES) and re.fullmatch(r"`\w+`", cells[0]):
+            rows[cells[0].strip("`")] = dict(zip(MODES, cells[1:]))
+    assert rows == MOE_TABLE
