@@ -46,6 +46,7 @@ def _check(name, modes):
         for mode in modes:
             assert_same_training(ref, res[mode], what=f"{name} aux loss {mode} rank {r}")
     gap = distance(results[0]["ddp"], ref)
+    print(f"{name}: DDP's distance from one process {gap:.3e}")
     assert gap > DDP_GAP, f"{name}: DDP is only {gap:.2e} from one process; the test does not tell the two apart"
     return gap
 
