@@ -26,7 +26,7 @@ follow the same order), so it belongs in the placement (a mirrored variant of
 permutation inside the op would cost two all-to-alls of q, k, v and the output per layer and
 per direction. Both implementations here take positions per block, so a mirrored placement
 needs only a different ``_positions``. ``zigzag_chunks`` and ``causal_flops_per_rank``
-(checked in ``tests/test_context_parallel.py``) measure the balance; the placement itself is
+(checked in ``tests/ranks/test_context_parallel.py``) measure the balance; the placement itself is
 not implemented yet.
 
 The collectives each runs are listed in ``sharding/local_impls.py`` (``_attn_gather``,

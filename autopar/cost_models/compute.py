@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.core.quiet_logs import quiet_fake_tensor_logs
 from autopar.graph.grads import grad_nodes
 from autopar.graph.grads import is_float_value as _is_float
 from autopar.graph.grads import node_value as _val
@@ -291,7 +292,7 @@ def _largest_numel(tensors) -> int:
 def _work(target, sig) -> OpWork:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with quiet_fake_tensor_logs(), FakeTensorMode(allow_non_fake_inputs=True):
         args, kwargs, leaves = _materialize(sig)
         counter, flops = _KernelCounter(), FlopCounterMode(display=False)
         with flops, counter:

@@ -21,8 +21,13 @@ from torch.utils._pytree import TreeSpec
 
 from autopar.frontend.call_inputs import CallSignature, map_tensors, split_example
 from autopar.core.errors import TraceError
+from autopar.core.quiet_logs import quiet_fake_tensor_logs
+from autopar.frontend.functionalize import functional
+from autopar.frontend.grouped_mm import traceable_grouped_mm
+from autopar.frontend.latent_attention import latent_attention_groups
 from autopar.frontend.moe_experts import experts_as_ops
 from autopar.frontend.opaque_functions import opaque_functions
+from autopar.frontend.static_shapes import check_static_shapes
 
 _WRAP = "model."
 
@@ -208,12 +213,15 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
         args, kwargs = map_tensors(lambda a: a.to("meta"), args, kwargs)
     step = _Step(model, loss_fn, float_loss=mixed_precision == "fp16")
     try:
-        with opaque_functions(), experts_as_ops(model):
+        with opaque_functions(), experts_as_ops(model), latent_attention_groups(model), traceable_grouped_mm(), \
+                quiet_fake_tensor_logs():
             ep = torch.export.export(step, args, kwargs or None, strict=False)
     except TraceError:
         raise
     except Exception as err:  # noqa: BLE001 - every failure is reported with its location
         raise _explain_failure(err, model, example_target) from err
+    ep = functional(ep)
+    check_static_shapes(ep.graph_module, _WRAP)
     traced = _from_exported(ep, model, inputs, example_target, loss_fn is not None,
                             signature.num_positional_tensors)
     traced.input_dtypes = dtypes

@@ -22,6 +22,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autopar.core.quiet_logs import quiet_fake_tensor_logs
+
 
 class _Differs(Exception):
     """The two traces differ in more than batch-affine integers."""
@@ -133,7 +135,7 @@ def _propagate(gm: fx.GraphModule, traced, batch: int) -> None:
                 continue
             shape = (batch,) + tuple(old.shape[1:]) if node.name in rows else tuple(old.shape)
             args.append(torch.empty(shape, dtype=old.dtype, device=old.device).requires_grad_(old.requires_grad))
-    with mode:
+    with quiet_fake_tensor_logs(), mode:
         _Values(gm).run(*args)
 
 
