@@ -135,14 +135,26 @@ def _propagate(gm: fx.GraphModule, traced, batch: int) -> None:
                 continue
             shape = (batch,) + tuple(old.shape[1:]) if node.name in rows else tuple(old.shape)
             args.append(torch.empty(shape, dtype=old.dtype, device=old.device).requires_grad_(old.requires_grad))
+    on_meta = any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
     with quiet_fake_tensor_logs(), mode:
-        _Values(gm).run(*args)
+        _Values(gm, torch.device("meta") if on_meta else None).run(*args)
 
 
 class _Values(fx.Interpreter):
     """Runs the graph on fake tensors and keeps each node's value as export does: placeholders
     as given (parameters with ``requires_grad``), computed tensors detached, lists as they come;
-    the output node keeps none."""
+    the output node keeps none. ``device``: a step traced on the meta device makes its own tensors
+    (arange, zeros, ``.to``) on the device it runs on (``trace._retarget_device``), while export made
+    them on meta; they are made on ``device`` here, as export did (else meta and cpu tensors meet)."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device | None = None):
+        super().__init__(gm)
+        self.device = device
+
+    def call_function(self, target, args, kwargs):
+        if self.device is not None:
+            args, kwargs = _on_device(args, self.device), _on_device(kwargs, self.device)
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n: fx.Node):
         out = super().run_node(n)
@@ -151,6 +163,16 @@ class _Values(fx.Interpreter):
         elif n.op != "output":
             n.meta["val"] = _detached(out)
         return out
+
+
+def _on_device(x, device: torch.device):
+    if isinstance(x, torch.device):
+        return device
+    if isinstance(x, (list, tuple)):
+        return type(x)(_on_device(a, device) for a in x)
+    if isinstance(x, dict):
+        return {k: _on_device(v, device) for k, v in x.items()}
+    return x
 
 
 def _detached(v):

@@ -30,6 +30,7 @@ from autopar.solver.class_graph import ClassGraph
 
 LIMIT = 64_000_000     # sums one elimination step may do (its table times the class's candidates)
 TABLE = 4_000_000      # entries of the largest table it may keep (32 MB of float64)
+DENSE = 1_000_000      # a step's sums done in one array (8 MB of float64) up to this many
 
 Factor = tuple[tuple[int, ...], np.ndarray]     # (scope: classes, one array axis each in this order, values)
 
@@ -62,17 +63,37 @@ def _next_class(nbrs: dict[int, set[int]], sizes: dict[int, int]) -> tuple[int, 
 
 
 def _min_over_last(parts: list[np.ndarray], shape: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """min and argmin over the last axis of sum(parts), one value of that axis at a time: the
-    working set is one table over the scope (in cache), not the scope times the class's candidates."""
+    """min and argmin over the last axis of sum(parts), in blocks of at most ``DENSE`` sums: a
+    block of the scope's first axis is summed whole (its rows times the class's candidates) and
+    reduced by numpy, so the working set stays in cache; where one row of the scope is already over
+    ``DENSE``, one value of the last axis at a time. Every path adds the parts in the same order and
+    keeps the first of equal minima: the same floats and picks."""
+    row = math.prod(shape[1:]) * n
+    if shape and row <= DENSE < math.prod(shape) * n:
+        step = max(1, DENSE // row)
+        best, arg = np.empty(shape), np.empty(shape, dtype=np.int32)
+        for a in range(0, shape[0], step):
+            b = min(a + step, shape[0])
+            best[a:b], arg[a:b] = _min_over_last([p[a:b] if p.shape[0] > 1 else p for p in parts],
+                                                 [b - a] + list(shape[1:]), n)
+        return best, arg
+    if math.prod(shape) * n <= DENSE:
+        total = np.zeros(list(shape) + [n])
+        for part in parts:
+            total += part
+        arg = total.argmin(axis=-1)
+        return np.take_along_axis(total, arg[..., None], axis=-1)[..., 0], arg.astype(np.int32)
     best = np.full(shape, np.inf)
     arg = np.zeros(shape, dtype=np.int32)
+    total = np.empty(shape)
+    better = np.empty(shape, dtype=bool)
     for k in range(n):
-        total = np.zeros(shape)
+        total.fill(0.0)
         for part in parts:
             total += part[..., k if part.shape[-1] > 1 else 0]
-        better = total < best
-        best = np.where(better, total, best)
-        arg[better] = k
+        np.less(total, best, out=better)
+        np.copyto(best, total, where=better)
+        np.copyto(arg, k, where=better)
     return best, arg
 
 

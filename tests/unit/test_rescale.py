@@ -171,3 +171,30 @@ def test_only_the_most_recent_microbatch_traces_are_kept(monkeypatch):
     assert set(cache) - refs == {2, 6, 3}
     assert graph_fingerprint(again.gm) == graph_fingerprint(trace(model, (x[:3],), _lm_loss, x[:3].clone()).gm)
     assert retracer.batches == [reference_batches(48)[0]]      # every size derived from the one reference
+
+
+def _meta_cases():
+    yield "llama", lambda: Llama(vocab=64, hidden=32, heads=4, layers=2, seq=8, ffn=64)
+    from examples.hf_zoo import LogitsOnly, llama_config
+    from transformers import LlamaForCausalLM
+    yield "hf-llama", lambda: LogitsOnly(LlamaForCausalLM(llama_config(2, num_key_value_heads=2)))
+
+
+@pytest.mark.parametrize("name,build", list(_meta_cases()), ids=["llama", "hf-llama"])
+@pytest.mark.parametrize("mixed", [None, "bf16"])
+def test_a_model_on_the_meta_device_rescales(name, build, mixed):
+    """A model built on the meta device traces its own tensors (arange, zeros, ``.to``) onto the run
+    device (``trace._retarget_device``): the propagation makes them on meta as export did, so the step
+    rescales (it once fell back to an export per microbatch size: Llama-3 8B's pipeline search) and
+    equals the direct trace."""
+    with torch.device("meta"):
+        model = build()
+    x = torch.randint(0, 64, (8, 8), device="meta")
+    b1, b2 = reference_batches(8)
+    first = trace(model, (x[:b1],), _lm_loss, x[:b1], mixed)
+    got = rescaled(first, trace(model, (x[:b2],), _lm_loss, x[:b2], mixed), 2)
+    direct = trace(model, (x[:2],), _lm_loss, x[:2], mixed)
+    assert got is not None
+    assert got.gm.code == direct.gm.code
+    assert graph_fingerprint(got.gm) == graph_fingerprint(direct.gm)
+    assert _vals(got.gm) == _vals(direct.gm)
