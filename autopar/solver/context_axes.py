@@ -5,7 +5,8 @@ is split along dim 1 (the sequence of a ``[batch, seq, ...]`` input; whole where
 dim 1 that the axis divides), and every op downstream of them keeps an output split on the cp
 axes where it has such a strategy, as DATA keeps the batch split: without it a small model is
 cheaper gathered at once, and the axis would repeat the work. Attention splits its sequence
-there with a ``"cp"`` strategy (``sharding/rules/attention.py``).
+there with a ``"cp"`` strategy (``sharding/rules/attention.py``): on a named cp axis an attention
+op that has one takes it (a heads split there would be tensor parallelism the user did not ask for).
 """
 from __future__ import annotations
 
@@ -52,6 +53,14 @@ def keep_sequence_split(traced, cands, mesh, input_ann: dict, allowed: dict, onl
         current = allowed.get(name, range(len(strategies)))
         keep = [k for k in current if all(not isinstance(spec[a], Replicate) for spec in _outs(strategies[k])
                                           for a in axes)]
+        if keep:
+            allowed[name] = keep
+    for name, strategies in cands.strategies.items():
+        names = [st.name.split("×") for st in strategies]
+        if not any(n[a] == "cp" for n in names if len(n) == len(mesh.shape) for a in axes):
+            continue
+        current = allowed.get(name, range(len(strategies)))
+        keep = [k for k in current if len(names[k]) == len(mesh.shape) and all(names[k][a] == "cp" for a in axes)]
         if keep:
             allowed[name] = keep
 

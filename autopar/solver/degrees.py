@@ -168,9 +168,11 @@ def split_axes_of(nodes: dict, mesh_shape: tuple) -> dict[str, set[int]]:
 
 
 def degrees_of(roles: dict, axis_names: tuple, mesh_shape: tuple, nodes: dict | None = None) -> dict:
-    """``plan.degrees`` (module docstring) from the axis roles and, for "ep" and "cp", the node decisions."""
+    """``plan.degrees`` (module docstring) from the axis roles and, for "ep" and "cp", the node decisions;
+    an axis that splits the sequence of attention counts as "cp", not "tp"."""
     size = dict(zip(axis_names, mesh_shape))
     split = split_axes_of(nodes or {}, mesh_shape)
     return {"dp": math.prod(size[n] for n, r in roles.items() if r == DP),
-            "tp": math.prod(size[n] for n, r in roles.items() if r == TP), "pp": 1,
+            "tp": math.prod(size[n] for n, r in roles.items()
+                            if r == TP and axis_names.index(n) not in split["cp"]), "pp": 1,
             "ep": math.prod(mesh_shape[a] for a in split["ep"]), "cp": math.prod(mesh_shape[a] for a in split["cp"])}
