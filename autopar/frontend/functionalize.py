@@ -14,16 +14,34 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+_aten = torch.ops.aten
+_ALLOCATIONS = {_aten.empty, _aten.empty_like, _aten.new_empty, _aten.empty_strided, _aten.new_empty_strided,
+                _aten.zeros, _aten.zeros_like, _aten.new_zeros, _aten.full, _aten.full_like, _aten.new_full,
+                _aten.ones, _aten.ones_like, _aten.new_ones}
+
+
+def _hazard(a: fx.Node) -> bool:
+    """A tensor whose in-place fill other nodes read through another name: a view of something
+    (its base sees the write) or a fresh allocation filled in place. An in-place op on an ordinary
+    value (``relu_`` after a convolution) is left as it is: its users read the op's result."""
+    target = a.target
+    if a.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.overloadpacket in _ALLOCATIONS:
+        return True
+    returns = target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
 
 def writes_intermediates(gm: fx.GraphModule) -> bool:
-    """Whether an in-place op writes into a tensor that is not a graph input."""
+    """Whether an in-place op writes into a view or a fresh allocation (not a graph input)."""
     for node in gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
         for arg, a in zip(target._schema.arguments, node.args):
             if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, fx.Node) \
-                    and a.op != "placeholder":
+                    and a.op != "placeholder" and _hazard(a):
                 return True
     return False
 

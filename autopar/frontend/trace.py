@@ -108,14 +108,17 @@ def _check_inputs(example_inputs, loss_fn, example_target, example_kwargs=None) 
     return args, kwargs
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def _user_frame(tb, model: nn.Module):
     """Innermost frame of the user's code (not torch's), and the module running there."""
     names = {id(m): n for n, m in model.named_modules()}
     frame_info, module_name = None, None
     for frame, lineno in traceback.walk_tb(tb):
         fname = frame.f_code.co_filename
-        if f"{'/'}torch{'/'}" in fname or fname.startswith("<"):
-            continue
+        if f"{'/'}torch{'/'}" in fname or fname.startswith("<") or fname.startswith(_PACKAGE):
+            continue      # torch's frames and autopar's own (its trace-time modes) are not the user's
         frame_info = (fname, lineno, frame.f_code.co_name)
         code = frame.f_code
         owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
