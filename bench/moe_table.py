@@ -35,7 +35,6 @@ GPUs. Each job runs in its own process (``paper_table.run_isolated`` style) with
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 import autopar
+from bench.common import run_isolated as run_in_process
 
 TOLERANCE = 0.25
 
@@ -158,21 +158,7 @@ def _worker(row, forced, budget, queue):
 
 
 def run_isolated(row: MoeRow, forced: bool, budget, hard_timeout: float) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_worker, args=(row, forced, budget, queue), daemon=True)
-    t0 = time.perf_counter()
-    proc.start()
-    try:
-        res = queue.get(timeout=hard_timeout)
-    except Exception:  # noqa: BLE001 - over the hard limit
-        res = {"error": f"killed after {hard_timeout:.0f} s (hard timeout)"}
-    proc.join(5)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    res["wall"] = time.perf_counter() - t0
-    return res
+    return run_in_process(_worker, (row, forced, budget), hard_timeout)
 
 
 def _fmt(kind: str, r: dict | None) -> str:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing as mp
 import os
 import resource
 import sys
@@ -42,6 +41,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
+from bench.common import run_isolated as run_in_process  # noqa: E402
 from autopar.cost_models.devices import get_device  # noqa: E402
 from examples.megatron_table1 import TABLE1, Row, model_of, paper_flops_per_step  # noqa: E402
 
@@ -201,22 +201,7 @@ def _worker(kind: str, row: Row, time_budget, queue) -> None:
 
 def run_isolated(kind: str, row: Row, time_budget, hard_timeout: float) -> dict:
     """``forced_result`` / ``auto_result`` in a fresh process, killed after ``hard_timeout`` s."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_worker, args=(kind, row, time_budget, queue), daemon=True)
-    t0 = time.perf_counter()
-    proc.start()
-    try:
-        res = queue.get(timeout=hard_timeout)
-    except Exception:  # noqa: BLE001 - queue.Empty: over the hard limit
-        res = {"error": f"killed after {hard_timeout:.0f} s (hard timeout)", "solve": time.perf_counter() - t0,
-               "rss_gb": math.nan}
-    proc.join(5)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    res["wall"] = time.perf_counter() - t0
-    return res
+    return run_in_process(_worker, (kind, row, time_budget), hard_timeout, {"solve": hard_timeout, "rss_gb": math.nan})
 
 
 def _fmt_forced(row: Row, f: dict | None) -> str:

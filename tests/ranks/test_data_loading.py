@@ -86,9 +86,9 @@ def _job(rank, kind: str, batch: int):
     return out
 
 
-@pytest.mark.parametrize("kind,batch,degrees,microbatches", [("dp_tp", 64, {"dp": 2, "tp": 2, "pp": 1}, 1),
-                                                             ("pipeline", 16, {"dp": 2, "tp": 1, "pp": 2}, 2),
-                                                             ("accumulation", 16, {"dp": 2, "tp": 1, "pp": 1}, 2)])
+@pytest.mark.parametrize("kind,batch,degrees,microbatches", [("dp_tp", 64, {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "cp": 1}, 1),
+                                                             ("pipeline", 16, {"dp": 2, "tp": 1, "pp": 2, "ep": 1, "cp": 1}, 2),
+                                                             ("accumulation", 16, {"dp": 2, "tp": 1, "pp": 1, "ep": 1, "cp": 1}, 2)])
 def test_sampled_local_batches_train_like_one_process_on_the_global_batches(kind, batch, degrees, microbatches):
     """(At 16 samples the (dp, tp) plan leaves dp unused: it trains on 64.) ``microbatches``: the pipeline's,
     or the plan's accumulation chunks."""

@@ -36,7 +36,7 @@ def test_data_parallel_matches_single_device(name, n):
     results = run_ranks(n, _data_job, name, n)
     for r in results:
         assert_same_training(ref, r, what=f"{name} dp={n}")
-        assert r["degrees"] == {"dp": n, "tp": 1, "pp": 1}
+        assert r["degrees"] == {"dp": n, "tp": 1, "pp": 1, "ep": 1, "cp": 1}
 
 
 def _synced_bn_job(rank, plan_json):

@@ -176,7 +176,7 @@ def test_elementwise_optimizers_and_schedulers_train_like_one_process_under_dp_t
         ref = _reference(name, ELEMENTWISE[name])
         for r, res in enumerate(results):
             for key in plans:
-                assert res[(key, "degrees")] == {"dp": 2, "tp": 2, "pp": 1}
+                assert res[(key, "degrees")] == {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "cp": 1}
                 assert_same_training(ref, res[(key, name)], what=f"{name} {key} rank {r}")
     msg = results[0][("dp2tp2", "refused", "adafactor")]
     assert msg.startswith("torch.optim.Adafactor cannot train under this plan: it factors each matrix's second "
