@@ -282,7 +282,7 @@ def test_the_whole_model_layout_weighs_activations_by_the_microbatches_in_flight
     assert in_flight_weight(["1f1b"], 2, [1, 2, 4], 8, 8) == 1.0
     traced = trace(GPT(qkv_bias=False, layers=2, hidden=128), (X,), lm_loss, Y)
     mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"))
-    free = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(time_limit_s=120.0), {}, {})
+    free = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(time_limit_s=30.0), {}, {})
     w = 8
 
     def weighted(b):
@@ -292,7 +292,7 @@ def test_the_whole_model_layout_weighs_activations_by_the_microbatches_in_flight
     # a generous CP-SAT limit: the budgeted solve of the weighted row (~17k variables) found no
     # assignment in the default 10 s at load 30 (it passed in 72 s at load 77): CP-SAT returns at its proof,
     # so the limit only matters on a loaded machine
-    opts = PlanOptions(memory_budget_gb=budget / 2**30, time_limit_s=120.0)
+    opts = PlanOptions(memory_budget_gb=budget / 2**30, time_limit_s=30.0)
     plain = solve_on_mesh(traced, mesh, ParallelMode.AUTO, opts, {}, {})
     heavy = solve_on_mesh(traced, mesh, ParallelMode.AUTO, opts, {}, {}, activation_weight=w)
     assert plain.memory_breakdown["activations"] == free.memory_breakdown["activations"]
