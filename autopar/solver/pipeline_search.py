@@ -42,12 +42,10 @@ from autopar.cost_models.zero import zero_axes
 from autopar.graph.buffer_writes import updates_buffers
 from autopar.graph.cut_points import assign_units, unit_of_module
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
-from autopar.plan.stage_cuts import assign_stages, stage_placeholders, stage_transfers
 from autopar.core.mesh import Mesh
-from autopar.plan.plan import Collective, PipelineInfo, Plan, PlanError, Stage
-from autopar.plan.specs import PlanSpecs
+from autopar.plan.plan import PipelineInfo, Plan, PlanError, Stage
 from autopar.schedules.receive_window import schedule_receive_buffers
-from autopar.sharding.placements import R, Spec, local_shape, shard_factor
+from autopar.sharding.placements import R, Spec, shard_factor
 from autopar.solver.inter_op import PipelinePartition, StageMemoryError, partition_stages
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
@@ -55,6 +53,7 @@ from autopar.solver.pipeline_fit import (PipelineRequestError, budget_bytes, fit
                                          microbatch_counts, model_parallel_first, schedules)
 from autopar.solver.pipeline_steer import _next_share, _tighter, in_flight_weight, between_shares
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
+from autopar.solver.pipeline_collectives import pipeline_collectives
 from autopar.solver.stage_tags import check_stage_tags
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
 from autopar.cost_models.devices import mesh_device
@@ -454,67 +453,6 @@ def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: Pipelin
                 optimizer=sub_plan.optimizer, memory_budget=budget, grad_sync_overhead=sub_plan.grad_sync_overhead,
                 memory_options=sub_plan.memory_options,
                 axis_shares=sub_plan.axis_shares)
-
-
-def pipeline_collectives(gm, plan: Plan, link: tuple[float, float]) -> list[Collective]:
-    """``plan.collective_list`` (the intra-op plan's, one microbatch) with what pipelining adds,
-    from the same stage cuts the runtime splits the graph at (``plan/stage_cuts.py``):
-
-    * per transfer ``t`` between stages on different ranks, per microbatch: forward, a send on
-      ``t.src`` and a receive on ``t.dst``; backward (floating values), the gradient back
-      (a send on ``t.dst``, a receive on ``t.src``); ``t``'s local bytes each, over the pp axis;
-    * per trainable parameter used on stages of several pp ranks (a tied embedding), once per
-      step: the all-reduce of its gradient over them (``PipelineModule._sync_grads``);
-    * a parameter's per-step gradient sum runs on the stages that use it, the loss report on the
-      last stage (``stages``; ``plan.collectives(rank)`` keeps a rank's own).
-
-    ``gm`` is the plan's microbatch graph; every op has a stage, so it is not changed."""
-    n = len(plan.stages)
-    stage_of = {name: st.index for st in plan.stages for name in st.nodes}
-    stages = assign_stages(gm, stage_of, n)
-    specs = PlanSpecs(plan, len(plan.mesh.shape))
-    pp_axis, per_pp = plan.mesh.axis_names[0], plan.mesh.size // plan.mesh.shape[0]
-    bandwidth, latency = link
-
-    def coord(stage: int) -> int:
-        return plan.stages[stage].ranks[0] // per_pp
-
-    by_name = {node.name: node for node in gm.graph.nodes}
-    uses: dict[str, list[int]] = {}
-    for s in range(n):
-        for ph in sorted(node.name for node in stage_placeholders(gm, stages, s, s == n - 1)):
-            uses.setdefault(ph, []).append(s)
-    out = []
-    for c in plan.collective_list:
-        if c.stages:
-            pass
-        elif c.node in uses:                    # a parameter's gradient sum: on the stages using it
-            c = replace(c, stages=list(uses[c.node]))
-        elif not c.node:                        # the loss report: the last stage holds the loss
-            c = replace(c, stages=[n - 1])
-        out.append(c)
-    for t in stage_transfers(gm, stages, n, specs, plan.mesh.shape):
-        if coord(t.src) == coord(t.dst):        # one rank holds both (interleaved): handed over in memory
-            continue
-        node = t.value if t.value in plan.nodes else by_name[t.value].args[0].name   # getitem: its tuple op
-        nbytes, time = t.nbytes, latency + t.nbytes / bandwidth
-        out += [Collective("send", nbytes, [pp_axis], "fwd", node, time, [t.src]),
-                Collective("recv", nbytes, [pp_axis], "fwd", node, time, [t.dst])]
-        if t.floating:
-            out += [Collective("send", nbytes, [pp_axis], "bwd", node, time, [t.dst]),
-                    Collective("recv", nbytes, [pp_axis], "bwd", node, time, [t.src])]
-    for name in sorted(plan.params):
-        d = plan.params[name]
-        on = uses.get(d.placeholder, [])
-        k = len({coord(s) for s in on})
-        if d.kind != "parameter" or not d.trainable or k < 2:
-            continue
-        val = by_name[d.placeholder].meta["val"]
-        nbytes = math.prod(local_shape(tuple(val.shape), specs.spec(by_name[d.placeholder]), plan.mesh.shape))
-        nbytes *= val.element_size()
-        time = 2 * (k - 1) * latency + 2 * (k - 1) / k * nbytes / bandwidth
-        out.append(Collective("all_reduce", int(nbytes), [pp_axis], "bwd", d.placeholder, time, list(on)))
-    return out
 
 
 # ---- the search entry -------------------------------------------------------------------
