@@ -267,7 +267,9 @@ def attention_ring(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         return aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal,
                                                          scale=scale, enable_gqa=enable_gqa)
     if dropout_p:
-        raise NotImplementedError("ring attention with dropout: use dropout_p=0 or the all-gather form")
+        raise ValueError("this plan runs ring attention on an attention op with dropout, which the ring form does "
+                         "not support (the solver offers only the all-gather form there): use dropout_p=0 or make "
+                         "a new plan")
     sizes = [_axis(a).size for a in axes]
     ranks = [_axis(a).rank for a in axes]
     tk = key.shape[-2]
