@@ -66,6 +66,7 @@ CASES = {   # name: (ranks, mesh shape, axis names, mode, setup, the roles the m
     "ep2_dp2": (4, (2, 2), ("dp", "x"), "semi_auto", _annotate_experts("x", dp="batch"), None),
     "ep2_tp2": (4, (2, 2), ("dp", "tp"), "semi_auto", _annotate_both, None),
     "auto": (4, (4,), None, "auto", None, None),
+    "ep2_pp2": (4, (2, 2), ("pp", "dp"), "semi_auto", _annotate_experts("dp"), {("dp", "ep")}),
 }
 
 
@@ -99,7 +100,7 @@ def test_expert_parallel_trains_like_one_device(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["data", "ep2_dp2", "ep2_tp2", "auto"])
+@pytest.mark.parametrize("name", ["data", "ep2_dp2", "ep2_tp2", "auto", "ep2_pp2"])
 def test_moe_plans_train_like_one_device(name):
     results = run_ranks(CASES[name][0], _job, name, timeout_s=600)
     plan = _check(name, results)
@@ -110,6 +111,8 @@ def test_moe_plans_train_like_one_device(name):
         assert ("x", "ep") in roles and ("dp", "batch") in roles, roles
     if name == "ep2_tp2":
         assert roles == {("dp", "ep"), ("tp", "experts")}, roles
+    if name == "ep2_pp2":
+        assert roles == {("dp", "ep")} and plan.degrees["pp"] == 2 and plan.degrees["ep"] == 2, (roles, plan.degrees)
 
 
 @pytest.mark.slow
