@@ -22,6 +22,16 @@ def context_axes(mesh) -> list[int]:
     return [i for i, n in enumerate(mesh.axis_names) if n in ROLE_CONTEXT]
 
 
+def fed_by_inputs(traced) -> set[str]:
+    """The nodes downstream of the model's inputs or the target (not those placeholders themselves)."""
+    sources = set(traced.inputs) | ({traced.target} if traced.target else set())
+    downstream = set()
+    for node in traced.gm.graph.nodes:
+        if node.name in sources or any(a.name in downstream for a in node.all_input_nodes):
+            downstream.add(node.name)
+    return downstream - sources
+
+
 def keep_sequence_split(traced, cands, mesh, input_ann: dict, allowed: dict, only) -> None:
     """Inputs split along the sequence on the cp axes; their downstream ops keep it split."""
     axes = context_axes(mesh)
@@ -41,12 +51,7 @@ def keep_sequence_split(traced, cands, mesh, input_ann: dict, allowed: dict, onl
         current = set(allowed.get(ph, range(len(cands.strategies[ph]))))
         idx = [k for k in only(ph, lambda spec: all(spec[a] == split for a in axes)) if k in current]
         allowed[ph] = idx
-    sources = set(traced.inputs) | ({traced.target} if traced.target else set())
-    downstream = set()
-    for node in traced.gm.graph.nodes:
-        if node.name in sources or any(a.name in downstream for a in node.all_input_nodes):
-            downstream.add(node.name)
-    for name in downstream - sources:
+    for name in fed_by_inputs(traced):
         strategies = cands.strategies.get(name)
         if not strategies:
             continue

@@ -28,7 +28,7 @@ from autopar.plan.plan import CandidateError, Collective, MemoryOptions, Plan, P
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard, shard_factor
 from autopar.solver.annotations import restrict_op_strategies
-from autopar.solver.context_axes import keep_sequence_split
+from autopar.solver.context_axes import fed_by_inputs, keep_sequence_split
 from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
@@ -149,12 +149,7 @@ def _batch_split(shape: tuple) -> Shard | Replicate:
 def _keep_batch_split(traced, cands, allowed: dict) -> None:
     """DATA: every op downstream of the inputs runs on its rank's part of the batch (no output
     Replicate on any axis); ops without such a strategy (no rule) keep their options."""
-    sources = set(traced.inputs) | ({traced.target} if traced.target else set())
-    batch_nodes = set()
-    for node in traced.gm.graph.nodes:
-        if node.name in sources or any(a.name in batch_nodes for a in node.all_input_nodes):
-            batch_nodes.add(node.name)
-    for name in batch_nodes - sources:
+    for name in fed_by_inputs(traced):
         strategies = cands.strategies.get(name)
         if not strategies:
             continue
