@@ -31,6 +31,15 @@ def _pool(n: int) -> RankPool:
     return pool
 
 
+def pytest_runtest_logreport(report):
+    """``AUTOPAR_TEST_TIMES=FILE``: append each test's call seconds to FILE as it ends (a run
+    stopped half-way still says where its time went; ``--durations`` reports only at the end)."""
+    path = os.environ.get("AUTOPAR_TEST_TIMES")
+    if path and report.when == "call":
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.2f}\t{report.outcome}\t{report.nodeid}\n")
+
+
 def _fresh_call(rank, fn, *args, **kwargs):
     """Ranks outlive tests: start every test function from a clean autopar context."""
     import autopar

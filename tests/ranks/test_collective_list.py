@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -168,6 +169,7 @@ def test_accumulation_list_is_what_runs():
     _compare(results, "accumulation")
 
 
+@pytest.mark.slow  # 8 ranks; 3-D training itself is in the default run (test_feature_matrix, test_pipeline)
 def test_3d_list_is_what_runs():
     results = run_ranks(8, _job, "3d")
     assert results[0]["degrees"]["pp"] == 2

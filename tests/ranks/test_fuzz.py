@@ -70,12 +70,26 @@ def test_each_fixed_case_takes_its_path(name):
     assert not plan.split("; ")[2].startswith("0/") or name in unsplit, plan
 
 
-@settings(max_examples=10, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(cases())
-def test_random_jobs_train_like_one_device_or_are_refused_clearly(case):
+def _random_job(case):
     outcome = check_case(case, run_ranks)
     assert outcome.status != "failed", f"{outcome.detail}\nreplay: check_case({case!r}, run_ranks)"
+
+
+_SETTINGS = dict(derandomize=True, deadline=None, database=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@settings(max_examples=5, **_SETTINGS)
+@given(cases())
+def test_random_jobs_train_like_one_device_or_are_refused_clearly(case):
+    _random_job(case)
+
+
+@pytest.mark.slow  # bench/fuzz.py runs hundreds
+@settings(max_examples=25, **_SETTINGS)
+@given(cases())
+def test_more_random_jobs_train_like_one_device_or_are_refused_clearly(case):
+    _random_job(case)
 
 
 def _stand_alone_run(case: Case) -> dict:
