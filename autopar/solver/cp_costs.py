@@ -95,9 +95,4 @@ def cp_transient_bytes(st: Strategy, c, kv: list[tuple[int, float]]) -> float:
     return 4 * local * math.prod(c.mesh_shape[a] for a in axes[:-1])
 
 
-def cp_form(st: Strategy) -> str | None:
-    """``"all-gather K/V"`` or ``"ring"`` for a cp strategy (the report's words), else None."""
-    return {"attn_gather": "all-gather K/V", "attn_ring": "ring"}.get(family(st) or "")
-
-
 __all__ = ["cp_node_time", "cp_saved_bytes", "cp_transient_bytes", "cp_time", "is_cp"]
