@@ -18,7 +18,8 @@ of the unsplit op).
   Blocks entirely above the causal diagonal are skipped (no compute, still forwarded).
 
 Load balance under a causal mask: with contiguous pieces rank ``r`` of ``n`` attends to ``r+1``
-blocks, so the last rank does about ``2n/(n+1)`` times the mean work. The balanced (zig-zag)
+blocks, so the last rank does about ``(2n-1)/n`` times the mean work (the cost model charges it:
+``cost_models/context_parallel.py``). The balanced (zig-zag)
 order, rank ``r`` holding chunks ``r`` and ``2n-1-r`` of ``2n``, is a property of the placement
 of every tensor on that axis (token ids, rotary positions, masks, targets and the loss all
 follow the same order), so it belongs in the placement (a mirrored variant of

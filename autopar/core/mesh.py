@@ -79,7 +79,7 @@ class Mesh:
         if math.prod(shape) != self.size:
             raise ValueError(f"cannot reshape a mesh of {self.size} devices to {shape}")
         m = Mesh(shape, axis_names, self.device, self.gpus_per_node, self.memory_gb)
-        m.named = any(n in ("dp", "tp", "pp") for n in m.axis_names)
+        m.named = any(n in ("dp", "tp", "pp", "cp") for n in m.axis_names)
         return m
 
     # ---- JSON --------------------------------------------------------------------------

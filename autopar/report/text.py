@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from autopar.plan.degree_keys import degrees_text
+from autopar.report.context_lines import context_lines
 from autopar.report.memory_explain import explain_lines
 from autopar.sharding.placements import Shard
 from autopar.plan.views import register_view
@@ -24,6 +25,7 @@ def render(plan) -> str:
              f"mesh: {' × '.join(f'{n}={s}' for n, s in zip(m.axis_names, m.shape))} ({m.size} devices, {m.device})",
              f"degrees: {degrees_text(plan.degrees)}"
              f"   microbatches={plan.microbatches} schedule={plan.schedule}",
+             *context_lines(plan),
              *_redundant_lines(plan),
              f"memory options: {plan.memory_options.summary()}",
              f"programs: {'compiled (torch.compile, inductor)' if plan.compiled else 'eager'}",

@@ -18,6 +18,7 @@ from autopar.graph.recompute_regions import choices_for, find_regions
 from autopar.sharding.candidates import Candidates
 from autopar.sharding.placements import shard_factor
 from autopar.sharding.strategy import Strategy, tensor_inputs
+from autopar.solver.cp_costs import cp_transient_bytes
 from autopar.solver.problem import (BuiltProblem, Costing, _local_saved, _outs, _same_storage, _saved_pair,
                                     resharded_param_bytes, tensor_bytes)
 
@@ -178,7 +179,7 @@ def _op_gradients(f: OpGradients, st: Strategy, c: Costing) -> tuple[dict, float
     for i, key, nbytes in f.inputs:
         if i < len(st.inputs):
             live.setdefault(key, nbytes / max(1, shard_factor(st.inputs[i], c.mesh_shape)))
-    return live, f.own / max(out_shard, in_shard)
+    return live, f.own / max(out_shard, in_shard) + cp_transient_bytes(st, c, [(i, b) for i, _, b in f.inputs])
 
 
 def op_transients(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, c: Costing,

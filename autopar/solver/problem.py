@@ -6,6 +6,8 @@ node cost c[v,s]   = (compute(v) - launches) / work_split(s) + launches   (``spl
                        (Megatron's ``f``; for parameters this is the gradient sync)
                      + the small collectives of s's local implementation (vocab-parallel
                        loss, synced batch-norm statistics)
+                     context-parallel attention instead: its slowest rank's work and the
+                       collectives it does not hide (``cp_costs.py``)
 node memory m[v,s] = parameters: training-state bytes (weights, grads, optimizer; in the
                        parameter's dtype unless mixed precision) / shard factor
                      saved graph tensors charged to v / shard factor of v's output
@@ -47,6 +49,7 @@ from autopar.sharding.local_impls import local_collectives
 from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, shard_factor
 from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
 from autopar.sharding.strategy import Strategy, tensor_inputs
+from autopar.solver.cp_costs import cp_node_time, cp_saved_bytes
 from autopar.solver.moe_costs import imbalanced_dispatch, moe_split_cost
 from autopar.solver.intra_op import HUGE_COST, EdgeCost, IntraOpProblem, NodeChoices, is_forbidden
 
@@ -248,7 +251,8 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
     ins = tensor_inputs(node)
     for s, st in enumerate(strategies):
         cost = split_cost(node, base, st, ins, c)
-        compute[s] = cost.time_total + (cost.time_fwd if recomputed else 0.0)
+        cp = cp_node_time(node, st, cost, c, recomputed)     # context-parallel attention: solver/cp_costs.py
+        compute[s] = cost.time_total + (cost.time_fwd if recomputed else 0.0) if cp is None else cp
         for i, a in grad_sync_inputs(st):
             if ins[i] not in need:
                 continue
@@ -260,8 +264,8 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
             compute[s] += sync
             if param and c.zero < 2:            # ZeRO-2 and -3 reduce-scatter in every microbatch
                 once[s] += sync
-        compute[s] += _local_impl_time(node, st, c)
-        memory[s] = _local_saved(node, st, saved, c)
+        compute[s] += _local_impl_time(node, st, c) if cp is None else 0.0   # cp's are in its time
+        memory[s] = _local_saved(node, st, saved, c) + cp_saved_bytes(node, st, c)
     return compute, memory, once
 
 

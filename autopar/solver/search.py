@@ -21,6 +21,7 @@ from autopar.core.mesh import Mesh
 from autopar.plan.plan import Alternative, CandidateError, Plan, PlanError
 from autopar.sharding.placements import R
 from autopar.solver.accumulation import accumulated, accumulated_time, memory_choices, microbatch_traced, zero_ladder
+from autopar.solver.cp_candidates import cp_meshes
 from autopar.solver.fit_error import Failure, no_plan_error, smallest_of
 from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
@@ -38,9 +39,10 @@ class FrontierState:
     fitting: bool = False                                   # a plan of this stage fits (at any choice so far)
 
 
-def candidate_meshes(mesh: Mesh, annotated: frozenset = frozenset()) -> list[Mesh]:
+def candidate_meshes(mesh: Mesh, annotated: frozenset = frozenset(), traced=None) -> list[Mesh]:
     """An unnamed mesh may be re-factored into 1-D and 2-D (dp, tp) meshes: the free 1-D mesh
-    (the solver picks each op's split) and every (dp, tp). (DDP's layout joins them in
+    (the solver picks each op's split) and every (dp, tp); with ``traced``, after them the meshes
+    with a "cp" axis where its attention can split the sequence (``cp_candidates.py``). (DDP's layout joins them in
     ``make_plans``: ``ddp_candidate``.) ``annotated``: the axes the user's annotations name; only
     candidates with all of them are kept, the mesh as given first when it has them (its default
     names d0, d1, ...), and the mesh as given when none has them (its error names the axis)."""
@@ -51,6 +53,7 @@ def candidate_meshes(mesh: Mesh, annotated: frozenset = frozenset()) -> list[Mes
     for dp in range(2, n):
         if n % dp == 0:
             out.append(mesh.reshape((dp, n // dp), ("dp", "tp")))
+    out += cp_meshes(traced, mesh)
     if not annotated:
         return out
     out = [m for m in out if annotated <= set(m.axis_names)]
@@ -175,7 +178,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     plans, failures, pipe_failures = [], [], []
     progress = opts.progress
     annotated = annotated_axes(param_ann, input_ann)
-    meshes = candidate_meshes(mesh, annotated) if mode == ParallelMode.AUTO else [mesh]
+    meshes = candidate_meshes(mesh, annotated, traced) if mode == ParallelMode.AUTO else [mesh]
     keys = [(m.shape, m.axis_names) for m in meshes]
     if ddp_applies(mesh, mode, annotated):
         keys.append(((mesh.size,), ("dp",)))        # DDP's layout (``ddp_candidate``)
@@ -287,7 +290,7 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
     step_time = lambda p: accumulated_time(p, microbatches)  # noqa: E731
     annotated = annotated_axes(param_ann, input_ann)
     pipeline_only = pipelines and pipeline_requested(traced, model, mesh, mode)
-    meshes = [] if pipeline_only else candidate_meshes(mesh, annotated) if mode == ParallelMode.AUTO else [mesh]
+    meshes = [] if pipeline_only else candidate_meshes(mesh, annotated, traced) if mode == ParallelMode.AUTO else [mesh]
     plans, failures, pipe_failures = [], [], []
     first = pipelines and pipelines_first and not pipeline_only and not progress.out_of_time()
     if first:
@@ -311,7 +314,8 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
             failures.append((m, err))   # AUTO's candidate: dropped, its reason listed
             progress.record([], 1, step_time)
     ddp = ((mesh.size,), ("dp",))
-    wasted = len(meshes) == 1 and bool(plans) and all(p.redundant_axes() for p in plans)
+    wasted = len([m for m in meshes if "cp" not in m.axis_names]) == 1 and bool(plans) and all(
+        p.redundant_axes() for p in plans)      # (a cp candidate that splits something is no waste)
     if (ddp_applies(mesh, mode, annotated, wasted) and meshes and not progress.out_of_time()
             and ddp not in skip):       # DDP's layout keeps every weight whole: not where annotations split one
         got = ddp_candidate(traced, mesh, _within_budget(opts, progress), failures, microbatches, progress.cutoff())

@@ -1,0 +1,123 @@
+"""Step time of context-parallel attention (``sharding/rules/attention.py``'s ``"cp"`` strategies).
+
+Pure arithmetic on times the caller has already costed (``solver/cp_costs.py`` feeds it): the
+op's per-rank compute when the work divides evenly (``fwd``, ``bwd``: the one-device time over
+the ranks that split it) and the seconds of the collectives ``sharding/local_impls.py`` lists.
+
+What the model assumes:
+
+* **Work follows the visible entries.** A causal op's time is spread over its (query, key) pairs
+  that the mask leaves visible (a flash kernel skips masked blocks), so with the sequence split
+  into ``n`` contiguous pieces the piece holding the last queries does ``(2n-1)/n`` times the
+  mean for a long sequence (``rank_shares``, exact counts). The step waits for the slowest rank,
+  so that is what is charged. A non-causal op, or one whose mask is an explicit tensor (its
+  pattern unknown when planning), divides evenly. The zig-zag order would balance it; the
+  placement that implements it does not exist yet, so it is not costed.
+* **Gather form** (``attn_gather``): the K/V all-gathers in forward and their gradients'
+  reduce-scatters in backward run before / after the op, not overlapped; then the slowest rank's
+  share of the work.
+* **Ring form** (``attn_ring``): ranks step in lock-step through ``n`` blocks (a step ends when
+  every rank has its next block). Forward step ``s``: the block's attention and the next K/V hop
+  (``n - 1`` hops) run together, ``max(compute, hop)`` where the device overlaps them
+  (accelerators: the transfer runs on its own engine/stream), ``compute + hop`` where it does not
+  (``overlap=False``: CPU under gloo, whose transfers share the cores that compute). Backward step
+  ``s``: the K/V hop runs beside the block's gradient computation, and the block's gradient
+  accumulators (at least fp32) hop after it (``n`` hops, the last brings them home):
+  ``max(hop_kv, compute + hop_grad)`` overlapped, ``compute + hop_kv + hop_grad`` not. Blocks the
+  causal mask hides entirely are skipped (their step is the hop alone). With several cp axes the
+  outer ones are gathered first, as in the gather form, and the ring spreads the slowest rank's
+  work evenly over its steps.
+
+Memory (``solver/cp_costs.py``): activations are the sequence shard (the placements divide
+them); the gather form saves the gathered K/V of every layer for backward (``n`` shards each),
+and in backward holds their whole gradients until the reduce-scatter; the ring saves only its
+own shard and holds two blocks (the one it computes on and the one in flight) and, in backward,
+two blocks of gradient accumulators.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _entries(q0: int, q1: int, k0: int, k1: int, causal: bool) -> int:
+    """Visible (query, key) pairs of queries ``[q0, q1)`` against keys ``[k0, k1)``: all of them,
+    or under the top-left causal mask those with key <= query."""
+    if not causal:
+        return (q1 - q0) * (k1 - k0)
+    total = 0
+    for i in range(q0, q1):
+        total += max(0, min(k1, i + 1) - k0)
+    return total
+
+
+def block_shares(n: int, seq: int, causal: bool) -> list[list[float]]:
+    """``share[r][j]``: the fraction of the op's visible (query, key) pairs in the block of the
+    queries of contiguous piece ``r`` against the keys of piece ``j`` (``n`` pieces of ``seq``)."""
+    size = seq // n
+    total = _entries(0, seq, 0, seq, causal)
+    return [[_entries(r * size, (r + 1) * size, j * size, (j + 1) * size, causal) / total for j in range(n)]
+            for r in range(n)]
+
+
+def rank_shares(n: int, seq: int, causal: bool) -> list[float]:
+    """Each rank's fraction of the op's work (its queries' row of ``block_shares``)."""
+    return [sum(row) for row in block_shares(n, seq, causal)]
+
+
+def imbalance(n: int, seq: int, causal: bool) -> float:
+    """The slowest rank's work over the mean (1 when it divides evenly)."""
+    return n * max(rank_shares(n, seq, causal)) if n > 1 else 1.0
+
+
+@dataclass(frozen=True)
+class CpTime:
+    """The slowest rank's seconds of one context-parallel attention op: compute (forward,
+    backward) and the communication it does not hide (forward, backward)."""
+
+    compute_fwd: float
+    compute_bwd: float
+    comm_fwd: float
+    comm_bwd: float
+
+    @property
+    def fwd(self) -> float:
+        return self.compute_fwd + self.comm_fwd
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.compute_bwd + self.comm_bwd
+
+
+def gather_time(fwd: float, bwd: float, n: int, seq: int, causal: bool, gathers: float, scatters: float) -> CpTime:
+    """The gather form: ``gathers`` (seconds of the forward K/V all-gathers), ``scatters``
+    (backward reduce-scatters), the work at the slowest rank's share."""
+    f = imbalance(n, seq, causal)
+    return CpTime(fwd * f, bwd * f, gathers, scatters)
+
+
+def ring_time(fwd: float, bwd: float, n: int, seq: int, causal: bool, hop_kv: float, hop_grad: float,
+              overlap: bool, outer: int = 1, gathers: float = 0.0, scatters: float = 0.0) -> CpTime:
+    """The ring form over ``n`` ranks (module docstring): ``hop_kv``, ``hop_grad`` the seconds of
+    one hop of the K/V block and of its gradient accumulators (0 when nothing needs a gradient);
+    ``outer`` the product of the further cp axes gathered first (``gathers``, ``scatters``)."""
+    pieces = n * outer
+    if outer > 1:           # blocks hold keys of several pieces: the slowest rank's work, spread evenly
+        w = imbalance(pieces, seq, causal) / n
+        steps = [[w] * n]
+    else:
+        share = block_shares(n, seq, causal)
+        steps = [[n * share[r][(r - s) % n] for r in range(n)] for s in range(n)]
+        steps = [list(col) for col in zip(*steps)]      # steps[r][s]
+    t_f = t_b = c_f = c_b = 0.0
+    for s in range(n):
+        work = [row[s] for row in steps]
+        kv = hop_kv if s < n - 1 else 0.0
+        cf, cb = fwd * max(work), bwd * max(work)
+        c_f, c_b = c_f + cf, c_b + cb
+        if overlap:
+            t_f += max(max(fwd * w, kv) for w in work)
+            t_b += max(max(kv, bwd * w + hop_grad) for w in work) if bwd or hop_grad else 0.0
+        else:
+            t_f += cf + kv
+            t_b += cb + kv + hop_grad if bwd or hop_grad else 0.0
+    return CpTime(c_f, c_b, t_f - c_f + gathers, t_b - c_b + scatters)
