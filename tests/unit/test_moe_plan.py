@@ -165,14 +165,17 @@ def test_auto_splits_experts_under_a_cap_that_replication_misses():
 @pytest.mark.slow
 def test_issue_mixtral_53m_fits_242_mib_on_mesh4_with_experts_split():
     """The issue's case: HF Mixtral, 8 experts, hidden 512 (53.75M parameters) on Mesh(4) under a
-    242 MiB cap planned as `PlanError ... needs 274 MiB` before; AUTO now splits the experts and fits."""
+    242 MiB cap planned as `PlanError ... needs 274 MiB` before; AUTO now splits the experts 4 ways
+    (expert-parallel, or expert tensor parallel: each expert's FFN split) and fits."""
     model = _mixtral(512, 768, experts=8, vocab=32000, heads=8)
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(53.75e6, rel=0.01)
     x = torch.randint(0, 32000, (8, 64))
     plan = autopar.plan(model, autopar.Mesh(4, device="cpu", memory_gb=242 / 1024), example_inputs=(x,),
                         loss_fn=lm_loss, example_target=x, mode="auto", time_budget=60)
     assert max(plan.memory_per_device) <= 242 * 2**20
-    assert plan.degrees["ep"] == 4, plan.degrees
+    split = {"ep": plan.degrees["ep"] == 4, "etp": plan.degrees["tp"] == 4}
+    assert len(_moe_strategies(plan)) == 1 and all(split.get(s) for s in _moe_strategies(plan)), \
+        (plan.degrees, _moe_strategies(plan))
 
 
 def test_auto_keeps_small_experts_data_parallel_and_splits_large_ones_on_h100():
