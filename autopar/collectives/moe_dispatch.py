@@ -13,6 +13,10 @@
   (:class:`_Exchange`, DESIGN invariant 5), so the router weights and the hidden rows get gradients.
 * ``"experts"`` (tokens whole, experts split): only the rows routed to this rank's experts run; their
   results are added into a zero [T, H] output, which is Partial on the axis (the edge sums it).
+* ``"etp"`` (tokens whole, each expert's FFN split on its intermediate dim, ``sharding/rules/moe.py``):
+  nothing to move; the module's own forward on the rank's column/row pieces gives a Partial output
+  (the down projection's bias arrives Partial: kept on one rank). On an ep axis beside it, the rows
+  are dispatched as above and each etp rank runs its slice of their experts.
 
 Several split axes compose: expert ``e`` lives on piece ``e // E_local`` of the expert dim split
 over the ep and experts axes in mesh order (first outermost, as parameters are sharded); each ep
@@ -109,7 +113,7 @@ def moe_experts(key, hidden, top_k_index, top_k_weights, params, *, _op=None, _a
     """Replaces ``autopar::moe_experts`` in per-rank programs (see the module docstring)."""
     e = entry(key)
     roles = _axes or {}
-    unknown = set(roles) - {"batch", "ep", "experts"}
+    unknown = set(roles) - {"batch", "ep", "experts", "etp"}
     if unknown:
         raise RuntimeError(f"autopar::moe_experts {e.name}: unknown role(s) {sorted(unknown)} in the plan; make a new "
                            "plan with this version of autopar")

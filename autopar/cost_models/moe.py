@@ -16,9 +16,12 @@ expert's matmuls; biases add ``n_e``'s small rest)::
     kernels    6 + 4 E forward, twice that backward (routing, permutation, one GEMM group per expert)
 
 Per rank under a strategy (``moe_split_cost``): the work divided by the strategy's ``work_split``
-(tokens split on "batch"/"ep" axes, experts split on "ep"/"experts" axes), its GEMMs at the local
-rows per expert ``T k / E / prod(axes that split tokens but not experts)`` ("ep" moves each expert's
-rows to its rank: the rows per expert stay those of the whole axis).
+(tokens split on "batch"/"ep" axes, experts split on "ep"/"experts" axes, each expert's intermediate
+dim on "etp" axes), its GEMMs at the local rows per expert ``T k / E / prod(axes that split tokens
+but not experts)`` ("ep" moves each expert's rows to its rank: the rows per expert stay those of the
+whole axis) and at the intermediate dim over the "etp" degree. An "etp" output is Partial: its sum
+(all-reduce, or reduce-scatter where the consumer is split) and the all-reduce of the hidden rows'
+and routing weights' gradients are the edges' collectives, costed like any tensor-parallel MLP's.
 
 **Load imbalance.** Where the experts are split (local roles "ep" or "experts", ``sharding/rules/
 moe.py``), the busiest rank sets the pace: its expert compute and its all-to-all bytes are the mean
@@ -88,9 +91,10 @@ class MoeShape:
         """Intermediate elements per routed row (the expert's parameters over H: 3F for a gated FFN)."""
         return self.per_expert / max(1, self.width)
 
-    def gemm_dim(self, rows_per_expert: float) -> int:
-        """The smallest GEMM dimension: rows per expert, H, or the narrowest expert matrix."""
-        return max(1, int(min(rows_per_expert, self.width, max(1.0, self.inner / 3))))
+    def gemm_dim(self, rows_per_expert: float, inner_split: int = 1) -> int:
+        """The smallest GEMM dimension: rows per expert, H, or the narrowest expert matrix (its
+        intermediate dim over ``inner_split``, the expert tensor parallel degree)."""
+        return max(1, int(min(rows_per_expert, self.width, max(1.0, self.inner / 3 / inner_split))))
 
 
 def moe_work_numbers(node: fx.Node) -> dict:
@@ -112,6 +116,15 @@ def expert_split_axes(local: tuple, mesh_shape) -> list[int]:
     """Axes (size > 1) on which a moe strategy keeps the experts split (roles "ep", "experts")."""
     return [a for a, loc in enumerate(local) if loc and loc.split(":")[0] == "moe"
             and loc.split(":")[-1] in EXPERT_SPLIT_ROLES and mesh_shape[a] > 1]
+
+
+def etp_split(local: tuple, mesh_shape) -> int:
+    """The expert tensor parallel degree of a moe strategy: the product of the axes where it is "etp"."""
+    out = 1
+    for a, loc in enumerate(local):
+        if loc and loc.split(":")[0] == "moe" and loc.split(":")[-1] == "etp":
+            out *= mesh_shape[a]
+    return out
 
 
 def local_rows_per_expert(node: fx.Node, inputs: tuple, mesh_shape) -> float:

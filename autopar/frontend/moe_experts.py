@@ -79,6 +79,11 @@ def entry(key: str) -> ExpertsEntry:
     return found
 
 
+def registered(key: str) -> ExpertsEntry | None:
+    """The registry entry named ``key``, or None when no traced module registered it in this process."""
+    return _REGISTRY.get(key)
+
+
 def is_hf_experts(module: nn.Module) -> bool:
     """Whether ``module``'s class is wrapped by transformers' ``use_experts_implementation``."""
     fwd = getattr(type(module), "forward", None)

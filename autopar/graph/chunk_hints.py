@@ -4,12 +4,15 @@ Walks up from ``split``/``chunk`` nodes with k equal pieces on the last dim thro
 keep the last dim and through elementwise adds, to the producing linear/addmm/mm, and tags
 every node on the way (and the weight/bias placeholders) with ``meta["chunk_hint"] = k``.
 Rules then offer ``Shard(dim, chunks=k)`` so a column split keeps q, k and v each split.
+MoE experts' fused gate/up parameters are tagged too (``graph/moe_chunk_hints.py``).
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 from torch.ops import aten
+
+from autopar.graph.moe_chunk_hints import mark_moe_chunk_hints
 
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unsafe_split.Tensor}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.contiguous.default,
@@ -63,4 +66,4 @@ def mark_chunk_hints(gm: fx.GraphModule) -> int:
                     if isinstance(a, fx.Node) and a.op == "placeholder":
                         a.meta["chunk_hint"] = k
         marked += 1
-    return marked
+    return marked + mark_moe_chunk_hints(gm)

@@ -154,7 +154,7 @@ LOCAL_IMPLS: dict[str, LocalImpl] = {
     "batch_norm": LocalImpl(("sync",), _batch_norm),
     "embedding": LocalImpl(("vocab",), _none),     # masked lookup, Partial out: the edge sums it
     "mean": LocalImpl(("scale",), _none),          # local mean rescaled by the shard count
-    "moe": LocalImpl(("batch", "ep", "experts"), _moe),   # experts: Partial out, the edge sums it
+    "moe": LocalImpl(("batch", "ep", "experts", "etp"), _moe),   # experts, etp: Partial out, the edge sums it
     "attn_gather": LocalImpl(("cp",), _attn_gather),   # context parallelism, all-gather K/V
     "attn_ring": LocalImpl(("cp",), _attn_ring),       # context parallelism, ring attention
 }

@@ -8,18 +8,19 @@ import dataclasses
 import torch.fx as fx
 
 from autopar.cost_models.compute import OpCost, OpWork, cost_from_work, node_work
-from autopar.cost_models.moe import MoeShape, expert_split_axes, local_rows_per_expert
+from autopar.cost_models.moe import MoeShape, etp_split, expert_split_axes, local_rows_per_expert
 from autopar.sharding.strategy import Strategy
 
 
 def moe_split_cost(node: fx.Node, base: OpCost, st: Strategy, f: int, c) -> OpCost:
     """One rank's cost: the work over ``f`` (``problem.work_split``), its GEMMs at the local rows per
-    expert (``cost_models.moe.local_rows_per_expert``), times ``c.moe_imbalance`` (launches excluded)
-    where the experts are split."""
+    expert (``cost_models.moe.local_rows_per_expert``) and intermediate dim (``etp_split``), times
+    ``c.moe_imbalance`` (launches excluded) where the experts are split."""
     if f <= 1:
         return base
     work = node_work(node)
-    dim = MoeShape(node).gemm_dim(local_rows_per_expert(node, st.inputs, c.mesh_shape))
+    rows = local_rows_per_expert(node, st.inputs, c.mesh_shape)
+    dim = MoeShape(node).gemm_dim(rows, etp_split(st.local, c.mesh_shape))
     local = OpWork(work.flops_fwd / f, work.flops_bwd / f, work.bytes_fwd / f, work.bytes_bwd / f,
                    work.kernels_fwd, work.kernels_bwd,
                    tuple((dim, fl / f) for _, fl in work.matmuls_fwd), tuple((dim, fl / f) for _, fl in work.matmuls_bwd))
