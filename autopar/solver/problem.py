@@ -48,6 +48,7 @@ from autopar.sharding.placements import Partial, Replicate, Shard, local_shape, 
 from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
 from autopar.sharding.strategy import Strategy, tensor_inputs
 from autopar.solver.moe_costs import imbalanced_dispatch, moe_split_cost
+from autopar.solver.seq_parallel import fused_gather_saving, with_gathered_copies
 from autopar.solver.intra_op import HUGE_COST, EdgeCost, IntraOpProblem, NodeChoices, is_forbidden
 
 
@@ -354,8 +355,11 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     if ("edges", id(cands)) not in c._memo:
         c._memo[("edges", id(cands))] = _edges_of(by_name, names, index, cands, c, params, need, mask)
     edges = list(c._memo[("edges", id(cands))])
+    inside = set()
     if c.recompute not in (None, "none"):
         edges = _with_region_input_copies(edges, gm, by_name, names, index, cands, c)
+        inside = {n for r in find_regions(gm, choices_for(gm.graph, c.recompute)) for n in r.nodes}
+    edges = with_gathered_copies(edges, list(_graph_edges(names, by_name, index)), cands, c, params, need, mask, inside)
     ties_idx = [[index[t] for t in g if t in index] for g in ties]
     ties_idx = [g for g in ties_idx if len(g) > 1 and len({len(cands.strategies[names[i]]) for i in g}) == 1]
     prob = IntraOpProblem(nodes, edges, memory_budget, ties_idx, time_limit_s)
@@ -569,13 +573,19 @@ def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: 
     d_specs = tuple(st.inputs[i] for st in d_strats)
     frozen = src.name in c.frozen_buffers
     grad = src in grad_nodes(src.graph)
-    key = (s_specs, d_specs, nbytes, frozen, grad)
+    arg = tensor_inputs(dst)[i]
+    fuse = grad and not is_parameter(src) and arg in grad_nodes(dst.graph)    # Megatron-SP: a gather fused with f
+    d_specs = tuple((sp, frozenset(a for j, a in grad_sync_inputs(st) if j == i) if fuse else frozenset())
+                    for sp, st in zip(d_specs, d_strats))
+    users = len(arg.users)
+    key = (s_specs, d_specs, nbytes, frozen, grad, users)
     if key not in c._tables:
         us, ud = list(dict.fromkeys(s_specs)), list(dict.fromkeys(d_specs))
         table = np.zeros((len(us), len(ud)))
         for a, ss in enumerate(us):
-            for b, ds in enumerate(ud):
-                table[a, b] = HUGE_COST if frozen and ss != ds else redistribution_time(ss, ds, nbytes, c, grad)
+            for b, (ds, f_axes) in enumerate(ud):
+                table[a, b] = HUGE_COST if frozen and ss != ds else (
+                    redistribution_time(ss, ds, nbytes, c, grad) - fused_gather_saving(ss, ds, f_axes, nbytes, users, c))
         pos_s, pos_d = {s: k for k, s in enumerate(us)}, {s: k for k, s in enumerate(ud)}
         ri = np.array([pos_s[s] for s in s_specs])
         ci = np.array([pos_d[s] for s in d_specs])
