@@ -54,9 +54,9 @@ def _job(rank, shape, names, sp):
     mesh = autopar.Mesh(shape, axis_names=names)
 
     def setup(model):
-        annotate_tp(sp)
-        if "dp" in names:
-            autopar.shard_input(0, {"dp": Shard(0)})
+        annotate_tp(sp and "dp" not in names)
+        if "dp" in names:       # the norms batch-split on dp and sequence-split on tp
+            autopar.op_strategy("blocks.*.ln*", dp="S0", tp="S1")
     return parallel_run(rank, TinyGPT, token_loss, x, y, mesh, "semi_auto", setup=setup,
                         inspect=_counted_step(x, y))
 
@@ -94,7 +94,7 @@ def test_gpt_tp2_sequence_parallel_trains_like_one_device():
     assert acts[("reduce_scatter", "tp")] >= 4 * layers, acts
     assert acts[("all_gather", "tp")] >= 4 * layers, acts
     assert acts[("all_reduce", "tp")] == 0, acts
-    assert "sp" in plan.report()
+    assert "sequence parallel (sp) on tp: norms split along the sequence (blocks.*.ln1, blocks.*.ln2" in plan.report()
 
 
 
