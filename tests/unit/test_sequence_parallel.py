@@ -85,3 +85,17 @@ def test_gathered_copy_charged_beyond_the_piece():
     # S(1) piece 100 B gathered to 400 B: 300 B more, shared by the 2 consumers that save it
     assert table.tolist() == [[150.0, 0.0], [0.0, 0.0]]
     assert gathered_copy_table((as_spec("[R]"),), (as_spec("[R]"),), 400.0, 1, c) is None
+
+
+def test_sp_asked_for_a_dim_the_norm_cannot_split_is_a_clear_error():
+    """``op_strategy`` naming a strategy the norms do not have (their normalised dim) names the target."""
+    autopar.clear_annotations()
+    _annotate_tp()
+    autopar.op_strategy("blocks.*.ln*", tp="S2")
+    x, y = tokens(2)
+    try:
+        with pytest.raises(ValueError, match=r"op_strategy\('blocks\.\*\.ln\*', tp='S2'\) matches no op"):
+            autopar.plan(TinyGPT(), autopar.Mesh(2, axis_names=("tp",), device="cpu"), example_inputs=(x,),
+                         loss_fn=token_loss, example_target=y, mode="semi_auto")
+    finally:
+        autopar.clear_annotations()
