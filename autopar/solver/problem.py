@@ -12,10 +12,15 @@ node memory m[v,s] = parameters: training-state bytes (weights, grads, optimizer
                      + tensors v makes and saves itself (log-probs, statistics, masks)
                        / shard factor of v's first input or output, the larger
 edge cost R[u,v]   = redistribution of u's output spec into v's required input spec,
-                     forward collectives plus their conjugates in backward  (``_edge_cost``)
+                     forward collectives plus their conjugates in backward  (``_edge_cost``),
+                     less, where it ends in an all-gather on an axis v runs split, v's backward
+                     all-reduce there minus the reduce-scatter the gather's backward becomes
+                     (Megatron-SP, ``seq_parallel.fused_gather_saving``)
 edge memory G[u,v] = a parameter u that v takes in another placement than the stored one and
                      saves for backward: the gathered copy's bytes  (``_gathered_matrix``;
-                     per edge, so two consumers saving the same copy are both charged)
+                     per edge, so two consumers saving the same copy are both charged);
+                     an activation v saves gathered: its share of the copy beyond u's piece
+                     (``seq_parallel.with_gathered_copies``)
 
 Gradient sync of a parameter is bucketed at run time (DDP buckets of ``GRAD_BUCKET_BYTES``, the
 pipeline's one flat buffer), so one parameter of n bytes pays the bandwidth term in full and
