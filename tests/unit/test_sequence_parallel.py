@@ -99,3 +99,25 @@ def test_sp_asked_for_a_dim_the_norm_cannot_split_is_a_clear_error():
                          loss_fn=token_loss, example_target=y, mode="semi_auto")
     finally:
         autopar.clear_annotations()
+
+
+@pytest.mark.slow
+def test_auto_under_a_memory_cap_chooses_tp_with_sp():
+    """AUTO on 4 simulated A100s: without a cap the batch split wins (no tp, no sp); under a cap
+    that the batch split does not fit, the tp plan it picks runs its norms sequence-parallel."""
+    from examples.models import GPT, lm_loss
+
+    def plan(cap_gb=None):
+        with torch.device("meta"):
+            model = GPT(vocab=2048, hidden=1024, heads=16, layers=4, seq=1024, dropout=0.1, qkv_bias=False)
+        x = torch.randint(0, 2048, (8, 1024))
+        kw = {"memory_gb": cap_gb} if cap_gb else {}
+        return autopar.plan(model, autopar.Mesh(4, axis_names=("tp",), device="a100-80gb", **kw), example_inputs=(x,),
+                            loss_fn=lm_loss, example_target=x, mode="auto")
+
+    free = plan()
+    assert free.degrees["tp"] == 1 and sequence_parallel(free) == {}
+    bound = plan(0.5)
+    assert max(bound.memory_per_device) <= 0.5 * 2**30 < max(free.memory_per_device)
+    assert bound.degrees["tp"] > 1
+    assert "blocks.*.ln1" in sequence_parallel(bound)["tp"], bound.report()
