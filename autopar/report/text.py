@@ -6,6 +6,7 @@ from collections import Counter, defaultdict
 from autopar.plan.degree_keys import degrees_text
 from autopar.report.context_lines import context_lines
 from autopar.report.memory_explain import explain_lines
+from autopar.report.sequence_parallel import sequence_parallel_lines
 from autopar.sharding.placements import Shard
 from autopar.plan.views import register_view
 
@@ -27,6 +28,7 @@ def render(plan) -> str:
              f"   microbatches={plan.microbatches} schedule={plan.schedule}",
              *context_lines(plan),
              *_redundant_lines(plan),
+             *sequence_parallel_lines(plan),
              f"memory options: {plan.memory_options.summary()}",
              f"programs: {'compiled (torch.compile, inductor)' if plan.compiled else 'eager'}",
              f"predicted step time: {_ms(plan.step_time)}   FLOPs/step: {plan.flops:.3e}   "

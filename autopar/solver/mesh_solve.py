@@ -36,7 +36,10 @@ from autopar.solver.moe_axes import ROLE_EXPERT, expert_axis_choices, nodes_moe
 from autopar.solver.memory_terms import accumulated_grad_bytes, op_transients, transient_bytes, zero_layer_buffers
 from autopar.solver.progress import SearchProgress
 from autopar.solver.problem import (Costing, activation_weighted, build_problem, grad_sync_overhead,
-                                    resharded_param_bytes, resharded_region_inputs, sync_element_bytes)
+                                    resharded_param_bytes, resharded_region_inputs, sync_element_bytes,
+                                    tensor_bytes)
+from autopar.solver.seq_parallel import resharded_saved_activations
+from autopar.graph.recompute_regions import choices_for, find_regions
 
 
 @dataclass
@@ -251,6 +254,7 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
         sol, gathered, transient = _solve_within(traced, cands, built, costing, budget - held, microbatches, cutoff,
                                                  activation_weight=activation_weight)
         layers = zero_layer_buffers(traced.gm, cands, built, sol.choice, costing, traced.params)
+        copies = gathered_activation_copies(traced, cands, built, sol.choice, costing)
     except InfeasibleError as err:
         if getattr(err, "choice", None) is not None:
             err.breakdown = {**memory_parts(traced, cands, built, err.choice, costing), "inputs": held}
@@ -267,11 +271,11 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
                 memory_per_device=[float(sol.memory) + gathered + transient + held] * mesh.size, memory_bound=sol.bound,
-                memory_breakdown=_breakdown(built, sol, traced, (gathered - layers) / activation_weight, transient, layers,
-                                            costing.zero, held,
+                memory_breakdown=_breakdown(built, sol, traced, (gathered - layers) / activation_weight - copies,
+                                            transient, layers, costing.zero, held,
                                             zero_unsynced_bytes(traced, cands, built, sol.choice, costing),
                                             accumulated_grad_bytes(traced.gm, cands, built, sol.choice, costing,
-                                                                   traced.params)),
+                                                                   traced.params), copies),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 grad_compression=opts.grad_compression, compiled=opts.compiled, optimizer=opts.optimizer,
@@ -284,6 +288,15 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                                              reduce_dtype="bf16" if opts.grad_compression == "bf16" else "fp32",
                                              recompute=opts.recompute or "none", zero=opts.zero or 0),
                 fingerprint=graph_fingerprint(traced.gm), collective_list=colls)
+
+
+def gathered_activation_copies(traced, cands, built, choice: list[int], costing: Costing) -> float:
+    """``seq_parallel.resharded_saved_activations`` of an assignment (recomputed regions save nothing)."""
+    inside: set = set()
+    if costing.recompute not in (None, "none"):
+        inside = {n for r in find_regions(traced.gm, choices_for(traced.gm.graph, costing.recompute)) for n in r.nodes}
+    return resharded_saved_activations(traced.gm, cands, built, choice, costing, set(traced.params), tensor_bytes,
+                                       inside)
 
 
 def step_input_bytes(traced, microbatches: int = 1) -> float:
@@ -362,7 +375,8 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
         node_bytes = sol.memory - edge_memory(whole, sol.choice) + zero_unsynced_bytes(traced, cands, built,
                                                                                        sol.choice, costing)
         resharded = activation_weight * (resharded_param_bytes(traced.gm, cands, built, sol.choice, costing, params)
-                                         + resharded_region_inputs(traced.gm, cands, built, sol.choice, costing))
+                                         + resharded_region_inputs(traced.gm, cands, built, sol.choice, costing)
+                                         + gathered_activation_copies(traced, cands, built, sol.choice, costing))
         layer_buffers = zero_layer_buffers(traced.gm, cands, built, sol.choice, costing, traced.params)
         transient = transient_bytes(traced.gm, cands, built, sol.choice, costing, traced.params)
         gathered = resharded + layer_buffers
@@ -444,6 +458,7 @@ def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> d
                          zero_unsynced_parts(traced, cands, built, choice, costing)):
         out[key] += part
     params = set(traced.params)
+    out["activations"] += gathered_activation_copies(traced, cands, built, choice, costing)
     out["gathered parameters"] = (resharded_param_bytes(traced.gm, cands, built, choice, costing, params)
                                   + resharded_region_inputs(traced.gm, cands, built, choice, costing)
                                   + zero_layer_buffers(traced.gm, cands, built, choice, costing, traced.params))
@@ -455,14 +470,16 @@ def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> d
 
 
 def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0, layers: float = 0.0,
-               zero: int = 0, inputs: float = 0.0, unsynced: float = 0.0, accumulated: float = 0.0) -> dict:
+               zero: int = 0, inputs: float = 0.0, unsynced: float = 0.0, accumulated: float = 0.0,
+               copies: float = 0.0) -> dict:
     """Peak bytes per device: parameter training state vs activations kept for backward
     (``gathered``: parameters kept in a placement other than the stored one, see
     ``resharded_param_bytes``; ``transient``: the largest op's gradients in backward,
     ``transient_bytes``, of which ``accumulated`` (``accumulated_grad_bytes``: the data-parallel
     gradients' second copy under several microbatches) is listed on its own; ``layers``: ZeRO-3's
     gathered layer and its prefetched successor, or ZeRO-2's gradient bucket in backward,
-    ``zero_layer_buffers``)."""
+    ``zero_layer_buffers``; ``copies``: saved activations kept gathered, counted with the activations,
+    ``seq_parallel.resharded_saved_activations``)."""
     state = acts = 0.0
     for i, name in enumerate(built.names):
         mem = float(built.problem.nodes[i].memory[sol.choice[i]])
@@ -470,7 +487,7 @@ def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0
             state += mem
         else:
             acts += mem
-    out = {"params+grads+optimizer": state + unsynced, "activations": acts}
+    out = {"params+grads+optimizer": state + unsynced, "activations": acts + copies}
     if gathered:
         out["gathered parameters"] = gathered
     if layers:

@@ -14,10 +14,15 @@ node memory m[v,s] = parameters: training-state bytes (weights, grads, optimizer
                      + tensors v makes and saves itself (log-probs, statistics, masks)
                        / shard factor of v's first input or output, the larger
 edge cost R[u,v]   = redistribution of u's output spec into v's required input spec,
-                     forward collectives plus their conjugates in backward  (``_edge_cost``)
+                     forward collectives plus their conjugates in backward  (``_edge_cost``),
+                     less, where it ends in an all-gather on an axis v runs split, v's backward
+                     all-reduce there minus the reduce-scatter the gather's backward becomes
+                     (Megatron-SP, ``seq_parallel.fused_gather_saving``)
 edge memory G[u,v] = a parameter u that v takes in another placement than the stored one and
                      saves for backward: the gathered copy's bytes  (``_gathered_matrix``;
-                     per edge, so two consumers saving the same copy are both charged)
+                     per edge, so two consumers saving the same copy are both charged);
+                     an activation v saves gathered: its share of the copy beyond u's piece
+                     (``seq_parallel.with_gathered_copies``)
 
 Gradient sync of a parameter is bucketed at run time (DDP buckets of ``GRAD_BUCKET_BYTES``, the
 pipeline's one flat buffer), so one parameter of n bytes pays the bandwidth term in full and
@@ -51,6 +56,7 @@ from autopar.sharding.redistribute import backward_kind, redistribute_steps, ste
 from autopar.sharding.strategy import Strategy, tensor_inputs
 from autopar.solver.cp_costs import cp_node_time, cp_saved_bytes
 from autopar.solver.moe_costs import imbalanced_dispatch, moe_split_cost
+from autopar.solver.seq_parallel import fused_gather_saving, with_gathered_copies
 from autopar.solver.intra_op import HUGE_COST, EdgeCost, IntraOpProblem, NodeChoices, is_forbidden
 
 
@@ -358,8 +364,11 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     if ("edges", id(cands)) not in c._memo:
         c._memo[("edges", id(cands))] = _edges_of(by_name, names, index, cands, c, params, need, mask)
     edges = list(c._memo[("edges", id(cands))])
+    inside = set()
     if c.recompute not in (None, "none"):
         edges = _with_region_input_copies(edges, gm, by_name, names, index, cands, c)
+        inside = {n for r in find_regions(gm, choices_for(gm.graph, c.recompute)) for n in r.nodes}
+    edges = with_gathered_copies(edges, list(_graph_edges(names, by_name, index)), cands, c, params, need, mask, inside)
     ties_idx = [[index[t] for t in g if t in index] for g in ties]
     ties_idx = [g for g in ties_idx if len(g) > 1 and len({len(cands.strategies[names[i]]) for i in g}) == 1]
     prob = IntraOpProblem(nodes, edges, memory_budget, ties_idx, time_limit_s)
@@ -573,13 +582,19 @@ def _edge(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: 
     d_specs = tuple(st.inputs[i] for st in d_strats)
     frozen = src.name in c.frozen_buffers
     grad = src in grad_nodes(src.graph)
-    key = (s_specs, d_specs, nbytes, frozen, grad)
+    arg = tensor_inputs(dst)[i]
+    fuse = grad and not is_parameter(src) and arg in grad_nodes(dst.graph)    # Megatron-SP: a gather fused with f
+    d_specs = tuple((sp, frozenset(a for j, a in grad_sync_inputs(st) if j == i) if fuse else frozenset())
+                    for sp, st in zip(d_specs, d_strats))
+    users = len(arg.users)
+    key = (s_specs, d_specs, nbytes, frozen, grad, users)
     if key not in c._tables:
         us, ud = list(dict.fromkeys(s_specs)), list(dict.fromkeys(d_specs))
         table = np.zeros((len(us), len(ud)))
         for a, ss in enumerate(us):
-            for b, ds in enumerate(ud):
-                table[a, b] = HUGE_COST if frozen and ss != ds else redistribution_time(ss, ds, nbytes, c, grad)
+            for b, (ds, f_axes) in enumerate(ud):
+                table[a, b] = HUGE_COST if frozen and ss != ds else (
+                    redistribution_time(ss, ds, nbytes, c, grad) - fused_gather_saving(ss, ds, f_axes, nbytes, users, c))
         pos_s, pos_d = {s: k for k, s in enumerate(us)}, {s: k for k, s in enumerate(ud)}
         ri = np.array([pos_s[s] for s in s_specs])
         ci = np.array([pos_d[s] for s in d_specs])

@@ -127,6 +127,7 @@ def _megatron_job(rank, fused, memory_gb, mode):
     model = BlockStack(fused=fused)
     if mode == "semi_auto":
         _megatron_annotations(fused)
+        autopar.op_strategy("blocks.*.ln*", tp="replicate")    # Megatron without sequence parallelism
     x, y = _block_data()
     mesh = autopar.Mesh(4, axis_names=("tp",), device=DEVICE, memory_gb=memory_gb)
     pmodel = autopar.parallelize(model, mesh, example_inputs=(x,), loss_fn=F.mse_loss, example_target=y, mode=mode)
@@ -169,7 +170,9 @@ def test_megatron_layout_runs_two_all_reduces_each_way(fused):
     other collective, exactly what the plan lists — except that block 0's input needs no
     gradient, so its LayerNorm only carries its own parameters' gradient: instead of Megatron's
     f on the activation gradient, ln1's weight and bias (2 x 128 floats) are summed once after
-    backward (sharding/grad_sync.py). AUTO's own plan is predicted no slower, same loss (since the
+    backward (sharding/grad_sync.py). The norms are pinned replicated (``op_strategy``): left free,
+    the solver may split them on tp and trade each all-reduce for a reduce-scatter + all-gather
+    (Megatron-SP, tests/ranks/test_sequence_parallel.py). AUTO's own plan is predicted no slower, same loss (since the
     whole-step objective it may keep the weights whole and split the batch inside the blocks)."""
     cap = _megatron_cap(fused)
     r, auto = (run_ranks(4, _megatron_job, fused, cap, mode)[0] for mode in ("semi_auto", "auto"))

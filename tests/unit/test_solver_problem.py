@@ -107,9 +107,11 @@ def test_op_transients_of_repeated_layers_equal_each_node_costed_alone():
 
 def test_edges_of_repeated_layers_equal_each_edge_costed_alone():
     """``_edges_of`` gives repeated layers' edges one table per (kinds, positions, bytes): every edge's
-    resharding table and gathered-copy bytes equal those of the edge costed alone."""
+    resharding table and gathered-copy bytes (parameters', and saved activations' from
+    ``seq_parallel.with_gathered_copies``) equal those of the edge costed alone."""
     from autopar.cost_models.memory import saves_input
-    from autopar.solver.problem import _edge, _gathered_matrix, _graph_edges
+    from autopar.solver.problem import _edge, _gathered_matrix, _graph_edges, tensor_bytes
+    from autopar.solver.seq_parallel import gathered_copy_table, saving_consumers
 
     tr = _traced()
     cands = build_candidates(tr.gm, MESH)
@@ -129,6 +131,11 @@ def test_edges_of_repeated_layers_equal_each_edge_costed_alone():
         if src.name in tr.params and node in need and saves_input(node, a, 1):
             kept = _gathered_matrix(a, cands.strategies[src.name], cands.strategies[n], i, fresh)
             kept = kept if kept.any() else None
+        elif node in need and saves_input(node, a, 1):      # an activation a consumer keeps gathered (SP)
+            kept = gathered_copy_table(tuple(st.output if idx is None else st.output[idx]
+                                             for st in cands.strategies[src.name]),
+                                       tuple(st.inputs[i] for st in cands.strategies[n]),
+                                       tensor_bytes(src, idx), saving_consumers(a, 1), fresh)
         assert (e.memory is None) == (kept is None)
         if kept is not None:
             np.testing.assert_array_equal(e.memory, kept)
