@@ -15,7 +15,8 @@ from autopar.sharding.placements import Partial, Spec, shard_factor
 from autopar.sharding.edge import edge_collectives
 from autopar.sharding.redistribute import step_bytes
 from autopar.sharding.strategy import tensor_inputs
-from autopar.solver.problem import BuiltProblem, Costing, local_impl_times, split_axes, tensor_bytes
+from autopar.solver.problem import BuiltProblem
+from autopar.solver.strategy_prices import Costing, local_impl_times, split_axes, tensor_bytes
 
 
 def _spec_out(st, idx):
