@@ -9,6 +9,7 @@ every mode.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -160,12 +161,9 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     >= 0), so the least over layouts is concave in 1/k and M(k') >= (k / k') · M(k). A bound under the budget
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
     Pipelines run their own microbatches (k = 1 only). With recomputation they are tried while
-    no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits: with
-    more recomputation a pipeline that already fits could only pick a larger microbatch. When
-    nothing fits at k = 1 and the state split over a node exceeds the cap
-    (``state_needs_pipeline``), the recomputed pipelines are tried right after k = 1, before the
-    accumulation ladder: otherwise a time budget can end the search at a ladder plan that fits only
-    by tensor parallelism across nodes. Both are heuristics, not bounds (docs/solver.md). Every k
+    no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits,
+    and right after k = 1 when ``state_needs_pipeline`` (``_pipelines_first``): heuristics, not
+    bounds (docs/solver.md). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
     which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls;
     ``state``: this ZeRO stage's bounds, carried from one recompute choice to the next
@@ -174,11 +172,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     (plans, failures, pipeline failures) as in :func:`_candidates`."""
     plans, failures, pipe_failures = [], [], []
     progress = opts.progress
-    annotated = annotated_axes(param_ann, input_ann)
-    meshes = candidate_meshes(mesh, annotated) if mode == ParallelMode.AUTO else [mesh]
-    keys = [(m.shape, m.axis_names) for m in meshes]
-    if ddp_applies(mesh, mode, annotated):
-        keys.append(((mesh.size,), ("dp",)))        # DDP's layout (``ddp_candidate``)
+    keys = _mesh_keys(mesh, mode, param_ann, input_ann)
     done, pipe_fit, early = state.done, state.pipe_fit, state.early
     pipeline_request = "pp" in mesh.axis_names or bool(opts.microbatches or opts.schedule)
     cap = _cap(mesh, opts)
@@ -196,15 +190,15 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
         if k not in traces:
             traces[k] = microbatch_traced(traced, k, retracer)
         mb = traces[k]
-        note = ", ".join(([f"ZeRO-{opts.zero}"] if opts.zero else []) + ([f"accumulation {k}"] if k > 1 else [])
-                         + ([f"recompute {rc}"] if rc != "none" else []))
+        candidates = functools.partial(_candidates, mb, model, mesh, mode, param_ann=param_ann, input_ann=input_ann,
+                                       retracer=retracer)
+        note = _levers_note(opts.zero, k, rc)
         skip = {key for key, j in done.items() if j <= i} | {key for key, need in below.items() if k < need}
         try:
-            got, failed, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=rc),
-                                                   param_ann, input_ann, retracer, pipelines=pipelines,
-                                                   microbatches=k, skip=skip, pipe_skip=pipe_fit,
-                                                   pipelines_first=k == 1 and state_needs_pipeline(traced, mesh,
-                                                                                                   opts, cap))
+            got, failed, pipe_failed = candidates(dataclasses.replace(opts, recompute=rc), pipelines=pipelines,
+                                                  microbatches=k, skip=skip, pipe_skip=pipe_fit,
+                                                  pipelines_first=k == 1 and state_needs_pipeline(traced, mesh,
+                                                                                                  opts, cap))
         except PlanError as err:
             if k == 1 and pipeline_request and rc != choices[-1]:
                 pipe_failures.append((f"pipeline ({note or 'no memory options'})", err))
@@ -216,34 +210,77 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
         plans += [accumulated(p, k, traced, mb) for p in got]
         state.fitting |= bool(got)
         pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None}
-        for p in got:
-            if not p.memory_bound:  # nothing at this k with more recomputation or at a larger k beats it
-                key = (p.mesh.shape, p.mesh.axis_names)
-                done[key] = min(done.get(key, len(ks)), i)
+        _mark_done(done, got, failed, i, len(ks))
         for m, e in failed:
-            if isinstance(e, DominatedError) and e.unbudgeted or isinstance(e, PlanError):
-                done[(m.shape, m.axis_names)] = min(done.get((m.shape, m.axis_names), len(ks)), i)
-            elif isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
+            if not _stops_mesh(e) and isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
                 below[(m.shape, m.axis_names)] = k * e.least_memory / cap
-        here = [Failure(m, note, e) for m, e in failed if not isinstance(e, DominatedError)]
-        failures += here
+        failures += [Failure(m, note, e) for m, e in failed if not isinstance(e, DominatedError)]
         pipe_failures += pipe_failed + [(f"mesh {m.shape} ({note or 'no memory options'})", e)
                                         for m, e in failed if isinstance(e, DominatedError)]
         if pipelines and k == 1 and rc == choices[0] and not progress.fitting \
                 and state_needs_pipeline(traced, mesh, opts, cap):
-            for more in choices[1:]:
-                if progress.fitting or progress.out_of_time():
-                    break
-                progress.enter(f"ZeRO-0, recompute {more}, accumulation 1: pipelines first")
-                got, _, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=more),
-                                                  param_ann, input_ann, retracer, skip=set(keys), pipe_skip=pipe_fit)
-                early.add(more)
-                plans += got
-                state.fitting |= bool(got)
-                pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got}
-                pipe_failures += pipe_failed
+            got, pipe_failed = _pipelines_first(candidates, opts, choices[1:], set(keys), state)
+            plans += got
+            pipe_failures += pipe_failed
         i += 1
     return plans, failures, pipe_failures
+
+
+def _mesh_keys(mesh: Mesh, mode: ParallelMode, param_ann: dict, input_ann: dict) -> list[tuple]:
+    """(shape, axis names) of every layout ``_candidates`` tries on ``mesh``: the factorisations, DDP's."""
+    annotated = annotated_axes(param_ann, input_ann)
+    meshes = candidate_meshes(mesh, annotated) if mode == ParallelMode.AUTO else [mesh]
+    keys = [(m.shape, m.axis_names) for m in meshes]
+    if ddp_applies(mesh, mode, annotated):
+        keys.append(((mesh.size,), ("dp",)))        # DDP's layout (``ddp_candidate``)
+    return keys
+
+
+def _levers_note(zero: int | None, k: int, rc) -> str:
+    """The memory levers of a candidate, as its failures are labelled ("" for none)."""
+    return ", ".join(([f"ZeRO-{zero}"] if zero else []) + ([f"accumulation {k}"] if k > 1 else [])
+                     + ([f"recompute {rc}"] if rc != "none" else []))
+
+
+def _stops_mesh(e: Exception) -> bool:
+    """Whether a mesh's failure ends its frontier: its unbudgeted bound is dominated, or it cannot plan."""
+    return isinstance(e, DominatedError) and e.unbudgeted or isinstance(e, PlanError)
+
+
+def _mark_done(done: dict, got: list, failed: list, i: int, n: int) -> None:
+    """``_frontier``'s ``done`` (mesh key -> from which k index on it is not tried) at k index ``i`` of
+    ``n``: a mesh whose plan fits without the cap shaping it (nothing at this k with more recomputation
+    or at a larger k beats it), and one whose failure ends it (``_stops_mesh``)."""
+    for p in got:
+        if not p.memory_bound:
+            key = (p.mesh.shape, p.mesh.axis_names)
+            done[key] = min(done.get(key, n), i)
+    for m, e in failed:
+        if _stops_mesh(e):
+            done[(m.shape, m.axis_names)] = min(done.get((m.shape, m.axis_names), n), i)
+
+
+def _pipelines_first(candidates, opts: PlanOptions, more_choices: list, skip: set,
+                     state: FrontierState) -> tuple[list, list]:
+    """(plans, pipeline failures) of the recomputed pipelines ``_frontier`` tries right after k = 1, before
+    the accumulation ladder, when nothing fits there and the state split over a node exceeds the cap
+    (``state_needs_pipeline``): otherwise a time budget can end the search at a ladder plan that fits
+    only by tensor parallelism across nodes. Each choice of ``more_choices`` until one fits, a pipeline
+    only until it fits (``state.pipe_fit``: with more recomputation it could only pick a larger
+    microbatch). ``candidates``: ``_candidates`` bound to the step at k = 1."""
+    plans, pipe_failures = [], []
+    progress = opts.progress
+    for more in more_choices:
+        if progress.fitting or progress.out_of_time():
+            break
+        progress.enter(f"ZeRO-0, recompute {more}, accumulation 1: pipelines first")
+        got, _, pipe_failed = candidates(dataclasses.replace(opts, recompute=more), skip=skip, pipe_skip=state.pipe_fit)
+        state.early.add(more)
+        plans += got
+        state.fitting |= bool(got)
+        state.pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got}
+        pipe_failures += pipe_failed
+    return plans, pipe_failures
 
 
 def replicated_state_bytes(traced, d: int, opts: PlanOptions) -> float:
