@@ -9,7 +9,6 @@ every mode.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 
@@ -27,6 +26,7 @@ from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeo
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, pipeline_requested
 from autopar.solver.progress import SearchProgress
+from autopar.solver.request import SolveRequest
 from autopar.cost_models.devices import mesh_device
 
 
@@ -100,13 +100,13 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                         f"{mesh!r} has 1 device: there is nothing to shard it over; use zero=0 (or leave zero unset) "
                         "on one device")
     plans, failures, pipe_failures, traces = [], [], [], {}
+    request = SolveRequest(traced, model, mesh, mode, opts, param_ann, input_ann, retracer)
     frontiers = {z: FrontierState() for z in stages if not (z and mesh.size == 1)}
     for rc in choices:              # cheapest lever first: every ZeRO stage before more recomputation
         for z, state in frontiers.items():
             if progress.out_of_time():
                 break
-            got, failed, pipe_failed = _frontier(traced, model, mesh, mode, dataclasses.replace(opts, zero=z),
-                                                 param_ann, input_ann, retracer, ks, choices, rc, traces, state)
+            got, failed, pipe_failed = _frontier(request.with_options(zero=z), ks, choices, rc, traces, state)
             plans += got
             failures += failed
             pipe_failures += pipe_failed
@@ -144,9 +144,9 @@ def _cap(mesh: Mesh, opts: PlanOptions) -> float:
     return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else mesh_device(mesh).memory_bytes
 
 
-def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict,
-              retracer: Retracer | None, ks: list[int], choices: list, rc, traces: dict, state: FrontierState):
-    """Branch and bound over (accumulation k, mesh) at recompute choice ``rc`` of ``choices``, k ascending
+def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict, state: FrontierState):
+    """Branch and bound over (accumulation k, mesh) of ``req`` (the whole step) at recompute choice ``rc`` of
+    ``choices``, k ascending
     (``accumulation.memory_choices``). A mesh stops being tried (``done``: from which k on) when
 
     * its plan at k fits without the cap shaping it (``Plan.memory_bound`` false): at a larger k,
@@ -171,8 +171,9 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     plans bound the recomputed ones).
     (plans, failures, pipeline failures) as in :func:`_candidates`."""
     plans, failures, pipe_failures = [], [], []
+    traced, mesh, opts = req.traced, req.mesh, req.opts
     progress = opts.progress
-    keys = _mesh_keys(mesh, mode, param_ann, input_ann)
+    keys = _mesh_keys(mesh, req.mode, req.param_ann, req.input_ann)
     done, pipe_fit, early = state.done, state.pipe_fit, state.early
     pipeline_request = "pp" in mesh.axis_names or bool(opts.microbatches or opts.schedule)
     cap = _cap(mesh, opts)
@@ -188,17 +189,15 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
             break               # only pipelines were asked for
         progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
         if k not in traces:
-            traces[k] = microbatch_traced(traced, k, retracer)
+            traces[k] = microbatch_traced(traced, k, req.retracer)
         mb = traces[k]
-        candidates = functools.partial(_candidates, mb, model, mesh, mode, param_ann=param_ann, input_ann=input_ann,
-                                       retracer=retracer)
         note = _levers_note(opts.zero, k, rc)
         skip = {key for key, j in done.items() if j <= i} | {key for key, need in below.items() if k < need}
         try:
-            got, failed, pipe_failed = candidates(dataclasses.replace(opts, recompute=rc), pipelines=pipelines,
-                                                  microbatches=k, skip=skip, pipe_skip=pipe_fit,
-                                                  pipelines_first=k == 1 and state_needs_pipeline(traced, mesh,
-                                                                                                  opts, cap))
+            got, failed, pipe_failed = _candidates(req.replace(traced=mb).with_options(recompute=rc),
+                                                   pipelines=pipelines, microbatches=k, skip=skip, pipe_skip=pipe_fit,
+                                                   pipelines_first=k == 1 and state_needs_pipeline(traced, mesh,
+                                                                                                   opts, cap))
         except PlanError as err:
             if k == 1 and pipeline_request and rc != choices[-1]:
                 pipe_failures.append((f"pipeline ({note or 'no memory options'})", err))
@@ -219,7 +218,7 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
                                         for m, e in failed if isinstance(e, DominatedError)]
         if pipelines and k == 1 and rc == choices[0] and not progress.fitting \
                 and state_needs_pipeline(traced, mesh, opts, cap):
-            got, pipe_failed = _pipelines_first(candidates, opts, choices[1:], set(keys), state)
+            got, pipe_failed = _pipelines_first(req.replace(traced=mb), choices[1:], set(keys), state)
             plans += got
             pipe_failures += pipe_failed
         i += 1
@@ -260,21 +259,20 @@ def _mark_done(done: dict, got: list, failed: list, i: int, n: int) -> None:
             done[(m.shape, m.axis_names)] = min(done.get((m.shape, m.axis_names), n), i)
 
 
-def _pipelines_first(candidates, opts: PlanOptions, more_choices: list, skip: set,
-                     state: FrontierState) -> tuple[list, list]:
+def _pipelines_first(req: SolveRequest, more_choices: list, skip: set, state: FrontierState) -> tuple[list, list]:
     """(plans, pipeline failures) of the recomputed pipelines ``_frontier`` tries right after k = 1, before
     the accumulation ladder, when nothing fits there and the state split over a node exceeds the cap
     (``state_needs_pipeline``): otherwise a time budget can end the search at a ladder plan that fits
     only by tensor parallelism across nodes. Each choice of ``more_choices`` until one fits, a pipeline
     only until it fits (``state.pipe_fit``: with more recomputation it could only pick a larger
-    microbatch). ``candidates``: ``_candidates`` bound to the step at k = 1."""
+    microbatch). ``req``: the step at k = 1."""
     plans, pipe_failures = [], []
-    progress = opts.progress
+    progress = req.opts.progress
     for more in more_choices:
         if progress.fitting or progress.out_of_time():
             break
         progress.enter(f"ZeRO-0, recompute {more}, accumulation 1: pipelines first")
-        got, _, pipe_failed = candidates(dataclasses.replace(opts, recompute=more), skip=skip, pipe_skip=state.pipe_fit)
+        got, _, pipe_failed = _candidates(req.with_options(recompute=more), skip=skip, pipe_skip=state.pipe_fit)
         state.early.add(more)
         plans += got
         state.fitting |= bool(got)
@@ -305,9 +303,8 @@ def state_needs_pipeline(traced, mesh: Mesh, opts: PlanOptions, cap: float) -> b
     return state / min(mesh.size, mesh.gpus_per_node or mesh.size) > cap
 
 
-def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
-                input_ann: dict, retracer: Retracer | None, pipelines: bool = True, microbatches: int = 1,
-                skip: set | None = None, pipe_skip: set | None = None, pipelines_first: bool = False):
+def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1, skip: set | None = None,
+                pipe_skip: set | None = None, pipelines_first: bool = False):
     """(plans, failures [(mesh, error)], pipeline failures [(note, error)]) of every candidate layout
     of one traced step, a microbatch of a step that accumulates ``microbatches``: each mesh
     factorisation, DDP's layout, then the pipeline candidates (only these when the request names a
@@ -319,17 +316,18 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
     failure is a ``DominatedError`` (``solve_on_mesh``'s ``cutoff``). ``skip``: (shape, axis names)
     of meshes not to try (DDP's layout is the 1-D "dp" mesh); ``pipe_skip``: the same for pipeline
     candidates (their full meshes, pp first)."""
+    traced, mesh, mode, opts = req.traced, req.mesh, req.mode, req.opts
+    param_ann, input_ann = req.param_ann, req.input_ann
     skip = skip or set()
     progress = opts.progress or SearchProgress()
     step_time = lambda p: accumulated_time(p, microbatches)  # noqa: E731
     annotated = annotated_axes(param_ann, input_ann)
-    pipeline_only = pipelines and pipeline_requested(traced, model, mesh, mode)
+    pipeline_only = pipelines and pipeline_requested(traced, req.model, mesh, mode)
     meshes = [] if pipeline_only else candidate_meshes(mesh, annotated) if mode == ParallelMode.AUTO else [mesh]
     plans, failures, pipe_failures = [], [], []
     first = pipelines and pipelines_first and not pipeline_only and not progress.out_of_time()
     if first:
-        plans, pipe_failures, _ = pipeline_plans(traced, model, mesh, mode, dataclasses.replace(opts, progress=progress),
-                                                 param_ann, input_ann, retracer, pipe_skip)
+        plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip)
     for m in meshes:
         if progress.out_of_time():
             break
@@ -355,8 +353,7 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
         progress.record(got, 1 - len(got), step_time)
         plans += got
     if pipelines and not first and not progress.out_of_time():   # after the meshes: their best bounds the pipelines'
-        pipe_plans, pipe_failures, _ = pipeline_plans(traced, model, mesh, mode, dataclasses.replace(opts, progress=progress),
-                                                      param_ann, input_ann, retracer, pipe_skip)
+        pipe_plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip)
         plans = list(pipe_plans) + plans
     return plans, failures, pipe_failures
 
