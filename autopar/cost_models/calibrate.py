@@ -358,6 +358,23 @@ def fit_alpha_beta(rows: Sequence[Sequence[float]]) -> tuple[float, float]:
 # ---- the whole calibration -------------------------------------------------------------
 
 
+def _measure_links(world_sizes: Sequence[int], collective_sizes: Sequence[int],
+                   reps: int) -> tuple[list[list[float]], float, float, list[list[float]]]:
+    """All-reduce timings over each world size, the (alpha, beta) fitted to all of them, and
+    [world, latency, bandwidth] fitted per world size (``shared_links``)."""
+    rows: list[list[float]] = []
+    for world in world_sizes:
+        rows += measure_all_reduce(world, collective_sizes, reps)
+    alpha, beta = fit_alpha_beta(rows) if rows else (5e-5, 1e-9)
+    links = []
+    for world in world_sizes:
+        mine = [r for r in rows if r[0] == world]
+        if len(mine) >= 2:
+            a, b = fit_alpha_beta(mine)
+            links.append([world, a, 1.0 / b])
+    return rows, alpha, beta, links
+
+
 def calibrate(
     out_path: str | os.PathLike | None = None,
     quick: bool = False,
@@ -405,16 +422,7 @@ def calibrate(
     finally:
         torch.set_num_threads(threads)
     sharing = measure_sharing(world_sizes, sharing_seconds) if world_sizes else []
-    rows: list[list[float]] = []
-    for world in world_sizes:
-        rows += measure_all_reduce(world, collective_sizes, reps)
-    alpha, beta = fit_alpha_beta(rows) if rows else (5e-5, 1e-9)
-    links = []
-    for world in world_sizes:
-        mine = [r for r in rows if r[0] == world]
-        if len(mine) >= 2:
-            a, b = fit_alpha_beta(mine)
-            links.append([world, a, 1.0 / b])
+    rows, alpha, beta, links = _measure_links(world_sizes, collective_sizes, reps)
     profile = {
         "version": PROFILE_VERSION,
         "machine": fingerprint(),

@@ -34,7 +34,7 @@ the cap on this ratio when overflowing tokens are dropped; Megatron-Core's capac
 **Saved for backward** (``moe_saved``): the three inputs, the parameters (a gathered copy when taken
 in another placement) and, per routed row, the gathered input, the expert's intermediate and its
 output (``T k (2 H + n_e / H)`` elements) plus the dispatch and combine buffers of the tokens
-(``2 T k H``); divided per rank like the node's other internals (``problem._local_saved``).
+(``2 T k H``); divided per rank like the node's other internals (``strategy_prices.local_saved``).
 """
 from __future__ import annotations
 

@@ -21,29 +21,67 @@ def _ms(t: float) -> str:
 
 @register_view("report")
 def render(plan) -> str:
+    lines = _header_lines(plan)
+    lines += _param_lines(plan)
+    lines.append("")
+    lines += _op_lines(plan)
+    lines.append("")
+    lines += _collective_lines(plan)
+    if plan.unknown_ops:
+        lines.append("")
+        lines.append("ops without a sharding rule (run replicated): " +
+                     ", ".join(sorted(set(plan.unknown_ops.values()))))
+    if plan.memory_breakdown:
+        lines.append("")
+        lines.append("memory per device: " + ", ".join(f"{k} {_gb(v)}" for k, v in plan.memory_breakdown.items()))
+        lines.append(f"memory options: {plan.memory_options.summary()}; ZeRO over the axes each parameter is "
+                     "replicated on would save, per rank:")
+        lines += explain_lines(plan)
+    if plan.stages:
+        from autopar.report.pipeline import render_pipeline
+
+        lines.append("")
+        lines += render_pipeline(plan)
+    if plan.alternatives:
+        lines.append("")
+        lines += _alternative_lines(plan)
+    if plan.autotune:
+        lines.append("")
+        lines += _autotune_lines(plan)
+    return "\n".join(lines)
+
+
+def _header_lines(plan) -> list[str]:
     m = plan.mesh
-    lines = [f"autopar plan — mode {plan.mode.name}",
-             f"mesh: {' × '.join(f'{n}={s}' for n, s in zip(m.axis_names, m.shape))} ({m.size} devices, {m.device})",
-             f"degrees: {degrees_text(plan.degrees)}"
-             f"   microbatches={plan.microbatches} schedule={plan.schedule}",
-             *context_lines(plan),
-             *_redundant_lines(plan),
-             *sequence_parallel_lines(plan),
-             f"memory options: {plan.memory_options.summary()}",
-             f"programs: {'compiled (torch.compile, inductor)' if plan.compiled else 'eager'}",
-             f"predicted step time: {_ms(plan.step_time)}   FLOPs/step: {plan.flops:.3e}   "
-             f"peak memory/device: {_gb(max(plan.memory_per_device or [0]))}",
-             f"solver: {plan.solver_status} in {plan.solve_time:.2f}s",
-             *([f"note: {plan.search_note}"] if plan.search_note else []), ""]
-    lines.append("parameters (placement per mesh axis; gradient sync axes):")
+    return [f"autopar plan — mode {plan.mode.name}",
+            f"mesh: {' × '.join(f'{n}={s}' for n, s in zip(m.axis_names, m.shape))} ({m.size} devices, {m.device})",
+            f"degrees: {degrees_text(plan.degrees)}"
+            f"   microbatches={plan.microbatches} schedule={plan.schedule}",
+            *context_lines(plan),
+            *_redundant_lines(plan),
+            *sequence_parallel_lines(plan),
+            f"memory options: {plan.memory_options.summary()}",
+            f"programs: {'compiled (torch.compile, inductor)' if plan.compiled else 'eager'}",
+            f"predicted step time: {_ms(plan.step_time)}   FLOPs/step: {plan.flops:.3e}   "
+            f"peak memory/device: {_gb(max(plan.memory_per_device or [0]))}",
+            f"solver: {plan.solver_status} in {plan.solve_time:.2f}s",
+            *([f"note: {plan.search_note}"] if plan.search_note else []), ""]
+
+
+def _param_lines(plan) -> list[str]:
+    lines = ["parameters (placement per mesh axis; gradient sync axes):"]
     for name, d in plan.params.items():
         if d.kind != "parameter":
             continue
         tied = f"  tied: {', '.join(d.aliases)}" if len(d.aliases) > 1 else ""
         sync = f"  grad all-reduce over {'+'.join(d.grad_sync)}" if d.grad_sync else ""
         lines.append(f"  {name:<40} {str(d.shape):<16} {d.spec}{sync}{tied}")
-    lines.append("")
-    lines.append("ops by module type (strategy, output placement, predicted time; repeated layers shown once):")
+    return lines
+
+
+def _op_lines(plan) -> list[str]:
+    """The ops grouped by module, each module pattern (repeated layers) shown once, at most 80."""
+    lines = ["ops by module type (strategy, output placement, predicted time; repeated layers shown once):"]
     by_mod = defaultdict(list)
     for name, d in plan.nodes.items():
         by_mod[d.module or "<root>"].append((name, d))
@@ -65,7 +103,10 @@ def render(plan) -> str:
         if len(printed) >= 80:
             lines.append("  ... more modules (see plan.nodes)")
             break
-    lines.append("")
+    return lines
+
+
+def _collective_lines(plan) -> list[str]:
     colls = plan.collectives(0)
     agg = Counter()
     size = Counter()
@@ -76,55 +117,43 @@ def render(plan) -> str:
         agg[key] += times
         size[key] += c.bytes * times
         t[key] += c.time * times
-    lines.append(f"collectives per step on rank 0: {sum(agg.values())}")
+    lines = [f"collectives per step on rank 0: {sum(agg.values())}"]
     for key, n in sorted(agg.items()):
         each = f" ({n // key[3]} × {key[3]} microbatches)" if key[3] > 1 else ""
         lines.append(f"  {key[0]:<15} axis {key[1]:<6} {key[2]:<4} ×{n:<4} {_gb(size[key]):>12}  {_ms(t[key])}{each}")
-    if plan.unknown_ops:
-        lines.append("")
-        lines.append("ops without a sharding rule (run replicated): " +
-                     ", ".join(sorted(set(plan.unknown_ops.values()))))
-    if plan.memory_breakdown:
-        lines.append("")
-        lines.append("memory per device: " + ", ".join(f"{k} {_gb(v)}" for k, v in plan.memory_breakdown.items()))
-        lines.append(f"memory options: {plan.memory_options.summary()}; ZeRO over the axes each parameter is "
-                     "replicated on would save, per rank:")
-        lines += explain_lines(plan)
-    if plan.stages:
-        from autopar.report.pipeline import render_pipeline
+    return lines
 
-        lines.append("")
-        lines += render_pipeline(plan)
-    if plan.alternatives:
-        lines.append("")
-        lines.append("why this plan — alternatives considered (least step time that fits memory wins; a plan "
-                     "that repeats the work on an axis only where every plan does):")
-        lines.append(f"  {'degrees':<28} {'microbatches':<20} {'step time':>12} {'of it optim':>12} {'memory':>12}  "
-                     f"{'memory options':<24}  fits  note")
-        opt = plan.optimizer_time or 0.0
-        lines.append(f"  {_deg(plan.degrees):<28} {_mb(plan.microbatches, plan.schedule):<20} {_ms(plan.step_time):>12} "
-                     f"{_ms(opt):>12} {_gb(max(plan.memory_per_device or [0])):>12}  "
-                     f"{plan.memory_options.summary():<24}  yes   chosen"
-                     + (f" ({plan.candidate})" if plan.candidate else ""))
-        for a in plan.alternatives[:10]:
-            lines.append(f"  {_deg(a.degrees):<28} {_mb(a.microbatches, a.schedule) if a.fits else '-':<20} "
-                         f"{_ms(a.step_time) if a.fits else '-':>12} {_ms(a.optimizer_time) if a.fits else '-':>12} "
-                         f"{_gb(a.memory) if a.fits else '-':>12}  {a.memory_options if a.fits else '-':<24}  "
-                         f"{'yes' if a.fits else 'no ':<4}  {a.note}"
-                         + (f"; repeats work on {'+'.join(a.redundant_axes)}" if a.redundant_axes else ""))
-    trials = plan.autotune
-    if trials:
-        lines.append("")
-        lines.append("measured on the ranks (autotune_top_k): the fastest measured of the best predicted wins; "
-                     f"timed {plan.autotune_timing or 'interleaved'}")
-        lines.append(f"  {'plan':<44} {'predicted':>12} {'measured':>12} {'steps':>6}")
-        for t in trials:
-            measured = _ms(t.measured) if t.measured is not None else "failed"
-            note = "  chosen" if t.chosen else ""
-            lines.append(f"  {t.label:<44} {_ms(t.predicted):>12} {measured:>12} {t.steps:>6}{note}")
-            if t.error:
-                lines.append(f"      not built: {t.error}")
-    return "\n".join(lines)
+
+def _alternative_lines(plan) -> list[str]:
+    lines = ["why this plan — alternatives considered (least step time that fits memory wins; a plan "
+             "that repeats the work on an axis only where every plan does):",
+             f"  {'degrees':<28} {'microbatches':<20} {'step time':>12} {'of it optim':>12} {'memory':>12}  "
+             f"{'memory options':<24}  fits  note"]
+    opt = plan.optimizer_time or 0.0
+    lines.append(f"  {_deg(plan.degrees):<28} {_mb(plan.microbatches, plan.schedule):<20} {_ms(plan.step_time):>12} "
+                 f"{_ms(opt):>12} {_gb(max(plan.memory_per_device or [0])):>12}  "
+                 f"{plan.memory_options.summary():<24}  yes   chosen"
+                 + (f" ({plan.candidate})" if plan.candidate else ""))
+    for a in plan.alternatives[:10]:
+        lines.append(f"  {_deg(a.degrees):<28} {_mb(a.microbatches, a.schedule) if a.fits else '-':<20} "
+                     f"{_ms(a.step_time) if a.fits else '-':>12} {_ms(a.optimizer_time) if a.fits else '-':>12} "
+                     f"{_gb(a.memory) if a.fits else '-':>12}  {a.memory_options if a.fits else '-':<24}  "
+                     f"{'yes' if a.fits else 'no ':<4}  {a.note}"
+                     + (f"; repeats work on {'+'.join(a.redundant_axes)}" if a.redundant_axes else ""))
+    return lines
+
+
+def _autotune_lines(plan) -> list[str]:
+    lines = ["measured on the ranks (autotune_top_k): the fastest measured of the best predicted wins; "
+             f"timed {plan.autotune_timing or 'interleaved'}",
+             f"  {'plan':<44} {'predicted':>12} {'measured':>12} {'steps':>6}"]
+    for t in plan.autotune:
+        measured = _ms(t.measured) if t.measured is not None else "failed"
+        note = "  chosen" if t.chosen else ""
+        lines.append(f"  {t.label:<44} {_ms(t.predicted):>12} {measured:>12} {t.steps:>6}{note}")
+        if t.error:
+            lines.append(f"      not built: {t.error}")
+    return lines
 
 
 def _redundant_lines(plan) -> list[str]:

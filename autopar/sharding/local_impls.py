@@ -4,7 +4,7 @@ A rule marks such a strategy with ``AxisStrategy.local = "family:role"`` on the 
 splits (``"loss:vocab"``, ``"batch_norm:sync"``, ...); ``passes/insert_collectives`` replaces
 the op with ``collectives/local_ops.py``'s implementation of the family, handing it
 ``{role: [axis names]}``. This module is the one description of the collectives each family
-runs: ``solver/decode.py`` lists them in the plan, ``solver/problem.py`` costs them (the sum
+runs: ``solver/decode.py`` lists them in the plan, ``solver/strategy_prices.py`` costs them (the sum
 of their times), and ``tests/ranks/test_local_impls.py`` checks that every name a rule can produce
 has an entry here and an implementation in ``local_ops``. Bytes are what ``local_ops`` sends
 (the traced value's item size, the local row count), one call per axis in axis order.

@@ -1,5 +1,5 @@
 """Context-parallel attention in the intra-op problem: its node time and memory under a ``"cp"``
-strategy (the model: ``cost_models/context_parallel.py``). ``problem.node_costs`` calls
+strategy (the model: ``cost_models/context_parallel.py``). ``strategy_prices.node_costs`` calls
 ``cp_node_time`` and ``cp_saved_bytes``; ``memory_terms`` calls ``cp_transient_bytes``.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def causal(node: fx.Node) -> bool:
 
 def cp_time(node: fx.Node, st: Strategy, cost: OpCost, c) -> CpTime:
     """The slowest rank's seconds of ``node`` under the cp strategy ``st``; ``cost``: its per-rank
-    cost when the work divides evenly (``problem.split_cost``); ``c``: the ``Costing``."""
+    cost when the work divides evenly (``strategy_prices.split_cost``); ``c``: the ``Costing``."""
     axes = cp_axes(st, c.mesh_shape)
     seq = int(tensor_inputs(node)[0].meta["val"].shape[-2])
     pieces = math.prod(c.mesh_shape[a] for a in axes)
@@ -56,7 +56,7 @@ def cp_time(node: fx.Node, st: Strategy, cost: OpCost, c) -> CpTime:
 
 def cp_node_time(node: fx.Node, st: Strategy, cost: OpCost, c, recomputed: bool) -> float | None:
     """The node's seconds under a cp strategy (compute and its own collectives, the forward again
-    when ``recomputed``), or None when ``st`` is not one (``problem.node_costs`` then costs it)."""
+    when ``recomputed``), or None when ``st`` is not one (``strategy_prices.node_costs`` then costs it)."""
     if not is_cp(st, c.mesh_shape):
         return None
     t = cp_time(node, st, cost, c)

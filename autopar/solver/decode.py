@@ -3,6 +3,7 @@ collectives one step runs, and per-node option costs for ``plan.explain``."""
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch.fx as fx
@@ -15,7 +16,8 @@ from autopar.sharding.placements import Partial, Spec, shard_factor
 from autopar.sharding.edge import edge_collectives
 from autopar.sharding.redistribute import step_bytes
 from autopar.sharding.strategy import tensor_inputs
-from autopar.solver.problem import BuiltProblem, Costing, local_impl_times, split_axes, tensor_bytes
+from autopar.solver.problem import BuiltProblem
+from autopar.solver.strategy_prices import Costing, local_impl_times, split_axes, tensor_bytes
 
 
 def _spec_out(st, idx):
@@ -73,64 +75,108 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
     """Returns (node decisions, param/buffer decisions, input specs, collectives)."""
     chosen = {n: cands.strategies[n][choice[i]] for i, n in enumerate(built.names)}
     by_name = {n.name: n for n in gm.graph.nodes}
-    nodes, collectives = {}, []
-    emitted: set = set()
-    need = grad_nodes(gm.graph)      # values that get a gradient: only they run backward collectives
+    nodes = {}
     rule = grad_sync_rule(gm.graph, trainable_params(gm.graph, set(traced.params), loss_output(gm, traced)),
                           ChosenSpecs(chosen), len(axis_names))
+    listed = _StepCollectives(c, axis_names, rule, grad_nodes(gm.graph))
     p = built.problem
-    in_edges: dict[int, list] = {}
-    out_edges: dict[int, list] = {}
-    for e in p.edges:
-        in_edges.setdefault(e.dst, []).append(e)
-        out_edges.setdefault(e.src, []).append(e)
+    edges_at = _edges_at(p)
     for name, st in chosen.items():
         node = by_name[name]
         if node.op != "call_function":
             continue
         v = built.index[name]
-        totals = np.array(p.nodes[v].compute, dtype=float)
-        for e in in_edges.get(v, []):
-            totals = totals + e.cost[choice[e.src], :]
-        for e in out_edges.get(v, []):
-            totals = totals + e.cost[:, choice[e.dst]]
-        order = np.argsort(totals)[:6]
-        options = [[cands.strategies[name][int(i)].describe(), float(totals[i])] for i in order]
-        out = [Spec(o) for o in st.output] if st.output and isinstance(st.output[0], tuple) else Spec(st.output)
-        nodes[name] = NodeDecision(op=str(node.target), strategy=st.name, inputs=[Spec(s) for s in st.inputs],
-                                   output=out, local=list(st.local), module=node.meta.get("module_path", ""),
-                                   time=float(p.nodes[v].compute[choice[v]]), options=options)
-        ins = tensor_inputs(node)
-        split = split_axes(st)
-        for i, a in enumerate(ins):
+        nodes[name] = _node_decision(node, st, float(p.nodes[v].compute[choice[v]]),
+                                     _options(cands.strategies[name], v, p, choice, edges_at))
+        listed.of_inputs(node, st, chosen)
+        listed.of_local_impl(node, st)
+    params = _param_decisions(traced, chosen, by_name, listed)
+    inputs = {ph: Spec(chosen[ph].output) for ph in traced.inputs + ([traced.target] if traced.target else [])
+              if ph in chosen}
+    return nodes, params, inputs, listed.out
+
+
+def _edges_at(p) -> tuple[dict[int, list], dict[int, list]]:
+    """(node -> the problem's edges into it, node -> the edges out of it)."""
+    in_edges: dict[int, list] = {}
+    out_edges: dict[int, list] = {}
+    for e in p.edges:
+        in_edges.setdefault(e.dst, []).append(e)
+        out_edges.setdefault(e.src, []).append(e)
+    return in_edges, out_edges
+
+
+def _options(strategies: list, v: int, p, choice: list[int], edges_at: tuple) -> list:
+    """[description, seconds] of node ``v``'s six cheapest strategies, its neighbours' choices fixed
+    (its own seconds plus its edges' resharding), for ``plan.explain``."""
+    in_edges, out_edges = edges_at
+    totals = np.array(p.nodes[v].compute, dtype=float)
+    for e in in_edges.get(v, []):
+        totals = totals + e.cost[choice[e.src], :]
+    for e in out_edges.get(v, []):
+        totals = totals + e.cost[:, choice[e.dst]]
+    order = np.argsort(totals)[:6]
+    return [[strategies[int(i)].describe(), float(totals[i])] for i in order]
+
+
+def _node_decision(node: fx.Node, st, seconds: float, options: list) -> NodeDecision:
+    out = [Spec(o) for o in st.output] if st.output and isinstance(st.output[0], tuple) else Spec(st.output)
+    return NodeDecision(op=str(node.target), strategy=st.name, inputs=[Spec(s) for s in st.inputs],
+                        output=out, local=list(st.local), module=node.meta.get("module_path", ""),
+                        time=seconds, options=options)
+
+
+@dataclass
+class _StepCollectives:
+    """The collectives one step runs, listed in the plan's order: per node its inputs' redistributions
+    and activation-gradient sums, then its local implementation's; the parameters' gradient syncs last."""
+
+    c: Costing
+    axis_names: tuple
+    rule: object                    # sharding.grad_sync's rule for this choice
+    need: frozenset                 # values that get a gradient: only they run backward collectives
+    out: list[Collective] = field(default_factory=list)
+    emitted: set = field(default_factory=set)
+
+    def add(self, kind: str, nbytes: float, axis: int, phase: str, name: str) -> None:
+        self.out.append(Collective(kind, int(nbytes), [self.axis_names[axis]], phase, name,
+                                   self.c.comm(kind, nbytes, axis)))
+
+    def of_inputs(self, node: fx.Node, st, chosen: dict) -> None:
+        c, name, split = self.c, node.name, split_axes(st)
+        for i, a in enumerate(tensor_inputs(node)):
             src, idx = producer(a)
             if src.name not in chosen:
                 continue
             have = _spec_out(chosen[src.name], idx)
-            edge = edge_collectives(have, st.inputs[i], split, rule.partial_axes(a), rule.exit_axes(a, node))
+            edge = edge_collectives(have, st.inputs[i], split, self.rule.partial_axes(a), self.rule.exit_axes(a, node))
             key = (src.name, idx, edge)
-            if key in emitted:       # consumers needing the same collectives share them
+            if key in self.emitted:       # consumers needing the same collectives share them
                 continue
-            emitted.add(key)
+            self.emitted.add(key)
             local = tensor_bytes(src, idx) / shard_factor(have, c.mesh_shape)
             for j, step in enumerate(edge.steps):
                 moved, after = step_bytes(step, local, c.mesh_shape)
                 fwd = edge.forward(j)
                 if fwd:
-                    collectives.append(Collective(fwd, int(moved), [axis_names[step.axis]], "fwd", name,
-                                                  c.comm(fwd, moved, step.axis)))
-                bwd = edge.backward(j) if a in need else None
+                    self.add(fwd, moved, step.axis, "fwd", name)
+                bwd = edge.backward(j) if a in self.need else None
                 if bwd:
-                    collectives.append(Collective(bwd, int(moved), [axis_names[step.axis]], "bwd", name,
-                                                  c.comm(bwd, moved, step.axis)))
+                    self.add(bwd, moved, step.axis, "bwd", name)
                 local = after
-            if a in need:            # Megatron's f: the activation gradient summed over the axis
+            if a in self.need:            # Megatron's f: the activation gradient summed over the axis
                 nbytes = tensor_bytes(a) / shard_factor(st.inputs[i], c.mesh_shape)
                 for ax in edge.grad_sum:
-                    collectives.append(Collective("all_reduce", int(nbytes), [axis_names[ax]], "bwd", name,
-                                                  c.comm("all_reduce", nbytes, ax)))
-        for kind, nbytes, ax, phase, seconds in local_impl_times(node, st, c):
-            collectives.append(Collective(kind, int(nbytes), [axis_names[ax]], phase, name, seconds))
+                    self.add("all_reduce", nbytes, ax, "bwd", name)
+
+    def of_local_impl(self, node: fx.Node, st) -> None:
+        for kind, nbytes, ax, phase, seconds in local_impl_times(node, st, self.c):
+            self.out.append(Collective(kind, int(nbytes), [self.axis_names[ax]], phase, node.name, seconds))
+
+
+def _param_decisions(traced, chosen: dict, by_name: dict, listed: _StepCollectives) -> dict:
+    """Parameter, buffer and constant decisions; each synced parameter's gradient all-reduce is listed."""
+    c, axis_names, rule = listed.c, listed.axis_names, listed.rule
     params = {}
     for ph, pname in traced.params.items():
         if ph not in chosen:
@@ -143,17 +189,15 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
                                       ph in rule.trainable)
         if sync:
             nbytes = tensor_bytes(by_name[ph]) / shard_factor(chosen[ph].output, c.mesh_shape)
-            collectives.append(Collective("all_reduce", int(nbytes), sync, "bwd", ph,
-                                          sum(c.grad_sync(nbytes, axis_names.index(a)) for a in sync)))
+            listed.out.append(Collective("all_reduce", int(nbytes), sync, "bwd", ph,
+                                         sum(c.grad_sync(nbytes, axis_names.index(a)) for a in sync)))
     for ph, bname in list(traced.buffers.items()) + [(k, k) for k in traced.constants]:
         if ph in chosen:
             val = by_name[ph].meta["val"]
             kind = "buffer" if ph in traced.buffers else "constant"
             params[bname] = ParamDecision(Spec(chosen[ph].output), list(val.shape),
                                           str(val.dtype).replace("torch.", ""), ph, [bname], [], kind)
-    inputs = {ph: Spec(chosen[ph].output) for ph in traced.inputs + ([traced.target] if traced.target else [])
-              if ph in chosen}
-    return nodes, params, inputs, collectives
+    return params
 
 
 def output_specs(gm: fx.GraphModule, nodes: dict, params: dict, inputs: dict, traced) -> dict:

@@ -1,7 +1,7 @@
 """Memory a step holds beside the intra-op ILP's row, evaluated on an assignment after the solve
 (``mesh_solve._solve_within``): ZeRO's per-layer buffers and the backward transients (maxima over
 ops and regions, not sums), and ``op_transients``, lower bounds of the transients the solver keeps
-room for. The row itself (node and edge memory) is built in ``problem.py``.
+room for. The row itself (node and edge memory) is priced in ``strategy_prices.py``.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from autopar.sharding.candidates import Candidates
 from autopar.sharding.placements import shard_factor
 from autopar.sharding.strategy import Strategy, tensor_inputs
 from autopar.solver.cp_costs import cp_transient_bytes
-from autopar.solver.problem import (BuiltProblem, Costing, _local_saved, _outs, _same_storage, _saved_pair,
-                                    resharded_param_bytes, tensor_bytes)
+from autopar.solver.problem import BuiltProblem, resharded_param_bytes
+from autopar.solver.strategy_prices import Costing, local_saved, saved_pair, strategy_outputs, tensor_bytes
 
 
 def zero_layer_buffers(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: list[int], c: Costing,
@@ -105,7 +105,7 @@ def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, 
     inside = {n for r in regions for n in r.nodes}
     peak = max((g for n, g in grads.items() if n not in inside), default=0.0)
     for r in regions:
-        remat = sum(_local_saved(by_name[n], cands.strategies[n][choice[built.index[n]]], saved, c)
+        remat = sum(local_saved(by_name[n], cands.strategies[n][choice[built.index[n]]], saved, c)
                     for n in r.nodes if n in built.index)
         peak = max(peak, remat + max((grads.get(n, 0.0) for n in r.nodes), default=0.0))
     if c.zero == 1:
@@ -157,7 +157,7 @@ def op_gradient_facts(gm: fx.GraphModule, params, c: Costing) -> dict[str, OpGra
                         if a in need and a.name not in params)
             facts[node.name] = OpGradients(
                 storage_key(node), tensor_bytes(node, 0 if isinstance(node.meta.get("val"), (tuple, list)) else None),
-                ins, _saved_pair(saved, node.name)[1])
+                ins, saved_pair(saved, node.name)[1])
         cache[key] = facts
     return cache[key]
 
@@ -173,7 +173,7 @@ def _op_gradients(f: OpGradients, st: Strategy, c: Costing) -> tuple[dict, float
     """The local gradients live while the op's backward runs under strategy ``st`` (storage key
     -> bytes: its output's and its non-parameter inputs') and the bytes it saves of its own, its
     share under ``st`` (``transient_bytes``'s g(n) without the parameter-gradient terms)."""
-    out_shard = max(1, shard_factor(_outs(st)[0], c.mesh_shape))
+    out_shard = max(1, shard_factor(strategy_outputs(st)[0], c.mesh_shape))
     in_shard = shard_factor(st.inputs[0], c.mesh_shape) if st.inputs else 1
     live = {f.out_key: f.out_bytes / out_shard}
     for i, key, nbytes in f.inputs:
@@ -305,3 +305,10 @@ def _param_grad_terms(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem
             # use's backward is done (``runtime/zero3.py``'s cache of a layer's gathered weights)
             waiting.append((us[0][0], us[-1][0], ("waiting", a.name), nbytes * (2 if c.zero == 3 else 1)))
     return fresh, waiting
+
+
+def _same_storage(a: fx.Node, b: fx.Node) -> bool:
+    """Whether two values share a storage (``storage_key`` is a weak storage reference or, for a value
+    without a tensor storage such as an opaque function's output, a tuple: only like compare)."""
+    ka, kb = storage_key(a), storage_key(b)
+    return type(ka) is type(kb) and ka == kb

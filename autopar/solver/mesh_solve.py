@@ -35,9 +35,8 @@ from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solv
 from autopar.solver.moe_axes import ROLE_EXPERT, expert_axis_choices, nodes_moe
 from autopar.solver.memory_terms import accumulated_grad_bytes, op_transients, transient_bytes, zero_layer_buffers
 from autopar.solver.progress import SearchProgress
-from autopar.solver.problem import (Costing, activation_weighted, build_problem, grad_sync_overhead,
-                                    resharded_param_bytes, resharded_region_inputs, sync_element_bytes,
-                                    tensor_bytes)
+from autopar.solver.problem import activation_weighted, build_problem, resharded_param_bytes, resharded_region_inputs
+from autopar.solver.strategy_prices import Costing, grad_sync_overhead, sync_element_bytes, tensor_bytes
 from autopar.solver.seq_parallel import resharded_saved_activations
 from autopar.graph.recompute_regions import choices_for, find_regions
 

@@ -13,7 +13,7 @@ from autopar.sharding.strategy import Strategy
 
 
 def moe_split_cost(node: fx.Node, base: OpCost, st: Strategy, f: int, c) -> OpCost:
-    """One rank's cost: the work over ``f`` (``problem.work_split``), its GEMMs at the local rows per
+    """One rank's cost: the work over ``f`` (``strategy_prices.work_split``), its GEMMs at the local rows per
     expert (``cost_models.moe.local_rows_per_expert``) and intermediate dim (``etp_split``), times
     ``c.moe_imbalance`` (launches excluded) where the experts are split."""
     if f <= 1:

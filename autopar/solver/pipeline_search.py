@@ -56,6 +56,7 @@ from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_collectives import pipeline_collectives
 from autopar.solver.stage_tags import check_stage_tags
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
+from autopar.solver.request import SolveRequest
 from autopar.cost_models.devices import mesh_device
 
 # ---- candidates -------------------------------------------------------------------------
@@ -487,12 +488,13 @@ def pipeline_requested(traced, model, mesh: Mesh, mode: ParallelMode) -> bool:
         return True
 
 
-def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_ann: dict, input_ann: dict,
-                   retracer: Retracer | None = None, skip: set | None = None):
-    """(plans, failures [(note, error)], forced) for every pipeline candidate of the request; ``retracer``
-    re-traces the step at a microbatch shape. ``skip``: (shape, axis names) of the full meshes
-    of candidates not to try."""
+def pipeline_plans(req: SolveRequest, skip: set | None = None):
+    """(plans, failures [(note, error)], forced) for every pipeline candidate of the request; its
+    ``retracer`` re-traces the step at a microbatch shape. ``skip``: (shape, axis names) of the full
+    meshes of candidates not to try."""
     from autopar.solver.annotations import ANNOTATIONS, resolve_stages
+
+    traced, model, mesh, mode, opts = req.traced, req.model, req.mesh, req.mode, req.opts
 
     tags = resolve_stages(model, ANNOTATIONS) if mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO) else {}
     try:
@@ -535,7 +537,7 @@ def pipeline_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts, param_an
         try:
             if not forced and (refused := fit_refusal(traced, cand, opts)) is not None:
                 raise refused
-            plans.append(plan_pipeline(traced, cand, mode, within, param_ann, input_ann, retracer))
+            plans.append(plan_pipeline(traced, cand, mode, within, req.param_ann, req.input_ann, req.retracer))
         except (PipelineRequestError, ValueError, SolverTimeoutError) as err:   # one candidate's: the search goes on
             if forced and len(cands) == 1:
                 raise pipeline_nothing_fits(mesh, [(note, err)], batch) or PlanError(str(err)) from None

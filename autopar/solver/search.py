@@ -27,6 +27,7 @@ from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeo
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, pipeline_requested
 from autopar.solver.progress import SearchProgress
+from autopar.solver.request import SolveRequest
 from autopar.cost_models.devices import mesh_device
 
 
@@ -102,13 +103,13 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                         f"{mesh!r} has 1 device: there is nothing to shard it over; use zero=0 (or leave zero unset) "
                         "on one device")
     plans, failures, pipe_failures, traces = [], [], [], {}
+    request = SolveRequest(traced, model, mesh, mode, opts, param_ann, input_ann, retracer)
     frontiers = {z: FrontierState() for z in stages if not (z and mesh.size == 1)}
     for rc in choices:              # cheapest lever first: every ZeRO stage before more recomputation
         for z, state in frontiers.items():
             if progress.out_of_time():
                 break
-            got, failed, pipe_failed = _frontier(traced, model, mesh, mode, dataclasses.replace(opts, zero=z),
-                                                 param_ann, input_ann, retracer, ks, choices, rc, traces, state)
+            got, failed, pipe_failed = _frontier(request.with_options(zero=z), ks, choices, rc, traces, state)
             plans += got
             failures += failed
             pipe_failures += pipe_failed
@@ -146,9 +147,9 @@ def _cap(mesh: Mesh, opts: PlanOptions) -> float:
     return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else mesh_device(mesh).memory_bytes
 
 
-def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict,
-              retracer: Retracer | None, ks: list[int], choices: list, rc, traces: dict, state: FrontierState):
-    """Branch and bound over (accumulation k, mesh) at recompute choice ``rc`` of ``choices``, k ascending
+def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict, state: FrontierState):
+    """Branch and bound over (accumulation k, mesh) of ``req`` (the whole step) at recompute choice ``rc`` of
+    ``choices``, k ascending
     (``accumulation.memory_choices``). A mesh stops being tried (``done``: from which k on) when
 
     * its plan at k fits without the cap shaping it (``Plan.memory_bound`` false): at a larger k,
@@ -163,12 +164,9 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     >= 0), so the least over layouts is concave in 1/k and M(k') >= (k / k') · M(k). A bound under the budget
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
     Pipelines run their own microbatches (k = 1 only). With recomputation they are tried while
-    no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits: with
-    more recomputation a pipeline that already fits could only pick a larger microbatch. When
-    nothing fits at k = 1 and the state split over a node exceeds the cap
-    (``state_needs_pipeline``), the recomputed pipelines are tried right after k = 1, before the
-    accumulation ladder: otherwise a time budget can end the search at a ladder plan that fits only
-    by tensor parallelism across nodes. Both are heuristics, not bounds (docs/solver.md). Every k
+    no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits,
+    and right after k = 1 when ``state_needs_pipeline`` (``_pipelines_first``): heuristics, not
+    bounds (docs/solver.md). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
     which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls;
     ``state``: this ZeRO stage's bounds, carried from one recompute choice to the next
@@ -176,12 +174,9 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
     plans bound the recomputed ones).
     (plans, failures, pipeline failures) as in :func:`_candidates`."""
     plans, failures, pipe_failures = [], [], []
+    traced, mesh, opts = req.traced, req.mesh, req.opts
     progress = opts.progress
-    annotated = annotated_axes(param_ann, input_ann)
-    meshes = candidate_meshes(mesh, annotated, traced) if mode == ParallelMode.AUTO else [mesh]
-    keys = [(m.shape, m.axis_names) for m in meshes]
-    if ddp_applies(mesh, mode, annotated):
-        keys.append(((mesh.size,), ("dp",)))        # DDP's layout (``ddp_candidate``)
+    keys = _mesh_keys(traced, mesh, req.mode, req.param_ann, req.input_ann)
     done, pipe_fit, early = state.done, state.pipe_fit, state.early
     pipeline_request = "pp" in mesh.axis_names or bool(opts.microbatches or opts.schedule)
     cap = _cap(mesh, opts)
@@ -197,15 +192,13 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
             break               # only pipelines were asked for
         progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
         if k not in traces:
-            traces[k] = microbatch_traced(traced, k, retracer)
+            traces[k] = microbatch_traced(traced, k, req.retracer)
         mb = traces[k]
-        note = ", ".join(([f"ZeRO-{opts.zero}"] if opts.zero else []) + ([f"accumulation {k}"] if k > 1 else [])
-                         + ([f"recompute {rc}"] if rc != "none" else []))
+        note = _levers_note(opts.zero, k, rc)
         skip = {key for key, j in done.items() if j <= i} | {key for key, need in below.items() if k < need}
         try:
-            got, failed, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=rc),
-                                                   param_ann, input_ann, retracer, pipelines=pipelines,
-                                                   microbatches=k, skip=skip, pipe_skip=pipe_fit,
+            got, failed, pipe_failed = _candidates(req.replace(traced=mb).with_options(recompute=rc),
+                                                   pipelines=pipelines, microbatches=k, skip=skip, pipe_skip=pipe_fit,
                                                    pipelines_first=k == 1 and state_needs_pipeline(traced, mesh,
                                                                                                    opts, cap))
         except PlanError as err:
@@ -219,34 +212,77 @@ def _frontier(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, 
         plans += [accumulated(p, k, traced, mb) for p in got]
         state.fitting |= bool(got)
         pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None}
-        for p in got:
-            if not p.memory_bound:  # nothing at this k with more recomputation or at a larger k beats it
-                key = (p.mesh.shape, p.mesh.axis_names)
-                done[key] = min(done.get(key, len(ks)), i)
+        _mark_done(done, got, failed, i, len(ks))
         for m, e in failed:
-            if isinstance(e, DominatedError) and e.unbudgeted or isinstance(e, PlanError):
-                done[(m.shape, m.axis_names)] = min(done.get((m.shape, m.axis_names), len(ks)), i)
-            elif isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
+            if not _stops_mesh(e) and isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
                 below[(m.shape, m.axis_names)] = k * e.least_memory / cap
-        here = [Failure(m, note, e) for m, e in failed if not isinstance(e, DominatedError)]
-        failures += here
+        failures += [Failure(m, note, e) for m, e in failed if not isinstance(e, DominatedError)]
         pipe_failures += pipe_failed + [(f"mesh {m.shape} ({note or 'no memory options'})", e)
                                         for m, e in failed if isinstance(e, DominatedError)]
         if pipelines and k == 1 and rc == choices[0] and not progress.fitting \
                 and state_needs_pipeline(traced, mesh, opts, cap):
-            for more in choices[1:]:
-                if progress.fitting or progress.out_of_time():
-                    break
-                progress.enter(f"ZeRO-0, recompute {more}, accumulation 1: pipelines first")
-                got, _, pipe_failed = _candidates(mb, model, mesh, mode, dataclasses.replace(opts, recompute=more),
-                                                  param_ann, input_ann, retracer, skip=set(keys), pipe_skip=pipe_fit)
-                early.add(more)
-                plans += got
-                state.fitting |= bool(got)
-                pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got}
-                pipe_failures += pipe_failed
+            got, pipe_failed = _pipelines_first(req.replace(traced=mb), choices[1:], set(keys), state)
+            plans += got
+            pipe_failures += pipe_failed
         i += 1
     return plans, failures, pipe_failures
+
+
+def _mesh_keys(traced, mesh: Mesh, mode: ParallelMode, param_ann: dict, input_ann: dict) -> list[tuple]:
+    """(shape, axis names) of every layout ``_candidates`` tries on ``mesh``: the factorisations (with
+    the cp meshes ``traced`` allows), DDP's."""
+    annotated = annotated_axes(param_ann, input_ann)
+    meshes = candidate_meshes(mesh, annotated, traced) if mode == ParallelMode.AUTO else [mesh]
+    keys = [(m.shape, m.axis_names) for m in meshes]
+    if ddp_applies(mesh, mode, annotated):
+        keys.append(((mesh.size,), ("dp",)))        # DDP's layout (``ddp_candidate``)
+    return keys
+
+
+def _levers_note(zero: int | None, k: int, rc) -> str:
+    """The memory levers of a candidate, as its failures are labelled ("" for none)."""
+    return ", ".join(([f"ZeRO-{zero}"] if zero else []) + ([f"accumulation {k}"] if k > 1 else [])
+                     + ([f"recompute {rc}"] if rc != "none" else []))
+
+
+def _stops_mesh(e: Exception) -> bool:
+    """Whether a mesh's failure ends its frontier: its unbudgeted bound is dominated, or it cannot plan."""
+    return isinstance(e, DominatedError) and e.unbudgeted or isinstance(e, PlanError)
+
+
+def _mark_done(done: dict, got: list, failed: list, i: int, n: int) -> None:
+    """``_frontier``'s ``done`` (mesh key -> from which k index on it is not tried) at k index ``i`` of
+    ``n``: a mesh whose plan fits without the cap shaping it (nothing at this k with more recomputation
+    or at a larger k beats it), and one whose failure ends it (``_stops_mesh``)."""
+    for p in got:
+        if not p.memory_bound:
+            key = (p.mesh.shape, p.mesh.axis_names)
+            done[key] = min(done.get(key, n), i)
+    for m, e in failed:
+        if _stops_mesh(e):
+            done[(m.shape, m.axis_names)] = min(done.get((m.shape, m.axis_names), n), i)
+
+
+def _pipelines_first(req: SolveRequest, more_choices: list, skip: set, state: FrontierState) -> tuple[list, list]:
+    """(plans, pipeline failures) of the recomputed pipelines ``_frontier`` tries right after k = 1, before
+    the accumulation ladder, when nothing fits there and the state split over a node exceeds the cap
+    (``state_needs_pipeline``): otherwise a time budget can end the search at a ladder plan that fits
+    only by tensor parallelism across nodes. Each choice of ``more_choices`` until one fits, a pipeline
+    only until it fits (``state.pipe_fit``: with more recomputation it could only pick a larger
+    microbatch). ``req``: the step at k = 1."""
+    plans, pipe_failures = [], []
+    progress = req.opts.progress
+    for more in more_choices:
+        if progress.fitting or progress.out_of_time():
+            break
+        progress.enter(f"ZeRO-0, recompute {more}, accumulation 1: pipelines first")
+        got, _, pipe_failed = _candidates(req.with_options(recompute=more), skip=skip, pipe_skip=state.pipe_fit)
+        state.early.add(more)
+        plans += got
+        state.fitting |= bool(got)
+        state.pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got}
+        pipe_failures += pipe_failed
+    return plans, pipe_failures
 
 
 def replicated_state_bytes(traced, d: int, opts: PlanOptions) -> float:
@@ -271,9 +307,8 @@ def state_needs_pipeline(traced, mesh: Mesh, opts: PlanOptions, cap: float) -> b
     return state / min(mesh.size, mesh.gpus_per_node or mesh.size) > cap
 
 
-def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
-                input_ann: dict, retracer: Retracer | None, pipelines: bool = True, microbatches: int = 1,
-                skip: set | None = None, pipe_skip: set | None = None, pipelines_first: bool = False):
+def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1, skip: set | None = None,
+                pipe_skip: set | None = None, pipelines_first: bool = False):
     """(plans, failures [(mesh, error)], pipeline failures [(note, error)]) of every candidate layout
     of one traced step, a microbatch of a step that accumulates ``microbatches``: each mesh
     factorisation, DDP's layout, then the pipeline candidates (only these when the request names a
@@ -285,17 +320,18 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
     failure is a ``DominatedError`` (``solve_on_mesh``'s ``cutoff``). ``skip``: (shape, axis names)
     of meshes not to try (DDP's layout is the 1-D "dp" mesh); ``pipe_skip``: the same for pipeline
     candidates (their full meshes, pp first)."""
+    traced, mesh, mode, opts = req.traced, req.mesh, req.mode, req.opts
+    param_ann, input_ann = req.param_ann, req.input_ann
     skip = skip or set()
     progress = opts.progress or SearchProgress()
     step_time = lambda p: accumulated_time(p, microbatches)  # noqa: E731
     annotated = annotated_axes(param_ann, input_ann)
-    pipeline_only = pipelines and pipeline_requested(traced, model, mesh, mode)
+    pipeline_only = pipelines and pipeline_requested(traced, req.model, mesh, mode)
     meshes = [] if pipeline_only else candidate_meshes(mesh, annotated, traced) if mode == ParallelMode.AUTO else [mesh]
     plans, failures, pipe_failures = [], [], []
     first = pipelines and pipelines_first and not pipeline_only and not progress.out_of_time()
     if first:
-        plans, pipe_failures, _ = pipeline_plans(traced, model, mesh, mode, dataclasses.replace(opts, progress=progress),
-                                                 param_ann, input_ann, retracer, pipe_skip)
+        plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip)
     for m in meshes:
         if progress.out_of_time():
             break
@@ -322,8 +358,7 @@ def _candidates(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions
         progress.record(got, 1 - len(got), step_time)
         plans += got
     if pipelines and not first and not progress.out_of_time():   # after the meshes: their best bounds the pipelines'
-        pipe_plans, pipe_failures, _ = pipeline_plans(traced, model, mesh, mode, dataclasses.replace(opts, progress=progress),
-                                                      param_ann, input_ann, retracer, pipe_skip)
+        pipe_plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip)
         plans = list(pipe_plans) + plans
     return plans, failures, pipe_failures
 

@@ -7,7 +7,7 @@ P -> S) and the column-parallel linear takes its input by an all-gather (S -> R)
 ILP price that as it runs:
 
 * **time** (``fused_gather_saving``): a consumer that runs split on an axis where it takes an input
-  replicated pays a backward all-reduce of that input's gradient (Megatron's f, ``problem.node_costs``).
+  replicated pays a backward all-reduce of that input's gradient (Megatron's f, ``strategy_prices.node_costs``).
   Where the input arrives by an all-gather on that axis, the lowering fuses the two: the gather's
   backward is a reduce-scatter (``sharding/edge.py``, ``comm.all_gather_rs``). The edge gives back
   the difference, so SP costs reduce-scatter + all-gather forward and all-gather + reduce-scatter
@@ -105,7 +105,7 @@ def resharded_saved_activations(gm: fx.GraphModule, cands, built, choice: list[i
 
 def with_gathered_copies(edges: list, graph_edges, cands, c, params: set[str], need, mask,
                          inside: set[str] = frozenset()) -> list:
-    """``edges`` (in ``graph_edges``' order: ``problem._graph_edges``) with ``gathered_copy_table``
+    """``edges`` (in ``graph_edges``' order: ``problem.graph_edges``) with ``gathered_copy_table``
     added to the memory of each edge whose consumer saves a non-parameter input (consumers in
     recomputed regions, ``inside``, save nothing)."""
     out = list(edges)

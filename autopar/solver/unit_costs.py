@@ -30,7 +30,8 @@ from autopar.sharding.candidates import producer
 from autopar.sharding.placements import Replicate, shard_factor
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.inter_op import LayerProfile
-from autopar.solver.problem import Costing, region_input_uses, sync_element_bytes, tensor_bytes
+from autopar.solver.problem import region_input_uses
+from autopar.solver.strategy_prices import Costing, sync_element_bytes, tensor_bytes
 
 
 @dataclass

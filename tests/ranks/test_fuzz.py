@@ -135,7 +135,7 @@ def test_only_an_autopar_error_on_every_rank_is_a_refusal():
     except autopar.PlanError as err:
         ours = error_record(err)
     from autopar.solver.intra_op import IntraOpProblem, NodeChoices
-    from autopar.solver.problem import greedy_choice
+    from autopar.solver.greedy import greedy_choice
 
     try:                            # a builtin's error inside autopar's code is not a clear refusal
         greedy_choice(IntraOpProblem([NodeChoices("n", np.zeros(1), np.zeros(1), [])], []))

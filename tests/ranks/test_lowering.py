@@ -18,7 +18,7 @@ from autopar.passes.insert_collectives import insert_collectives
 from autopar.passes.split_stages import Transfer
 from autopar.runtime.pipeline import PipelineExecutor
 from autopar.solver import mesh_solve
-from autopar.solver.problem import feasible_hint
+from autopar.solver.greedy import feasible_hint
 from autopar.frontend.trace import trace
 from conftest import run_ranks
 from examples.models import CNN, GPT, MLP, Bert, Llama, lm_loss

@@ -181,7 +181,7 @@ def test_gradient_sync_is_costed_in_the_dtype_it_runs_in():
     """bf16 mixed precision all-reduces the fp32 gradients of the fp32 masters (reduce fp32): 4 bytes
     per element, though the traced parameter is the bf16 working copy; grad_compression moves 2."""
     from autopar.cost_models.devices import get_device
-    from autopar.solver.problem import Costing, sync_element_bytes
+    from autopar.solver.strategy_prices import Costing, sync_element_bytes
 
     gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
     node = next(n for n in gm.graph.nodes if n.op == "placeholder")

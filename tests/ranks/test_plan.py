@@ -105,7 +105,7 @@ def test_gradient_sync_is_costed_as_bucketed_all_reduces():
     """DATA syncs ~30 gradients through DDP's buckets: the plan charges their bytes once and one
     all-reduce latency per bucket, not one latency per parameter."""
     from autopar.cost_models.comm import axis_collective_time
-    from autopar.solver.problem import GRAD_BUCKET_BYTES
+    from autopar.cost_models.comm import GRAD_BUCKET_BYTES
 
     plan = _gpt_plan(mode="data")
     params = {d.placeholder for d in plan.params.values()}

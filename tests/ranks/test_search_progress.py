@@ -141,6 +141,7 @@ def test_pipelines_come_before_the_meshes_when_the_state_needs_a_pipeline(monkey
     import autopar.solver.search as search
     from autopar.core.context import ParallelMode
     from autopar.solver.mesh_solve import PlanOptions
+    from autopar.solver.request import SolveRequest
     from autopar.frontend.trace import trace
 
     order = []
@@ -158,8 +159,8 @@ def test_pipelines_come_before_the_meshes_when_the_state_needs_a_pipeline(monkey
     monkeypatch.setattr(search, "pipeline_plans", pipes)
     model, x, loss, target = _job()
     traced = trace(model, x, loss, target)
-    plans, _, _ = search._candidates(traced, model, autopar.Mesh(4, device="h100"), ParallelMode.AUTO,
-                                     PlanOptions(), {}, {}, None, pipelines_first=first)
+    plans, _, _ = search._candidates(SolveRequest(traced, model, autopar.Mesh(4, device="h100"), ParallelMode.AUTO,
+                                                  PlanOptions(), {}, {}, None), pipelines_first=first)
     assert order.count("pipelines") == 1 and "mesh" in order
     assert (order[0] == "pipelines") is first and (order[-1] == "pipelines") is not first
     assert plans

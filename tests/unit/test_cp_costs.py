@@ -16,7 +16,7 @@ from autopar.cost_models.devices import get_device
 from autopar.sharding.placements import R, Shard
 from autopar.sharding.strategy import Strategy
 from autopar.solver.cp_costs import cp_saved_bytes, cp_time, cp_transient_bytes
-from autopar.solver.problem import Costing, split_cost
+from autopar.solver.strategy_prices import Costing, split_cost
 
 
 # ---- the balance of a contiguous causal split -------------------------------------------------

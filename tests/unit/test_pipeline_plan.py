@@ -12,6 +12,7 @@ from autopar.core.context import ParallelMode
 from autopar.graph.cut_points import assign_units
 from autopar.solver.inter_op import brute_force_partition, partition_stages
 from autopar.solver.pipeline_search import pipeline_candidates, unit_profiles
+from autopar.solver.request import SolveRequest
 from autopar.solver.search import PlanError, PlanOptions, solve_on_mesh
 from autopar.frontend.trace import trace
 from autopar.cost_models.devices import mesh_device
@@ -419,8 +420,8 @@ def test_auto_lists_a_refused_pipeline_with_its_reason(monkeypatch):
     monkeypatch.setattr(ps, "solve_on_mesh", no_solve)
     model = GPT(qkv_bias=False, layers=2, hidden=32)
     traced = trace(model, (X,), lm_loss, Y)
-    plans, failures, forced = ps.pipeline_plans(traced, model, autopar.Mesh(4), ParallelMode.AUTO,
-                                                PlanOptions(memory_budget_gb=1e-6), {}, {})
+    plans, failures, forced = ps.pipeline_plans(SolveRequest(traced, model, autopar.Mesh(4), ParallelMode.AUTO,
+                                                             PlanOptions(memory_budget_gb=1e-6), {}, {}))
     assert not plans and not forced
     refused = [note for note, err in failures if str(err).startswith("the training state alone needs at least")]
     assert sorted(refused) == ["pp=2 sub-mesh {'dp': 2}", "pp=2 sub-mesh {'tp': 2}"]
@@ -453,7 +454,8 @@ def test_a_candidate_whose_data_parallel_size_splits_no_microbatch_is_listed_not
     monkeypatch.setattr(ps, "plan_pipeline", solved)
     model = GPT(qkv_bias=False, layers=2, hidden=32)
     traced = trace(model, (X,), lm_loss, Y)             # batch 8
-    plans, failures, _ = ps.pipeline_plans(traced, model, autopar.Mesh(6), ParallelMode.AUTO, PlanOptions(), {}, {})
+    plans, failures, _ = ps.pipeline_plans(SolveRequest(traced, model, autopar.Mesh(6), ParallelMode.AUTO,
+                                                        PlanOptions(), {}, {}))
     reasons = dict((note, str(err)) for note, err in failures)
     assert reasons["pp=2 sub-mesh {'dp': 3}"].startswith("the global batch 8 is not divisible by the data-parallel "
                                                          "size 3 of the stages")

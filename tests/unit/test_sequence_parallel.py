@@ -12,7 +12,7 @@ from autopar import Shard
 from autopar.cost_models.devices import get_device
 from autopar.report.sequence_parallel import sequence_parallel
 from autopar.sharding.placements import as_spec
-from autopar.solver.problem import Costing, redistribution_time
+from autopar.solver.strategy_prices import Costing, redistribution_time
 from autopar.solver.seq_parallel import fused_gather_saving, gathered_copy_table
 from cp_models import TinyGPT, token_loss, tokens
 

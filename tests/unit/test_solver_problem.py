@@ -9,7 +9,8 @@ from autopar.cost_models.memory import saved_bytes_by_node
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.rules import axis_options, has_rule
 from autopar.sharding.strategy import _combinations, out_shapes, replicate_all, shape_of, tensor_inputs
-from autopar.solver.problem import Costing, build_problem, cost_key, node_costs
+from autopar.solver.problem import build_problem
+from autopar.solver.strategy_prices import Costing, cost_key, node_costs
 from autopar.frontend.trace import trace
 from examples.models import GPT, lm_loss
 from oracle import make_batch
@@ -110,8 +111,10 @@ def test_edges_of_repeated_layers_equal_each_edge_costed_alone():
     resharding table and gathered-copy bytes (parameters', and saved activations' from
     ``seq_parallel.with_gathered_copies``) equal those of the edge costed alone."""
     from autopar.cost_models.memory import saves_input
-    from autopar.solver.problem import _edge, _gathered_matrix, _graph_edges, tensor_bytes
+    from autopar.solver.problem import graph_edges as _graph_edges
+    from autopar.solver.strategy_prices import edge_cost as _edge, gathered_matrix as _gathered_matrix
     from autopar.solver.seq_parallel import gathered_copy_table, saving_consumers
+    from autopar.solver.strategy_prices import tensor_bytes
 
     tr = _traced()
     cands = build_candidates(tr.gm, MESH)
