@@ -109,7 +109,7 @@ def scaled(row: LlamaRow, k: int) -> LlamaRow:
     if k == 1:
         return row
     heads = max(2 * row.kv_heads, row.heads // k)
-    head_dim = max(8, row.hidden // row.heads // k)
+    head_dim = max(8, row.hidden // k // heads)
     return dataclasses.replace(
         row, name=f"{row.name}/{k}", layers=max(row.pp, row.layers // k), heads=heads, hidden=heads * head_dim,
         ffn=max(8, row.ffn // k), vocab=max(64, row.vocab // k), seq=max(row.cp * 8, row.seq // k),
@@ -208,13 +208,15 @@ def forced_mismatches(row: LlamaRow, plan: autopar.Plan) -> list[str]:
 
 
 def result(row: LlamaRow, forced: bool, time_budget: float | None) -> dict:
+    cpu0 = time.process_time()
     try:
         plan, wall = plan_row(row, forced, time_budget)
     except Exception as err:  # noqa: BLE001 - a row that cannot be planned is a finding
-        return {"error": f"{type(err).__name__}: {err}"}
+        return {"error": f"{type(err).__name__}: {err}", "cpu": time.process_time() - cpu0}
     tf = step_flops(row) / plan.step_time / row.gpus / 1e12
     d = plan.degrees
     out = {"tflops": tf, "ratio": tf / row.tflops, "step": plan.step_time, "solve": wall,
+           "cpu": time.process_time() - cpu0,
            "degrees": " ".join(f"{k}={d[k]}" for k in ("pp", "dp", "cp", "tp", "ep") if d.get(k, 1) > 1) or "1",
            "mb": f"{plan.microbatches} {plan.schedule}", "options": plan.memory_options.summary(),
            "mem_gib": max(plan.memory_per_device) / 2**30, "note": plan.search_note,
@@ -239,11 +241,13 @@ def _fmt(kind: str, r: dict | None) -> str:
     if r is None:
         return f"{kind}: skipped"
     if "error" in r:
-        return f"{kind}: ERROR {r['error'].strip().splitlines()[-1][:400]} (wall {r.get('wall', math.nan):.0f} s)"
+        return (f"{kind}: ERROR {r['error'].strip().splitlines()[-1][:400]} (wall {r.get('wall', math.nan):.0f} s, CPU "
+                f"{r.get('cpu', math.nan):.0f} s)")
     flag = "" if kind == "auto" or abs(r["ratio"] - 1) <= TOLERANCE else " OFF"
     miss = f" | MISMATCH {'; '.join(r['mismatch'])}" if r.get("mismatch") else ""
     return (f"{kind}: {r['degrees']} mb {r['mb']} | {r['options']} | {r['tflops']:.1f} TF ({r['ratio']:.2f}x{flag}) | "
-            f"step {r['step']:.2f} s | {r['mem_gib']:.1f} GiB | solve {r['solve']:.1f} s (wall {r['wall']:.1f} s) | "
+            f"step {r['step']:.2f} s | {r['mem_gib']:.1f} GiB | solve {r['solve']:.1f} s, CPU {r['cpu']:.1f} s (job wall "
+            f"{r['wall']:.1f} s) | "
             f"planner/counted FLOPs {r['flops_ratio']:.2f}{miss}" + (f" | {r['note']}" if r.get("note") else ""))
 
 
