@@ -27,6 +27,7 @@ reports its peak RSS.
     PYTHONPATH=. .venv/bin/python bench/paper_table.py [--rows 1.7,18.4] [--skip-auto] [--skip-forced]
         [--time-budget S] [--hard-timeout S] [--breakdown]
     PYTHONPATH=. .venv/bin/python bench/paper_table.py --table moe [...]   (bench/moe_table.py)
+    PYTHONPATH=. .venv/bin/python bench/paper_table.py --table llama3 [...]   (bench/llama3_table.py)
 """
 from __future__ import annotations
 
@@ -236,15 +237,20 @@ def _fmt_terms(f: dict) -> str:
 
 
 def main() -> None:
-    if "--table" in sys.argv:          # --table moe: the mixture-of-experts rows (bench/moe_table.py)
+    if "--table" in sys.argv:          # --table moe / llama3: bench/moe_table.py, bench/llama3_table.py
         i = sys.argv.index("--table")
         table, rest = sys.argv[i + 1] if i + 1 < len(sys.argv) else "", sys.argv[1:i] + sys.argv[i + 2:]
         if table == "moe":
             from bench.moe_table import main as moe_main
 
             return moe_main(rest)
+        if table == "llama3":
+            from bench.llama3_table import main as llama3_main
+
+            return llama3_main(rest)
         if table != "megatron":
-            raise SystemExit(f"--table {table!r}: use 'megatron' (Table 1 of Narayanan et al., the default) or 'moe'")
+            raise SystemExit(f"--table {table!r}: use 'megatron' (Table 1 of Narayanan et al., the default), 'moe' "
+                             "or 'llama3'")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(f"{r.billions:g}" for r in TABLE1),
                     help="comma-separated row names (billions of parameters), e.g. 1.7,18.4")
