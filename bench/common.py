@@ -153,6 +153,21 @@ def run_isolated(worker: Callable, args: tuple, hard_timeout: float, on_timeout:
     return res
 
 
+def _call_worker(fn: Callable, args: tuple, queue) -> None:
+    try:
+        queue.put(fn(*args))
+    except BaseException:  # noqa: BLE001 - the job's failure is its result
+        import traceback
+
+        queue.put({"error": traceback.format_exc(limit=3)})
+
+
+def run_call_isolated(fn: Callable, args: tuple, hard_timeout: float, on_timeout: dict | None = None) -> dict:
+    """``fn(*args)`` (a module-level function returning a dict) through :func:`run_isolated`; an
+    exception becomes ``{"error": traceback}``."""
+    return run_isolated(_call_worker, (fn, args), hard_timeout, on_timeout)
+
+
 def run_fresh(module: str, func: str, kwargs: dict, timeout_s: float = 600) -> dict:
     """Run ``module.func(**kwargs)`` (returns a JSON-able dict) in a fresh Python process and
     add its wall time, CPU time (user + system: less sensitive than wall time to other load

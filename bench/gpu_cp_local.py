@@ -20,30 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
-
-def timed(fn, device, reps=10, warmup=3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.gpu_calibration import timed  # noqa: E402
 
 
 def run(device: str, seq: int, n: int, heads: int, dim: int) -> None:

@@ -39,13 +39,12 @@ import argparse
 import dataclasses
 import math
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch
 
 import autopar
-from bench.common import run_isolated as run_in_process
+from bench.common import run_call_isolated
 
 TOLERANCE = 0.25
 DEVICE, GPUS_PER_NODE = "h100", 8
@@ -226,15 +225,8 @@ def result(row: LlamaRow, forced: bool, time_budget: float | None) -> dict:
     return out
 
 
-def _worker(row, forced, budget, queue):
-    try:
-        queue.put(result(row, forced, budget))
-    except BaseException:  # noqa: BLE001
-        queue.put({"error": traceback.format_exc(limit=3)})
-
-
 def run_isolated(row: LlamaRow, forced: bool, budget, hard_timeout: float) -> dict:
-    return run_in_process(_worker, (row, forced, budget), hard_timeout)
+    return run_call_isolated(result, (row, forced, budget), hard_timeout)
 
 
 def _fmt(kind: str, r: dict | None) -> str:

@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import math
 import time
-import traceback
 from dataclasses import dataclass, field
 
 import torch
 
 import autopar
-from bench.common import run_isolated as run_in_process
+from bench.common import run_call_isolated
 
 TOLERANCE = 0.25
 
@@ -150,15 +149,8 @@ def result(row: MoeRow, forced: bool, time_budget: float | None) -> dict:
             "flops_ratio": plan.flops / step_flops(row) if plan.flops else math.nan}
 
 
-def _worker(row, forced, budget, queue):
-    try:
-        queue.put(result(row, forced, budget))
-    except BaseException:  # noqa: BLE001
-        queue.put({"error": traceback.format_exc(limit=3)})
-
-
 def run_isolated(row: MoeRow, forced: bool, budget, hard_timeout: float) -> dict:
-    return run_in_process(_worker, (row, forced, budget), hard_timeout)
+    return run_call_isolated(result, (row, forced, budget), hard_timeout)
 
 
 def _fmt(kind: str, r: dict | None) -> str:
