@@ -126,7 +126,7 @@ def _check_counts(results):
 @pytest.mark.parametrize("routing", ["one_rank", pytest.param("random", marks=pytest.mark.slow)])
 def test_every_strategy_matches_one_device(routing):
     results = run_ranks(2, _job, routing, timeout_s=600)
-    assert set(results[0]) == {"replicate", "batch", "ep", "experts"}, set(results[0])
+    assert set(results[0]) == {"replicate", "batch", "ep", "experts", "etp"}, set(results[0])
     _check_counts(results)
     assert results[0]["ep"][0], "ep must run all_to_alls"
 
