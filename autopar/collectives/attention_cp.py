@@ -169,7 +169,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, qpos, kpos, causal, scale, name):
         ring = _Ring(_axis(name), "fwd")
         n, r, heads = ring.ax.size, ring.ax.rank, q.shape[-3]
-        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=_acc(q), device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
         blk = [k, v]
         for step in range(n):
@@ -177,10 +177,14 @@ class _RingAttention(torch.autograd.Function):
             src = (r - step) % n
             args = _block_args(mask, qpos, kpos[src], causal)
             if args is not None:
-                o_b, lse_b = _block_forward(q, _expand(blk[0], heads), _expand(blk[1], heads), scale, *args)
-                out, lse = _merge(out, lse, o_b, lse_b)
+                kb, vb = _expand(blk[0], heads), _expand(blk[1], heads)
+                fused = _fused_kind(q, mask, qpos, kpos[src], causal)
+                o_b, lse_b = (_block_forward(q, kb, vb, scale, *args) if fused is None
+                              else _fused_forward(q, kb, vb, scale, fused == "causal"))
+                out, lse = _merge(out, lse, o_b.to(_acc(q)), lse_b)
             if pending is not None:
                 blk = _Ring.finish(pending)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, qpos, kpos, out, lse)
         ctx.causal, ctx.scale, ctx.ax = causal, scale, ring.ax      # backward runs outside the bound axes
         return out
@@ -200,7 +204,9 @@ class _RingAttention(torch.autograd.Function):
             args = _block_args(mask, qpos, kpos[src], ctx.causal)
             if args is not None:
                 kb, vb = _expand(blk[0], heads), _expand(blk[1], heads)
-                dq_b, dk_b, dv_b = _block_backward(q, kb, vb, g, lse, delta, ctx.scale, *args)
+                fused = _fused_kind(q, mask, qpos, kpos[src], ctx.causal)
+                dq_b, dk_b, dv_b = (_block_backward(q, kb, vb, g, lse, delta, ctx.scale, *args) if fused is None
+                                    else _fused_backward(q, kb, vb, g, out, lse, ctx.scale, fused == "causal"))
                 dq += dq_b
                 blk[2] = blk[2] + _fold(dk_b, k.shape[-3])
                 blk[3] = blk[3] + _fold(dv_b, v.shape[-3])
@@ -224,6 +230,33 @@ def _block_args(mask, qpos, kpos, causal):
     cols = mask if cols is None else cols
     visible = kpos <= qpos.unsqueeze(-1) if causal else None
     return cols, visible
+
+
+def _fused_kind(q, mask, qpos, kpos, causal) -> str | None:
+    """How torch's fused (flash) kernel can run a block: ``"full"`` (every key visible, no mask),
+    ``"causal"`` (the square block on the diagonal: ``is_causal`` as torch aligns it) or None (a
+    mask, a partly visible block of another shape, or a CUDA tensor: the explicit path below).
+    CUDA's fused kernels are not used yet: their backward, called per block with the merged
+    output and log-sum-exp, gave wrong query gradients on an H100 (bench/RESULTS.md §GPU3)."""
+    if mask is not None or q.device.type != "cpu":
+        return None
+    if not causal or int(kpos.max()) <= int(qpos.min()):
+        return "full"
+    if kpos.shape == qpos.shape and bool(torch.equal(kpos, qpos)):
+        return "causal"
+    return None
+
+
+def _fused_forward(q, kb, vb, scale, causal: bool):
+    """(out, log-sum-exp over the block's keys) of one block by the CPU flash kernel."""
+    return aten._scaled_dot_product_flash_attention_for_cpu.default(q, kb, vb, 0.0, causal, scale=scale)
+
+
+def _fused_backward(q, kb, vb, g, out, lse, scale, causal: bool):
+    """The block's (dq, dk, dv) from the whole output and log-sum-exp (the ring's merged ones: the
+    kernel's softmax of the block against all keys is then the global one, as in the explicit path)."""
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        g.to(q.dtype), q, kb, vb, out, lse, 0.0, causal, scale=scale)
 
 
 def _scores(q, kb, scale, cols, visible):
