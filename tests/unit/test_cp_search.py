@@ -19,14 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cp_models import TinyGPT, token_loss, tokens  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh_context():
-    autopar.clear_annotations()
-    autopar.reset_auto_parallel_context()
-    yield
-    autopar.clear_annotations()
-    autopar.reset_auto_parallel_context()
-
 
 def _shapes(meshes) -> set:
     return {(m.shape, m.axis_names) for m in meshes}

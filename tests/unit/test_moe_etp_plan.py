@@ -18,14 +18,6 @@ from moe_models import batch, lm_loss, moe_lm
 from unit.test_moe_plan import _mixtral, _moe_nodes, _plan
 
 
-@pytest.fixture(autouse=True)
-def _clean_context():
-    autopar.reset_auto_parallel_context()
-    autopar.clear_annotations()
-    yield
-    autopar.reset_auto_parallel_context()
-    autopar.clear_annotations()
-
 
 def _entry(family):
     x, y = batch()

@@ -23,14 +23,6 @@ def _plan(mesh, mode="semi_auto", model=None, rows=8, **kw):
                         example_target=y, mode=mode, **kw)
 
 
-@pytest.fixture(autouse=True)
-def _clean_context():
-    autopar.reset_auto_parallel_context()
-    autopar.clear_annotations()
-    yield
-    autopar.reset_auto_parallel_context()
-    autopar.clear_annotations()
-
 
 def _moe_nodes(plan):
     return {n: d for n, d in plan.nodes.items() if d.op.startswith("autopar.moe_experts")}
