@@ -35,28 +35,18 @@ The collectives each runs are listed in ``sharding/local_impls.py`` (``_attn_gat
 """
 from __future__ import annotations
 
-import itertools
+import math
 
 import torch
 import torch.distributed as dist
 from torch.ops import aten
 
 from autopar.collectives import comm
+from autopar.collectives.cp_positions import held, tiles
 from autopar.collectives.groups import axis as _axis
 
 
 # ---- positions and the balance of a causal split --------------------------------------------
-
-def _piece(indices, sizes) -> int:
-    idx = 0
-    for i, n in zip(indices, sizes):
-        idx = idx * n + i
-    return idx
-
-
-def _positions(piece: int, length: int, device) -> torch.Tensor:
-    return torch.arange(piece * length, (piece + 1) * length, device=device)
-
 
 def zigzag_chunks(rank: int, n: int) -> tuple[int, int]:
     """The zig-zag (head-tail) order: rank ``r`` of ``n`` holds chunks ``r`` and ``2n-1-r`` of ``2n``."""
@@ -99,23 +89,31 @@ def _join_masks(mask, visible: torch.Tensor):
 
 # ---- all-gather form ----------------------------------------------------------------------
 
-def _gather_kv(key, value, axes: list[str]):
-    """K and V gathered along the sequence over ``axes`` (innermost first: pieces in order)."""
+def _gather_kv(key, value, axes: list[str], zigzag: bool = False):
+    """K and V gathered along the sequence over ``axes`` (innermost first: pieces in order), in
+    the placement's order (``Z(dim)`` under ``zigzag``)."""
+    chunks = 2 if zigzag else 1
     for name in reversed(axes):
-        key = comm.all_gather_rs(key, key.dim() - 2, name)
-        value = comm.all_gather_rs(value, value.dim() - 2, name)
+        key = comm.all_gather_rs(key, key.dim() - 2, name, chunks, zigzag)
+        value = comm.all_gather_rs(value, value.dim() - 2, name, chunks, zigzag)
     return key, value
 
 
+def _coords(axes: list[str]) -> tuple[list[int], list[int]]:
+    return [_axis(a).size for a in axes], [_axis(a).rank for a in axes]
+
+
 def attention_gather(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                     enable_gqa=False, *, _op, _axes):
+                     enable_gqa=False, *, _op, _axes, _zigzag=False):
     """Llama 3's context parallelism: gather K/V, attend with this rank's queries."""
     axes = _split_axes(_axes["cp"])
-    key, value = _gather_kv(key, value, axes)
+    key, value = _gather_kv(key, value, axes, _zigzag)
     if is_causal:
-        tq = query.shape[-2]
-        rows = _positions(_piece([_axis(a).rank for a in axes], [_axis(a).size for a in axes]), tq, query.device)
-        visible = torch.arange(key.shape[-2], device=query.device) <= rows.unsqueeze(-1)
+        sizes, coords = _coords(axes)
+        total = key.shape[-2]
+        rows = held(total, sizes, coords, _zigzag, device=query.device)
+        keys = held(total, sizes, coords, _zigzag, tuple(reversed(range(len(axes)))), query.device)
+        visible = keys <= rows.unsqueeze(-1)
         attn_mask = _join_masks(attn_mask, visible)
     return aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, False, scale=scale,
                                                      enable_gqa=enable_gqa)
@@ -175,13 +173,16 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             pending = ring.start(blk) if step < n - 1 else None
             src = (r - step) % n
-            args = _block_args(mask, qpos, kpos[src], causal)
-            if args is not None:
-                kb, vb = _expand(blk[0], heads), _expand(blk[1], heads)
-                fused = _fused_kind(q, mask, qpos, kpos[src], causal)
-                o_b, lse_b = (_block_forward(q, kb, vb, scale, *args) if fused is None
-                              else _fused_forward(q, kb, vb, scale, fused == "causal"))
-                out, lse = _merge(out, lse, o_b.to(_acc(q)), lse_b)
+            kb, vb = _expand(blk[0], heads), _expand(blk[1], heads)
+            for qs, ks, _ in tiles(qpos, kpos[src], causal):
+                qt, qp, kp = _rows(q, qs), qpos[qs], kpos[src][ks]
+                kt, vt, mt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs)
+                fused = _fused_kind(qt, mt, qp, kp, causal)
+                o_b, lse_b = (_block_forward(qt, kt, vt, scale, *_block_args(mt, qp, kp, causal)) if fused is None
+                              else _fused_forward(qt, kt, vt, scale, fused == "causal"))
+                o_m, lse_m = _merge(_rows(out, qs), _rows(lse, qs, -1), o_b.to(_acc(q)), lse_b)
+                _put(out, qs, o_m)
+                _put(lse, qs, lse_m, -1)
             if pending is not None:
                 blk = _Ring.finish(pending)
         out = out.to(q.dtype)
@@ -201,20 +202,55 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             pending = ring.start(blk[:2]) if step < n - 1 else None
             src = (r - step) % n
-            args = _block_args(mask, qpos, kpos[src], ctx.causal)
-            if args is not None:
-                kb, vb = _expand(blk[0], heads), _expand(blk[1], heads)
-                fused = _fused_kind(q, mask, qpos, kpos[src], ctx.causal)
-                dq_b, dk_b, dv_b = (_block_backward(q, kb, vb, g, lse, delta, ctx.scale, *args) if fused is None
-                                    else _fused_backward(q, kb, vb, g, out, lse, ctx.scale, fused == "causal"))
-                dq += dq_b
-                blk[2] = blk[2] + _fold(dk_b, k.shape[-3])
-                blk[3] = blk[3] + _fold(dv_b, v.shape[-3])
+            kb, vb = _expand(blk[0], heads), _expand(blk[1], heads)
+            for qs, ks, _ in tiles(qpos, kpos[src], ctx.causal):
+                qt, qp, kp = _rows(q, qs), qpos[qs], kpos[src][ks]
+                kt, vt, mt, gt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs), _rows(g, qs)
+                fused = _fused_kind(qt, mt, qp, kp, ctx.causal)
+                if fused is None:
+                    dq_b, dk_b, dv_b = _block_backward(qt, kt, vt, gt, _rows(lse, qs, -1), _rows(delta, qs, -1),
+                                                       ctx.scale, *_block_args(mt, qp, kp, ctx.causal))
+                else:
+                    dq_b, dk_b, dv_b = _fused_backward(qt, kt, vt, gt, _rows(out, qs), _rows(lse, qs, -1), ctx.scale,
+                                                       fused == "causal")
+                _add(dq, qs, dq_b)
+                _add(blk[2], ks, _fold(dk_b, k.shape[-3]))
+                _add(blk[3], ks, _fold(dv_b, v.shape[-3]))
             grads = _Ring.finish(ring.start(blk[2:]))     # the accumulators move on with their block
             if pending is not None:
                 blk[:2] = _Ring.finish(pending)
             blk[2:] = grads
         return dq.to(q.dtype), blk[2].to(k.dtype), blk[3].to(v.dtype), None, None, None, None, None, None
+
+
+def _whole(t: torch.Tensor, s: slice, dim: int) -> bool:
+    return s.start == 0 and s.stop == t.shape[dim]
+
+
+def _rows(t: torch.Tensor, s: slice, dim: int = -2) -> torch.Tensor:
+    """Positions ``s`` of ``t`` along ``dim`` (a tile's queries or keys), contiguous."""
+    return t if _whole(t, s, dim) else t.narrow(dim, s.start, s.stop - s.start).contiguous()
+
+
+def _mask_rows(mask, s: slice):
+    """A tile's rows of the mask (its query dim split like the queries; whole where it broadcasts)."""
+    if mask is None or mask.dim() < 2 or mask.shape[-2] == 1:
+        return mask
+    return _rows(mask, s)
+
+
+def _put(t: torch.Tensor, s: slice, value: torch.Tensor, dim: int = -2) -> None:
+    if _whole(t, s, dim):
+        t.copy_(value)
+    else:
+        t.narrow(dim, s.start, s.stop - s.start).copy_(value)
+
+
+def _add(t: torch.Tensor, s: slice, value: torch.Tensor) -> None:
+    if _whole(t, s, -2):
+        t.add_(value)
+    else:
+        t.narrow(-2, s.start, s.stop - s.start).add_(value)
 
 
 def _acc(q: torch.Tensor) -> torch.dtype:
@@ -294,7 +330,7 @@ def _block_backward(q, kb, vb, g, lse, delta, scale, cols, visible):
 
 
 def attention_ring(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False, *, _op, _axes):
+                   enable_gqa=False, *, _op, _axes, _zigzag=False):
     """Ring attention over the last ``"cp"`` axis (further cp axes all-gathered first)."""
     axes = _split_axes(_axes["cp"])
     if not axes:
@@ -304,14 +340,12 @@ def attention_ring(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         raise ValueError("this plan runs ring attention on an attention op with dropout, which the ring form does "
                          "not support (the solver offers only the all-gather form there): use dropout_p=0 or make "
                          "a new plan")
-    sizes = [_axis(a).size for a in axes]
-    ranks = [_axis(a).rank for a in axes]
-    tk = key.shape[-2]
-    key, value = _gather_kv(key, value, axes[:-1])
-    qpos = _positions(_piece(ranks, sizes), query.shape[-2], query.device)
-    kpos = torch.stack([
-        torch.cat([_positions(_piece(list(outer) + [src], sizes), tk, query.device)
-                   for outer in itertools.product(*[range(s) for s in sizes[:-1]])])
-        for src in range(sizes[-1])])
+    sizes, coords = _coords(axes)
+    total = query.shape[-2] * math.prod(sizes)
+    key, value = _gather_kv(key, value, axes[:-1], _zigzag)
+    qpos = held(total, sizes, coords, _zigzag, device=query.device)
+    outer = tuple(reversed(range(len(axes) - 1)))
+    kpos = torch.stack([held(total, sizes, coords[:-1] + [src], _zigzag, outer, query.device)
+                        for src in range(sizes[-1])])
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     return _RingAttention.apply(query, key, value, attn_mask, qpos, kpos, bool(is_causal), scale, axes[-1])

@@ -103,14 +103,16 @@ def test_bidirectional_encoder_with_padding_mask_cp4_trains_like_one_device(form
     assert used and all(loc == [form] for loc in used), used
 
 
-def _op_job(rank, form, shape, causal, gqa, masked):
-    """One attention op: the local form on this rank's sequence piece vs the whole op on one rank."""
+def _op_job(rank, form, shape, causal, gqa, masked, zigzag=False, t=16):
+    """One attention op: the local form on this rank's sequence piece (contiguous, or in the zig-zag
+    order ``Z(-2)``) vs the whole op on one rank."""
     from autopar.collectives import comm, local_ops
     from autopar.collectives.groups import axis_groups, bound_axes
+    from autopar.sharding.shard_params import local_piece
 
     mesh = autopar.Mesh(shape, axis_names=tuple(f"c{i}" for i in range(len(shape))))
     g = torch.Generator().manual_seed(0)
-    b, h, t, d = 2, 4, 16, 8
+    b, h, d = 2, 4, 8
     hk = 2 if gqa else h
     q, k, v = (torch.randn(b, n, t, d, generator=g, dtype=torch.float64) for n in (h, hk, hk))
     mask = torch.rand(b, 1, t, t, generator=g) > 0.3 if masked else None
@@ -120,21 +122,17 @@ def _op_job(rank, form, shape, causal, gqa, masked):
     out = torch.nn.functional.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
     grad_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
     out.backward(grad_out)
-    n = 1
-    for s in shape:
-        n *= s
-    coords = mesh.coords(rank)
-    piece = 0
-    for c, s in zip(coords, shape):
-        piece = piece * s + c
+    spec = tuple(Shard(-2, 2, True) if zigzag else Shard(-2) for _ in shape)
 
     def mine(z):
-        return z.chunk(n, -2)[piece]
+        return local_piece(z, spec, mesh.coords(rank), shape)
 
     local = [mine(z).clone().requires_grad_() for z in (q, k, v)]
+    kw = {"_zigzag": True} if zigzag else {}
     with bound_axes(axis_groups(mesh)), comm.count_collectives() as counter:
-        o = local_ops.IMPLS[form](*local, None if mask is None else mask.chunk(n, -2)[piece], 0.0, causal,
-                                  enable_gqa=gqa, _op="scaled_dot_product_attention", _axes={"cp": list(mesh.axis_names)})
+        o = local_ops.IMPLS[form](*local, None if mask is None else mine(mask), 0.0, causal,
+                                  enable_gqa=gqa, _op="scaled_dot_product_attention", _axes={"cp": list(mesh.axis_names)},
+                                  **kw)
         o.backward(mine(grad_out))
     errs = [float((mine(f.grad) - l.grad).abs().max()) for f, l in zip(full, local)]
     return float((o - mine(out)).abs().max()), errs, len(counter.calls)
@@ -145,6 +143,17 @@ def test_attention_op_forms_match_the_whole_op(form):
     for shape, causal, gqa, masked in [((4,), True, False, False), ((2, 2), True, True, False),
                                        ((4,), False, True, True)]:
         for out_err, grad_errs, calls in run_ranks(4, _op_job, form, shape, causal, gqa, masked):
+            assert out_err < 1e-10 and max(grad_errs) < 1e-10, (form, shape, causal, gqa, masked, out_err, grad_errs)
+            assert calls > 0
+
+
+@pytest.mark.parametrize("form", ["attn_gather", "attn_ring"])
+def test_attention_op_forms_in_the_zigzag_order_match_the_whole_op(form):
+    """Both forms with the sequence in the zig-zag order (rank r: chunks r and 2n-1-r): causal on one
+    axis and on two (the outer one gathered first), GQA, and a causal op with a mask as well."""
+    for shape, causal, gqa, masked in [((4,), True, False, False), ((2, 2), True, True, False),
+                                       ((4,), True, False, True)]:
+        for out_err, grad_errs, calls in run_ranks(4, _op_job, form, shape, causal, gqa, masked, True):
             assert out_err < 1e-10 and max(grad_errs) < 1e-10, (form, shape, causal, gqa, masked, out_err, grad_errs)
             assert calls > 0
 
