@@ -166,5 +166,5 @@ def _apply_local(gm: fx.GraphModule, node: fx.Node, decision, axis_names, mesh_s
     axes = {role: [a for a, r in roles if r == role] for role in {r for _, r in roles}}
     node.kwargs = dict(node.kwargs, _op=node.target.__name__.split(".")[0], _axes=axes)
     if family in ("attn_gather", "attn_ring") and any(getattr(p, "zigzag", False) for p in specs.input_specs(node)[0]):
-        node.kwargs["_zigzag"] = True       # the sequence in the zig-zag order (``Z(dim)``): positions follow it
+        node.kwargs = dict(node.kwargs, _zigzag=True)   # the sequence in the zig-zag order (``Z(dim)``): positions follow it
     node.target = impl

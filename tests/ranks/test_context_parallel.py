@@ -72,11 +72,21 @@ def _check(model_fn, shape, names, form, pad=0, ranks=4):
     return results
 
 
-@pytest.mark.parametrize("form", ["attn_gather:cp", pytest.param("attn_ring:cp", marks=pytest.mark.slow)])
+def _zigzag(result) -> bool:
+    """Whether the plan holds the sequence in the zig-zag order: the inputs and every attention's queries ``Z``."""
+    plan = autopar.Plan.from_json(result["plan"])
+    return (all(str(spec[plan.mesh.axis_names.index("cp")]) == "Z(1)" for spec in plan.inputs.values())
+            and all(any(getattr(p, "zigzag", False) for p in n.inputs[0]) for n in _attention(plan)))
+
+
+@pytest.mark.parametrize("form", [pytest.param("attn_gather:cp", marks=pytest.mark.slow), "attn_ring:cp"])
 def test_gpt_causal_cp4_trains_like_one_device(form):
+    """Causal attention: the sequence in the zig-zag order (rank r: chunks r, 2n-1-r of 2n), every
+    input, position and the loss's rows cut alike."""
     results = _check(TinyGPT, (4,), ("cp",), form)
     used = results[0]["attention"]
     assert used and all(loc == [form] for loc in used), used
+    assert _zigzag(results[0]), results[0]["plan"]
 
 
 
