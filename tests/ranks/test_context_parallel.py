@@ -11,7 +11,7 @@ from autopar import Shard
 from autopar.collectives.attention_cp import causal_flops_per_rank, zigzag_chunks
 import conftest
 from cp_models import TinyGPT, encoder, token_loss, tokens
-from oracle import assert_same_training, parallel_run, reference_run
+from oracle import LR, STEPS, _train, assert_same_training, make_optimizer, parallel_run, reference_run
 
 BATCH = 2
 
@@ -79,13 +79,72 @@ def _zigzag(result) -> bool:
             and all(any(getattr(p, "zigzag", False) for p in n.inputs[0]) for n in _attention(plan)))
 
 
+def _zigzag_positions(rank: int, n: int, seq: int) -> list[int]:
+    """Chunks r and 2n-1-r of 2n, written out here."""
+    c = seq // (2 * n)
+    return list(range(rank * c, (rank + 1) * c)) + list(range((2 * n - 1 - rank) * c, (2 * n - rank) * c))
+
+
+def _local_batch_job(rank, shape, names, form):
+    """``_job``'s training fed with this rank's local batch, cut by ``pmodel.local_batch``: its rows
+    over dp and its sequence pieces over cp (checked against the zig-zag positions written out)."""
+    x, y = tokens(BATCH)
+    mesh = autopar.Mesh(shape, axis_names=names)
+    annotate = _dp_cp_input if "dp" in names else _cp_input
+    torch.manual_seed(0)
+    annotate(None)
+    plan = autopar.plan(TinyGPT(), mesh, example_inputs=(x,), loss_fn=token_loss, example_target=y, mode="semi_auto")
+    autopar.clear_annotations()
+    for n in _attention(plan):
+        n.local = [form if loc and loc.endswith(":cp") else loc for loc in n.local]
+    torch.manual_seed(0)
+    pmodel = autopar.parallelize(TinyGPT(), mesh, example_inputs=(x,), loss_fn=token_loss, example_target=y,
+                                 mode="hybrid", plan=plan)
+    (xl,), yl = pmodel.local_batch(x, target=y)
+    coords = dict(zip(names, mesh.coords(rank)))
+    pos = _zigzag_positions(coords["cp"], shape[names.index("cp")], x.shape[1])
+    rows = pmodel.local_batch_rows()
+    assert torch.equal(xl, x[rows][:, pos]) and torch.equal(yl, y[rows][:, pos]), (rank, xl, pos)
+    with pytest.raises(ValueError, match=r"this rank's part of the batch must be .*or, cut like local_batch\(\)"):
+        pmodel.step(xl[:, :-1], target=yl, local_batch=True)
+    opt = make_optimizer(pmodel.parameters(), "sgd", LR["sgd"])
+    out = _train(lambda m: pmodel.step(xl, target=yl, local_batch=True), pmodel.full_state_dict,
+                 pmodel.full_grad_dict, opt, STEPS)
+    out["plan"] = pmodel.plan.to_json()
+    out["attention"] = [n.local for n in _attention(pmodel.plan)]
+    return out
+
+
+def _check_local(shape, names, form):
+    x, y = tokens(BATCH)
+    ref = reference_run(TinyGPT, token_loss, x, y)
+    results = run_ranks(4, _local_batch_job, shape, names, form)
+    for r in results:
+        assert_same_training(ref, r, what=f"cp {shape} {form}, local batches")
+    return results
+
+
 @pytest.mark.parametrize("form", [pytest.param("attn_gather:cp", marks=pytest.mark.slow), "attn_ring:cp"])
 def test_gpt_causal_cp4_trains_like_one_device(form):
     """Causal attention: the sequence in the zig-zag order (rank r: chunks r, 2n-1-r of 2n), every
-    input, position and the loss's rows cut alike."""
-    results = _check(TinyGPT, (4,), ("cp",), form)
+    input, position and the loss's rows cut alike. The ring form is fed local batches
+    (``pmodel.local_batch``); the gather form the global batch."""
+    results = _check_local((4,), ("cp",), form) if form == "attn_ring:cp" else _check(TinyGPT, (4,), ("cp",), form)
     used = results[0]["attention"]
     assert used and all(loc == [form] for loc in used), used
+    assert _zigzag(results[0]), results[0]["plan"]
+
+
+@pytest.mark.slow
+def test_gpt_dp2_cp2_local_batches_in_the_zigzag_order():
+    """The data helper on dp x cp: rows over dp, zig-zag sequence pieces over cp, trained as one device."""
+    results = _check_local((2, 2), ("dp", "cp"), "attn_ring:cp")
+    assert _zigzag(results[0])
+
+
+@pytest.mark.slow
+def test_gpt_cp2_tp2_zigzag_trains_like_one_device():
+    results = _check(TinyGPT, (2, 2), ("cp", "tp"), None)
     assert _zigzag(results[0]), results[0]["plan"]
 
 
