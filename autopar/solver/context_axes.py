@@ -8,8 +8,9 @@ cheaper gathered at once, and the axis would repeat the work. Attention splits i
 there with a ``"cp"`` strategy (``sharding/rules/attention.py``): on a named cp axis an attention
 op that has one takes it (a heads split there would be tensor parallelism the user did not ask for).
 
-Causal attention (an op with ``is_causal`` set) makes the cp axes hold the sequence in the
-zig-zag order (``zigzag_axes``; ``sharding/zigzag.py`` turns every candidate's split there into
+Causal attention (an op with ``is_causal`` set, or an input annotated ``Shard(1, 2, zigzag=True)``
+on a cp axis: Hugging Face models trace their causal mask as a tensor) makes the cp axes hold the
+sequence in the zig-zag order (``zigzag_axes``; ``sharding/zigzag.py`` turns every candidate's split there into
 ``Z(dim)``, and a user's ``Shard`` annotation on them means that order too), so every rank does
 the same attention work; where the sequence does not divide into ``2 x cp`` chunks, or no
 attention is causal, the pieces stay contiguous.
@@ -20,7 +21,7 @@ import math
 
 from torch.ops import aten
 
-from autopar.plan.plan import CandidateError
+from autopar.plan.plan import CandidateError, PlanError
 from autopar.sharding.placements import R, Replicate, Shard, zigzag_of
 from autopar.sharding.strategy import tensor_inputs
 from autopar.sharding.zigzag import zigzag_candidates
@@ -43,12 +44,23 @@ def _causal_sequences(traced) -> list[int] | None:
     return seqs if causal else None
 
 
-def zigzag_axes(traced, mesh) -> list[int]:
+def _asked(mesh, input_ann: dict) -> bool:
+    """Whether an input annotation puts a cp axis in the zig-zag order (``Shard(1, 2, zigzag=True)``)."""
+    names = {mesh.axis_names[a] for a in context_axes(mesh)}
+    return any(getattr(p, "zigzag", False) for pl in input_ann.values() for ax, p in pl.items() if ax in names)
+
+
+def zigzag_axes(traced, mesh, input_ann: dict | None = None) -> list[int]:
     """The cp axes that hold the sequence in the zig-zag order: all of them when an attention op is
-    causal and every attention sequence and dim 1 of every input and target that has one divides
+    causal (or an input annotation asks for it: an explicit mask tensor's pattern is not known when
+    planning) and every attention sequence and dim 1 of every input and target that has one divides
     into ``2 x cp`` chunks; none otherwise."""
     axes = context_axes(mesh)
     seqs = _causal_sequences(traced) if axes else None
+    if seqs is None and axes and _asked(mesh, input_ann or {}):
+        seqs = [int(a.meta["val"].shape[-2]) for n in traced.gm.graph.nodes
+                if n.op == "call_function" and n.target is aten.scaled_dot_product_attention.default
+                for a in tensor_inputs(n)[:2]]
     if not seqs:
         return []
     cp = 2 * math.prod(mesh.shape[a] for a in axes)
@@ -60,8 +72,14 @@ def zigzag_axes(traced, mesh) -> list[int]:
 def sequence_order(traced, mesh, cands, param_ann: dict, input_ann: dict):
     """``(cands, param_ann, input_ann)`` for ``mesh``: on the zig-zag axes the candidates' splits and
     the annotations' ``Shard``s in the zig-zag order (the candidates cached per traced graph)."""
-    axes = zigzag_axes(traced, mesh)
+    axes = zigzag_axes(traced, mesh, input_ann)
     if not axes:
+        if _asked(mesh, input_ann):
+            cp = math.prod(mesh.shape[a] for a in context_axes(mesh))
+            raise PlanError(f"an input is annotated in the zig-zag order (Shard(1, 2, zigzag=True)) on the cp axes, "
+                            f"but the model has no scaled_dot_product_attention whose sequence, and dim 1 of every "
+                            f"input and the target, divide into 2 x {cp} = {2 * cp} chunks; annotate Shard(1) (the "
+                            f"contiguous split) or use a sequence length that is a multiple of {2 * cp}")
         return cands, param_ann, input_ann
     cache = traced.meta.setdefault("zigzag_candidates", {})
     key = (id(cands), tuple(axes))
@@ -91,7 +109,7 @@ def keep_sequence_split(traced, cands, mesh, input_ann: dict, allowed: dict, onl
     if not axes:
         return
     cp = math.prod(mesh.shape[a] for a in axes)
-    zz = set(zigzag_axes(traced, mesh))
+    zz = set(zigzag_axes(traced, mesh, input_ann))
     phs = list(enumerate(traced.inputs)) + ([(None, traced.target)] if traced.target else [])
     for i, ph in phs:
         if i in input_ann:

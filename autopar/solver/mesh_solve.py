@@ -237,8 +237,8 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     device = device.shared_by(per_node).with_compile(opts.compiled)  # CPU ranks beyond the core count share the cores
     cands, param_ann, input_ann = sequence_order(traced, mesh, _candidates(traced, mesh.shape), param_ann, input_ann)
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
-    redistribution, memo, tables = traced.meta.setdefault("costing_memo", {}).setdefault((mesh.shape, repr(device)),
-                                                                                         ({}, {}, {}))
+    redistribution, memo, tables = traced.meta.setdefault("costing_memo", {}).setdefault(
+        (mesh.shape, repr(device), id(cands)), ({}, {}, {}))     # the zig-zag candidates cost apart
     costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers),
                       recompute=opts.recompute or "none", zero=opts.zero or 0, microbatches=microbatches,
                       grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),

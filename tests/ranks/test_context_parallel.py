@@ -3,6 +3,8 @@ forms (all-gather K/V, ring), through the oracle: loss, gathered gradients befor
 and parameters after it equal one-device training at 1e-5."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -30,6 +32,11 @@ def _dp_cp_input(model):
     autopar.shard_input(0, {"dp": Shard(0), "cp": Shard(1)})
 
 
+def _cp_zigzag_input(model):
+    """The zig-zag order asked for by name (HF models trace their causal mask as a tensor)."""
+    autopar.shard_input(0, {"cp": Shard(1, 2, zigzag=True)})
+
+
 def _hf_llama():
     """HF Llama: sdpa attention with its mask tensor, grouped-query heads (2 K/V heads), rotary."""
     from hf_zoo import llama
@@ -42,12 +49,12 @@ def _attention(plan) -> list:
     return [n for n in plan.nodes.values() if "scaled_dot_product_attention" in n.op]
 
 
-def _job(rank, model_fn, shape, names, form, pad):
+def _job(rank, model_fn, shape, names, form, pad, zigzag=False):
     """The solver's plan (``form`` None), or that plan with every sequence-split attention
     switched to ``form`` (run as given, HYBRID)."""
     x, y = tokens(BATCH, pad=pad)
     mesh = autopar.Mesh(shape, axis_names=names)
-    kw, annotate = {}, _dp_cp_input if "dp" in names else _cp_input
+    kw, annotate = {}, _dp_cp_input if "dp" in names else _cp_zigzag_input if zigzag else _cp_input
     if form is not None:
         torch.manual_seed(0)
         annotate(None)
@@ -63,10 +70,10 @@ def _job(rank, model_fn, shape, names, form, pad):
     return out
 
 
-def _check(model_fn, shape, names, form, pad=0, ranks=4):
+def _check(model_fn, shape, names, form, pad=0, ranks=4, zigzag=False):
     x, y = tokens(BATCH, pad=pad)
     ref = reference_run(model_fn, token_loss, x, y)
-    results = run_ranks(ranks, _job, model_fn, shape, names, form, pad)
+    results = run_ranks(ranks, _job, model_fn, shape, names, form, pad, zigzag)
     for r in results:
         assert_same_training(ref, r, what=f"cp {shape} {form}")
     return results
@@ -136,6 +143,15 @@ def test_gpt_causal_cp4_trains_like_one_device(form):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("form", ["attn_gather:cp", "attn_ring:cp"])
+def test_gpt_causal_with_padding_mask_cp4_in_the_zigzag_order(form):
+    """A causal op with a key padding mask too: the mask's key dim gathered in the zig-zag order, its
+    columns picked by the keys' positions."""
+    results = _check(functools.partial(TinyGPT, pad_mask=True), (4,), ("cp",), form, pad=5)
+    assert _zigzag(results[0]) and all(loc == [form] for loc in results[0]["attention"])
+
+
+@pytest.mark.slow
 def test_gpt_dp2_cp2_local_batches_in_the_zigzag_order():
     """The data helper on dp x cp: rows over dp, zig-zag sequence pieces over cp, trained as one device."""
     results = _check_local((2, 2), ("dp", "cp"), "attn_ring:cp")
@@ -155,6 +171,18 @@ def test_hf_llama_sdpa_gqa_rotary_cp4_trains_like_one_device(form):
     pytest.importorskip("transformers")
     used = _check(_hf_llama, (4,), ("cp",), form)[0]["attention"]
     assert used and all(loc == [form] for loc in used), used
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["attn_gather:cp", "attn_ring:cp"])
+def test_hf_llama_rotary_cp4_in_the_zigzag_order_trains_like_one_device(form):
+    """HF Llama's causal mask is a traced tensor (no is_causal flag), so the zig-zag order is asked for
+    by annotation; its rotary cos/sin, built from arange positions, are cut in that order too."""
+    pytest.importorskip("transformers")
+    results = _check(_hf_llama, (4,), ("cp",), form, zigzag=True)
+    used = results[0]["attention"]
+    assert used and all(loc == [form] for loc in used), used
+    assert _zigzag(results[0]), results[0]["plan"]
 
 
 @pytest.mark.slow
