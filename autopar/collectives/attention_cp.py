@@ -1,34 +1,38 @@
 """Context-parallel attention: ``scaled_dot_product_attention`` with q, k, v split along the
 sequence over mesh axes (``sharding/rules/attention.py``'s ``"cp"`` strategies).
 
-Each rank holds the queries, keys and values of one contiguous piece of the sequence (piece
-index = ``local_ops.piece_index(axes)``, the first axis outermost); a mask arrives with its
-query dim split and its key dim whole. Positions are explicit: a key at global position ``j``
-is visible to a query at ``i`` under ``is_causal`` iff ``j <= i`` (torch's top-left causal mask
-of the unsplit op).
+Each rank holds the queries, keys and values of its piece of the sequence as the placement cuts
+it: contiguous pieces (``Shard(dim)``, the first axis outermost) or, under causal attention, the
+zig-zag order (``Z(dim)``, ``_zigzag=True``: rank ``r`` of ``n`` holds chunks ``r`` and
+``2n-1-r`` of ``2n``); a mask arrives with its query dim split alike and its key dim whole.
+Positions are explicit and come from the placement (``cp_positions.held`` cuts and gathers an
+``arange`` as the runtime cuts and gathers the tensors): a key at global position ``j`` is
+visible to a query at ``i`` under ``is_causal`` iff ``j <= i`` (torch's top-left causal mask of
+the unsplit op), and mask columns are picked by the keys' positions.
 
-* ``attention_gather`` (Llama 3): all-gather K and V (``comm.all_gather_rs``: backward
-  reduce-scatters their gradients, which are partial per rank), then the op itself on this
-  rank's queries with the causal mask offset by their positions.
+* ``attention_gather`` (Llama 3): all-gather K and V in the placement's order
+  (``comm.all_gather_rs``: backward reduce-scatters their gradients, which are partial per rank),
+  then the op itself on this rank's queries with the causal mask at their positions.
 * ``attention_ring`` (ring attention): ``_RingAttention`` passes the K/V blocks around the ring
   of the last cp axis with ``batch_isend_irecv`` while computing on the block it holds, merges
   the blocks' outputs by their log-sum-exp, and in backward recomputes each block's softmax from
   the saved log-sum-exp while the blocks travel again with their gradient accumulators (one more
   hop brings the gradients home). Further cp axes are all-gathered first as in the gather form.
-  Blocks entirely above the causal diagonal are skipped (no compute, still forwarded).
+  Each block is cut into tiles at its runs of consecutive positions (``cp_positions.tiles``):
+  tiles entirely above the causal diagonal are skipped (the block is still forwarded), wholly
+  visible ones and the diagonal squares run on the CPU's fused kernel, the rest explicitly.
 
 Load balance under a causal mask: with contiguous pieces rank ``r`` of ``n`` attends to ``r+1``
-blocks, so the last rank does about ``(2n-1)/n`` times the mean work (the cost model charges it:
-``cost_models/context_parallel.py``). The balanced (zig-zag)
-order, rank ``r`` holding chunks ``r`` and ``2n-1-r`` of ``2n``, is a property of the placement
-of every tensor on that axis (token ids, rotary positions, masks, targets and the loss all
-follow the same order), so it belongs in the placement (a mirrored variant of
-``Shard(dim, chunks=2)``, whose block order is ``r, n+r``), not inside the attention op: a
-permutation inside the op would cost two all-to-alls of q, k, v and the output per layer and
-per direction. Both implementations here take positions per block, so a mirrored placement
-needs only a different ``_positions``. ``zigzag_chunks`` and ``causal_flops_per_rank``
-(checked in ``tests/ranks/test_context_parallel.py``) measure the balance; the placement itself is
-not implemented yet.
+blocks, so the last rank does about ``(2n-1)/n`` times the mean work. In the zig-zag order every
+rank does the same: its own block is two diagonal squares and one full tile, and every other
+block is half visible (the earlier ranks' head chunks to all its queries, the later ranks' both
+chunks to its tail's queries), so after the first step each ring step computes half a block on
+every rank. The order is a property of the placement of every tensor on the axis (token ids,
+rotary positions, masks, targets and the loss all follow it: ``sharding/zigzag.py``), not of
+this op: a permutation inside the op would cost two all-to-alls of q, k, v and the output per
+layer and per direction. ``zigzag_chunks`` and ``causal_flops_per_rank`` count the balance
+(``tests/unit/test_zigzag.py`` counts it from the ring's tiles too); the cost model charges it
+(``cost_models/context_parallel.py``).
 
 The collectives each runs are listed in ``sharding/local_impls.py`` (``_attn_gather``,
 ``_attn_ring``): change both together.
