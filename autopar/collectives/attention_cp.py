@@ -117,6 +117,9 @@ def attention_gather(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         total = key.shape[-2]
         rows = held(total, sizes, coords, _zigzag, device=query.device)
         keys = held(total, sizes, coords, _zigzag, tuple(reversed(range(len(axes)))), query.device)
+        if attn_mask is None and not dropout_p and query.device.type == "cpu":
+            scale = query.shape[-1] ** -0.5 if scale is None else scale
+            return _TiledAttention.apply(query, key, value, rows, keys, scale)
         visible = keys <= rows.unsqueeze(-1)
         attn_mask = _join_masks(attn_mask, visible)
     return aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, False, scale=scale,
@@ -163,6 +166,48 @@ class _Ring:
         return got
 
 
+def _attend(q, kb, vb, mask, qpos, kpos, causal, scale, out, lse) -> None:
+    """Merge the attention of ``q`` to one block of keys (at ``kpos``) into ``out`` and ``lse``,
+    tile by tile (``cp_positions.tiles``)."""
+    heads = q.shape[-3]
+    kb, vb = _expand(kb, heads), _expand(vb, heads)
+    for qs, ks, _ in tiles(qpos, kpos, causal):
+        qt, qp, kp = _rows(q, qs), qpos[qs], kpos[ks]
+        kt, vt, mt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs)
+        fused = _fused_kind(qt, mt, qp, kp, causal)
+        o_b, lse_b = (_block_forward(qt, kt, vt, scale, *_block_args(mt, qp, kp, causal)) if fused is None
+                      else _fused_forward(qt, kt, vt, scale, fused == "causal"))
+        o_m, lse_m = _merge(_rows(out, qs), _rows(lse, qs, -1), o_b.to(_acc(q)), lse_b)
+        _put(out, qs, o_m)
+        _put(lse, qs, lse_m, -1)
+
+
+def _attend_grad(q, kb, vb, mask, qpos, kpos, causal, scale, g, out, lse, delta, dq, dk, dv) -> None:
+    """Add one block's gradients (from the merged ``out`` and ``lse``) into ``dq`` and the block's
+    ``dk``, ``dv`` accumulators, tile by tile."""
+    heads = q.shape[-3]
+    kb, vb = _expand(kb, heads), _expand(vb, heads)
+    for qs, ks, _ in tiles(qpos, kpos, causal):
+        qt, qp, kp = _rows(q, qs), qpos[qs], kpos[ks]
+        kt, vt, mt, gt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs), _rows(g, qs)
+        fused = _fused_kind(qt, mt, qp, kp, causal)
+        if fused is None:
+            dq_b, dk_b, dv_b = _block_backward(qt, kt, vt, gt, _rows(lse, qs, -1), _rows(delta, qs, -1), scale,
+                                               *_block_args(mt, qp, kp, causal))
+        else:
+            dq_b, dk_b, dv_b = _fused_backward(qt, kt, vt, gt, _rows(out, qs), _rows(lse, qs, -1), scale,
+                                               fused == "causal")
+        _add(dq, qs, dq_b)
+        _add(dk, ks, _fold(dk_b, dk.shape[-3]))
+        _add(dv, ks, _fold(dv_b, dv.shape[-3]))
+
+
+def _start(q, v):
+    """Empty merged output and log-sum-exp (accumulation dtype)."""
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=_acc(q), device=q.device)
+    return out, torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
+
+
 class _RingAttention(torch.autograd.Function):
     """Exact attention of local queries against K/V blocks passed around a ring (see module doc).
     ``kpos[s]``: global positions of the keys held by ring rank ``s``; ``qpos``: this rank's queries'."""
@@ -170,23 +215,12 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, qpos, kpos, causal, scale, name):
         ring = _Ring(_axis(name), "fwd")
-        n, r, heads = ring.ax.size, ring.ax.rank, q.shape[-3]
-        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=_acc(q), device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
+        n, r = ring.ax.size, ring.ax.rank
+        out, lse = _start(q, v)
         blk = [k, v]
         for step in range(n):
             pending = ring.start(blk) if step < n - 1 else None
-            src = (r - step) % n
-            kb, vb = _expand(blk[0], heads), _expand(blk[1], heads)
-            for qs, ks, _ in tiles(qpos, kpos[src], causal):
-                qt, qp, kp = _rows(q, qs), qpos[qs], kpos[src][ks]
-                kt, vt, mt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs)
-                fused = _fused_kind(qt, mt, qp, kp, causal)
-                o_b, lse_b = (_block_forward(qt, kt, vt, scale, *_block_args(mt, qp, kp, causal)) if fused is None
-                              else _fused_forward(qt, kt, vt, scale, fused == "causal"))
-                o_m, lse_m = _merge(_rows(out, qs), _rows(lse, qs, -1), o_b.to(_acc(q)), lse_b)
-                _put(out, qs, o_m)
-                _put(lse, qs, lse_m, -1)
+            _attend(q, blk[0], blk[1], mask, qpos, kpos[(r - step) % n], causal, scale, out, lse)
             if pending is not None:
                 blk = _Ring.finish(pending)
         out = out.to(q.dtype)
@@ -198,33 +232,46 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v, mask, qpos, kpos, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.ax, "bwd")
-        n, r, heads = ring.ax.size, ring.ax.rank, q.shape[-3]
+        n, r = ring.ax.size, ring.ax.rank
         g = g.contiguous()
         delta = (g.to(_acc(q)) * out.to(_acc(q))).sum(-1)
         dq = torch.zeros_like(q, dtype=_acc(q))
         blk = [k, v, torch.zeros_like(k, dtype=_acc(q)), torch.zeros_like(v, dtype=_acc(q))]
         for step in range(n):
             pending = ring.start(blk[:2]) if step < n - 1 else None
-            src = (r - step) % n
-            kb, vb = _expand(blk[0], heads), _expand(blk[1], heads)
-            for qs, ks, _ in tiles(qpos, kpos[src], ctx.causal):
-                qt, qp, kp = _rows(q, qs), qpos[qs], kpos[src][ks]
-                kt, vt, mt, gt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs), _rows(g, qs)
-                fused = _fused_kind(qt, mt, qp, kp, ctx.causal)
-                if fused is None:
-                    dq_b, dk_b, dv_b = _block_backward(qt, kt, vt, gt, _rows(lse, qs, -1), _rows(delta, qs, -1),
-                                                       ctx.scale, *_block_args(mt, qp, kp, ctx.causal))
-                else:
-                    dq_b, dk_b, dv_b = _fused_backward(qt, kt, vt, gt, _rows(out, qs), _rows(lse, qs, -1), ctx.scale,
-                                                       fused == "causal")
-                _add(dq, qs, dq_b)
-                _add(blk[2], ks, _fold(dk_b, k.shape[-3]))
-                _add(blk[3], ks, _fold(dv_b, v.shape[-3]))
+            _attend_grad(q, blk[0], blk[1], mask, qpos, kpos[(r - step) % n], ctx.causal, ctx.scale, g, out, lse,
+                         delta, dq, blk[2], blk[3])
             grads = _Ring.finish(ring.start(blk[2:]))     # the accumulators move on with their block
             if pending is not None:
                 blk[:2] = _Ring.finish(pending)
             blk[2:] = grads
         return dq.to(q.dtype), blk[2].to(k.dtype), blk[3].to(v.dtype), None, None, None, None, None, None
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Causal attention of local queries (at ``qpos``) to the gathered keys (at ``kpos``) as fused
+    calls, one per tile (what precedes a query run, without a mask; its diagonal square,
+    ``is_causal``), merged by log-sum-exp: the gather form on the CPU without a mask tensor, which
+    would send SDPA to its math kernel (it saves the attention weights). Saves q, K, V, the output
+    and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, qpos, kpos, scale):
+        out, lse = _start(q, v)
+        _attend(q, k, v, None, qpos, kpos, True, scale, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, qpos, kpos, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, qpos, kpos, out, lse = ctx.saved_tensors
+        g = g.contiguous()
+        delta = (g.to(_acc(q)) * out.to(_acc(q))).sum(-1)
+        dq, dk, dv = (torch.zeros_like(t, dtype=_acc(q)) for t in (q, k, v))
+        _attend_grad(q, k, v, None, qpos, kpos, True, ctx.scale, g, out, lse, delta, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _whole(t: torch.Tensor, s: slice, dim: int) -> bool:

@@ -52,23 +52,36 @@ def runs(pos: torch.Tensor) -> list[slice]:
     return out
 
 
+def _cut(kpos: torch.Tensor, run: slice, cuts: set[int]) -> list[slice]:
+    """``run`` split before every position in ``cuts``."""
+    first = int(kpos[run.start])
+    at = [run.start] + [run.start + c - first for c in sorted(cuts) if first < c <= int(kpos[run.stop - 1])]
+    return [slice(a, b) for a, b in zip(at, at[1:] + [run.stop])]
+
+
 def tiles(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> list[tuple[slice, slice, str]]:
-    """The tiles (query slice, key slice, kind) of one block that are not hidden (module doc)."""
+    """The tiles (query slice, key slice, kind) of one block that are not hidden (module doc). Key
+    runs are cut where a query run starts and ends, so a query run sees whole tiles: every key
+    before it (one ``"full"`` tile where they are adjacent) and its own ``"causal"`` square."""
     if not causal:
         return [(slice(0, len(qpos)), slice(0, len(kpos)), "full")]
+    qruns = runs(qpos)
+    cuts = {int(qpos[s.start]) for s in qruns} | {int(qpos[s.stop - 1]) + 1 for s in qruns}
+    kruns = [piece for r in runs(kpos) for piece in _cut(kpos, r, cuts)]
     out = []
-    for qs in runs(qpos):
+    for qs in qruns:
         q0, q1 = int(qpos[qs.start]), int(qpos[qs.stop - 1])
-        for ks in runs(kpos):
+        row: list[tuple[slice, slice, str]] = []
+        for ks in kruns:
             k0, k1 = int(kpos[ks.start]), int(kpos[ks.stop - 1])
             if k0 > q1:
                 continue
-            if k1 <= q0:
-                out.append((qs, ks, "full"))
-            elif (k0, k1) == (q0, q1):
-                out.append((qs, ks, "causal"))
+            kind = "full" if k1 <= q0 else "causal" if (k0, k1) == (q0, q1) else "partial"
+            if kind == "full" and row and row[-1][2] == "full" and row[-1][1].stop == ks.start:
+                row[-1] = (qs, slice(row[-1][1].start, ks.stop), "full")
             else:
-                out.append((qs, ks, "partial"))
+                row.append((qs, ks, kind))
+        out += row
     return out
 
 

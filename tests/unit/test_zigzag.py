@@ -108,13 +108,17 @@ def test_zigzag_balances_causal_work_within_ten_percent(n):
 def test_zigzag_ring_tiles():
     """Rank 1 of 4, 16 positions: its own block is two causal squares and one full tile (its tail's
     queries see its head's keys); an earlier rank's keys: the head half, seen by every query; a later
-    rank's: seen by the tail's queries only."""
+    rank's: seen by the tail's queries only. The whole sequence's keys (the gather form) are cut at
+    the queries' runs."""
     q = held(16, [4], [1], True)
     assert q.tolist() == [2, 3, 12, 13]
     kinds = lambda s: [(t[0].start, t[0].stop, t[1].start, t[1].stop, t[2]) for t in tiles(q, held(16, [4], [s], True), True)]
     assert kinds(1) == [(0, 2, 0, 2, "causal"), (2, 4, 0, 2, "full"), (2, 4, 2, 4, "causal")]
     assert kinds(0) == [(0, 2, 0, 2, "full"), (2, 4, 0, 2, "full")]
-    assert kinds(2) == [(2, 4, 0, 2, "full"), (2, 4, 2, 4, "full")]
+    assert kinds(2) == [(2, 4, 0, 4, "full")]          # both key chunks visible: one tile, one kernel call
+    # the gather form's whole keys, cut at the query runs: what precedes each run in one tile, then its square
+    gathered = [(t[0].start, t[1].start, t[1].stop, t[2]) for t in tiles(q, torch.arange(16), True)]
+    assert gathered == [(0, 0, 2, "full"), (0, 2, 4, "causal"), (2, 0, 12, "full"), (2, 12, 14, "causal")]
 
 
 # ---- costs ------------------------------------------------------------------------------------
