@@ -94,7 +94,8 @@ def _zigzag_positions(rank: int, n: int, seq: int) -> list[int]:
 
 def _local_batch_job(rank, shape, names, form):
     """``_job``'s training fed with this rank's local batch, cut by ``pmodel.local_batch``: its rows
-    over dp and its sequence pieces over cp (checked against the zig-zag positions written out)."""
+    over dp and its sequence pieces over cp (checked against the zig-zag positions written out);
+    first the forward alone, its output gathered back into the sequence's order."""
     x, y = tokens(BATCH)
     mesh = autopar.Mesh(shape, axis_names=names)
     annotate = _dp_cp_input if "dp" in names else _cp_input
@@ -107,6 +108,10 @@ def _local_batch_job(rank, shape, names, form):
     torch.manual_seed(0)
     pmodel = autopar.parallelize(TinyGPT(), mesh, example_inputs=(x,), loss_fn=token_loss, example_target=y,
                                  mode="hybrid", plan=plan)
+    torch.manual_seed(0)
+    whole = TinyGPT()(x)
+    got = pmodel(x)                      # forward only: the output gathered back from the zig-zag pieces
+    assert torch.allclose(got, whole, rtol=1e-5, atol=1e-6), float((got - whole).abs().max())
     (xl,), yl = pmodel.local_batch(x, target=y)
     coords = dict(zip(names, mesh.coords(rank)))
     pos = _zigzag_positions(coords["cp"], shape[names.index("cp")], x.shape[1])
