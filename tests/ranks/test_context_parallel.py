@@ -249,6 +249,7 @@ def test_attention_op_forms_match_the_whole_op(form):
             assert calls > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["attn_gather", "attn_ring"])
 def test_attention_op_forms_in_the_zigzag_order_match_the_whole_op(form):
     """Both forms with the sequence in the zig-zag order (rank r: chunks r and 2n-1-r): causal on one
