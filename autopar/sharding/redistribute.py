@@ -18,6 +18,7 @@ class Step:
     dim: int = 0
     chunks: int = 1
     dst_dim: int = 0
+    zigzag: bool = False     # the Shard's zig-zag order (``placements.Shard``)
 
     @property
     def communicates(self) -> bool:
@@ -44,7 +45,7 @@ def redistribute_steps(src: Spec, dst: Spec) -> list[Step]:
     k = len(src)
 
     def gather(a):
-        steps.append(Step("all_gather", a, cur[a].dim, cur[a].chunks))
+        steps.append(Step("all_gather", a, cur[a].dim, cur[a].chunks, zigzag=cur[a].zigzag))
         cur[a] = Replicate()
 
     for a in reversed(range(k)):
@@ -63,7 +64,7 @@ def redistribute_steps(src: Spec, dst: Spec) -> list[Step]:
         s, d = cur[a], dst[a]
         if isinstance(s, Partial) and not isinstance(d, Partial):
             if isinstance(d, Shard) and not _other_axes_shard(dst, a, d.dim) and not _other_axes_shard(cur, a, d.dim):
-                steps.append(Step("reduce_scatter", a, d.dim, d.chunks))
+                steps.append(Step("reduce_scatter", a, d.dim, d.chunks, zigzag=d.zigzag))
                 cur[a] = d
             else:
                 steps.append(Step("all_reduce", a))
@@ -73,7 +74,7 @@ def redistribute_steps(src: Spec, dst: Spec) -> list[Step]:
         if isinstance(s, Replicate) and isinstance(d, Shard):
             for b in reversed(_inner_sharding(cur, a, d.dim)):
                 gather(b)
-            steps.append(Step("local_slice", a, d.dim, d.chunks))
+            steps.append(Step("local_slice", a, d.dim, d.chunks, zigzag=d.zigzag))
         elif isinstance(s, Replicate) and isinstance(d, Partial):
             steps.append(Step("to_partial", a))
         cur[a] = d

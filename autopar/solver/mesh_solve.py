@@ -28,7 +28,7 @@ from autopar.plan.plan import CandidateError, Collective, MemoryOptions, Plan, P
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard, shard_factor
 from autopar.solver.annotations import restrict_op_strategies
-from autopar.solver.context_axes import fed_by_inputs, keep_sequence_split
+from autopar.solver.context_axes import fed_by_inputs, keep_sequence_split, sequence_order
 from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
@@ -235,10 +235,10 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     device = mesh_device(mesh)
     per_node = ranks_per_node or min(mesh.size, mesh.gpus_per_node or mesh.size)
     device = device.shared_by(per_node).with_compile(opts.compiled)  # CPU ranks beyond the core count share the cores
-    cands = _candidates(traced, mesh.shape)
+    cands, param_ann, input_ann = sequence_order(traced, mesh, _candidates(traced, mesh.shape), param_ann, input_ann)
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
-    redistribution, memo, tables = traced.meta.setdefault("costing_memo", {}).setdefault((mesh.shape, repr(device)),
-                                                                                         ({}, {}, {}))
+    redistribution, memo, tables = traced.meta.setdefault("costing_memo", {}).setdefault(
+        (mesh.shape, repr(device), id(cands)), ({}, {}, {}))     # the zig-zag candidates cost apart
     costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers),
                       recompute=opts.recompute or "none", zero=opts.zero or 0, microbatches=microbatches,
                       grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),
