@@ -31,7 +31,7 @@ from autopar.graph.grads import grad_nodes
 from autopar.sharding.candidates import producer
 from autopar.sharding.edge import fused_gathers
 from autopar.sharding.placements import shard_factor
-from autopar.sharding.redistribute import redistribute_steps
+from autopar.sharding.redistribute import cached_steps
 from autopar.sharding.strategy import tensor_inputs
 
 
@@ -43,7 +43,7 @@ def fused_gather_saving(have, want, f_axes, nbytes: float, users: int, c) -> flo
     if not f_axes or have == want:
         return 0.0
     local = nbytes / shard_factor(want, c.mesh_shape)
-    steps = redistribute_steps(have, want)
+    steps = cached_steps(have, want)
     saved = 0.0
     for j in fused_gathers(steps, set(f_axes)):
         a = steps[j].axis
