@@ -55,6 +55,7 @@ from autopar.sharding.strategy import Strategy, tensor_inputs
 from autopar.solver.cp_costs import cp_node_time, cp_saved_bytes
 from autopar.solver.moe_costs import imbalanced_dispatch, moe_split_cost
 from autopar.solver.seq_parallel import fused_gather_saving
+from autopar.solver.spec_rows import SpecRow, spec_row
 from autopar.solver.intra_op import HUGE_COST, EdgeCost
 
 
@@ -302,16 +303,21 @@ def local_saved(node: fx.Node, st: Strategy, saved: dict, c: Costing) -> float:
 
 
 def edge_cost(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: Costing) -> EdgeCost:
-    s_strats, d_strats = cands.strategies[src.name], cands.strategies[dst.name]
+    d_strats = cands.strategies[dst.name]
     nbytes = tensor_bytes(src, idx)
-    s_specs = tuple(st.output if idx is None else st.output[idx] for st in s_strats)
-    d_specs = tuple(st.inputs[i] for st in d_strats)
+    s_specs = spec_row(c, cands, src.name, "out", idx)
+    d_specs = spec_row(c, cands, dst.name, "in", i)
     frozen = src.name in c.frozen_buffers
     grad = src in grad_nodes(src.graph)
     arg = tensor_inputs(dst)[i]
     fuse = grad and not is_parameter(src) and arg in grad_nodes(dst.graph)    # Megatron-SP: a gather fused with f
-    d_specs = tuple((sp, frozenset(a for j, a in grad_sync_inputs(st) if j == i) if fuse else frozenset())
-                    for sp, st in zip(d_specs, d_strats))
+    fused_key = ("fused row", dst.name, i, fuse)
+    kept = c._tables.get(fused_key)
+    if kept is None or kept[0] is not d_strats:
+        kept = c._tables[fused_key] = (d_strats, SpecRow(
+            (sp, frozenset(a for j, a in grad_sync_inputs(st) if j == i) if fuse else frozenset())
+            for sp, st in zip(d_specs, d_strats)))
+    d_specs = kept[1]
     users = len(arg.users)
     key = (s_specs, d_specs, nbytes, frozen, grad, users)
     if key not in c._tables:
