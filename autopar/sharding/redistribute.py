@@ -6,6 +6,7 @@ shard go first-to-last, so a dim sharded on several axes keeps axis 0 as the out
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from autopar.sharding.placements import Partial, Replicate, Shard, Spec
@@ -32,6 +33,12 @@ def _other_axes_shard(spec, axis, dim) -> bool:
 def _inner_sharding(cur, axis, dim) -> list[int]:
     """Axes after ``axis`` that currently shard ``dim`` (they are the finer split)."""
     return [b for b in range(axis + 1, len(cur)) if isinstance(cur[b], Shard) and cur[b].dim == dim]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def cached_steps(src: Spec, dst: Spec) -> tuple[Step, ...]:
+    """``redistribute_steps`` as a tuple, memoised (the solver prices every pair of specs of every edge)."""
+    return tuple(redistribute_steps(src, dst))
 
 
 def redistribute_steps(src: Spec, dst: Spec) -> list[Step]:

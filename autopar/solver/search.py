@@ -16,7 +16,6 @@ from autopar.core.context import ParallelMode
 from autopar.cost_models.memory import param_numel, parameter_nodes, training_state_bytes, training_state_parts
 from autopar.graph.buffer_writes import updates_buffers
 from autopar.graph.chunk_hints import mark_chunk_hints
-from autopar.graph.retrace import Retracer
 from autopar.core.mesh import Mesh
 from autopar.plan.plan import Alternative, CandidateError, Plan, PlanError
 from autopar.sharding.placements import R
@@ -73,11 +72,11 @@ NO_ACCUMULATION = ("Gradient accumulation was not tried: the model updates buffe
                    "accumulation=k to accept that.")
 
 
-def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
-               input_ann: dict, top_k: int = 1, retracer: Retracer | None = None) -> list[Plan]:
+def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
     """The ``top_k`` best predicted plans that fit memory, best first; each lists the others (and
-    the candidates that failed) as its ``alternatives``. Pipeline candidates need ``retracer``."""
+    the candidates that failed) as its ``alternatives``. Pipeline candidates need ``request.retracer``."""
     t0 = time.perf_counter()
+    traced, mesh, mode, opts = request.traced, request.mesh, request.mode, request.opts
     if opts.progress is None:
         opts = dataclasses.replace(opts, progress=SearchProgress())
     progress = opts.progress
@@ -103,7 +102,7 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                         f"{mesh!r} has 1 device: there is nothing to shard it over; use zero=0 (or leave zero unset) "
                         "on one device")
     plans, failures, pipe_failures, traces = [], [], [], {}
-    request = SolveRequest(traced, model, mesh, mode, opts, param_ann, input_ann, retracer)
+    request = request.replace(opts=opts)
     frontiers = {z: FrontierState() for z in stages if not (z and mesh.size == 1)}
     for rc in choices:              # cheapest lever first: every ZeRO stage before more recomputation
         for z, state in frontiers.items():
@@ -338,7 +337,7 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
         if (m.shape, m.axis_names) in skip:
             continue
         try:
-            plans.append(solve_on_mesh(traced, m, mode, _within_budget(opts, progress), param_ann, input_ann,
+            plans.append(solve_on_mesh(req.replace(mesh=m, opts=_within_budget(opts, progress)),
                                        microbatches=microbatches, cutoff=progress.cutoff()))
             progress.record(plans[-1:], 0, step_time)
         except (InfeasibleError, DominatedError, SolverTimeoutError) as err:
@@ -398,7 +397,8 @@ def ddp_candidate(traced, mesh: Mesh, opts: PlanOptions, failures: list, microba
             "at any accumulation or recomputation")))
         return []
     try:
-        plan = solve_on_mesh(traced, m, ParallelMode.DATA, opts, {}, {}, microbatches=microbatches, cutoff=cutoff)
+        plan = solve_on_mesh(SolveRequest(traced, None, m, ParallelMode.DATA, opts), microbatches=microbatches,
+                             cutoff=cutoff)
     except (InfeasibleError, PlanError, DominatedError, SolverTimeoutError) as err:
         failures.append((m, err))
         return []
