@@ -20,7 +20,9 @@ from autopar.graph.retrace import Retracer
 from autopar.core.mesh import Mesh
 from autopar.plan.plan import Alternative, CandidateError, Plan, PlanError
 from autopar.sharding.placements import R
-from autopar.solver.accumulation import accumulated, accumulated_time, memory_choices, microbatch_traced, zero_ladder
+from autopar.solver.accumulation import (accumulated, accumulated_time, memory_choices, microbatch_traced,
+                                        pipeline_zero_ladder, zero_ladder)
+from autopar.cost_models.zero import PIPELINE_ZERO
 from autopar.solver.cp_candidates import cp_meshes
 from autopar.solver.fit_error import Failure, no_plan_error, smallest_of
 from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
@@ -93,11 +95,8 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                         "runs the batch as microbatches, so set microbatches= instead of accumulation")
     stages = zero_ladder(mode, opts.zero, opts.compiled)
     if "pp" in mesh.axis_names or opts.microbatches or opts.schedule:
-        if stages[0]:
-            raise PlanError(f"zero={stages[0]} is not supported with a pipeline yet (a 'pp' mesh axis, microbatches "
-                            "or schedule): use zero=0 for pipelined plans, or drop the pipeline")
-        stages = [0]                # a pipeline was asked for: ZeRO does not run with one yet
-        ks = ks[:1]                 # and the pipeline runs the microbatches, not accumulation
+        stages = pipeline_zero_ladder(stages, opts.zero)    # ZeRO-0 or 1 with a pipeline (runtime/pipeline_zero.py)
+        ks = ks[:1]                 # the pipeline runs the microbatches, not accumulation
     if stages[0] and mesh.size == 1:
         raise PlanError(f"zero={stages[0]} shards training state over a parameter's data-parallel replicas, but mesh "
                         f"{mesh!r} has 1 device: there is nothing to shard it over; use zero=0 (or leave zero unset) "
@@ -186,7 +185,7 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
         k = ks[i]
         if progress.out_of_time():
             return plans, failures, pipe_failures
-        pipelines = k == 1 and not opts.zero and rc not in early and (
+        pipelines = k == 1 and (opts.zero or 0) in PIPELINE_ZERO and rc not in early and (
             rc == "none" or opts.recompute is not None or pipeline_request or not state.fitting)
         if pipeline_request and not pipelines:
             break               # only pipelines were asked for
