@@ -144,9 +144,9 @@ class KeptCopies:
 def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts:
     """Per-unit time, memory and crossing bytes under the intra-op ``plan`` (module docstring, step 2)."""
     gm, shape = traced.gm, plan.mesh.shape
-    costing = Costing(shape, device, opts.optimizer, opts.precision,
+    costing = Costing(shape, device, opts.optimizer, opts.precision, zero=plan.memory_options.zero,
                       grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),
-                      moe_imbalance=opts.moe_imbalance)
+                      moe_imbalance=opts.moe_imbalance)     # zero: the sync the node times hold (_moved_param_sync)
     specs = PlanSpecs(plan, len(shape))
     by_name = {n.name: n for n in gm.graph.nodes}
     saved: dict[str, list[tuple[object, int, bool, str]]] = {}
