@@ -48,6 +48,8 @@ def test_zero1_with_a_pipeline_shards_each_stages_optimizer_state():
         # the optimizer state halves (dp 2); ZeRO-0's gradients' second copy after the schedule, which may set
         # the stage's peak, is gone too
         assert opt / 2 <= drop + 1e-6 <= opt / 2 + grads, (s0.index, drop, opt, grads)
+        # the stage's compute is the same: its gradient sync moves out of the unit times whole (the reduce-scatter)
+        assert s1.fwd == pytest.approx(s0.fwd, rel=1e-6) and s1.bwd == pytest.approx(s0.bwd, rel=1e-6), (s0, s1)
     kinds = lambda p: {(c.kind, c.phase) for c in p.collective_list if c.axes == ["dp"]}  # noqa: E731
     assert ("all_reduce", "bwd") in kinds(z0) and ("all_reduce", "bwd") not in kinds(z1)
     assert {("reduce_scatter", "bwd"), ("all_gather", "step")} <= kinds(z1)
