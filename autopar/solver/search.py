@@ -163,8 +163,8 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
     >= 0), so the least over layouts is concave in 1/k and M(k') >= (k / k') · M(k). A bound under the budget
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
     Pipelines run their own microbatches (k = 1 only). With recomputation they are tried while
-    no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits,
-    and right after k = 1 when ``state_needs_pipeline`` (``_pipelines_first``): heuristics, not
+    no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits
+    with a stage cut the cap did not shape (``Plan.memory_bound``), and right after k = 1 when ``state_needs_pipeline`` (``_pipelines_first``): heuristics, not
     bounds (docs/solver.md). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
     which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls;
@@ -210,7 +210,7 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
             break
         plans += [accumulated(p, k, traced, mb) for p in got]
         state.fitting |= bool(got)
-        pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None}
+        pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None and not p.memory_bound}
         _mark_done(done, got, failed, i, len(ks))
         for m, e in failed:
             if not _stops_mesh(e) and isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
@@ -279,7 +279,7 @@ def _pipelines_first(req: SolveRequest, more_choices: list, skip: set, state: Fr
         state.early.add(more)
         plans += got
         state.fitting |= bool(got)
-        state.pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got}
+        state.pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if not p.memory_bound}
         pipe_failures += pipe_failed
     return plans, pipe_failures
 
