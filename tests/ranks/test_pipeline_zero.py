@@ -89,9 +89,12 @@ def _train_job(rank, name, plan_json, optims):
     pmodel = autopar.parallelize(model_fn(), plan.mesh, example_inputs=(x,), loss_fn=loss_fn, example_target=y,
                                  plan=plan)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
-    pmodel.step(x, target=y)
-    opt.step()
+    with autopar.count_collectives() as counter:
+        pmodel.step(x, target=y)
+        opt.step()
     out["state"] = _state_bytes(pmodel, opt)
+    out["ran"] = {(kind, phase) for kind, _, axes, phase in counter.calls if axes == "dp"}
+    out["planned"] = {(c.kind, c.phase) for c in plan.collectives(rank) if c.axes == ["dp"]}
     out["stages"] = pmodel.stages
     return out
 
@@ -106,8 +109,12 @@ def _check_training(name, results, optims, rtol=1e-5):
 
 
 def _check_state_sharded(results):
-    """Every rank's AdamW moments are its stage's parameters split over dp 2 (chunks padded to equal size)."""
+    """Every rank's AdamW moments are its stage's parameters split over dp 2 (chunks padded to equal size);
+    the dp gradient sum is a reduce-scatter and an all-gather after the optimizer step, as planned."""
     for r in results:
+        want = {("reduce_scatter", "bwd"), ("all_gather", "step")}
+        assert want <= r["ran"] and want <= r["planned"], (r["ran"], r["planned"])
+        assert ("all_reduce", "bwd") not in r["ran"] | r["planned"], (r["ran"], r["planned"])
         st = r["state"]
         assert st["d"] and set(st["d"].values()) == {2}, st["d"]
         assert st["moments"] == st["want"] < st["working"], st
