@@ -160,11 +160,13 @@ def _policy_job(rank, plan_jsons):
 
 
 @SLOW
-def test_bf16_mixed_precision_zero1_pipeline_matches_zero0():
-    """bf16 compute on fp32 masters (the shards are cut from the masters): the pipelined plan under ZeRO-1
-    trains like the same plan under ZeRO-0 (as tests/ranks/test_zero.py checks without a pipeline)."""
-    js = _plan_json("mlp", 1, "bf16")
-    assert autopar.Plan.from_json(js).memory_options.mixed_precision == "bf16"
+@pytest.mark.parametrize("mixed", ["bf16", "fp16"])
+def test_mixed_precision_zero1_pipeline_matches_zero0(mixed):
+    """bf16 (or fp16 with loss scaling) compute on fp32 masters (the shards are cut from the masters): the
+    pipelined plan under ZeRO-1 trains like the same plan under ZeRO-0 (as tests/ranks/test_zero.py checks
+    without a pipeline)."""
+    js = _plan_json("mlp", 1, mixed)
+    assert autopar.Plan.from_json(js).memory_options.mixed_precision == mixed
     (a, sa), (b, sb) = _run(4, _policy_job, [_with_zero(js, 0), js])[0]
     assert a == pytest.approx(b, rel=1e-3)
     for k in sa:
