@@ -164,8 +164,8 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
     Pipelines run their own microbatches (k = 1 only). With recomputation they are tried while
     no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits
-    with a stage cut the cap did not shape (``Plan.memory_bound``), and right after k = 1 when ``state_needs_pipeline`` (``_pipelines_first``): heuristics, not
-    bounds (docs/solver.md). Every k
+    with a stage cut the cap did not shape (``Plan.memory_bound``), and right after k = 1 when
+    ``state_needs_pipeline`` (``_pipelines_first``): heuristics, not bounds (docs/solver.md). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
     which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls;
     ``state``: this ZeRO stage's bounds, carried from one recompute choice to the next
