@@ -348,12 +348,26 @@ class _CandidateSearch:
             raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts) or \
                 PipelineRequestError(msg)
         _check_tags(part, cand, units_m, mb.gm)
+        bound = _cut_by_memory(costs_m, batch // m, cand, m, part.schedule, self.link, self.rules, step)
         step += sub_plan.grad_sync_overhead
         plan = _assemble(self.traced, mb, sub_plan, cand, part, step, units_m, budget)
+        plan.memory_bound = bound
         plan.collective_list = pipeline_collectives(mb.gm, plan, self.link)
         _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
         plan.optimizer_time = opt
         return plan
+
+
+def _cut_by_memory(costs: UnitCosts, batch: int, cand: PipelineCandidate, m: int, schedule: str, link,
+                   rules: CutRules, step: float) -> bool:
+    """Whether the cap shaped the stage cut (``Plan.memory_bound``): the cut without it is faster than
+    ``step``. The search then tries the candidate with more recomputation or ZeRO too, which may
+    balance the stages that memory skewed."""
+    try:
+        _, free, _ = _partition(costs, batch, cand.pp, m, schedule, math.inf, link, rules)
+    except ValueError:
+        return False
+    return free < step * (1 - 1e-9)
 
 
 def _extra_at(ref_plan: Plan, ref: int, m: int) -> float:

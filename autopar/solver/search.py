@@ -19,7 +19,9 @@ from autopar.graph.chunk_hints import mark_chunk_hints
 from autopar.core.mesh import Mesh
 from autopar.plan.plan import Alternative, CandidateError, Plan, PlanError
 from autopar.sharding.placements import R
-from autopar.solver.accumulation import accumulated, accumulated_time, memory_choices, microbatch_traced, zero_ladder
+from autopar.solver.accumulation import (accumulated, accumulated_time, memory_choices, microbatch_traced,
+                                        pipeline_zero_ladder, zero_ladder)
+from autopar.cost_models.zero import PIPELINE_ZERO
 from autopar.solver.cp_candidates import cp_meshes
 from autopar.solver.fit_error import Failure, no_plan_error, smallest_of
 from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
@@ -92,11 +94,8 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
                         "runs the batch as microbatches, so set microbatches= instead of accumulation")
     stages = zero_ladder(mode, opts.zero, opts.compiled)
     if "pp" in mesh.axis_names or opts.microbatches or opts.schedule:
-        if stages[0]:
-            raise PlanError(f"zero={stages[0]} is not supported with a pipeline yet (a 'pp' mesh axis, microbatches "
-                            "or schedule): use zero=0 for pipelined plans, or drop the pipeline")
-        stages = [0]                # a pipeline was asked for: ZeRO does not run with one yet
-        ks = ks[:1]                 # and the pipeline runs the microbatches, not accumulation
+        stages = pipeline_zero_ladder(stages, opts.zero)    # ZeRO-0 or 1 with a pipeline (runtime/pipeline_zero.py)
+        ks = ks[:1]                 # the pipeline runs the microbatches, not accumulation
     if stages[0] and mesh.size == 1:
         raise PlanError(f"zero={stages[0]} shards training state over a parameter's data-parallel replicas, but mesh "
                         f"{mesh!r} has 1 device: there is nothing to shard it over; use zero=0 (or leave zero unset) "
@@ -163,9 +162,9 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
     >= 0), so the least over layouts is concave in 1/k and M(k') >= (k / k') · M(k). A bound under the budget
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
     Pipelines run their own microbatches (k = 1 only). With recomputation they are tried while
-    no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits,
-    and right after k = 1 when ``state_needs_pipeline`` (``_pipelines_first``): heuristics, not
-    bounds (docs/solver.md). Every k
+    no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits
+    with a stage cut the cap did not shape (``Plan.memory_bound``), and right after k = 1 when
+    ``state_needs_pipeline`` (``_pipelines_first``): heuristics, not bounds (docs/solver.md). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
     which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls;
     ``state``: this ZeRO stage's bounds, carried from one recompute choice to the next
@@ -185,7 +184,7 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
         k = ks[i]
         if progress.out_of_time():
             return plans, failures, pipe_failures
-        pipelines = k == 1 and not opts.zero and rc not in early and (
+        pipelines = k == 1 and (opts.zero or 0) in PIPELINE_ZERO and rc not in early and (
             rc == "none" or opts.recompute is not None or pipeline_request or not state.fitting)
         if pipeline_request and not pipelines:
             break               # only pipelines were asked for
@@ -210,7 +209,7 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
             break
         plans += [accumulated(p, k, traced, mb) for p in got]
         state.fitting |= bool(got)
-        pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None}
+        pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None and not p.memory_bound}
         _mark_done(done, got, failed, i, len(ks))
         for m, e in failed:
             if not _stops_mesh(e) and isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
@@ -279,7 +278,7 @@ def _pipelines_first(req: SolveRequest, more_choices: list, skip: set, state: Fr
         state.early.add(more)
         plans += got
         state.fitting |= bool(got)
-        state.pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got}
+        state.pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if not p.memory_bound}
         pipe_failures += pipe_failed
     return plans, pipe_failures
 
