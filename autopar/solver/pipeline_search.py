@@ -19,11 +19,9 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
        (DP over cut points, memory incl. the schedule's in-flight activations).
            step(m, schedule) = simulate(schedule).critical_path + max_r sum_{u on rank r} (sync_u + opt_u)
        (the optimizer step included, as in any plan; the fullest rank's is ``plan.optimizer_time``).
-       The best (m, schedule) (ties: less memory) is re-solved at its own microbatch shape (exact decisions), then
-       re-partitioned with the exact profile; unless its estimate by the reference's costs is over
-       (1 + ``REFERENCE_MARGIN``) x the best plan the search has (the search solves the meshes
-       without pipeline stages first, so that their best bounds the pipelines): then the candidate
-       is dropped with that reason (a heuristic: docs/solver.md).
+       The best (m, schedule) (ties: less memory) is re-solved at its own microbatch shape and
+       re-partitioned with the exact profile, unless its reference estimate is over (1 +
+       ``REFERENCE_MARGIN``) x the search's best plan so far (dropped: a heuristic, docs/solver.md).
 
 ``pipeline_plans`` enumerates the candidates for a request: a named mesh with a ``pp`` axis
 fixes pp and the sub-mesh; ``pipeline_stage`` tags fix pp = max tag + 1 and the cuts they name;

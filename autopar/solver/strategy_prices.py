@@ -25,10 +25,8 @@ edge memory G[u,v] = a parameter u that v takes in another placement than the st
                      an activation v saves gathered: its share of the copy beyond u's piece
                      (``seq_parallel.with_gathered_copies``, added by ``problem.build_problem``)
 
-Gradient sync of a parameter is bucketed at run time (DDP buckets of ``GRAD_BUCKET_BYTES``, the
-pipeline's one flat buffer), so one parameter of n bytes pays the bandwidth term in full and
-``n / GRAD_BUCKET_BYTES`` of one all-reduce's latency (``Costing.grad_sync``); the latency of
-the step's last, partly filled bucket is added once per step (``grad_sync_overhead``).
+Gradient sync is bucketed at run time: a parameter of n bytes pays the bandwidth in full and
+``n / GRAD_BUCKET_BYTES`` of a latency (``Costing.grad_sync``; the last bucket: ``grad_sync_overhead``).
 """
 from __future__ import annotations
 
