@@ -103,7 +103,7 @@ def build(row: MoeRow):
 
     from examples.hf_zoo import LogitsOnly, lm_loss
 
-    common = dict(use_cache=False, attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    common = dict(use_cache=False, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if row.family == "mixtral":
         cfg, cls = tf.MixtralConfig(**row.config, **common), tf.MixtralForCausalLM
     else:

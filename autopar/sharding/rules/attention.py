@@ -1,5 +1,5 @@
-"""scaled_dot_product_attention: split batch or heads (the mask follows where it has the dim),
-or the sequence (context parallelism, strategy name ``"cp"``).
+"""scaled_dot_product_attention: split batch or heads (the mask follows where it has the dim;
+with ``enable_gqa`` query and key heads split in equal blocks), or the sequence (context parallelism, strategy name ``"cp"``).
 
 Sequence split: queries, keys and values split along their sequence dim over the axis, the
 output split like the queries; a mask splits its query dim and keeps its key dim whole. Two
@@ -29,26 +29,29 @@ CP_FORMS = ("attn_gather:cp", "attn_ring:cp")
 def sdpa(node):
     ins = tensor_inputs(node)
     q, k = shape_of(ins[0]), shape_of(ins[1])
+    gqa = bool(node.kwargs.get("enable_gqa", False))
     opts = []
     for d in range(len(q) - 2):
-        if d == len(q) - 3 and q[d] != k[d]:
-            continue  # grouped-query heads: keep heads whole
+        if d == len(q) - 3 and q[d] != k[d] and not gqa:
+            continue  # heads broadcast: keep them whole
+        # enable_gqa: query head i reads key head i // (Hq / Hk), so equal blocks of both stay together
         pl = []
         for a in ins:
             s = shape_of(a)
             j = d - (len(q) - len(s))
             pl.append(Shard(j) if j >= 0 and s[j] != 1 else R)
         opts.append(AxisStrategy(tuple(pl), Shard(d), None, "heads" if d == len(q) - 3 else f"S{d}"))
-    return opts + _sequence(ins, _dropout(node))
+    return opts + _sequence(ins, _dropout(node), grouped=gqa and len(q) >= 3 and q[-3] != k[-3])
 
 
 def _dropout(node) -> float:
     return node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
 
 
-def _sequence(ins, dropout: float = 0.0) -> list[AxisStrategy]:
+def _sequence(ins, dropout: float = 0.0, grouped: bool = False) -> list[AxisStrategy]:
     """Queries, keys, values split along the sequence (dim -2); a mask along its query dim. The
-    ring form is not offered with dropout (its blocks would need the whole row's mask)."""
+    ring form is not offered with dropout (its blocks would need the whole row's mask) nor with
+    fewer key than query heads (``enable_gqa``: its blocks multiply heads one to one)."""
     q = shape_of(ins[0])
     if len(q) < 2 or len(ins) < 3 or any(len(shape_of(a)) < 2 for a in ins[:3]):
         return []
@@ -56,5 +59,5 @@ def _sequence(ins, dropout: float = 0.0) -> list[AxisStrategy]:
     for m in ins[3:]:
         s = shape_of(m)
         pl.append(Shard(len(s) - 2) if len(s) >= 2 and s[-2] != 1 else R)
-    forms = CP_FORMS if not dropout else CP_FORMS[:1]
+    forms = CP_FORMS if not (dropout or grouped) else CP_FORMS[:1]
     return [AxisStrategy(tuple(pl), Shard(len(q) - 2), form, "cp") for form in forms]
