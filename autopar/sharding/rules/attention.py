@@ -41,17 +41,16 @@ def sdpa(node):
             j = d - (len(q) - len(s))
             pl.append(Shard(j) if j >= 0 and s[j] != 1 else R)
         opts.append(AxisStrategy(tuple(pl), Shard(d), None, "heads" if d == len(q) - 3 else f"S{d}"))
-    return opts + _sequence(ins, _dropout(node), grouped=gqa and len(q) >= 3 and q[-3] != k[-3])
+    return opts + _sequence(ins, _dropout(node))
 
 
 def _dropout(node) -> float:
     return node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
 
 
-def _sequence(ins, dropout: float = 0.0, grouped: bool = False) -> list[AxisStrategy]:
+def _sequence(ins, dropout: float = 0.0) -> list[AxisStrategy]:
     """Queries, keys, values split along the sequence (dim -2); a mask along its query dim. The
-    ring form is not offered with dropout (its blocks would need the whole row's mask) nor with
-    fewer key than query heads (``enable_gqa``: its blocks multiply heads one to one)."""
+    ring form is not offered with dropout (its blocks would need the whole row's mask)."""
     q = shape_of(ins[0])
     if len(q) < 2 or len(ins) < 3 or any(len(shape_of(a)) < 2 for a in ins[:3]):
         return []
@@ -59,5 +58,5 @@ def _sequence(ins, dropout: float = 0.0, grouped: bool = False) -> list[AxisStra
     for m in ins[3:]:
         s = shape_of(m)
         pl.append(Shard(len(s) - 2) if len(s) >= 2 and s[-2] != 1 else R)
-    forms = CP_FORMS if not (dropout or grouped) else CP_FORMS[:1]
+    forms = CP_FORMS if not dropout else CP_FORMS[:1]
     return [AxisStrategy(tuple(pl), Shard(len(q) - 2), form, "cp") for form in forms]
