@@ -80,7 +80,7 @@ class MoeRow:
     flops_kind: str = "megatron"  # how TFLOP/s is counted: "megatron" or "6n" (6 x activated parameters)
     activated: float = 0.0       # activated parameters per token ("6n")
     recompute: str | None = None  # the published recomputation ("none", ...); None: the planner picks
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)   # further auto-parallel context settings of the FORCED plan
 
 
 MIXTRAL_8X7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -97,7 +97,7 @@ MOE_ROWS = [
            "Megatron-Core MoE README (MCore v0.9): TP1 EP8 PP4 VP8, 64 H100, seq 4096, GBS 256", recompute="none"),
     MoeRow("deepseek_v3", "deepseek_v3", DEEPSEEK_V3, "h800", 2048, (16, 2, 64), 4096, 15360, 0, 342.6,
            "DeepSeek-V3 report: PP16 EP64 ZeRO-1 on 2048 H800; 180K GPU hours / 1T tokens -> 342.6 TF (6N)",
-           flops_kind="6n", activated=37e9),
+           flops_kind="6n", activated=37e9, extra={"solver_time_limit": 120.0}),
 ]
 
 
@@ -139,7 +139,7 @@ def plan_row(row: MoeRow, forced: bool, time_budget: float | None) -> tuple[auto
     if forced:
         # the published micro-batch of 1 sequence per data-parallel rank: batch / (dp x ep) microbatches
         autopar.set_auto_parallel_context(zero=row.zero, microbatches=row.batch // (row.mesh[1] * row.mesh[2]),
-                                          recompute=row.recompute)
+                                          recompute=row.recompute, **row.extra)
         mesh = autopar.Mesh(row.mesh, axis_names=("pp", "dp", "ep"), device=row.device, gpus_per_node=row.gpus_per_node)
         mode = "semi_auto"
     else:
