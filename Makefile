@@ -20,9 +20,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m autopar.cli demo
 
-# What CI runs (.ci/run): every tier, slow cases excluded.
+# What CI runs (.ci/run): every tier, slow cases excluded. The single-process tier runs beside the
+# multi-process one (its ranks wait on each other and on rank 0's planning, which leaves a core
+# free much of the time); its output is printed when both have ended, and either failing fails.
 test: $(STAMP)
-	$(VPY) -m pytest tests -x -q -m "not slow" --durations=15
+	@log=$$(mktemp); $(VPY) -m pytest tests/unit -q -m "not slow" -p no:cacheprovider > $$log 2>&1 & unit=$$!; \
+	$(VPY) -m pytest tests --ignore=tests/unit -x -q -m "not slow" --durations=15; ranks=$$?; \
+	wait $$unit; units=$$?; echo "== tests/unit (run beside the rest)"; \
+	if [ $$units -eq 0 ]; then tail -n 3 $$log; else cat $$log; fi; rm -f $$log; \
+	test $$ranks -eq 0 -a $$units -eq 0
 
 # The inner loop: the single-process tier (tests/unit), slow cases excluded.
 test-fast: $(STAMP)

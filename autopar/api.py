@@ -31,6 +31,7 @@ from autopar.runtime.materialize import check_all_meta, fill_zeros, is_meta_mode
 from autopar.solver.annotations import ANNOTATIONS, resolve_params
 from autopar.report.progress_display import ProgressDisplay
 from autopar.solver.progress import SearchProgress
+from autopar.solver.request import SolveRequest
 from autopar.solver.search import PlanOptions, make_plans
 from autopar.frontend.trace import Traced, trace
 
@@ -93,7 +94,7 @@ def _plan_traced(model, traced: Traced, retracer: Retracer, mesh: Mesh, mode: Pa
     param_ann = resolve_params(model, ANNOTATIONS) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     input_ann = dict(ANNOTATIONS.inputs) if mode in (ParallelMode.SEMI_AUTO, ParallelMode.AUTO) else {}
     opts = dataclasses.replace(_options(mixed_precision, compiled), progress=progress)
-    return make_plans(traced, model, mesh, mode, opts, param_ann, input_ann, top_k, retracer)
+    return make_plans(SolveRequest(traced, model, mesh, mode, opts, param_ann, input_ann, retracer), top_k)
 
 
 def plan(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None,

@@ -38,6 +38,7 @@ from autopar.graph.retrace import Retracer  # noqa: E402
 from autopar.runtime.launch import RankPool  # noqa: E402
 from autopar.solver.pipeline_search import optimizer_time, pipeline_candidates, plan_pipeline  # noqa: E402
 from autopar.solver.search import PlanOptions, ddp_candidate, candidate_meshes, solve_on_mesh  # noqa: E402
+from autopar.solver.request import SolveRequest  # noqa: E402
 from autopar.frontend.trace import trace  # noqa: E402
 from examples.models import GPT, MLP, lm_loss  # noqa: E402
 
@@ -84,12 +85,13 @@ def considered_plans(name: str, opts: PlanOptions) -> tuple[list, int]:
         except ValueError:
             continue
     for m in candidate_meshes(mesh):
-        plans.append(solve_on_mesh(traced, m, ParallelMode.AUTO, opts, {}, {}))
+        plans.append(solve_on_mesh(SolveRequest(traced, None, m, ParallelMode.AUTO, opts)))
     plans += ddp_candidate(traced, mesh, opts, [])          # DATA mode's plan, one of AUTO's candidates
     for p in plans:
         p.optimizer_time = optimizer_time(p, opts.optimizer)
     chosen = min(range(len(plans)), key=lambda i: plans[i].step_time)
-    pure_tp = solve_on_mesh(traced, autopar.Mesh((WORLD,), axis_names=("tp",)), ParallelMode.AUTO, opts, {}, {})
+    pure_tp = solve_on_mesh(SolveRequest(traced, None, autopar.Mesh((WORLD,), axis_names=("tp",)), ParallelMode.AUTO,
+                                         opts))
     if layout_key(pure_tp) not in {layout_key(p) for p in plans}:     # one plan under two mesh names is timed once
         pure_tp.optimizer_time = optimizer_time(pure_tp, opts.optimizer)
         plans.append(pure_tp)

@@ -14,14 +14,16 @@ row    GPUs    TP  CP  PP  DP   seq      batch/DP  tokens  TFLOP/s  MFU
 =====  ======  ==  ==  ==  ===  =======  ========  ======  =======  ====
 
 The paper's data parallelism is FSDP (model, optimizer and gradients sharded over dp, parameters not
-resharded after the forward pass). autopar does not run ZeRO with a pipeline yet, so FORCED keeps
-them whole on dp (ZeRO-0): that changes memory, not the step's communication volume.
+resharded after the forward pass). FORCED runs ZeRO-1 on dp (the optimizer state and fp32 masters
+sharded, Megatron's distributed optimizer: the stage autopar runs with a pipeline,
+``runtime/pipeline_zero.py``); the gradients stay whole, so it holds more than the paper's FSDP, with
+the same communication volume per step.
 
 Model: Hugging Face ``LlamaForCausalLM`` from the config above on the meta device, SDPA attention (so
 the context-parallel strategies of ``sharding/rules/attention.py`` apply). For each row:
 
 * FORCED: the published layout as a named mesh ``("pp", "dp", "cp", "tp")`` (``cp`` left out when 1),
-  bf16 mixed precision, ZeRO-0, one sequence per microbatch (``batch/DP`` microbatches, as the paper's
+  bf16 mixed precision, ZeRO-1, one sequence per microbatch (``batch/DP`` microbatches, as the paper's
   micro-batch of one sequence), SEMI_AUTO (the planner picks schedule and recomputation);
 * AUTO: autopar's own plan on an unnamed ``Mesh(gpus, device="h100")`` (bf16, everything else chosen).
 
@@ -168,13 +170,13 @@ def annotate_data_parallel() -> None:
 
 
 def plan_row(row: LlamaRow, forced: bool, time_budget: float | None) -> tuple[autopar.Plan, float]:
-    """(plan, wall seconds): FORCED (the published named mesh, ZeRO-0, batch/DP microbatches, SEMI_AUTO)
+    """(plan, wall seconds): FORCED (the published named mesh, ZeRO-1, batch/DP microbatches, SEMI_AUTO)
     or AUTO (an unnamed mesh of ``row.gpus`` H100s); bf16 mixed precision in both."""
     model, inputs, loss, target = build(row)
     autopar.reset_auto_parallel_context()
     autopar.clear_annotations()
     if forced:
-        ctx = dict(zero=0)
+        ctx = dict(zero=1 if row.dp > 1 else 0)
         if row.pp > 1:
             ctx["microbatches"] = row.microbatches
         autopar.set_auto_parallel_context(**ctx)

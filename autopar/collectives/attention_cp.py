@@ -1,62 +1,56 @@
 """Context-parallel attention: ``scaled_dot_product_attention`` with q, k, v split along the
 sequence over mesh axes (``sharding/rules/attention.py``'s ``"cp"`` strategies).
 
-Each rank holds the queries, keys and values of one contiguous piece of the sequence (piece
-index = ``local_ops.piece_index(axes)``, the first axis outermost); a mask arrives with its
-query dim split and its key dim whole. Positions are explicit: a key at global position ``j``
-is visible to a query at ``i`` under ``is_causal`` iff ``j <= i`` (torch's top-left causal mask
-of the unsplit op).
+Each rank holds the queries, keys and values of its piece of the sequence as the placement cuts
+it: contiguous pieces (``Shard(dim)``, the first axis outermost) or, under causal attention, the
+zig-zag order (``Z(dim)``, ``_zigzag=True``: rank ``r`` of ``n`` holds chunks ``r`` and
+``2n-1-r`` of ``2n``); a mask arrives with its query dim split alike and its key dim whole.
+Positions are explicit and come from the placement (``cp_positions.held`` cuts and gathers an
+``arange`` as the runtime cuts and gathers the tensors): a key at global position ``j`` is
+visible to a query at ``i`` under ``is_causal`` iff ``j <= i`` (torch's top-left causal mask of
+the unsplit op), and mask columns are picked by the keys' positions.
 
-* ``attention_gather`` (Llama 3): all-gather K and V (``comm.all_gather_rs``: backward
-  reduce-scatters their gradients, which are partial per rank), then the op itself on this
-  rank's queries with the causal mask offset by their positions.
+* ``attention_gather`` (Llama 3): all-gather K and V in the placement's order
+  (``comm.all_gather_rs``: backward reduce-scatters their gradients, which are partial per rank),
+  then the op itself on this rank's queries with the causal mask at their positions.
 * ``attention_ring`` (ring attention): ``_RingAttention`` passes the K/V blocks around the ring
   of the last cp axis with ``batch_isend_irecv`` while computing on the block it holds, merges
   the blocks' outputs by their log-sum-exp, and in backward recomputes each block's softmax from
   the saved log-sum-exp while the blocks travel again with their gradient accumulators (one more
   hop brings the gradients home). Further cp axes are all-gathered first as in the gather form.
-  Blocks entirely above the causal diagonal are skipped (no compute, still forwarded).
+  Each block is cut into tiles at its runs of consecutive positions (``cp_positions.tiles``):
+  tiles entirely above the causal diagonal are skipped (the block is still forwarded), wholly
+  visible ones and the diagonal squares run on the CPU's fused kernel, the rest explicitly.
 
 Load balance under a causal mask: with contiguous pieces rank ``r`` of ``n`` attends to ``r+1``
-blocks, so the last rank does about ``(2n-1)/n`` times the mean work (the cost model charges it:
-``cost_models/context_parallel.py``). The balanced (zig-zag)
-order, rank ``r`` holding chunks ``r`` and ``2n-1-r`` of ``2n``, is a property of the placement
-of every tensor on that axis (token ids, rotary positions, masks, targets and the loss all
-follow the same order), so it belongs in the placement (a mirrored variant of
-``Shard(dim, chunks=2)``, whose block order is ``r, n+r``), not inside the attention op: a
-permutation inside the op would cost two all-to-alls of q, k, v and the output per layer and
-per direction. Both implementations here take positions per block, so a mirrored placement
-needs only a different ``_positions``. ``zigzag_chunks`` and ``causal_flops_per_rank``
-(checked in ``tests/ranks/test_context_parallel.py``) measure the balance; the placement itself is
-not implemented yet.
+blocks, so the last rank does about ``(2n-1)/n`` times the mean work. In the zig-zag order every
+rank does the same: its own block is two diagonal squares and one full tile, and every other
+block is half visible (the earlier ranks' head chunks to all its queries, the later ranks' both
+chunks to its tail's queries), so after the first step each ring step computes half a block on
+every rank. The order is a property of the placement of every tensor on the axis (token ids,
+rotary positions, masks, targets and the loss all follow it: ``sharding/zigzag.py``), not of
+this op: a permutation inside the op would cost two all-to-alls of q, k, v and the output per
+layer and per direction. ``zigzag_chunks`` and ``causal_flops_per_rank`` count the balance
+(``tests/unit/test_zigzag.py`` counts it from the ring's tiles too); the cost model charges it
+(``cost_models/context_parallel.py``).
 
 The collectives each runs are listed in ``sharding/local_impls.py`` (``_attn_gather``,
 ``_attn_ring``): change both together.
 """
 from __future__ import annotations
 
-import itertools
+import math
 
 import torch
 import torch.distributed as dist
 from torch.ops import aten
 
 from autopar.collectives import comm
+from autopar.collectives.cp_positions import held, tiles
 from autopar.collectives.groups import axis as _axis
 
 
 # ---- positions and the balance of a causal split --------------------------------------------
-
-def _piece(indices, sizes) -> int:
-    idx = 0
-    for i, n in zip(indices, sizes):
-        idx = idx * n + i
-    return idx
-
-
-def _positions(piece: int, length: int, device) -> torch.Tensor:
-    return torch.arange(piece * length, (piece + 1) * length, device=device)
-
 
 def zigzag_chunks(rank: int, n: int) -> tuple[int, int]:
     """The zig-zag (head-tail) order: rank ``r`` of ``n`` holds chunks ``r`` and ``2n-1-r`` of ``2n``."""
@@ -99,23 +93,34 @@ def _join_masks(mask, visible: torch.Tensor):
 
 # ---- all-gather form ----------------------------------------------------------------------
 
-def _gather_kv(key, value, axes: list[str]):
-    """K and V gathered along the sequence over ``axes`` (innermost first: pieces in order)."""
+def _gather_kv(key, value, axes: list[str], zigzag: bool = False):
+    """K and V gathered along the sequence over ``axes`` (innermost first: pieces in order), in
+    the placement's order (``Z(dim)`` under ``zigzag``)."""
+    chunks = 2 if zigzag else 1
     for name in reversed(axes):
-        key = comm.all_gather_rs(key, key.dim() - 2, name)
-        value = comm.all_gather_rs(value, value.dim() - 2, name)
+        key = comm.all_gather_rs(key, key.dim() - 2, name, chunks, zigzag)
+        value = comm.all_gather_rs(value, value.dim() - 2, name, chunks, zigzag)
     return key, value
 
 
+def _coords(axes: list[str]) -> tuple[list[int], list[int]]:
+    return [_axis(a).size for a in axes], [_axis(a).rank for a in axes]
+
+
 def attention_gather(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                     enable_gqa=False, *, _op, _axes):
+                     enable_gqa=False, *, _op, _axes, _zigzag=False):
     """Llama 3's context parallelism: gather K/V, attend with this rank's queries."""
     axes = _split_axes(_axes["cp"])
-    key, value = _gather_kv(key, value, axes)
+    key, value = _gather_kv(key, value, axes, _zigzag)
     if is_causal:
-        tq = query.shape[-2]
-        rows = _positions(_piece([_axis(a).rank for a in axes], [_axis(a).size for a in axes]), tq, query.device)
-        visible = torch.arange(key.shape[-2], device=query.device) <= rows.unsqueeze(-1)
+        sizes, coords = _coords(axes)
+        total = key.shape[-2]
+        rows = held(total, sizes, coords, _zigzag, device=query.device)
+        keys = held(total, sizes, coords, _zigzag, tuple(reversed(range(len(axes)))), query.device)
+        if attn_mask is None and not dropout_p and query.device.type == "cpu":
+            scale = query.shape[-1] ** -0.5 if scale is None else scale
+            return _TiledAttention.apply(query, key, value, rows, keys, scale)
+        visible = keys <= rows.unsqueeze(-1)
         attn_mask = _join_masks(attn_mask, visible)
     return aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, False, scale=scale,
                                                      enable_gqa=enable_gqa)
@@ -161,6 +166,48 @@ class _Ring:
         return got
 
 
+def _attend(q, kb, vb, mask, qpos, kpos, causal, scale, out, lse) -> None:
+    """Merge the attention of ``q`` to one block of keys (at ``kpos``) into ``out`` and ``lse``,
+    tile by tile (``cp_positions.tiles``)."""
+    heads = q.shape[-3]
+    kb, vb = _expand(kb, heads), _expand(vb, heads)
+    for qs, ks, _ in tiles(qpos, kpos, causal):
+        qt, qp, kp = _rows(q, qs), qpos[qs], kpos[ks]
+        kt, vt, mt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs)
+        fused = _fused_kind(qt, mt, qp, kp, causal)
+        o_b, lse_b = (_block_forward(qt, kt, vt, scale, *_block_args(mt, qp, kp, causal)) if fused is None
+                      else _fused_forward(qt, kt, vt, scale, fused == "causal"))
+        o_m, lse_m = _merge(_rows(out, qs), _rows(lse, qs, -1), o_b.to(_acc(q)), lse_b)
+        _put(out, qs, o_m)
+        _put(lse, qs, lse_m, -1)
+
+
+def _attend_grad(q, kb, vb, mask, qpos, kpos, causal, scale, g, out, lse, delta, dq, dk, dv) -> None:
+    """Add one block's gradients (from the merged ``out`` and ``lse``) into ``dq`` and the block's
+    ``dk``, ``dv`` accumulators, tile by tile."""
+    heads = q.shape[-3]
+    kb, vb = _expand(kb, heads), _expand(vb, heads)
+    for qs, ks, _ in tiles(qpos, kpos, causal):
+        qt, qp, kp = _rows(q, qs), qpos[qs], kpos[ks]
+        kt, vt, mt, gt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs), _rows(g, qs)
+        fused = _fused_kind(qt, mt, qp, kp, causal)
+        if fused is None:
+            dq_b, dk_b, dv_b = _block_backward(qt, kt, vt, gt, _rows(lse, qs, -1), _rows(delta, qs, -1), scale,
+                                               *_block_args(mt, qp, kp, causal))
+        else:
+            dq_b, dk_b, dv_b = _fused_backward(qt, kt, vt, gt, _rows(out, qs), _rows(lse, qs, -1), scale,
+                                               fused == "causal")
+        _add(dq, qs, dq_b)
+        _add(dk, ks, _fold(dk_b, dk.shape[-3]))
+        _add(dv, ks, _fold(dv_b, dv.shape[-3]))
+
+
+def _start(q, v):
+    """Empty merged output and log-sum-exp (accumulation dtype)."""
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=_acc(q), device=q.device)
+    return out, torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
+
+
 class _RingAttention(torch.autograd.Function):
     """Exact attention of local queries against K/V blocks passed around a ring (see module doc).
     ``kpos[s]``: global positions of the keys held by ring rank ``s``; ``qpos``: this rank's queries'."""
@@ -168,20 +215,12 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, qpos, kpos, causal, scale, name):
         ring = _Ring(_axis(name), "fwd")
-        n, r, heads = ring.ax.size, ring.ax.rank, q.shape[-3]
-        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=_acc(q), device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
+        n, r = ring.ax.size, ring.ax.rank
+        out, lse = _start(q, v)
         blk = [k, v]
         for step in range(n):
             pending = ring.start(blk) if step < n - 1 else None
-            src = (r - step) % n
-            args = _block_args(mask, qpos, kpos[src], causal)
-            if args is not None:
-                kb, vb = _expand(blk[0], heads), _expand(blk[1], heads)
-                fused = _fused_kind(q, mask, qpos, kpos[src], causal)
-                o_b, lse_b = (_block_forward(q, kb, vb, scale, *args) if fused is None
-                              else _fused_forward(q, kb, vb, scale, fused == "causal"))
-                out, lse = _merge(out, lse, o_b.to(_acc(q)), lse_b)
+            _attend(q, blk[0], blk[1], mask, qpos, kpos[(r - step) % n], causal, scale, out, lse)
             if pending is not None:
                 blk = _Ring.finish(pending)
         out = out.to(q.dtype)
@@ -193,28 +232,76 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v, mask, qpos, kpos, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.ax, "bwd")
-        n, r, heads = ring.ax.size, ring.ax.rank, q.shape[-3]
+        n, r = ring.ax.size, ring.ax.rank
         g = g.contiguous()
         delta = (g.to(_acc(q)) * out.to(_acc(q))).sum(-1)
         dq = torch.zeros_like(q, dtype=_acc(q))
         blk = [k, v, torch.zeros_like(k, dtype=_acc(q)), torch.zeros_like(v, dtype=_acc(q))]
         for step in range(n):
             pending = ring.start(blk[:2]) if step < n - 1 else None
-            src = (r - step) % n
-            args = _block_args(mask, qpos, kpos[src], ctx.causal)
-            if args is not None:
-                kb, vb = _expand(blk[0], heads), _expand(blk[1], heads)
-                fused = _fused_kind(q, mask, qpos, kpos[src], ctx.causal)
-                dq_b, dk_b, dv_b = (_block_backward(q, kb, vb, g, lse, delta, ctx.scale, *args) if fused is None
-                                    else _fused_backward(q, kb, vb, g, out, lse, ctx.scale, fused == "causal"))
-                dq += dq_b
-                blk[2] = blk[2] + _fold(dk_b, k.shape[-3])
-                blk[3] = blk[3] + _fold(dv_b, v.shape[-3])
+            _attend_grad(q, blk[0], blk[1], mask, qpos, kpos[(r - step) % n], ctx.causal, ctx.scale, g, out, lse,
+                         delta, dq, blk[2], blk[3])
             grads = _Ring.finish(ring.start(blk[2:]))     # the accumulators move on with their block
             if pending is not None:
                 blk[:2] = _Ring.finish(pending)
             blk[2:] = grads
         return dq.to(q.dtype), blk[2].to(k.dtype), blk[3].to(v.dtype), None, None, None, None, None, None
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Causal attention of local queries (at ``qpos``) to the gathered keys (at ``kpos``) as fused
+    calls, one per tile (what precedes a query run, without a mask; its diagonal square,
+    ``is_causal``), merged by log-sum-exp: the gather form on the CPU without a mask tensor, which
+    would send SDPA to its math kernel (it saves the attention weights). Saves q, K, V, the output
+    and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, qpos, kpos, scale):
+        out, lse = _start(q, v)
+        _attend(q, k, v, None, qpos, kpos, True, scale, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, qpos, kpos, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, qpos, kpos, out, lse = ctx.saved_tensors
+        g = g.contiguous()
+        delta = (g.to(_acc(q)) * out.to(_acc(q))).sum(-1)
+        dq, dk, dv = (torch.zeros_like(t, dtype=_acc(q)) for t in (q, k, v))
+        _attend_grad(q, k, v, None, qpos, kpos, True, ctx.scale, g, out, lse, delta, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _whole(t: torch.Tensor, s: slice, dim: int) -> bool:
+    return s.start == 0 and s.stop == t.shape[dim]
+
+
+def _rows(t: torch.Tensor, s: slice, dim: int = -2) -> torch.Tensor:
+    """Positions ``s`` of ``t`` along ``dim`` (a tile's queries or keys), contiguous."""
+    return t if _whole(t, s, dim) else t.narrow(dim, s.start, s.stop - s.start).contiguous()
+
+
+def _mask_rows(mask, s: slice):
+    """A tile's rows of the mask (its query dim split like the queries; whole where it broadcasts)."""
+    if mask is None or mask.dim() < 2 or mask.shape[-2] == 1:
+        return mask
+    return _rows(mask, s)
+
+
+def _put(t: torch.Tensor, s: slice, value: torch.Tensor, dim: int = -2) -> None:
+    if _whole(t, s, dim):
+        t.copy_(value)
+    else:
+        t.narrow(dim, s.start, s.stop - s.start).copy_(value)
+
+
+def _add(t: torch.Tensor, s: slice, value: torch.Tensor) -> None:
+    if _whole(t, s, -2):
+        t.add_(value)
+    else:
+        t.narrow(-2, s.start, s.stop - s.start).add_(value)
 
 
 def _acc(q: torch.Tensor) -> torch.dtype:
@@ -294,7 +381,7 @@ def _block_backward(q, kb, vb, g, lse, delta, scale, cols, visible):
 
 
 def attention_ring(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False, *, _op, _axes):
+                   enable_gqa=False, *, _op, _axes, _zigzag=False):
     """Ring attention over the last ``"cp"`` axis (further cp axes all-gathered first)."""
     axes = _split_axes(_axes["cp"])
     if not axes:
@@ -304,14 +391,12 @@ def attention_ring(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         raise ValueError("this plan runs ring attention on an attention op with dropout, which the ring form does "
                          "not support (the solver offers only the all-gather form there): use dropout_p=0 or make "
                          "a new plan")
-    sizes = [_axis(a).size for a in axes]
-    ranks = [_axis(a).rank for a in axes]
-    tk = key.shape[-2]
-    key, value = _gather_kv(key, value, axes[:-1])
-    qpos = _positions(_piece(ranks, sizes), query.shape[-2], query.device)
-    kpos = torch.stack([
-        torch.cat([_positions(_piece(list(outer) + [src], sizes), tk, query.device)
-                   for outer in itertools.product(*[range(s) for s in sizes[:-1]])])
-        for src in range(sizes[-1])])
+    sizes, coords = _coords(axes)
+    total = query.shape[-2] * math.prod(sizes)
+    key, value = _gather_kv(key, value, axes[:-1], _zigzag)
+    qpos = held(total, sizes, coords, _zigzag, device=query.device)
+    outer = tuple(reversed(range(len(axes) - 1)))
+    kpos = torch.stack([held(total, sizes, coords[:-1] + [src], _zigzag, outer, query.device)
+                        for src in range(sizes[-1])])
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     return _RingAttention.apply(query, key, value, attn_mask, qpos, kpos, bool(is_causal), scale, axes[-1])

@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from autopar.collectives.groups import axis as _axis
 from autopar.collectives.watch import note
+from autopar.sharding.placements import Shard, piece_of
+from autopar.sharding.shard_params import join_pieces
 
 
 @dataclass
@@ -83,28 +85,30 @@ def _blocks(t: torch.Tensor, dim: int, chunks: int) -> list[torch.Tensor]:
     return list(t.chunk(chunks, dim)) if chunks > 1 else [t]
 
 
-def _ag(t: torch.Tensor, dim: int, chunks: int, ax, phase: str) -> torch.Tensor:
+def _ag(t: torch.Tensor, dim: int, chunks: int, ax, phase: str, zigzag: bool = False) -> torch.Tensor:
     if ax.size == 1:
         return t.clone()
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(ax.size)]
     COUNTER.record("all_gather", t, ax.name, phase, ax.size)
     dist.all_gather(parts, t, group=ax.group)
-    if chunks == 1:
-        return torch.cat(parts, dim)
-    per_rank = [_blocks(p, dim, chunks) for p in parts]
-    return torch.cat([torch.cat([pr[b] for pr in per_rank], dim) for b in range(chunks)], dim)
+    return join_pieces(parts, Shard(dim, chunks, zigzag))
 
 
-def _slice(t: torch.Tensor, dim: int, chunks: int, ax) -> torch.Tensor:
-    return torch.cat([b.chunk(ax.size, dim)[ax.rank] for b in _blocks(t, dim, chunks)], dim).contiguous()
+def _piece(t: torch.Tensor, dim: int, chunks: int, n: int, rank: int, zigzag: bool) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``t`` under ``Shard(dim, chunks, zigzag)`` over ``n`` ranks."""
+    return torch.cat([b.chunk(n, dim)[piece_of(rank, n, i, zigzag)] for i, b in enumerate(_blocks(t, dim, chunks))],
+                     dim).contiguous()
 
 
-def _rs(t: torch.Tensor, dim: int, chunks: int, ax, phase: str) -> torch.Tensor:
+def _slice(t: torch.Tensor, dim: int, chunks: int, ax, zigzag: bool = False) -> torch.Tensor:
+    return _piece(t, dim, chunks, ax.size, ax.rank, zigzag)
+
+
+def _rs(t: torch.Tensor, dim: int, chunks: int, ax, phase: str, zigzag: bool = False) -> torch.Tensor:
     if ax.size == 1:
         return t.clone()
-    pieces = [torch.cat([b.chunk(ax.size, dim)[r] for b in _blocks(t, dim, chunks)], dim).contiguous()
-              for r in range(ax.size)]
+    pieces = [_piece(t, dim, chunks, ax.size, r, zigzag) for r in range(ax.size)]
     if torch.compiler.is_compiling():       # dynamo traces the tensor form only (no graph break)
         from torch.distributed import _functional_collectives as funcol
 
@@ -155,37 +159,37 @@ class _GradAllReduce(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, name, scatter_grad):
-        ctx.ax, ctx.dim, ctx.chunks, ctx.scatter = _axis(name), dim, chunks, scatter_grad
-        return _ag(x, dim, chunks, ctx.ax, "fwd")
+    def forward(ctx, x, dim, chunks, name, scatter_grad, zigzag=False):
+        ctx.ax, ctx.dim, ctx.chunks, ctx.scatter, ctx.zz = _axis(name), dim, chunks, scatter_grad, zigzag
+        return _ag(x, dim, chunks, ctx.ax, "fwd", zigzag)
 
     @staticmethod
     def backward(ctx, g):
         if ctx.scatter:
-            return _rs(g, ctx.dim, ctx.chunks, ctx.ax, "bwd"), None, None, None, None
-        return _slice(g, ctx.dim, ctx.chunks, ctx.ax), None, None, None, None
+            return _rs(g, ctx.dim, ctx.chunks, ctx.ax, "bwd", ctx.zz), None, None, None, None, None
+        return _slice(g, ctx.dim, ctx.chunks, ctx.ax, ctx.zz), None, None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, name):
-        ctx.ax, ctx.dim, ctx.chunks = _axis(name), dim, chunks
-        return _rs(x, dim, chunks, ctx.ax, "fwd")
+    def forward(ctx, x, dim, chunks, name, zigzag=False):
+        ctx.ax, ctx.dim, ctx.chunks, ctx.zz = _axis(name), dim, chunks, zigzag
+        return _rs(x, dim, chunks, ctx.ax, "fwd", zigzag)
 
     @staticmethod
     def backward(ctx, g):
-        return _ag(g, ctx.dim, ctx.chunks, ctx.ax, "bwd"), None, None, None
+        return _ag(g, ctx.dim, ctx.chunks, ctx.ax, "bwd", ctx.zz), None, None, None, None
 
 
 class _LocalSlice(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, name):
-        ctx.ax, ctx.dim, ctx.chunks = _axis(name), dim, chunks
-        return _slice(x, dim, chunks, ctx.ax)
+    def forward(ctx, x, dim, chunks, name, zigzag=False):
+        ctx.ax, ctx.dim, ctx.chunks, ctx.zz = _axis(name), dim, chunks, zigzag
+        return _slice(x, dim, chunks, ctx.ax, zigzag)
 
     @staticmethod
     def backward(ctx, g):
-        return _ag(g, ctx.dim, ctx.chunks, ctx.ax, "bwd"), None, None, None
+        return _ag(g, ctx.dim, ctx.chunks, ctx.ax, "bwd", ctx.zz), None, None, None, None
 
 
 class _PartialGrad(torch.autograd.Function):
@@ -234,24 +238,24 @@ def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _GradAllReduce.apply(x, axis)
 
 
-def all_gather(x: torch.Tensor, dim: int, axis: str, chunks: int = 1) -> torch.Tensor:
-    """S(dim) -> R."""
-    return _AllGather.apply(x, dim, chunks, axis, False)
+def all_gather(x: torch.Tensor, dim: int, axis: str, chunks: int = 1, zigzag: bool = False) -> torch.Tensor:
+    """S(dim) -> R (``Shard(dim, chunks, zigzag)``, as the other chunk-aware calls here)."""
+    return _AllGather.apply(x, dim, chunks, axis, False, zigzag)
 
 
-def all_gather_rs(x: torch.Tensor, dim: int, axis: str, chunks: int = 1) -> torch.Tensor:
+def all_gather_rs(x: torch.Tensor, dim: int, axis: str, chunks: int = 1, zigzag: bool = False) -> torch.Tensor:
     """S(dim) -> R whose consumers use it split: backward is a reduce-scatter."""
-    return _AllGather.apply(x, dim, chunks, axis, True)
+    return _AllGather.apply(x, dim, chunks, axis, True, zigzag)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, axis: str, chunks: int = 1) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, axis: str, chunks: int = 1, zigzag: bool = False) -> torch.Tensor:
     """P -> S(dim)."""
-    return _ReduceScatter.apply(x, dim, chunks, axis)
+    return _ReduceScatter.apply(x, dim, chunks, axis, zigzag)
 
 
-def local_slice(x: torch.Tensor, dim: int, axis: str, chunks: int = 1) -> torch.Tensor:
+def local_slice(x: torch.Tensor, dim: int, axis: str, chunks: int = 1, zigzag: bool = False) -> torch.Tensor:
     """R -> S(dim): keep this rank's piece."""
-    return _LocalSlice.apply(x, dim, chunks, axis)
+    return _LocalSlice.apply(x, dim, chunks, axis, zigzag)
 
 
 def all_to_all(x: torch.Tensor, src: int, dst: int, axis: str) -> torch.Tensor:
@@ -268,9 +272,9 @@ def to_partial(x: torch.Tensor, axis: str) -> torch.Tensor:
 # parallel): every use must then leave a PARTIAL gradient, so these take autograd's own
 # derivative (zero-padded slice, masked copy) or keep the gradient on rank 0 only.
 
-def local_slice_pgrad(x: torch.Tensor, dim: int, axis: str, chunks: int = 1) -> torch.Tensor:
+def local_slice_pgrad(x: torch.Tensor, dim: int, axis: str, chunks: int = 1, zigzag: bool = False) -> torch.Tensor:
     """R -> S(dim) whose gradient stays partial (zero outside this rank's piece): plain autograd."""
-    return _slice(x, dim, chunks, _axis(axis))
+    return _slice(x, dim, chunks, _axis(axis), zigzag)
 
 
 def to_partial_pgrad(x: torch.Tensor, axis: str) -> torch.Tensor:

@@ -11,8 +11,11 @@ What the model assumes:
   into ``n`` contiguous pieces the piece holding the last queries does ``(2n-1)/n`` times the
   mean for a long sequence (``rank_shares``, exact counts). The step waits for the slowest rank,
   so that is what is charged. A non-causal op, or one whose mask is an explicit tensor (its
-  pattern unknown when planning), divides evenly. The zig-zag order would balance it; the
-  placement that implements it does not exist yet, so it is not costed.
+  pattern unknown when planning), divides evenly. In the zig-zag order (``zigzag=True``: rank
+  ``r`` holds chunks ``r`` and ``2n-1-r`` of ``2n``, the placement ``Z(dim)``) every rank has the
+  same visible pairs, so the imbalance is 1; in the ring each block is then cut at its pieces'
+  borders and only the visible tiles run (``collectives/cp_positions.tiles``), half a block per
+  step after the first.
 * **Gather form** (``attn_gather``): the K/V all-gathers in forward and their gradients'
   reduce-scatters in backward run before / after the op, not overlapped; then the slowest rank's
   share of the work.
@@ -50,23 +53,32 @@ def _entries(q0: int, q1: int, k0: int, k1: int, causal: bool) -> int:
     return total
 
 
-def block_shares(n: int, seq: int, causal: bool) -> list[list[float]]:
+def _pieces(r: int, n: int, seq: int, zigzag: bool) -> list[tuple[int, int]]:
+    """Rank ``r``'s position ranges: piece ``r`` of ``n``, or chunks ``r`` and ``2n-1-r`` of ``2n``."""
+    if not zigzag:
+        size = seq // n
+        return [(r * size, (r + 1) * size)]
+    size = seq // (2 * n)
+    return [(c * size, (c + 1) * size) for c in (r, 2 * n - 1 - r)]
+
+
+def block_shares(n: int, seq: int, causal: bool, zigzag: bool = False) -> list[list[float]]:
     """``share[r][j]``: the fraction of the op's visible (query, key) pairs in the block of the
-    queries of contiguous piece ``r`` against the keys of piece ``j`` (``n`` pieces of ``seq``)."""
-    size = seq // n
+    queries of rank ``r`` against the keys of rank ``j`` (``n`` ranks over ``seq``; contiguous
+    pieces, or the zig-zag order)."""
     total = _entries(0, seq, 0, seq, causal)
-    return [[_entries(r * size, (r + 1) * size, j * size, (j + 1) * size, causal) / total for j in range(n)]
-            for r in range(n)]
+    return [[sum(_entries(q0, q1, k0, k1, causal) for q0, q1 in _pieces(r, n, seq, zigzag)
+                 for k0, k1 in _pieces(j, n, seq, zigzag)) / total for j in range(n)] for r in range(n)]
 
 
-def rank_shares(n: int, seq: int, causal: bool) -> list[float]:
+def rank_shares(n: int, seq: int, causal: bool, zigzag: bool = False) -> list[float]:
     """Each rank's fraction of the op's work (its queries' row of ``block_shares``)."""
-    return [sum(row) for row in block_shares(n, seq, causal)]
+    return [sum(row) for row in block_shares(n, seq, causal, zigzag)]
 
 
-def imbalance(n: int, seq: int, causal: bool) -> float:
+def imbalance(n: int, seq: int, causal: bool, zigzag: bool = False) -> float:
     """The slowest rank's work over the mean (1 when it divides evenly)."""
-    return n * max(rank_shares(n, seq, causal)) if n > 1 else 1.0
+    return n * max(rank_shares(n, seq, causal, zigzag)) if n > 1 else 1.0
 
 
 @dataclass(frozen=True)
@@ -88,24 +100,27 @@ class CpTime:
         return self.fwd + self.compute_bwd + self.comm_bwd
 
 
-def gather_time(fwd: float, bwd: float, n: int, seq: int, causal: bool, gathers: float, scatters: float) -> CpTime:
+def gather_time(fwd: float, bwd: float, n: int, seq: int, causal: bool, gathers: float, scatters: float,
+                zigzag: bool = False) -> CpTime:
     """The gather form: ``gathers`` (seconds of the forward K/V all-gathers), ``scatters``
     (backward reduce-scatters), the work at the slowest rank's share."""
-    f = imbalance(n, seq, causal)
+    f = imbalance(n, seq, causal, zigzag)
     return CpTime(fwd * f, bwd * f, gathers, scatters)
 
 
 def ring_time(fwd: float, bwd: float, n: int, seq: int, causal: bool, hop_kv: float, hop_grad: float,
-              overlap: bool, outer: int = 1, gathers: float = 0.0, scatters: float = 0.0) -> CpTime:
+              overlap: bool, outer: int = 1, gathers: float = 0.0, scatters: float = 0.0,
+              zigzag: bool = False) -> CpTime:
     """The ring form over ``n`` ranks (module docstring): ``hop_kv``, ``hop_grad`` the seconds of
     one hop of the K/V block and of its gradient accumulators (0 when nothing needs a gradient);
-    ``outer`` the product of the further cp axes gathered first (``gathers``, ``scatters``)."""
+    ``outer`` the product of the further cp axes gathered first (``gathers``, ``scatters``);
+    ``zigzag`` the sequence in the zig-zag order."""
     pieces = n * outer
     if outer > 1:           # blocks hold keys of several pieces: the slowest rank's work, spread evenly
-        w = imbalance(pieces, seq, causal) / n
+        w = imbalance(pieces, seq, causal, zigzag) / n
         steps = [[w] * n]
     else:
-        share = block_shares(n, seq, causal)
+        share = block_shares(n, seq, causal, zigzag)
         steps = [[n * share[r][(r - s) % n] for r in range(n)] for s in range(n)]
         steps = [list(col) for col in zip(*steps)]      # steps[r][s]
     t_f = t_b = c_f = c_b = 0.0

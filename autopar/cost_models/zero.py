@@ -46,6 +46,7 @@ from .comm import axis_collective_time
 from .devices import DeviceSpec
 
 
+PIPELINE_ZERO = (0, 1)      # the stages that run with a pipeline (``runtime/pipeline_zero.py``; DeepSpeed's rule)
 ZERO_BUCKET_MB = 25.0      # the runtime's bucket cap (``runtime/zero.py``), MiB of padded gradients
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from autopar.sharding.placements import Replicate, Shard, replicated
+from autopar.sharding.placements import Replicate, Shard, local_shape, replicated
 from autopar.sharding.shard_params import local_piece
 
 class InputSharding:
@@ -43,6 +43,41 @@ class InputSharding:
         rows = torch.arange(self.global_batch_size)
         chunks = rows.chunk(self._batch_chunks()) if self._batch_chunks() > 1 else (rows,)
         return torch.cat([local_piece(c, spec, self._coords, mesh_shape) for c in chunks]).tolist()
+
+    def local_batch(self, *inputs, target=None, **kwargs):
+        """This rank's part of a global batch, as ``step(..., local_batch=True)`` takes it: the rows
+        ``local_batch_rows()`` and, where the plan splits other dims (the sequence over a cp axis),
+        this rank's piece of them in the plan's order, the zig-zag one for causal attention
+        (``Z(1)``: rank r of n holds chunks r and 2n-1-r of 2n). Returns the inputs as a tuple, and
+        ``(inputs, target)`` when a target is given."""
+        flat = self._flat_inputs(inputs, kwargs)
+        meta = self._traced_meta
+        if len(flat) != len(meta["inputs"]):
+            raise ValueError(f"the model was planned with {len(meta['inputs'])} input(s) but got {len(flat)}")
+        rows = torch.tensor(self.local_batch_rows())
+        out = tuple(self._local_part(x, self.plan.inputs.get(ph), shape, rows, what)
+                    for x, ph, shape, what in zip(flat, meta["inputs"], self._global_meta["input_shapes"],
+                                                  meta["labels"]))
+        if target is None:
+            return out
+        tph = self._target_placeholder()
+        return out, self._local_part(target, self.plan.inputs.get(tph), self._global_meta.get("target_shape"), rows,
+                                     "target")
+
+    def _local_part(self, x, spec, global_shape, rows, what):
+        """``local_batch``'s cut of one global tensor: its rows where dim 0 is the batch, then this
+        rank's piece of every dim the plan splits on other axes."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{what} must be a tensor, got {type(x).__name__}")
+        if global_shape is not None and tuple(x.shape) != tuple(global_shape):
+            raise ValueError(f"{what} has shape {list(x.shape)} but the model was planned for the global shape "
+                             f"{list(global_shape)}; local_batch() cuts a global batch: pass one of that shape")
+        mesh_shape = self.plan.mesh.shape
+        spec = spec or replicated(len(mesh_shape))
+        if any(p == Shard(0) for p in spec):
+            x = x.index_select(0, rows.to(x.device))
+        rest = tuple(Replicate() if p == Shard(0) else p for p in spec)
+        return local_piece(x, rest, self._coords, mesh_shape).contiguous()
 
     def _batch_chunks(self) -> int:
         """How many pieces a step cuts the batch into before taking this rank's part of each."""
@@ -102,11 +137,15 @@ class InputSharding:
         if local_batch:
             dp = math.prod(mesh_shape[a] for a, p in enumerate(spec) if p == Shard(0))
             expect = (global_shape[0] // dp,) + tuple(global_shape[1:]) if global_shape else ()
-            if tuple(x.shape) != tuple(expect):
-                raise ValueError(f"{what} has shape {list(x.shape)} but this rank's part of the batch must be "
-                                 f"{list(expect)} (global {list(global_shape)}, data-parallel size {dp}); the plan is "
-                                 "specialised to the example input shapes: re-plan for another shape")
             spec = tuple(Replicate() if p == Shard(0) else p for p in spec)
+            piece = local_shape(expect, spec, mesh_shape)
+            if tuple(x.shape) == piece != tuple(expect):
+                return x.contiguous()       # already this rank's piece of the other dims (``local_batch()``)
+            if tuple(x.shape) != tuple(expect):
+                also = f" or, cut like local_batch() cuts it, {list(piece)}" if piece != tuple(expect) else ""
+                raise ValueError(f"{what} has shape {list(x.shape)} but this rank's part of the batch must be "
+                                 f"{list(expect)}{also} (global {list(global_shape)}, data-parallel size {dp}); the "
+                                 "plan is specialised to the example input shapes: re-plan for another shape")
         elif tuple(x.shape) != tuple(global_shape):
             raise ValueError(f"{what} has shape {list(x.shape)} but the model was planned for the global shape "
                              f"{list(global_shape)}; pass the global batch (or local_batch=True with this rank's "

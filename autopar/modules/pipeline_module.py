@@ -13,6 +13,8 @@ One training step (``step``):
         tied sync:  a parameter used on several stages (tied input/output embeddings) has its
                     gradient summed over the group of peer ranks that own it (Megatron's
                     embedding group), so every copy takes the same optimizer step;
+                    under ZeRO-1 both sums are ``runtime/pipeline_zero.py``'s (ties, then the
+                    reduce-scatter over dp; the all-gather after the optimizer step);
         loss:       sum_i loss_i / m on the last stage, all-reduced over its Partial axes and
                     broadcast over ``pp`` so every rank returns the global mean.
 """
@@ -37,6 +39,7 @@ from autopar.passes.split_stages import forward_only, split_stages
 from autopar.runtime.grad_sync import Accumulation, grads_by_axes, sum_grads
 from autopar.runtime.materialize import allocate_extra
 from autopar.runtime.pipeline import PipelineExecutor, StageCall
+from autopar.runtime.pipeline_zero import pipeline_zero
 from autopar.runtime.program import ParamTree, placeholder_slot
 from autopar.runtime.step_result import step_loss
 from autopar.schedules.schedule import build_schedule
@@ -146,7 +149,9 @@ class PipelineModule(ParallelModule):
         self._out_meta = out_meta
         self._per_pp = plan.mesh.size // plan.mesh.shape[0]
         self._rank = dist.get_rank() if dist.is_initialized() else 0
-        object.__setattr__(self, "_acc", Accumulation(list(program.parameters()), self._sync_grads))
+        zero = pipeline_zero(self, program, plan, sync, axes)
+        object.__setattr__(self, "_zero", zero)
+        object.__setattr__(self, "_acc", zero or Accumulation(list(program.parameters()), self._sync_grads))
 
     # ---- introspection ---------------------------------------------------------------------
     @property
@@ -216,7 +221,7 @@ class PipelineModule(ParallelModule):
         self._acc.before_backward()
         self.program.new_step()
         losses = self._executor.run(self.program.compute_tensor, mbs, self._loss_scale_factor() / self.plan.microbatches)
-        if self._acc.syncing:
+        if self._acc.syncing and self._zero is None:
             self._sync_grads()
         self._acc.after_backward()
         total = torch.stack(losses).float().sum() / self.plan.microbatches if losses else torch.zeros(())
@@ -246,6 +251,10 @@ class PipelineModule(ParallelModule):
             return
         named = dict(self.program.named_parameters())
         sum_grads(grads_by_axes(named, self._sync), {n: g.group for n, g in self._axes.items()})
+        self._sum_ties()
+
+    def _sum_ties(self) -> None:
+        """Sum the gradients of parameters held on several stages over their peers (tied embeddings)."""
         for name, coords in self._owners.items():
             group = self._ties.get(tuple(coords))
             if group is None or not self.program.has(name):

@@ -151,7 +151,7 @@ def _join(j: int, parts: list):
 def _to_replicate(x: torch.Tensor, spec, axis_names) -> torch.Tensor:
     target = tuple(Replicate() for _ in spec)
     fns = {"all_reduce": lambda t, s: comm.all_reduce(t, axis_names[s.axis]),
-           "all_gather": lambda t, s: comm.all_gather(t, s.dim, axis_names[s.axis], s.chunks),
+           "all_gather": lambda t, s: comm.all_gather(t, s.dim, axis_names[s.axis], s.chunks, s.zigzag),
            "all_to_all": lambda t, s: comm.all_to_all(t, s.dim, s.dst_dim, axis_names[s.axis])}
     for st in redistribute_steps(spec, target):
         x = fns[st.kind](x, st)

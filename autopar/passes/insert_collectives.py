@@ -30,6 +30,11 @@ def _split_axes(out_specs) -> set[int]:
     return {a for o in out_specs for a, p in enumerate(o) if not isinstance(p, Replicate)}
 
 
+def _zz(st) -> tuple:
+    """The zig-zag flag as a trailing argument, only where set (``print(pmodel.code)`` stays as it was)."""
+    return (True,) if st.zigzag else ()
+
+
 def _emit_steps(graph: fx.Graph, value: fx.Node, edge: EdgeCollectives, axis_names) -> fx.Node:
     """Emit one use's redistribution as ``edge`` (``sharding/edge.py``) decides it: an all-gather
     in ``edge.fused`` gets reduce-scatter backward; on ``edge.pgrad`` local steps keep partial
@@ -38,13 +43,13 @@ def _emit_steps(graph: fx.Graph, value: fx.Node, edge: EdgeCollectives, axis_nam
         name = axis_names[st.axis]
         if st.kind == "all_gather":
             fn = comm.all_gather_rs if i in edge.fused else comm.all_gather
-            value = graph.call_function(fn, (value, st.dim, name, st.chunks))
+            value = graph.call_function(fn, (value, st.dim, name, st.chunks, *_zz(st)))
         elif st.kind == "local_slice" and st.axis in edge.pgrad:
-            value = graph.call_function(comm.local_slice_pgrad, (value, st.dim, name, st.chunks))
+            value = graph.call_function(comm.local_slice_pgrad, (value, st.dim, name, st.chunks, *_zz(st)))
         elif st.kind == "to_partial" and st.axis in edge.pgrad:
             value = graph.call_function(comm.to_partial_pgrad, (value, name))
         elif st.kind in ("reduce_scatter", "local_slice"):
-            value = graph.call_function(_STEP_FN[st.kind], (value, st.dim, name, st.chunks))
+            value = graph.call_function(_STEP_FN[st.kind], (value, st.dim, name, st.chunks, *_zz(st)))
         elif st.kind == "all_to_all":
             value = graph.call_function(comm.all_to_all, (value, st.dim, st.dst_dim, name))
         else:
@@ -160,4 +165,6 @@ def _apply_local(gm: fx.GraphModule, node: fx.Node, decision, axis_names, mesh_s
     impl = local_ops.IMPLS[family]
     axes = {role: [a for a, r in roles if r == role] for role in {r for _, r in roles}}
     node.kwargs = dict(node.kwargs, _op=node.target.__name__.split(".")[0], _axes=axes)
+    if family in ("attn_gather", "attn_ring") and any(getattr(p, "zigzag", False) for p in specs.input_specs(node)[0]):
+        node.kwargs = dict(node.kwargs, _zigzag=True)   # the sequence in the zig-zag order (``Z(dim)``): positions follow it
     node.target = impl

@@ -35,7 +35,8 @@ stage 2 reduce-scatters each microbatch (k collectives for k microbatches, price
 earlier reduce-scatters add up in the shards' gradients. Communication per step equals DDP's
 all-reduce (reduce-scatter + all-gather, the ZeRO paper's 2Ψ); ``cost_models/zero.py`` prices it.
 
-ZeRO-3 runs in ``runtime/zero3.py``. ZeRO with a pipeline is refused (``check_zero_supported``).
+ZeRO-3 runs in ``runtime/zero3.py``; ZeRO-1 with a pipeline in ``runtime/pipeline_zero.py`` (ZeRO-2 and 3
+with a pipeline are refused: ``check_zero_supported``).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ from autopar.collectives.comm import COUNTER
 from autopar.collectives.groups import span_group
 from autopar.collectives.watch import guard
 from autopar.core.comm_timeout import comm_timeout_s
-from autopar.cost_models.zero import ZERO_BUCKET_MB, gather_unit
+from autopar.cost_models.zero import PIPELINE_ZERO, ZERO_BUCKET_MB, gather_unit
 from autopar.plan.plan import PlanError
 from autopar.runtime.program import _owner
 
@@ -61,12 +62,14 @@ BUCKET_MB = ZERO_BUCKET_MB
 
 
 def check_zero_supported(plan, pipelined: bool) -> None:
-    """Raise a PlanError for a ZeRO stage this runtime cannot run (any stage with a pipeline; ZeRO-3
-    compiled: its gathers and saved-tensor hooks do not trace, and compiled it trains wrong)."""
+    """Raise a PlanError for a ZeRO stage this runtime cannot run (2 or 3 with a pipeline:
+    ``runtime/pipeline_zero.py`` runs stage 1; ZeRO-3 compiled: its gathers and saved-tensor hooks
+    do not trace, and compiled it trains wrong)."""
     zero = plan.memory_options.zero
-    if zero and pipelined:
-        raise PlanError(f"memory_options.zero={zero} is not supported with a pipeline (pp > 1) yet; "
-                        "use zero=0 for pipelined plans")
+    if pipelined and zero not in PIPELINE_ZERO:
+        raise PlanError(f"memory_options.zero={zero} is not supported with a pipeline (pp > 1): ZeRO-2 and 3 would "
+                        "reduce-scatter or gather every microbatch; use zero=1 (optimizer state sharded over the "
+                        "data-parallel ranks) or zero=0 for pipelined plans")
     if zero == 3 and plan.compiled:
         raise PlanError("the plan has memory_options.zero=3 and compiled=True: ZeRO-3 does not run compiled yet "
                         "(its per-layer gathers and saved-tensor hooks do not trace); make the plan with zero=0, 1 "

@@ -3,7 +3,8 @@
 A spec cuts each dimension independently, so the piece ``local_piece`` returns is the product, over
 dimensions, of the global index runs the rank holds along each one (``runs``): one run per
 dimension for ``Shard(dim)`` and ``Replicate``, ``chunks`` runs for ``Shard(dim, chunks)`` (the
-fused-QKV layout). Every combination of one run per dimension is a *box*: a rectangle of the full
+fused-QKV layout; ``Z(dim)``, the zig-zag order, mirrors the odd ones). Every combination of one
+run per dimension is a *box*: a rectangle of the full
 tensor (global offsets, sizes) stored at some local offsets of the piece.
 
 ZeRO shards hold a flat range ``[lo, hi)`` of the piece's row-major flattening. ``flat_rects``
@@ -16,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from autopar.sharding.placements import Shard
+from autopar.sharding.placements import Shard, piece_of
 
 
 def _take(runs: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
@@ -49,7 +50,7 @@ def runs(shape, spec, coords, mesh_shape) -> list[list[tuple[int, int]]]:
         picked = []
         for b in range(p.chunks):
             blo, bhi = _chunk_bounds(length, p.chunks, b) if p.chunks > 1 else (0, length)
-            lo, hi = _chunk_bounds(bhi - blo, mesh_shape[a], coords[a])
+            lo, hi = _chunk_bounds(bhi - blo, mesh_shape[a], piece_of(coords[a], mesh_shape[a], b, p.zigzag))
             picked += _take(held, blo + lo, blo + hi)
         out[dim] = picked
     return out

@@ -4,6 +4,10 @@ A tensor's *spec* is a tuple with one placement per mesh axis (axis 0 first).
 ``Shard(dim, chunks=k)`` views the dim as k equal blocks and shards each block over the
 axis (rank r holds its piece of every block, in block order): this is how a fused QKV
 projection is split so that ``split(..., 3)`` stays local (Megatron's fused layout).
+``Shard(dim, chunks=k, zigzag=True)`` (k even; ``Z(dim)`` for k = 2) mirrors the odd blocks: rank
+r of n holds piece r of the even blocks and piece n-1-r of the odd ones. ``Z(1)`` of a sequence is
+the load-balanced (zig-zag) order of causal context parallelism: rank r holds chunks r and 2n-1-r
+of 2n (``piece_of``; ``sharding/zigzag.py`` turns a cp axis's splits into it).
 
 Gradient convention used by every pass and runtime collective: the gradient of a
 ``Shard`` tensor is sharded like it; the gradient of a ``Replicate`` or ``Partial``
@@ -19,9 +23,31 @@ from typing import Union
 class Shard:
     dim: int
     chunks: int = 1
+    zigzag: bool = False
+
+    def __post_init__(self):
+        if self.zigzag and (self.chunks < 2 or self.chunks % 2):
+            raise ValueError(f"Shard({self.dim}, chunks={self.chunks}, zigzag=True): the zig-zag order mirrors every "
+                             "second block, so it needs an even number of chunks (2 for a sequence)")
 
     def __str__(self) -> str:
+        if self.zigzag:
+            return f"Z({self.dim})" if self.chunks == 2 else f"Z({self.dim},{self.chunks})"
         return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim},{self.chunks})"
+
+
+def piece_of(rank: int, n: int, block: int, zigzag: bool) -> int:
+    """Which of the ``n`` pieces of ``block`` rank ``rank`` holds (and, an involution, which rank
+    holds piece ``rank`` of it): its own index, mirrored in the odd blocks of a zig-zag shard."""
+    return n - 1 - rank if zigzag and block % 2 else rank
+
+
+def zigzag_of(p):
+    """The zig-zag form of a placement: ``Shard(d, k)`` becomes ``Shard(d, 2k, zigzag=True)`` (each
+    block halved, the second half mirrored); others unchanged."""
+    if isinstance(p, Shard) and not p.zigzag:
+        return Shard(p.dim, 2 * p.chunks, True)
+    return p
 
 
 @dataclass(frozen=True)
@@ -59,16 +85,18 @@ P = Partial()
 
 
 def parse_placement(text: str) -> Placement:
-    """Inverse of ``str(placement)``: "R", "P", "S(1)", "S(0,3)"."""
+    """Inverse of ``str(placement)``: "R", "P", "S(1)", "S(0,3)", "Z(1)", "Z(0,4)"."""
     t = text.strip()
     if t == "R":
         return R
     if t == "P":
         return P
-    if t.startswith("S(") and t.endswith(")"):
+    if t[:2] in ("S(", "Z(") and t.endswith(")"):
         parts = [int(v) for v in t[2:-1].split(",")]
+        if t[0] == "Z":
+            return Shard(parts[0], parts[1] if len(parts) > 1 else 2, True)
         return Shard(*parts)
-    raise ValueError(f"cannot parse placement {text!r}; expected R, P, S(dim) or S(dim,chunks)")
+    raise ValueError(f"cannot parse placement {text!r}; expected R, P, S(dim), S(dim,chunks), Z(dim) or Z(dim,chunks)")
 
 
 def spec_str(spec) -> str:
@@ -112,7 +140,7 @@ def parse_spec(text: str) -> Spec:
 
 def normalize_dim(spec: Spec, ndim: int) -> Spec:
     """Make every Shard dim non-negative for a tensor of rank ``ndim``."""
-    return type(spec)(Shard(p.dim % ndim, p.chunks) if isinstance(p, Shard) and ndim else p for p in spec)
+    return type(spec)(Shard(p.dim % ndim, p.chunks, p.zigzag) if isinstance(p, Shard) and ndim else p for p in spec)
 
 
 def from_torch(placement) -> Placement:

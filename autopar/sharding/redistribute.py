@@ -6,6 +6,7 @@ shard go first-to-last, so a dim sharded on several axes keeps axis 0 as the out
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from autopar.sharding.placements import Partial, Replicate, Shard, Spec
@@ -18,6 +19,7 @@ class Step:
     dim: int = 0
     chunks: int = 1
     dst_dim: int = 0
+    zigzag: bool = False     # the Shard's zig-zag order (``placements.Shard``)
 
     @property
     def communicates(self) -> bool:
@@ -33,6 +35,12 @@ def _inner_sharding(cur, axis, dim) -> list[int]:
     return [b for b in range(axis + 1, len(cur)) if isinstance(cur[b], Shard) and cur[b].dim == dim]
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def cached_steps(src: Spec, dst: Spec) -> tuple[Step, ...]:
+    """``redistribute_steps`` as a tuple, memoised (the solver prices every pair of specs of every edge)."""
+    return tuple(redistribute_steps(src, dst))
+
+
 def redistribute_steps(src: Spec, dst: Spec) -> list[Step]:
     """Steps from ``src`` to ``dst``. A dim split over several axes is split by axis 0 first,
     so changing an outer axis's split first gathers the inner axes on that dim (re-sliced
@@ -44,7 +52,7 @@ def redistribute_steps(src: Spec, dst: Spec) -> list[Step]:
     k = len(src)
 
     def gather(a):
-        steps.append(Step("all_gather", a, cur[a].dim, cur[a].chunks))
+        steps.append(Step("all_gather", a, cur[a].dim, cur[a].chunks, zigzag=cur[a].zigzag))
         cur[a] = Replicate()
 
     for a in reversed(range(k)):
@@ -63,7 +71,7 @@ def redistribute_steps(src: Spec, dst: Spec) -> list[Step]:
         s, d = cur[a], dst[a]
         if isinstance(s, Partial) and not isinstance(d, Partial):
             if isinstance(d, Shard) and not _other_axes_shard(dst, a, d.dim) and not _other_axes_shard(cur, a, d.dim):
-                steps.append(Step("reduce_scatter", a, d.dim, d.chunks))
+                steps.append(Step("reduce_scatter", a, d.dim, d.chunks, zigzag=d.zigzag))
                 cur[a] = d
             else:
                 steps.append(Step("all_reduce", a))
@@ -73,7 +81,7 @@ def redistribute_steps(src: Spec, dst: Spec) -> list[Step]:
         if isinstance(s, Replicate) and isinstance(d, Shard):
             for b in reversed(_inner_sharding(cur, a, d.dim)):
                 gather(b)
-            steps.append(Step("local_slice", a, d.dim, d.chunks))
+            steps.append(Step("local_slice", a, d.dim, d.chunks, zigzag=d.zigzag))
         elif isinstance(s, Replicate) and isinstance(d, Partial):
             steps.append(Step("to_partial", a))
         cur[a] = d

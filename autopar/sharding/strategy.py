@@ -95,7 +95,7 @@ def _spec_ok(shape, spec: Spec, mesh_shape) -> bool:
         if isinstance(p, Shard):
             if not shape or p.dim >= len(shape) or p.dim < -len(shape):
                 return False
-            per_dim.setdefault(p.dim % len(shape), []).append((mesh_shape[axis], p.chunks))
+            per_dim.setdefault(p.dim % len(shape), []).append((mesh_shape[axis], (p.chunks, p.zigzag)))
     for dim, pieces in per_dim.items():
         chunks = {c for _, c in pieces}
         if len(chunks) > 1:
@@ -104,7 +104,7 @@ def _spec_ok(shape, spec: Spec, mesh_shape) -> bool:
         for s, _ in pieces:
             n *= s
         size = shape[dim]
-        c = chunks.pop()
+        c = chunks.pop()[0]
         if size % c or (size // c) % n:
             return False
     return True

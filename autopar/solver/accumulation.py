@@ -19,6 +19,7 @@ powers of two while nothing fits (the smallest k that fits is the fastest: T gro
 from __future__ import annotations
 
 from autopar.core.context import ParallelMode
+from autopar.cost_models.zero import PIPELINE_ZERO
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.plan.plan import MicrobatchTrace, Plan, PlanError
 
@@ -52,7 +53,8 @@ def zero_ladder(mode: ParallelMode, zero: int | None, compiled: bool = False) ->
     the stages above the first one whose plan fits without accumulation or recomputation
     and without the cap shaping its layout (``Plan.memory_bound``): a higher stage then only adds
     all-gathers of the weights. ``compiled`` (compile=True): ZeRO-3 does not run compiled yet
-    (``runtime.zero.check_zero_supported``), so the ladder stops at 2."""
+    (``runtime.zero.check_zero_supported``), so the ladder stops at 2. A pipeline runs stages 0 and 1
+    (``pipeline_zero_ladder``)."""
     if zero is not None:
         if zero not in (0, 1, 2, 3):
             raise PlanError(f"zero={zero!r} is not a ZeRO stage; use 0, 1, 2 or 3")
@@ -61,6 +63,18 @@ def zero_ladder(mode: ParallelMode, zero: int | None, compiled: bool = False) ->
         return [zero]
     return ([0, 1, 2] if compiled else [0, 1, 2, 3]) if mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO) else [0]
 
+
+
+def pipeline_zero_ladder(stages: list[int], zero: int | None) -> list[int]:
+    """``zero_ladder``'s stages for a request that names a pipeline: those a pipeline runs
+    (``cost_models.zero.PIPELINE_ZERO``: ZeRO-1 shards the optimizer state and sums the gradients
+    once after the schedule; ZeRO-2 and 3 would reduce-scatter or gather in every microbatch, as
+    DeepSpeed refuses them with pipelines too). A user's stage 2 or 3 is a PlanError."""
+    if zero is not None and zero not in PIPELINE_ZERO:
+        raise PlanError(f"zero={zero} is not supported with a pipeline (a 'pp' mesh axis, microbatches or schedule): "
+                        "ZeRO-2 and 3 would reduce-scatter or gather every microbatch; use zero=1 (optimizer state "
+                        "sharded over the data-parallel ranks) or zero=0 for pipelined plans, or drop the pipeline")
+    return [z for z in stages if z in PIPELINE_ZERO]
 
 
 def accumulation_ladder(batch: int, mode: ParallelMode, forced: int | None) -> tuple[list[int], bool]:

@@ -26,6 +26,11 @@ def is_cp(st: Strategy, mesh_shape) -> bool:
     return family(st) in CP_FAMILIES and bool(cp_axes(st, mesh_shape))
 
 
+def zigzag(st: Strategy, axes: list[int]) -> bool:
+    """Whether the queries are split in the zig-zag order (``Z(dim)``) on the cp axes."""
+    return any(getattr(st.inputs[0][a], "zigzag", False) for a in axes)
+
+
 def causal(node: fx.Node) -> bool:
     """Whether the op's own causal flag is set (an explicit mask tensor's pattern is not known)."""
     flag = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
@@ -42,8 +47,9 @@ def cp_time(node: fx.Node, st: Strategy, cost: OpCost, c) -> CpTime:
              for kind, nbytes, ax, phase in local_collectives(node, st, c.mesh_shape)]
     gathers = sum(t for kind, _, _, phase, t in timed if kind == "all_gather")
     scatters = sum(t for kind, _, _, phase, t in timed if kind == "reduce_scatter")
+    zz = zigzag(st, axes)
     if family(st) == "attn_gather":
-        return gather_time(cost.time_fwd, cost.time_bwd, pieces, seq, causal(node), gathers, scatters)
+        return gather_time(cost.time_fwd, cost.time_bwd, pieces, seq, causal(node), gathers, scatters, zz)
     n = c.mesh_shape[axes[-1]]
     fwd_hops = [t for kind, _, _, phase, t in timed if kind == "send_recv" and phase == "fwd"]
     bwd_hops = [t for kind, _, _, phase, t in timed if kind == "send_recv" and phase == "bwd"]
@@ -51,7 +57,7 @@ def cp_time(node: fx.Node, st: Strategy, cost: OpCost, c) -> CpTime:
     hop_grad = (sum(bwd_hops) - sum(fwd_hops)) / n if bwd_hops else 0.0   # bwd: K/V hops again, then grads
     overlap = not getattr(c.device, "cores", None)      # accelerators overlap; CPU under gloo does not
     return ring_time(cost.time_fwd, cost.time_bwd, n, seq, causal(node), hop_kv, hop_grad, overlap,
-                     pieces // n, gathers, scatters)
+                     pieces // n, gathers, scatters, zz)
 
 
 def cp_node_time(node: fx.Node, st: Strategy, cost: OpCost, c, recomputed: bool) -> float | None:

@@ -89,6 +89,15 @@ class _StageTables:
     working: np.ndarray | None = None  # [L+1, L+1] bool: stage [k, l) holds parameters
 
 
+@dataclass(frozen=True)
+class CutRules:
+    """What the caller fixes about the cuts: ``fixed`` cut points (unit indices every partition cuts
+    at, e.g. from ``pipeline_stage`` tags) and whether a stage may hold no parameters when no
+    partition avoids it (``allow_idle``; else ``IdleStageError``)."""
+    fixed: Sequence[int] = ()
+    allow_idle: bool = True
+
+
 class IdleStageError(ValueError):
     """Every partition that fits leaves some stage without parameters (and ``allow_idle`` is off)."""
 
@@ -270,9 +279,9 @@ def _solve_avoiding_idle(layers, tables: _StageTables, solve, allow_idle: bool, 
     return objective, cuts
 
 
-def _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, fixed_boundaries, virtual_stages):
+def _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, cuts: CutRules, virtual_stages):
     virtual_stages = virtual_stages or (2 if schedule == "interleaved_1f1b" else 1)
-    fixed = sorted(set(fixed_boundaries or ()))
+    fixed = sorted(set(cuts.fixed))
     total = num_stages * virtual_stages
     _validate(layers, num_stages, microbatches, total, fixed)
     held = schedule_in_flight(schedule, num_stages, microbatches, virtual_stages)
@@ -282,17 +291,16 @@ def _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link
 
 def partition_stages(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, schedule: str = "1f1b",
                      memory_budget: float | None = None, p2p_link: tuple[float, float] | None = None,
-                     fixed_boundaries: Sequence[int] | None = None,
-                     virtual_stages: int | None = None, allow_idle: bool = True) -> PipelinePartition:
+                     rules: CutRules = CutRules(), virtual_stages: int | None = None) -> PipelinePartition:
     """Optimal contiguous stage partition (module docstring). ``p2p_link`` = (bytes/s, seconds).
 
     ``num_stages`` is the number of pipeline ranks; ``virtual_stages`` (default 2 for
-    "interleaved_1f1b", else 1) stages per rank. Raises ValueError when no partition fits, and
-    ``IdleStageError`` when only partitions with a parameterless stage fit and ``allow_idle`` is off.
+    "interleaved_1f1b", else 1) stages per rank; ``rules``: fixed cut points, idle stages allowed.
+    Raises ValueError when no partition fits, and ``IdleStageError`` when only partitions with a
+    parameterless stage fit and ``rules.allow_idle`` is off.
     """
-    tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, fixed_boundaries,
-                         virtual_stages)
-    objective, cuts = _solve_avoiding_idle(layers, tables, lambda t: _solve_dp(t, microbatches), allow_idle,
+    tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, rules, virtual_stages)
+    objective, cuts = _solve_avoiding_idle(layers, tables, lambda t: _solve_dp(t, microbatches), rules.allow_idle,
                                            num_stages * v)
     if not cuts:
         raise _infeasible(layers, tables, memory_budget, v, schedule, num_stages * v)
@@ -304,17 +312,15 @@ def least_stage_memory(layers: Sequence[LayerProfile], num_stages: int, microbat
     """(the least max stage memory over every contiguous partition, ignoring time; stages per rank):
     the minimax DP of the memory-error path. Per stage, params + in-flight x activations as
     ``partition_stages`` charges them; a partition fits only if this is <= budget / stages per rank."""
-    tables, v = _prepare(layers, num_stages, microbatches, schedule, None, None, (), None)
+    tables, v = _prepare(layers, num_stages, microbatches, schedule, None, None, CutRules(), None)
     return _min_peak_partition(tables)[0], v
 
 
 def brute_force_partition(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, schedule: str = "1f1b",
                           memory_budget: float | None = None, p2p_link: tuple[float, float] | None = None,
-                          fixed_boundaries: Sequence[int] | None = None,
-                          virtual_stages: int | None = None, allow_idle: bool = True) -> PipelinePartition:
+                          rules: CutRules = CutRules(), virtual_stages: int | None = None) -> PipelinePartition:
     """Same contract as ``partition_stages`` by enumerating every cut set (tests, small inputs only)."""
-    tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, fixed_boundaries,
-                         virtual_stages)
+    tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, rules, virtual_stages)
     n, total = len(layers), num_stages * v
 
     def enumerate_cuts(t: _StageTables):
@@ -327,7 +333,7 @@ def brute_force_partition(layers: Sequence[LayerProfile], num_stages: int, micro
                     best, best_cuts = objective, cuts
         return best, best_cuts
 
-    best, best_cuts = _solve_avoiding_idle(layers, tables, enumerate_cuts, allow_idle, total)
+    best, best_cuts = _solve_avoiding_idle(layers, tables, enumerate_cuts, rules.allow_idle, total)
     if not best_cuts:
         raise _infeasible(layers, tables, memory_budget, v, schedule, total)
     return _build_partition(layers, tables, best_cuts, best, num_stages, microbatches, schedule, v)

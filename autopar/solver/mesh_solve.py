@@ -18,7 +18,6 @@ from autopar.cost_models.devices import mesh_device
 from autopar.core.context import ParallelMode
 from autopar.cost_models.compute import total_flops
 from autopar.cost_models.memory import training_state_parts
-from autopar.cost_models.moe import DEFAULT_IMBALANCE
 from autopar.cost_models.zero import zero_axes, zero_collectives
 from autopar.sharding.grad_sync import grad_sync_rule, trainable_params
 from autopar.graph.layers import find_layers, tie_groups
@@ -28,35 +27,17 @@ from autopar.plan.plan import CandidateError, Collective, MemoryOptions, Plan, P
 from autopar.sharding.candidates import build_candidates
 from autopar.sharding.placements import R, Replicate, Shard, shard_factor
 from autopar.solver.annotations import restrict_op_strategies
-from autopar.solver.context_axes import fed_by_inputs, keep_sequence_split
+from autopar.solver.context_axes import fed_by_inputs, keep_sequence_split, sequence_order
 from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
 from autopar.solver.moe_axes import ROLE_EXPERT, expert_axis_choices, nodes_moe
 from autopar.solver.memory_terms import accumulated_grad_bytes, op_transients, transient_bytes, zero_layer_buffers
-from autopar.solver.progress import SearchProgress
+from autopar.solver.request import PlanOptions, SolveRequest
 from autopar.solver.problem import activation_weighted, build_problem, resharded_param_bytes, resharded_region_inputs
 from autopar.solver.strategy_prices import Costing, grad_sync_overhead, sync_element_bytes, tensor_bytes
 from autopar.solver.seq_parallel import resharded_saved_activations
 from autopar.graph.recompute_regions import choices_for, find_regions
-
-
-@dataclass
-class PlanOptions:
-    optimizer: str = "adamw"
-    precision: str = "fp32"          # what the training state is costed in ("mixed": fp32 master + bf16 copy)
-    grad_compression: str | None = None
-    mixed_precision: str | None = None
-    memory_budget_gb: float | None = None
-    time_limit_s: float = 10.0
-    microbatches: int | None = None
-    schedule: str | None = None
-    accumulation: int | None = None  # microbatches run one after another (None: AUTO/SEMI_AUTO pick when needed)
-    recompute: str | dict | None = None   # activation recomputation (None: AUTO/SEMI_AUTO pick when needed)
-    zero: int | None = None          # ZeRO stage over the data-parallel axes (None: AUTO/SEMI_AUTO pick when needed)
-    compiled: bool = False           # per-rank programs through torch.compile: compute at the compiled speedup
-    moe_imbalance: float = DEFAULT_IMBALANCE   # MoE expert load of the busiest rank over the mean (cost_models/moe.py)
-    progress: SearchProgress | None = None     # reports the search and holds its time budget (solver/progress.py)
 
 
 def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, input_ann: dict) -> dict:
@@ -218,10 +199,10 @@ def _outs(st):
     return list(o) if o and isinstance(o[0], tuple) else [o]
 
 
-def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict, input_ann: dict,
-                  ranks_per_node: int | None = None, microbatches: int = 1, cutoff: float | None = None,
-                  activation_weight: float = 1.0) -> Plan:
-    """``ranks_per_node``: ranks sharing a node (default: this mesh's); a pipeline stage's
+def solve_on_mesh(req: SolveRequest, microbatches: int = 1, cutoff: float | None = None,
+                  activation_weight: float = 1.0, ranks_per_node: int | None = None) -> Plan:
+    """The plan of ``req.traced`` on ``req.mesh`` in ``req.mode`` (its options and annotations; its
+    model and retracer are not used). ``ranks_per_node``: ranks sharing a node (default: this mesh's); a pipeline stage's
     sub-mesh passes the whole mesh's, since every stage runs at the same time. ``traced`` is one
     microbatch of a step that runs ``microbatches`` of them (accumulation, or a pipeline's): the
     solver minimises the whole step, in which the gradient sync and optimizer step run once
@@ -232,13 +213,15 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
     (``problem.activation_weighted``; a pipeline's whole-model layout); the plan's memory is then in
     those units."""
     t0 = time.perf_counter()
+    traced, mesh, mode, opts = req.traced, req.mesh, req.mode, req.opts
     device = mesh_device(mesh)
     per_node = ranks_per_node or min(mesh.size, mesh.gpus_per_node or mesh.size)
     device = device.shared_by(per_node).with_compile(opts.compiled)  # CPU ranks beyond the core count share the cores
-    cands = _candidates(traced, mesh.shape)
+    cands, param_ann, input_ann = sequence_order(traced, mesh, _candidates(traced, mesh.shape), req.param_ann,
+                                                 req.input_ann)
     allowed = _allowed(traced, cands, mesh, mode, param_ann, input_ann)
-    redistribution, memo, tables = traced.meta.setdefault("costing_memo", {}).setdefault((mesh.shape, repr(device)),
-                                                                                         ({}, {}, {}))
+    redistribution, memo, tables = traced.meta.setdefault("costing_memo", {}).setdefault(
+        (mesh.shape, repr(device), id(cands)), ({}, {}, {}))     # the zig-zag candidates cost apart
     costing = Costing(mesh.shape, device, opts.optimizer, opts.precision, frozen_buffers=set(traced.buffers),
                       recompute=opts.recompute or "none", zero=opts.zero or 0, microbatches=microbatches,
                       grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),
@@ -270,11 +253,10 @@ def solve_on_mesh(traced, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, par
                 nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
                 memory_per_device=[float(sol.memory) + gathered + transient + held] * mesh.size, memory_bound=sol.bound,
-                memory_breakdown=_breakdown(built, sol, traced, (gathered - layers) / activation_weight - copies,
-                                            transient, layers, costing.zero, held,
-                                            zero_unsynced_bytes(traced, cands, built, sol.choice, costing),
-                                            accumulated_grad_bytes(traced.gm, cands, built, sol.choice, costing,
-                                                                   traced.params), copies),
+                memory_breakdown=_breakdown(built, sol, traced, MemoryExtras(
+                    (gathered - layers) / activation_weight - copies, transient, layers, costing.zero, held,
+                    zero_unsynced_bytes(traced, cands, built, sol.choice, costing),
+                    accumulated_grad_bytes(traced.gm, cands, built, sol.choice, costing, traced.params), copies)),
                 solve_time=time.perf_counter() - t0,
                 solver_status=sol.status, unknown_ops=dict(cands.unknown_ops),
                 grad_compression=opts.grad_compression, compiled=opts.compiled, optimizer=opts.optimizer,
@@ -337,14 +319,17 @@ def zero_collective_list(colls: list[Collective], stage: int, params: set[str], 
     return out
 
 
+SOLVE_TRIES = 6     # solves of one mesh's problem under ever lower limits (``_solve_within``)
+
+
 def _solve_within(traced, cands, built, costing: Costing, budget: float, microbatches: int = 1,
-                  cutoff: float | None = None, tries: int = 6, activation_weight: float = 1.0):
+                  cutoff: float | None = None, activation_weight: float = 1.0):
     """Solve, then add what the ILP's memory row does not hold exactly: ZeRO's per-layer buffers
     (``zero_layer_buffers``) and the largest op's backward transients (a maximum each, not a sum), and the gathered
     parameter copies counted once per (parameter, placement) where the row charges them per edge
     (``resharded_param_bytes``, never more than the row's). While the sum exceeds ``budget``, the
     ILP's budget is lowered by the two maxima of the last solution (or, when that no longer
-    lowers it, by the overflow) and the problem solved again. Returns (solution with its memory
+    lowers it, by the overflow) and the problem solved again (``SOLVE_TRIES`` solves at most). Returns (solution with its memory
     row's bytes less the edges', gathered copies + ZeRO layer buffers, transients). The problem solved is
     the per-step one (``BuiltProblem.per_step``); the solution's objective is one microbatch's.
     The first solve keeps room for lower bounds of the transients (``op_transients``) where the
@@ -358,7 +343,7 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
     problem = dataclasses.replace(whole, cutoff=None if cutoff is None else cutoff / microbatches,
                                   transient=op_transients(traced.gm, cands, built, costing, traced.params))
     smallest = None                 # (total bytes, choice) of the smallest assignment tried
-    for _ in range(tries):
+    for _ in range(SOLVE_TRIES):
         try:
             sol = solve_intra_op(problem)
         except InfeasibleError as err:
@@ -468,17 +453,30 @@ def memory_parts(traced, cands, built, choice: list[int], costing: Costing) -> d
     return out
 
 
-def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0, layers: float = 0.0,
-               zero: int = 0, inputs: float = 0.0, unsynced: float = 0.0, accumulated: float = 0.0,
-               copies: float = 0.0) -> dict:
-    """Peak bytes per device: parameter training state vs activations kept for backward
-    (``gathered``: parameters kept in a placement other than the stored one, see
+@dataclass(frozen=True)
+class MemoryExtras:
+    """What a device holds beyond the ILP's node memory, by kind (``_breakdown``)."""
+    gathered: float = 0.0
+    transient: float = 0.0
+    layers: float = 0.0
+    zero: int = 0
+    inputs: float = 0.0
+    unsynced: float = 0.0
+    accumulated: float = 0.0
+    copies: float = 0.0
+
+
+def _breakdown(built, sol, traced, extras: MemoryExtras) -> dict:
+    """Peak bytes per device: parameter training state vs activations kept for backward, plus
+    ``extras`` (``gathered``: parameters kept in a placement other than the stored one, see
     ``resharded_param_bytes``; ``transient``: the largest op's gradients in backward,
     ``transient_bytes``, of which ``accumulated`` (``accumulated_grad_bytes``: the data-parallel
     gradients' second copy under several microbatches) is listed on its own; ``layers``: ZeRO-3's
     gathered layer and its prefetched successor, or ZeRO-2's gradient bucket in backward,
     ``zero_layer_buffers``; ``copies``: saved activations kept gathered, counted with the activations,
-    ``seq_parallel.resharded_saved_activations``)."""
+    ``seq_parallel.resharded_saved_activations``; ``unsynced``: ``zero_unsynced_bytes``; ``inputs``:
+    ``step_input_bytes``)."""
+    x = extras
     state = acts = 0.0
     for i, name in enumerate(built.names):
         mem = float(built.problem.nodes[i].memory[sol.choice[i]])
@@ -486,14 +484,14 @@ def _breakdown(built, sol, traced, gathered: float = 0.0, transient: float = 0.0
             state += mem
         else:
             acts += mem
-    out = {"params+grads+optimizer": state + unsynced, "activations": acts + copies}
-    if gathered:
-        out["gathered parameters"] = gathered
-    if layers:
-        out["ZeRO-3 gathered layers" if zero == 3 else "ZeRO-2 gradient bucket"] = layers
-    out["transient"] = transient - accumulated
-    if accumulated:
-        out["accumulated gradients"] = accumulated
-    if inputs:
-        out["inputs"] = inputs
+    out = {"params+grads+optimizer": state + x.unsynced, "activations": acts + x.copies}
+    if x.gathered:
+        out["gathered parameters"] = x.gathered
+    if x.layers:
+        out["ZeRO-3 gathered layers" if x.zero == 3 else "ZeRO-2 gradient bucket"] = x.layers
+    out["transient"] = x.transient - x.accumulated
+    if x.accumulated:
+        out["accumulated gradients"] = x.accumulated
+    if x.inputs:
+        out["inputs"] = x.inputs
     return out

@@ -46,7 +46,7 @@ from autopar.core.mesh import Mesh
 from autopar.plan.plan import PipelineInfo, Plan, PlanError, Stage
 from autopar.schedules.receive_window import schedule_receive_buffers
 from autopar.sharding.placements import R, Spec, shard_factor
-from autopar.solver.inter_op import PipelinePartition, StageMemoryError, partition_stages
+from autopar.solver.inter_op import CutRules, PipelinePartition, StageMemoryError, partition_stages
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
 from autopar.solver.pipeline_fit import (PipelineRequestError, budget_bytes, fit_refusal, held, holds_more,
@@ -162,11 +162,9 @@ def _fixed_boundaries(cand: PipelineCandidate, units, gm) -> list[int]:
     return sorted(set(cuts))
 
 
-def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, fixed,
-               allow_idle: bool = False):
+def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, rules: CutRules):
     profiles = costs.at(batch, m)
-    part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, fixed_boundaries=fixed,
-                            allow_idle=allow_idle)
+    part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, rules=rules)
     sync, opt = [0.0] * pp, [0.0] * pp
     for s in part.stages:                       # a rank runs every stage it holds (interleaved: v of them)
         a, b = s.layers
@@ -219,7 +217,11 @@ class _CandidateSearch:
         self.share = 1.0          # of pp x the cap the whole model's layout is solved under (``_tighter``)
         self.unbounded = False    # the last layout fitted no such budget (solved without one): tighter cannot help
         self.fitted = None        # the share of the last budget a layout fitted (``between_shares``)
-        self.fixed: list[int] = []
+        self.rules = CutRules(allow_idle=cand.allow_idle)   # the tags' cut points once the reference is traced
+
+    def _request(self, mb, opts: PlanOptions) -> SolveRequest:
+        """The sub-mesh solve of traced microbatch ``mb`` under ``opts``."""
+        return SolveRequest(mb, None, self.cand.sub, self.mode, opts, self.param_ann, self.input_ann)
 
     def solve(self, m: int):
         """The sub-mesh plan at m microbatches: (traced microbatch, plan, units, unit_of, unit costs)."""
@@ -232,8 +234,8 @@ class _CandidateSearch:
             s = shares.pop(0)
             whole = PlanOptions(**{**opts.__dict__, "memory_budget_gb": s * self.budget * cand.pp / 2**30})
             try:
-                sub_plan = solve_on_mesh(mb, cand.sub, self.mode, whole, self.param_ann, self.input_ann,
-                                         self.per_node, microbatches=m, activation_weight=weight)
+                sub_plan = solve_on_mesh(self._request(mb, whole), microbatches=m, activation_weight=weight,
+                                         ranks_per_node=self.per_node)
                 self.share = self.fitted = s
             except InfeasibleError as err:      # between it and the last budget that fitted, if any
                 if first:
@@ -241,8 +243,8 @@ class _CandidateSearch:
             first = False
         if sub_plan is None:        # pp x the cap only guides the whole model's layout:
             self.unbounded = True
-            sub_plan = solve_on_mesh(mb, cand.sub, self.mode, self.loose, self.param_ann, self.input_ann,
-                                     self.per_node, microbatches=m)    # the partition enforces it
+            sub_plan = solve_on_mesh(self._request(mb, self.loose), microbatches=m,
+                                     ranks_per_node=self.per_node)    # the partition enforces it
         units_m, unit_of = assign_units(mb.gm)
         return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, self.device, opts)
 
@@ -267,8 +269,7 @@ class _CandidateSearch:
                                           f"room, and m={over} fits no cut")
                     continue
                 try:
-                    part, t, _ = _partition(costs, batch // m, cand.pp, m, schedule, room[m], self.link, self.fixed,
-                                            cand.allow_idle)
+                    part, t, _ = _partition(costs, batch // m, cand.pp, m, schedule, room[m], self.link, self.rules)
                     tried[m] = ((round(t, 12), max(part.rank_memory)), m, schedule)
                 except ValueError as err:
                     tried[m] = err
@@ -285,7 +286,7 @@ class _CandidateSearch:
         ref = max([m for m in self.counts if m <= 2 * cand.pp] or [min(self.counts)])
         solved = {ref: self.solve(ref)}
         mb, ref_plan, units_ref, _, costs = solved[ref]
-        self.fixed = _fixed_boundaries(cand, units_ref, mb.gm)
+        self.rules = CutRules(tuple(_fixed_boundaries(cand, units_ref, mb.gm)), cand.allow_idle)
         ranked, reasons, errors = self.rank(costs, ref_plan, ref)
         for _ in range(TIGHTER):
             if ranked or self.unbounded or (tighter := _tighter(errors, budget - _extra(ref_plan))) is None:
@@ -333,7 +334,7 @@ class _CandidateSearch:
                 part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule,
                                              budget - _extra(sub_plan) - _buffers(costs_m, batch // m, m, schedule,
                                                                                   cand.pp), self.link,
-                                             self.fixed, cand.allow_idle)
+                                             self.rules)
             except ValueError as err:
                 failed.append(f"{schedule} m={m}: {err}")
                 errors.append(err)
@@ -347,12 +348,26 @@ class _CandidateSearch:
             raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts) or \
                 PipelineRequestError(msg)
         _check_tags(part, cand, units_m, mb.gm)
+        bound = _cut_by_memory(costs_m, batch // m, cand, m, part.schedule, self.link, self.rules, step)
         step += sub_plan.grad_sync_overhead
-        plan = _assemble(self.traced, mb, sub_plan, cand, part, step, units_m, self.mode, budget)
+        plan = _assemble(self.traced, mb, sub_plan, cand, part, step, units_m, budget)
+        plan.memory_bound = bound
         plan.collective_list = pipeline_collectives(mb.gm, plan, self.link)
         _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
         plan.optimizer_time = opt
         return plan
+
+
+def _cut_by_memory(costs: UnitCosts, batch: int, cand: PipelineCandidate, m: int, schedule: str, link,
+                   rules: CutRules, step: float) -> bool:
+    """Whether the cap shaped the stage cut (``Plan.memory_bound``): the cut without it is faster than
+    ``step``. The search then tries the candidate with more recomputation or ZeRO too, which may
+    balance the stages that memory skewed."""
+    try:
+        _, free, _ = _partition(costs, batch, cand.pp, m, schedule, math.inf, link, rules)
+    except ValueError:
+        return False
+    return free < step * (1 - 1e-9)
 
 
 def _extra_at(ref_plan: Plan, ref: int, m: int) -> float:
@@ -424,7 +439,8 @@ def _with_pp(spec):
 
 
 def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: PipelinePartition, step: float, units,
-              mode, budget) -> Plan:
+              budget) -> Plan:
+    """The pipeline plan of the candidate: ``sub_plan`` (solved in the request's mode) on the full mesh."""
     full, pp = cand.full, cand.pp
     per_pp = full.size // pp
     for d in sub_plan.nodes.values():
@@ -442,7 +458,7 @@ def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: Pipelin
     info = PipelineInfo(microbatch_size=mb.batch_size, microbatch_fingerprint=graph_fingerprint(mb.gm),
                         virtual_stages=part.virtual_stages, bubble_fraction=part.bubble_fraction,
                         pipeline_time=part.step_time, sub_mesh=list(cand.sub.shape))
-    return Plan(mode=mode, mesh=full, degrees={**sub_plan.degrees, "pp": pp},
+    return Plan(mode=sub_plan.mode, mesh=full, degrees={**sub_plan.degrees, "pp": pp},
                 axis_roles={full.axis_names[0]: "pp", **sub_plan.axis_roles}, nodes=sub_plan.nodes,
                 params=sub_plan.params, inputs={k: _with_pp(v) for k, v in sub_plan.inputs.items()},
                 outputs={k: _with_pp(v) for k, v in sub_plan.outputs.items()}, microbatches=part.microbatches,

@@ -16,11 +16,12 @@ from autopar.core.context import ParallelMode
 from autopar.cost_models.memory import param_numel, parameter_nodes, training_state_bytes, training_state_parts
 from autopar.graph.buffer_writes import updates_buffers
 from autopar.graph.chunk_hints import mark_chunk_hints
-from autopar.graph.retrace import Retracer
 from autopar.core.mesh import Mesh
 from autopar.plan.plan import Alternative, CandidateError, Plan, PlanError
 from autopar.sharding.placements import R
-from autopar.solver.accumulation import accumulated, accumulated_time, memory_choices, microbatch_traced, zero_ladder
+from autopar.solver.accumulation import (accumulated, accumulated_time, memory_choices, microbatch_traced,
+                                        pipeline_zero_ladder, zero_ladder)
+from autopar.cost_models.zero import PIPELINE_ZERO
 from autopar.solver.cp_candidates import cp_meshes
 from autopar.solver.fit_error import Failure, no_plan_error, smallest_of
 from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
@@ -73,11 +74,11 @@ NO_ACCUMULATION = ("Gradient accumulation was not tried: the model updates buffe
                    "accumulation=k to accept that.")
 
 
-def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions, param_ann: dict,
-               input_ann: dict, top_k: int = 1, retracer: Retracer | None = None) -> list[Plan]:
+def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
     """The ``top_k`` best predicted plans that fit memory, best first; each lists the others (and
-    the candidates that failed) as its ``alternatives``. Pipeline candidates need ``retracer``."""
+    the candidates that failed) as its ``alternatives``. Pipeline candidates need ``request.retracer``."""
     t0 = time.perf_counter()
+    traced, mesh, mode, opts = request.traced, request.mesh, request.mode, request.opts
     if opts.progress is None:
         opts = dataclasses.replace(opts, progress=SearchProgress())
     progress = opts.progress
@@ -93,17 +94,14 @@ def make_plans(traced, model, mesh: Mesh, mode: ParallelMode, opts: PlanOptions,
                         "runs the batch as microbatches, so set microbatches= instead of accumulation")
     stages = zero_ladder(mode, opts.zero, opts.compiled)
     if "pp" in mesh.axis_names or opts.microbatches or opts.schedule:
-        if stages[0]:
-            raise PlanError(f"zero={stages[0]} is not supported with a pipeline yet (a 'pp' mesh axis, microbatches "
-                            "or schedule): use zero=0 for pipelined plans, or drop the pipeline")
-        stages = [0]                # a pipeline was asked for: ZeRO does not run with one yet
-        ks = ks[:1]                 # and the pipeline runs the microbatches, not accumulation
+        stages = pipeline_zero_ladder(stages, opts.zero)    # ZeRO-0 or 1 with a pipeline (runtime/pipeline_zero.py)
+        ks = ks[:1]                 # the pipeline runs the microbatches, not accumulation
     if stages[0] and mesh.size == 1:
         raise PlanError(f"zero={stages[0]} shards training state over a parameter's data-parallel replicas, but mesh "
                         f"{mesh!r} has 1 device: there is nothing to shard it over; use zero=0 (or leave zero unset) "
                         "on one device")
     plans, failures, pipe_failures, traces = [], [], [], {}
-    request = SolveRequest(traced, model, mesh, mode, opts, param_ann, input_ann, retracer)
+    request = request.replace(opts=opts)
     frontiers = {z: FrontierState() for z in stages if not (z and mesh.size == 1)}
     for rc in choices:              # cheapest lever first: every ZeRO stage before more recomputation
         for z, state in frontiers.items():
@@ -164,9 +162,9 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
     >= 0), so the least over layouts is concave in 1/k and M(k') >= (k / k') · M(k). A bound under the budget
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
     Pipelines run their own microbatches (k = 1 only). With recomputation they are tried while
-    no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits,
-    and right after k = 1 when ``state_needs_pipeline`` (``_pipelines_first``): heuristics, not
-    bounds (docs/solver.md). Every k
+    no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits
+    with a stage cut the cap did not shape (``Plan.memory_bound``), and right after k = 1 when
+    ``state_needs_pipeline`` (``_pipelines_first``): heuristics, not bounds (docs/solver.md). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
     which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls;
     ``state``: this ZeRO stage's bounds, carried from one recompute choice to the next
@@ -186,7 +184,7 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
         k = ks[i]
         if progress.out_of_time():
             return plans, failures, pipe_failures
-        pipelines = k == 1 and not opts.zero and rc not in early and (
+        pipelines = k == 1 and (opts.zero or 0) in PIPELINE_ZERO and rc not in early and (
             rc == "none" or opts.recompute is not None or pipeline_request or not state.fitting)
         if pipeline_request and not pipelines:
             break               # only pipelines were asked for
@@ -211,7 +209,7 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
             break
         plans += [accumulated(p, k, traced, mb) for p in got]
         state.fitting |= bool(got)
-        pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None}
+        pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None and not p.memory_bound}
         _mark_done(done, got, failed, i, len(ks))
         for m, e in failed:
             if not _stops_mesh(e) and isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
@@ -280,7 +278,7 @@ def _pipelines_first(req: SolveRequest, more_choices: list, skip: set, state: Fr
         state.early.add(more)
         plans += got
         state.fitting |= bool(got)
-        state.pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got}
+        state.pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if not p.memory_bound}
         pipe_failures += pipe_failed
     return plans, pipe_failures
 
@@ -338,7 +336,7 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
         if (m.shape, m.axis_names) in skip:
             continue
         try:
-            plans.append(solve_on_mesh(traced, m, mode, _within_budget(opts, progress), param_ann, input_ann,
+            plans.append(solve_on_mesh(req.replace(mesh=m, opts=_within_budget(opts, progress)),
                                        microbatches=microbatches, cutoff=progress.cutoff()))
             progress.record(plans[-1:], 0, step_time)
         except (InfeasibleError, DominatedError, SolverTimeoutError) as err:
@@ -398,7 +396,8 @@ def ddp_candidate(traced, mesh: Mesh, opts: PlanOptions, failures: list, microba
             "at any accumulation or recomputation")))
         return []
     try:
-        plan = solve_on_mesh(traced, m, ParallelMode.DATA, opts, {}, {}, microbatches=microbatches, cutoff=cutoff)
+        plan = solve_on_mesh(SolveRequest(traced, None, m, ParallelMode.DATA, opts), microbatches=microbatches,
+                             cutoff=cutoff)
     except (InfeasibleError, PlanError, DominatedError, SolverTimeoutError) as err:
         failures.append((m, err))
         return []

@@ -31,8 +31,9 @@ from autopar.graph.grads import grad_nodes
 from autopar.sharding.candidates import producer
 from autopar.sharding.edge import fused_gathers
 from autopar.sharding.placements import shard_factor
-from autopar.sharding.redistribute import redistribute_steps
+from autopar.sharding.redistribute import cached_steps
 from autopar.sharding.strategy import tensor_inputs
+from autopar.solver.spec_rows import spec_row
 
 
 def fused_gather_saving(have, want, f_axes, nbytes: float, users: int, c) -> float:
@@ -43,7 +44,7 @@ def fused_gather_saving(have, want, f_axes, nbytes: float, users: int, c) -> flo
     if not f_axes or have == want:
         return 0.0
     local = nbytes / shard_factor(want, c.mesh_shape)
-    steps = redistribute_steps(have, want)
+    steps = cached_steps(have, want)
     saved = 0.0
     for j in fused_gathers(steps, set(f_axes)):
         a = steps[j].axis
@@ -115,8 +116,7 @@ def with_gathered_copies(edges: list, graph_edges, cands, c, params: set[str], n
         v = src.meta.get("val")
         v = v[idx] if idx is not None and isinstance(v, (tuple, list)) else v
         nbytes = float(v.numel() * v.element_size()) if hasattr(v, "numel") else 0.0
-        s_specs = tuple(st.output if idx is None else st.output[idx] for st in cands.strategies[src.name])
-        d_specs = tuple(st.inputs[i] if i < len(st.inputs) else None for st in cands.strategies[n])
+        s_specs, d_specs = spec_row(c, cands, src.name, "out", idx), spec_row(c, cands, n, "in", i)
         key = ("gathered copy", s_specs, d_specs, nbytes, saving_consumers(a, mask))
         if key not in c._tables:
             c._tables[key] = gathered_copy_table(s_specs, d_specs, nbytes, key[-1], c)

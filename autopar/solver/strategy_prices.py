@@ -50,11 +50,12 @@ from autopar.cost_models.zero import sharded_state, zero_axes
 from autopar.sharding.candidates import Candidates
 from autopar.sharding.local_impls import local_collectives
 from autopar.sharding.placements import Replicate, local_shape, shard_factor
-from autopar.sharding.redistribute import backward_kind, redistribute_steps, step_bytes
+from autopar.sharding.redistribute import backward_kind, cached_steps, step_bytes
 from autopar.sharding.strategy import Strategy, tensor_inputs
 from autopar.solver.cp_costs import cp_node_time, cp_saved_bytes
 from autopar.solver.moe_costs import imbalanced_dispatch, moe_split_cost
 from autopar.solver.seq_parallel import fused_gather_saving
+from autopar.solver.spec_rows import SpecRow, spec_row
 from autopar.solver.intra_op import HUGE_COST, EdgeCost
 
 
@@ -145,7 +146,7 @@ def redistribution_time(src, dst, nbytes: float, c: Costing, grad: bool = True) 
 
 def _redistribution_time(src, dst, nbytes: float, c: Costing, grad: bool = True) -> float:
     total, local = 0.0, nbytes / shard_factor(src, c.mesh_shape)
-    for st in redistribute_steps(src, dst):
+    for st in cached_steps(src, dst):
         moved, local_after = step_bytes(st, local, c.mesh_shape)
         total += c.comm(st.kind, moved, st.axis)
         bwd = backward_kind(st.kind) if grad else None
@@ -302,25 +303,36 @@ def local_saved(node: fx.Node, st: Strategy, saved: dict, c: Costing) -> float:
 
 
 def edge_cost(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index, c: Costing) -> EdgeCost:
-    s_strats, d_strats = cands.strategies[src.name], cands.strategies[dst.name]
+    d_strats = cands.strategies[dst.name]
     nbytes = tensor_bytes(src, idx)
-    s_specs = tuple(st.output if idx is None else st.output[idx] for st in s_strats)
-    d_specs = tuple(st.inputs[i] for st in d_strats)
+    s_specs = spec_row(c, cands, src.name, "out", idx)
+    d_specs = spec_row(c, cands, dst.name, "in", i)
     frozen = src.name in c.frozen_buffers
     grad = src in grad_nodes(src.graph)
     arg = tensor_inputs(dst)[i]
     fuse = grad and not is_parameter(src) and arg in grad_nodes(dst.graph)    # Megatron-SP: a gather fused with f
-    d_specs = tuple((sp, frozenset(a for j, a in grad_sync_inputs(st) if j == i) if fuse else frozenset())
-                    for sp, st in zip(d_specs, d_strats))
+    fused_key = ("fused row", dst.name, i, fuse)
+    kept = c._tables.get(fused_key)
+    if kept is None or kept[0] is not d_strats:
+        kept = c._tables[fused_key] = (d_strats, SpecRow(
+            (sp, frozenset(a for j, a in grad_sync_inputs(st) if j == i) if fuse else frozenset())
+            for sp, st in zip(d_specs, d_strats)))
+    d_specs = kept[1]
     users = len(arg.users)
     key = (s_specs, d_specs, nbytes, frozen, grad, users)
     if key not in c._tables:
         us, ud = list(dict.fromkeys(s_specs)), list(dict.fromkeys(d_specs))
         table = np.zeros((len(us), len(ud)))
+        memo = c._redistribution
         for a, ss in enumerate(us):
             for b, (ds, f_axes) in enumerate(ud):
-                table[a, b] = HUGE_COST if frozen and ss != ds else (
-                    redistribution_time(ss, ds, nbytes, c, grad) - fused_gather_saving(ss, ds, f_axes, nbytes, users, c))
+                if frozen and ss != ds:
+                    table[a, b] = HUGE_COST
+                    continue
+                t = memo.get((ss, ds, nbytes, grad))        # ``redistribution_time``, inlined: every pair
+                if t is None:
+                    t = redistribution_time(ss, ds, nbytes, c, grad)
+                table[a, b] = t - fused_gather_saving(ss, ds, f_axes, nbytes, users, c) if f_axes else t
         pos_s, pos_d = {s: k for k, s in enumerate(us)}, {s: k for k, s in enumerate(ud)}
         ri = np.array([pos_s[s] for s in s_specs])
         ci = np.array([pos_d[s] for s in d_specs])

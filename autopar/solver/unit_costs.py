@@ -4,13 +4,13 @@ once per step (gradient sync, optimizer step, the data-parallel gradients' secon
 
     time_u   = sum_{v in u} node_time(v) - param_sync(v) + resharding collectives of v
     fwd_u    = time_u * (sum base fwd / sum base fwd+bwd),   bwd_u = time_u - fwd_u
-    param_u  = sum_{params p used in u} numel(p) * state bytes / shard(p)
+    param_u  = sum_{params p used in u} numel(p) * state bytes / shard(p)   (ZeRO: its stage's parts / d(p))
     act_u    = sum_{t saved by v in u} bytes(t) / shard(output of the node making t)   (internal: v's)
                + copies of recomputed regions' inputs v takes in another placement (scale with rows)
     kept_u   = parameters v in u takes in another placement than the stored one and saves for
                backward (the gathered copy): per microbatch in flight, whatever its rows
     out_u    = sum_{values crossing the cut after u} local bytes
-    after_u  = with m > 1 microbatches, the data-parallel parameters' gradient bytes once more
+    after_u  = with m > 1 microbatches, the data-parallel parameters' gradient bytes once more (not under ZeRO)
 
 ``UnitCosts.at`` rescales them to another microbatch size (kernel launches do not shrink).
 """
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 
 from autopar.cost_models.compute import node_cost, optimizer_step_time
 from autopar.graph.grads import grad_nodes
-from autopar.cost_models.memory import dropout_mask_bytes_for, saves_input, training_state_bytes, training_state_parts
+from autopar.cost_models.memory import dropout_mask_bytes_for, saves_input, training_state_parts
 from autopar.cost_models.recompute import saved_storages
-from autopar.cost_models.zero import zero_axes
+from autopar.cost_models.zero import sharded_state, zero_axes
 from autopar.graph.cut_points import crossing_values
 from autopar.plan.plan import Plan
 from autopar.plan.specs import PlanSpecs
@@ -63,6 +63,13 @@ class UnitCosts:
                                out_bytes=p.out_bytes * f, after_bytes=copy))
         return out
 
+
+
+def _state_bytes(val, spec, shape, opts, zero: int) -> float:
+    """A parameter's training state on one rank of its stage: its piece under ``spec``, with ZeRO's
+    stages sharding their parts over the axes it is replicated on (``cost_models.zero.sharded_state``)."""
+    w, g, o = training_state_parts(val.numel() / shard_factor(spec, shape), val.dtype, opts.optimizer, opts.precision)
+    return sharded_state(w, g, o, zero_axes(spec, shape)[1], zero) if zero else w + g + o
 
 
 def _moved_param_sync(node, d, traced, costing: Costing, mesh_shape) -> float:
@@ -137,9 +144,9 @@ class KeptCopies:
 def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts:
     """Per-unit time, memory and crossing bytes under the intra-op ``plan`` (module docstring, step 2)."""
     gm, shape = traced.gm, plan.mesh.shape
-    costing = Costing(shape, device, opts.optimizer, opts.precision,
+    costing = Costing(shape, device, opts.optimizer, opts.precision, zero=plan.memory_options.zero,
                       grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),
-                      moe_imbalance=opts.moe_imbalance)
+                      moe_imbalance=opts.moe_imbalance)     # zero: the sync the node times hold (_moved_param_sync)
     specs = PlanSpecs(plan, len(shape))
     by_name = {n.name: n for n in gm.graph.nodes}
     saved: dict[str, list[tuple[object, int, bool, str]]] = {}
@@ -154,6 +161,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
         elif not (c.kind == "all_reduce" and c.phase == "bwd") and c.phase in ("fwd", "bwd"):
             coll_time[c.node] = coll_time.get(c.node, 0.0) + c.time
     param_spec = {d.placeholder: d.spec for d in plan.params.values()}
+    zero = plan.memory_options.zero
     cuts = crossing_values(gm, unit_of, len(units))
     seen_saved: set = set()     # storage keys: views of one storage (q, k, v of one projection) count once
     copied = KeptCopies(traced, plan, dropout_mask_bytes_for(device.name))
@@ -184,8 +192,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             held += param_copies
             act += region_copies
         share = fwd_base / total_base if total_base else 1 / 3
-        pbytes = sum(training_state_bytes(by_name[p].meta["val"].numel(), by_name[p].meta["val"].dtype,
-                                          opts.optimizer, opts.precision) / shard_factor(param_spec[p], shape)
+        pbytes = sum(_state_bytes(by_name[p].meta["val"], param_spec[p], shape, opts, zero)
                      for p in params if p in param_spec)
         nxt = unit.index + 1
         out = sum(tensor_bytes(v) / shard_factor(specs.spec(v), shape) for v in cuts[nxt]) if nxt < len(units) else 0.0
@@ -193,9 +200,11 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
         launches.append(min(launch, time))
         syncs.append(sum(sync_time.get(p, 0.0) for p in params))
         numel = sum(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape)
-                    for p in params if p in param_spec)
+                    / (zero_axes(param_spec[p], shape)[1] if zero else 1) for p in params if p in param_spec)
         steps.append(optimizer_step_time(numel, device, len(params), opts.optimizer))
-        copies.append(sum(training_state_parts(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape),
+        # ZeRO sums the gradients in buckets (the sub-plan's transient), no second whole copy
+        copies.append(0.0 if zero else
+                      sum(training_state_parts(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape),
                                                by_name[p].meta["val"].dtype, opts.optimizer, opts.precision)[1]
                           for p in params if p in param_spec and zero_axes(param_spec[p], shape)[1] > 1))
         kept.append(held)

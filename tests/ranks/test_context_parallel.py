@@ -3,6 +3,8 @@ forms (all-gather K/V, ring), through the oracle: loss, gathered gradients befor
 and parameters after it equal one-device training at 1e-5."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from autopar import Shard
 from autopar.collectives.attention_cp import causal_flops_per_rank, zigzag_chunks
 import conftest
 from cp_models import TinyGPT, encoder, token_loss, tokens
-from oracle import assert_same_training, parallel_run, reference_run
+from oracle import LR, STEPS, _train, assert_same_training, make_optimizer, parallel_run, reference_run
 
 BATCH = 2
 
@@ -30,6 +32,11 @@ def _dp_cp_input(model):
     autopar.shard_input(0, {"dp": Shard(0), "cp": Shard(1)})
 
 
+def _cp_zigzag_input(model):
+    """The zig-zag order asked for by name (HF models trace their causal mask as a tensor)."""
+    autopar.shard_input(0, {"cp": Shard(1, 2, zigzag=True)})
+
+
 def _hf_llama():
     """HF Llama: sdpa attention with its mask tensor, grouped-query heads (2 K/V heads), rotary."""
     from hf_zoo import llama
@@ -42,12 +49,12 @@ def _attention(plan) -> list:
     return [n for n in plan.nodes.values() if "scaled_dot_product_attention" in n.op]
 
 
-def _job(rank, model_fn, shape, names, form, pad):
+def _job(rank, model_fn, shape, names, form, pad, zigzag=False):
     """The solver's plan (``form`` None), or that plan with every sequence-split attention
     switched to ``form`` (run as given, HYBRID)."""
     x, y = tokens(BATCH, pad=pad)
     mesh = autopar.Mesh(shape, axis_names=names)
-    kw, annotate = {}, _dp_cp_input if "dp" in names else _cp_input
+    kw, annotate = {}, _dp_cp_input if "dp" in names else _cp_zigzag_input if zigzag else _cp_input
     if form is not None:
         torch.manual_seed(0)
         annotate(None)
@@ -63,20 +70,103 @@ def _job(rank, model_fn, shape, names, form, pad):
     return out
 
 
-def _check(model_fn, shape, names, form, pad=0, ranks=4):
+def _check(model_fn, shape, names, form, pad=0, ranks=4, zigzag=False):
     x, y = tokens(BATCH, pad=pad)
     ref = reference_run(model_fn, token_loss, x, y)
-    results = run_ranks(ranks, _job, model_fn, shape, names, form, pad)
+    results = run_ranks(ranks, _job, model_fn, shape, names, form, pad, zigzag)
     for r in results:
         assert_same_training(ref, r, what=f"cp {shape} {form}")
     return results
 
 
-@pytest.mark.parametrize("form", ["attn_gather:cp", pytest.param("attn_ring:cp", marks=pytest.mark.slow)])
+def _zigzag(result) -> bool:
+    """Whether the plan holds the sequence in the zig-zag order: the inputs and every attention's queries ``Z``."""
+    plan = autopar.Plan.from_json(result["plan"])
+    return (all(str(spec[plan.mesh.axis_names.index("cp")]) == "Z(1)" for spec in plan.inputs.values())
+            and all(any(getattr(p, "zigzag", False) for p in n.inputs[0]) for n in _attention(plan)))
+
+
+def _zigzag_positions(rank: int, n: int, seq: int) -> list[int]:
+    """Chunks r and 2n-1-r of 2n, written out here."""
+    c = seq // (2 * n)
+    return list(range(rank * c, (rank + 1) * c)) + list(range((2 * n - 1 - rank) * c, (2 * n - rank) * c))
+
+
+def _local_batch_job(rank, shape, names, form):
+    """``_job``'s training fed with this rank's local batch, cut by ``pmodel.local_batch``: its rows
+    over dp and its sequence pieces over cp (checked against the zig-zag positions written out);
+    first the forward alone, its output gathered back into the sequence's order."""
+    x, y = tokens(BATCH)
+    mesh = autopar.Mesh(shape, axis_names=names)
+    annotate = _dp_cp_input if "dp" in names else _cp_input
+    torch.manual_seed(0)
+    annotate(None)
+    plan = autopar.plan(TinyGPT(), mesh, example_inputs=(x,), loss_fn=token_loss, example_target=y, mode="semi_auto")
+    autopar.clear_annotations()
+    for n in _attention(plan):
+        n.local = [form if loc and loc.endswith(":cp") else loc for loc in n.local]
+    torch.manual_seed(0)
+    pmodel = autopar.parallelize(TinyGPT(), mesh, example_inputs=(x,), loss_fn=token_loss, example_target=y,
+                                 mode="hybrid", plan=plan)
+    torch.manual_seed(0)
+    whole = TinyGPT()(x)
+    got = pmodel(x)                      # forward only: the output gathered back from the zig-zag pieces
+    assert torch.allclose(got, whole, rtol=1e-5, atol=1e-6), float((got - whole).abs().max())
+    (xl,), yl = pmodel.local_batch(x, target=y)
+    coords = dict(zip(names, mesh.coords(rank)))
+    pos = _zigzag_positions(coords["cp"], shape[names.index("cp")], x.shape[1])
+    rows = pmodel.local_batch_rows()
+    assert torch.equal(xl, x[rows][:, pos]) and torch.equal(yl, y[rows][:, pos]), (rank, xl, pos)
+    with pytest.raises(ValueError, match=r"this rank's part of the batch must be .*or, cut like local_batch\(\)"):
+        pmodel.step(xl[:, :-1], target=yl, local_batch=True)
+    opt = make_optimizer(pmodel.parameters(), "sgd", LR["sgd"])
+    out = _train(lambda m: pmodel.step(xl, target=yl, local_batch=True), pmodel.full_state_dict,
+                 pmodel.full_grad_dict, opt, STEPS)
+    out["plan"] = pmodel.plan.to_json()
+    out["attention"] = [n.local for n in _attention(pmodel.plan)]
+    return out
+
+
+def _check_local(shape, names, form):
+    x, y = tokens(BATCH)
+    ref = reference_run(TinyGPT, token_loss, x, y)
+    results = run_ranks(4, _local_batch_job, shape, names, form)
+    for r in results:
+        assert_same_training(ref, r, what=f"cp {shape} {form}, local batches")
+    return results
+
+
+@pytest.mark.parametrize("form", [pytest.param("attn_gather:cp", marks=pytest.mark.slow), "attn_ring:cp"])
 def test_gpt_causal_cp4_trains_like_one_device(form):
-    results = _check(TinyGPT, (4,), ("cp",), form)
+    """Causal attention: the sequence in the zig-zag order (rank r: chunks r, 2n-1-r of 2n), every
+    input, position and the loss's rows cut alike. The ring form is fed local batches
+    (``pmodel.local_batch``); the gather form the global batch."""
+    results = _check_local((4,), ("cp",), form) if form == "attn_ring:cp" else _check(TinyGPT, (4,), ("cp",), form)
     used = results[0]["attention"]
     assert used and all(loc == [form] for loc in used), used
+    assert _zigzag(results[0]), results[0]["plan"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["attn_gather:cp", "attn_ring:cp"])
+def test_gpt_causal_with_padding_mask_cp4_in_the_zigzag_order(form):
+    """A causal op with a key padding mask too: the mask's key dim gathered in the zig-zag order, its
+    columns picked by the keys' positions."""
+    results = _check(functools.partial(TinyGPT, pad_mask=True), (4,), ("cp",), form, pad=5)
+    assert _zigzag(results[0]) and all(loc == [form] for loc in results[0]["attention"])
+
+
+@pytest.mark.slow
+def test_gpt_dp2_cp2_local_batches_in_the_zigzag_order():
+    """The data helper on dp x cp: rows over dp, zig-zag sequence pieces over cp, trained as one device."""
+    results = _check_local((2, 2), ("dp", "cp"), "attn_ring:cp")
+    assert _zigzag(results[0])
+
+
+@pytest.mark.slow
+def test_gpt_cp2_tp2_zigzag_trains_like_one_device():
+    results = _check(TinyGPT, (2, 2), ("cp", "tp"), None)
+    assert _zigzag(results[0]), results[0]["plan"]
 
 
 
@@ -86,6 +176,18 @@ def test_hf_llama_sdpa_gqa_rotary_cp4_trains_like_one_device(form):
     pytest.importorskip("transformers")
     used = _check(_hf_llama, (4,), ("cp",), form)[0]["attention"]
     assert used and all(loc == [form] for loc in used), used
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["attn_gather:cp", "attn_ring:cp"])
+def test_hf_llama_rotary_cp4_in_the_zigzag_order_trains_like_one_device(form):
+    """HF Llama's causal mask is a traced tensor (no is_causal flag), so the zig-zag order is asked for
+    by annotation; its rotary cos/sin, built from arange positions, are cut in that order too."""
+    pytest.importorskip("transformers")
+    results = _check(_hf_llama, (4,), ("cp",), form, zigzag=True)
+    used = results[0]["attention"]
+    assert used and all(loc == [form] for loc in used), used
+    assert _zigzag(results[0]), results[0]["plan"]
 
 
 @pytest.mark.slow
@@ -103,14 +205,16 @@ def test_bidirectional_encoder_with_padding_mask_cp4_trains_like_one_device(form
     assert used and all(loc == [form] for loc in used), used
 
 
-def _op_job(rank, form, shape, causal, gqa, masked):
-    """One attention op: the local form on this rank's sequence piece vs the whole op on one rank."""
+def _op_job(rank, form, shape, causal, gqa, masked, zigzag=False, t=16):
+    """One attention op: the local form on this rank's sequence piece (contiguous, or in the zig-zag
+    order ``Z(-2)``) vs the whole op on one rank."""
     from autopar.collectives import comm, local_ops
     from autopar.collectives.groups import axis_groups, bound_axes
+    from autopar.sharding.shard_params import local_piece
 
     mesh = autopar.Mesh(shape, axis_names=tuple(f"c{i}" for i in range(len(shape))))
     g = torch.Generator().manual_seed(0)
-    b, h, t, d = 2, 4, 16, 8
+    b, h, d = 2, 4, 8
     hk = 2 if gqa else h
     q, k, v = (torch.randn(b, n, t, d, generator=g, dtype=torch.float64) for n in (h, hk, hk))
     mask = torch.rand(b, 1, t, t, generator=g) > 0.3 if masked else None
@@ -120,21 +224,17 @@ def _op_job(rank, form, shape, causal, gqa, masked):
     out = torch.nn.functional.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
     grad_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
     out.backward(grad_out)
-    n = 1
-    for s in shape:
-        n *= s
-    coords = mesh.coords(rank)
-    piece = 0
-    for c, s in zip(coords, shape):
-        piece = piece * s + c
+    spec = tuple(Shard(-2, 2, True) if zigzag else Shard(-2) for _ in shape)
 
     def mine(z):
-        return z.chunk(n, -2)[piece]
+        return local_piece(z, spec, mesh.coords(rank), shape)
 
     local = [mine(z).clone().requires_grad_() for z in (q, k, v)]
+    kw = {"_zigzag": True} if zigzag else {}
     with bound_axes(axis_groups(mesh)), comm.count_collectives() as counter:
-        o = local_ops.IMPLS[form](*local, None if mask is None else mask.chunk(n, -2)[piece], 0.0, causal,
-                                  enable_gqa=gqa, _op="scaled_dot_product_attention", _axes={"cp": list(mesh.axis_names)})
+        o = local_ops.IMPLS[form](*local, None if mask is None else mine(mask), 0.0, causal,
+                                  enable_gqa=gqa, _op="scaled_dot_product_attention", _axes={"cp": list(mesh.axis_names)},
+                                  **kw)
         o.backward(mine(grad_out))
     errs = [float((mine(f.grad) - l.grad).abs().max()) for f, l in zip(full, local)]
     return float((o - mine(out)).abs().max()), errs, len(counter.calls)
@@ -145,6 +245,18 @@ def test_attention_op_forms_match_the_whole_op(form):
     for shape, causal, gqa, masked in [((4,), True, False, False), ((2, 2), True, True, False),
                                        ((4,), False, True, True)]:
         for out_err, grad_errs, calls in run_ranks(4, _op_job, form, shape, causal, gqa, masked):
+            assert out_err < 1e-10 and max(grad_errs) < 1e-10, (form, shape, causal, gqa, masked, out_err, grad_errs)
+            assert calls > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["attn_gather", "attn_ring"])
+def test_attention_op_forms_in_the_zigzag_order_match_the_whole_op(form):
+    """Both forms with the sequence in the zig-zag order (rank r: chunks r and 2n-1-r): causal on one
+    axis and on two (the outer one gathered first), GQA, and a causal op with a mask as well."""
+    for shape, causal, gqa, masked in [((4,), True, False, False), ((2, 2), True, True, False),
+                                       ((4,), True, False, True)]:
+        for out_err, grad_errs, calls in run_ranks(4, _op_job, form, shape, causal, gqa, masked, True):
             assert out_err < 1e-10 and max(grad_errs) < 1e-10, (form, shape, causal, gqa, masked, out_err, grad_errs)
             assert calls > 0
 

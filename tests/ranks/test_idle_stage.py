@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.solver.inter_op import (IdleStageError, LayerProfile, brute_force_partition, partition_stages)
+from autopar.solver.inter_op import (CutRules, IdleStageError, LayerProfile, brute_force_partition, partition_stages)
 from conftest import run_ranks
 from oracle import assert_same_training, parallel_run, reference_run
 
@@ -64,9 +64,9 @@ def test_partition_with_no_other_cut_keeps_the_idle_stage_or_refuses():
     part = partition_stages(layers, 4, 1)                          # allow_idle: the only cut there is
     assert part.idle_stages == [1]
     with pytest.raises(IdleStageError, match=r"leaves a stage without parameters \(stage 1 \(l1\)\).*fewer stages"):
-        partition_stages(layers, 4, 1, allow_idle=False)
+        partition_stages(layers, 4, 1, rules=CutRules(allow_idle=False))
     with pytest.raises(IdleStageError, match="stage 1"):
-        brute_force_partition(layers, 4, 1, allow_idle=False)
+        brute_force_partition(layers, 4, 1, rules=CutRules(allow_idle=False))
 
 
 def test_auto_plans_no_parameterless_stage_for_resnet():

@@ -2,7 +2,8 @@
 (dp, tp) plan on 4 ranks forced to a stage train like one process (the oracle) with SGD and AdamW,
 with accumulation and clipping; a rank holds 1/d of the optimizer state (and, at stage 2, of the
 gradients, at stage 3 also of the parameters between uses); ZeRO-3 gathers per layer and re-gathers
-in backward; checkpoints round-trip; ZeRO with a pipeline is refused clearly."""
+in backward; checkpoints round-trip; ZeRO-2 and 3 with a pipeline are refused clearly (ZeRO-1 with one:
+tests/ranks/test_pipeline_zero.py)."""
 from __future__ import annotations
 
 import dataclasses

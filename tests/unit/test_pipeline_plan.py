@@ -10,7 +10,7 @@ import torch.nn as nn
 import autopar
 from autopar.core.context import ParallelMode
 from autopar.graph.cut_points import assign_units
-from autopar.solver.inter_op import brute_force_partition, partition_stages
+from autopar.solver.inter_op import CutRules, brute_force_partition, partition_stages
 from autopar.solver.pipeline_search import pipeline_candidates, unit_profiles
 from autopar.solver.request import SolveRequest
 from autopar.solver.search import PlanError, PlanOptions, solve_on_mesh
@@ -45,7 +45,7 @@ def test_five_layers_on_two_stages_is_balanced_and_optimal():
 
 def _profiles(model, batch, sub):
     traced = trace(model, (X[:batch],), lm_loss, Y[:batch])
-    sub_plan = solve_on_mesh(traced, sub, ParallelMode.AUTO, PlanOptions(), {}, {})
+    sub_plan = solve_on_mesh(SolveRequest(traced, None, sub, ParallelMode.AUTO, PlanOptions()))
     units, unit_of = assign_units(traced.gm)
     return unit_profiles(traced, sub_plan, units, unit_of, mesh_device(sub), PlanOptions()).profiles
 
@@ -66,7 +66,7 @@ def test_embedding_dominated_model_partition_matches_brute_force_and_fits():
         bf = brute_force_partition(profiles, 2, 4, schedule, memory_budget=budget)
         assert dp.boundaries == bf.boundaries and dp.objective == pytest.approx(bf.objective)
         assert dp.boundaries != free.boundaries and all(s.memory <= budget for s in dp.stages)
-    peaks = [max(s.memory for s in partition_stages(profiles, 2, 4, "1f1b", fixed_boundaries=[c]).stages)
+    peaks = [max(s.memory for s in partition_stages(profiles, 2, 4, "1f1b", rules=CutRules(fixed=[c])).stages)
              for c in range(1, 5)]
     free = _plan(model, autopar.Mesh((2,), axis_names=("pp",)), schedule="1f1b", microbatches=4)
     # what a stage holds beyond its partition (the sub-plan's gathered weights, backward transients, inputs)
@@ -188,7 +188,7 @@ def test_a_stage_holds_only_its_own_share_of_the_accumulated_gradients():
     traced = trace(Llama(hidden=32, layers=3, ffn=64), (X,), loss_fn=lm_loss,
                    example_target=Y)
     mesh = autopar.Mesh((2,), axis_names=("dp",))
-    sub = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(), {}, {}, microbatches=4)
+    sub = solve_on_mesh(SolveRequest(traced, None, mesh, ParallelMode.AUTO, PlanOptions()), microbatches=4)
     copy = sub.memory_breakdown["accumulated gradients"]
     assert copy > 0 and _extra(sub) < copy      # not added to every stage
     units, unit_of = assign_units(traced.gm)
@@ -239,9 +239,9 @@ def test_a_stage_holds_its_own_units_gathered_parameter_copies_per_microbatch():
 
     traced = trace(Llama(hidden=32, layers=3, ffn=64), (X,), loss_fn=lm_loss, example_target=Y)
     mesh = autopar.Mesh((4,), axis_names=("dp",))
-    free = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(), {}, {}, microbatches=4)
-    sub = solve_on_mesh(traced, mesh, ParallelMode.AUTO,
-                        PlanOptions(memory_budget_gb=0.6 * max(free.memory_per_device) / 2**30), {}, {},
+    free = solve_on_mesh(SolveRequest(traced, None, mesh, ParallelMode.AUTO, PlanOptions()), microbatches=4)
+    sub = solve_on_mesh(SolveRequest(traced, None, mesh, ParallelMode.AUTO,
+                                     PlanOptions(memory_budget_gb=0.6 * max(free.memory_per_device) / 2**30)),
                         microbatches=4)
     copies = sub.memory_breakdown["gathered parameters"]
     assert copies > 0
@@ -263,7 +263,7 @@ def test_unit_activations_are_what_the_solver_charges_the_layout(hidden, shape, 
     ~3x over on Table 1's 1T row at tp 8 (281 against 106 GiB at 24 rows)."""
     traced = trace(GPT(qkv_bias=False, layers=2, hidden=hidden), (X,), lm_loss, Y)
     mesh = autopar.Mesh(shape, axis_names=names)
-    sub = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(), {}, {})
+    sub = solve_on_mesh(SolveRequest(traced, None, mesh, ParallelMode.AUTO, PlanOptions()))
     units, unit_of = assign_units(traced.gm)
     costs = unit_profiles(traced, sub, units, unit_of, mesh_device(mesh), PlanOptions())
     assert sum(p.activation_bytes for p in costs.profiles) == pytest.approx(sub.memory_breakdown["activations"],
@@ -283,7 +283,7 @@ def test_the_whole_model_layout_weighs_activations_by_the_microbatches_in_flight
     assert in_flight_weight(["1f1b"], 2, [1, 2, 4], 8, 8) == 1.0
     traced = trace(GPT(qkv_bias=False, layers=1, hidden=64), (X,), lm_loss, Y)
     mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"))
-    free = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(time_limit_s=30.0), {}, {})
+    free = solve_on_mesh(SolveRequest(traced, None, mesh, ParallelMode.AUTO, PlanOptions(time_limit_s=30.0)))
     w = 8
 
     def weighted(b):
@@ -293,8 +293,8 @@ def test_the_whole_model_layout_weighs_activations_by_the_microbatches_in_flight
     # one layer of 64 keeps the weighted row small; a generous CP-SAT limit all the same (CP-SAT
     # returns at its proof, so the limit only matters on a loaded machine)
     opts = PlanOptions(memory_budget_gb=budget / 2**30, time_limit_s=30.0)
-    plain = solve_on_mesh(traced, mesh, ParallelMode.AUTO, opts, {}, {})
-    heavy = solve_on_mesh(traced, mesh, ParallelMode.AUTO, opts, {}, {}, activation_weight=w)
+    plain = solve_on_mesh(SolveRequest(traced, None, mesh, ParallelMode.AUTO, opts))
+    heavy = solve_on_mesh(SolveRequest(traced, None, mesh, ParallelMode.AUTO, opts), activation_weight=w)
     assert plain.memory_breakdown["activations"] == free.memory_breakdown["activations"]
     assert heavy.memory_per_device[0] == pytest.approx(weighted(heavy.memory_breakdown), rel=1e-9)
     assert heavy.memory_per_device[0] <= budget
@@ -346,7 +346,7 @@ def test_the_state_floor_is_at_most_what_any_solved_layout_holds(shape):
     units, unit_of = assign_units(traced.gm)
     for budget in (None, 1.05 * floor / 2**30):
         try:
-            sub = solve_on_mesh(traced, mesh, ParallelMode.AUTO, PlanOptions(memory_budget_gb=budget), {}, {})
+            sub = solve_on_mesh(SolveRequest(traced, None, mesh, ParallelMode.AUTO, PlanOptions(memory_budget_gb=budget)))
         except Exception:   # noqa: BLE001 - a budget no layout meets: nothing to compare
             continue
         costs = unit_profiles(traced, sub, units, unit_of, mesh_device(mesh), PlanOptions())
@@ -400,7 +400,7 @@ def test_unit_floors_are_at_most_what_solved_layouts_charge(recompute, shape, na
         for budget in (None, 0.6):
             opts = PlanOptions(memory_budget_gb=budget and budget * sum(state) / 2**30, recompute=recompute)
             try:
-                sub = solve_on_mesh(mb, mesh, ParallelMode.AUTO, opts, {}, {})
+                sub = solve_on_mesh(SolveRequest(mb, None, mesh, ParallelMode.AUTO, opts))
             except Exception:   # noqa: BLE001 - a budget no layout meets: nothing to compare
                 continue
             profiles = unit_profiles(mb, sub, units_m, unit_of_m, mesh_device(mesh), opts).profiles

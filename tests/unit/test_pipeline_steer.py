@@ -29,13 +29,13 @@ def _plan_recording(monkeypatch, steer: bool):
     calls = []
     orig = ps.solve_on_mesh
 
-    def recording(mb, sub, mode, opts, *a, **k):
+    def recording(req, *a, **k):
         try:
-            plan = orig(mb, sub, mode, opts, *a, **k)
+            plan = orig(req, *a, **k)
         except InfeasibleError as err:
-            calls.append((opts.memory_budget_gb, err))
+            calls.append((req.opts.memory_budget_gb, err))
             raise
-        calls.append((opts.memory_budget_gb, plan))
+        calls.append((req.opts.memory_budget_gb, plan))
         return plan
 
     monkeypatch.setattr(ps, "solve_on_mesh", recording)

@@ -198,3 +198,22 @@ def test_a_model_on_the_meta_device_rescales(name, build, mixed):
     assert got.gm.code == direct.gm.code
     assert graph_fingerprint(got.gm) == graph_fingerprint(direct.gm)
     assert _vals(got.gm) == _vals(direct.gm)
+
+
+def test_a_meta_step_propagates_without_fake_tensors():
+    """A step traced on the meta device is propagated on plain meta tensors (no fake-tensor dispatch,
+    the cost of every pipeline microbatch size in AUTO's search), giving the direct trace's values."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from examples.hf_zoo import LogitsOnly, llama_config
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LogitsOnly(LlamaForCausalLM(llama_config(2, num_key_value_heads=2)))
+    x = torch.randint(0, 64, (8, 8), device="meta")
+    b1, b2 = reference_batches(8)
+    first = trace(model, (x[:b1],), _lm_loss, x[:b1], "bf16")
+    got = rescaled(first, trace(model, (x[:b2],), _lm_loss, x[:b2], "bf16"), 2)
+    vals = [n.meta["val"] for n in got.gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert vals and not any(isinstance(v, FakeTensor) for v in vals)
+    assert all(v.is_meta for v in vals)
+    assert _vals(got.gm) == _vals(trace(model, (x[:2],), _lm_loss, x[:2], "bf16").gm)

@@ -13,6 +13,7 @@ from autopar.solver import intra_op
 from autopar.solver.progress import SearchProgress
 from autopar.solver.accumulation import accumulated_time
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
+from autopar.solver.request import SolveRequest
 from autopar.frontend.trace import trace
 from examples import factories
 
@@ -60,8 +61,8 @@ def test_accumulated_step_is_what_the_solver_minimises():
     mb = microbatch_trace(traced, 4, Retracer(model, inputs, loss, target))
     mesh = autopar.Mesh(4, device="v100-16gb").reshape((2, 2), ("dp", "tp"))
     k = 8
-    per_step = solve_on_mesh(mb, mesh, ParallelMode.AUTO, PlanOptions(), {}, {}, microbatches=k)
-    per_mb = solve_on_mesh(mb, mesh, ParallelMode.AUTO, PlanOptions(), {}, {})
+    per_step = solve_on_mesh(SolveRequest(mb, None, mesh, ParallelMode.AUTO, PlanOptions()), microbatches=k)
+    per_mb = solve_on_mesh(SolveRequest(mb, None, mesh, ParallelMode.AUTO, PlanOptions()))
     assert 0 < per_step.once_per_step_time < per_step.step_time
     assert accumulated_time(per_step, k) <= accumulated_time(per_mb, k) * (1 + 1e-9)
     assert accumulated_time(per_step, k) == pytest.approx(
@@ -76,9 +77,9 @@ def test_a_mesh_that_cannot_fit_skips_the_accumulations_its_least_memory_rules_o
     solved = []
     real = search.solve_on_mesh
 
-    def spy(traced, mesh, *args, **kwargs):
-        solved.append((mesh.shape, traced.batch_size))
-        return real(traced, mesh, *args, **kwargs)
+    def spy(req, *args, **kwargs):
+        solved.append((req.mesh.shape, req.traced.batch_size))
+        return real(req, *args, **kwargs)
 
     monkeypatch.setattr(search, "solve_on_mesh", spy)
     jumped = _plan(0.004)

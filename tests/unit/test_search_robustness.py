@@ -72,10 +72,10 @@ def _timing_out(real, refuse):
     """``solve_on_mesh`` that raises SolverTimeoutError where ``refuse(mesh)``, else solves."""
     from autopar.solver.intra_op import SolverTimeoutError
 
-    def solve(traced, mesh, *args, **kwargs):
-        if refuse(mesh):
-            raise SolverTimeoutError(f"CP-SAT found no assignment within 0.01 s (mesh {mesh.shape}, test)")
-        return real(traced, mesh, *args, **kwargs)
+    def solve(req, *args, **kwargs):
+        if refuse(req.mesh):
+            raise SolverTimeoutError(f"CP-SAT found no assignment within 0.01 s (mesh {req.mesh.shape}, test)")
+        return real(req, *args, **kwargs)
     return solve
 
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from autopar.solver.inter_op import (
-    LayerProfile, brute_force_partition, choose_microbatches, partition_stages, scale_profile)
+    CutRules, LayerProfile, brute_force_partition, choose_microbatches, partition_stages, scale_profile)
 
 GIB = 2.0**30
 
@@ -25,7 +25,7 @@ def test_matches_brute_force(seed):
     if seed % 2:
         kwargs["memory_budget"] = float(rng.uniform(4, 20)) * GIB
     if seed % 5 == 0 and n > 3:
-        kwargs["fixed_boundaries"] = [int(rng.integers(1, n))]
+        kwargs["rules"] = CutRules(fixed=[int(rng.integers(1, n))])
     try:
         expected = brute_force_partition(layers, p, m, **kwargs)
     except ValueError:
@@ -40,7 +40,7 @@ def test_matches_brute_force(seed):
     assert all(s.layers[0] < s.layers[1] for s in stages)
     if "memory_budget" in kwargs:
         assert max(got.rank_memory) <= kwargs["memory_budget"]
-    for b in kwargs.get("fixed_boundaries", []):
+    for b in kwargs["rules"].fixed if "rules" in kwargs else []:
         assert b in got.boundaries
     assert got.step_time > 0 and 0 <= got.bubble_fraction < 1
 
@@ -100,12 +100,12 @@ def test_budget_too_small_reports_smallest_peak():
 
 
 def test_fixed_boundaries():
-    part = partition_stages(uniform(8), 2, 4, fixed_boundaries=[3])
+    part = partition_stages(uniform(8), 2, 4, rules=CutRules(fixed=[3]))
     assert part.boundaries == [3]
     with pytest.raises(ValueError, match="outside"):
-        partition_stages(uniform(8), 2, 4, fixed_boundaries=[8])
+        partition_stages(uniform(8), 2, 4, rules=CutRules(fixed=[8]))
     with pytest.raises(ValueError, match="fixed boundaries need at least 3 stages"):
-        partition_stages(uniform(8), 2, 4, fixed_boundaries=[2, 5])
+        partition_stages(uniform(8), 2, 4, rules=CutRules(fixed=[2, 5]))
 
 
 def test_interleaved_partition_runs_on_ranks():

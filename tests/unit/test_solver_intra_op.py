@@ -531,3 +531,31 @@ def test_a_ceiling_cuts_only_assignments_at_least_that_slow(seed, monkeypatch):
     assert got.objective == pytest.approx(expected.objective, abs=1e-6) and got.memory <= p.memory_budget
     with pytest.raises(DominatedError, match="under the memory budget"):
         intra_op._solve(p, now + 20, None, now, ceiling=expected.objective - 1e-6)
+
+
+
+def test_small_solves_run_the_bound_raising_portfolio(monkeypatch):
+    """A solve on at most 3 workers runs CP-SAT's LP-bound and core workers beside its default search
+    (docs/solver.md, Workers): without them the budgeted model of a small transformer is found but not
+    proven optimal in its time limit, and the plan depends on the machine's load."""
+    from autopar.solver import cpsat_model
+
+    seen = []
+    real = cpsat_model.cp_model.CpSolver.Solve
+
+    def spy(self, model, *args):
+        seen.append((self.parameters.num_workers, list(self.parameters.subsolvers)))
+        return real(self, model, *args)
+
+    monkeypatch.setattr(exhaustive, "LIMIT", 0)
+    monkeypatch.setattr(elimination, "LIMIT", 0)
+    monkeypatch.setattr(cpsat_model.cp_model.CpSolver, "Solve", spy)
+    for seed in range(40):
+        p = random_problem(np.random.default_rng(seed))
+        expected = _brute_force_or_infeasible(p)
+        if expected is None:
+            continue
+        got = solve_intra_op(p)
+        assert got.status == "OPTIMAL" and got.objective == pytest.approx(expected.objective, abs=1e-6)
+    assert seen, "no problem reached CP-SAT: the test no longer checks its workers"
+    assert all(s == (3, list(cpsat_model.PORTFOLIO)) for s in seen)
