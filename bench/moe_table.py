@@ -3,11 +3,26 @@ simulated clusters (``bench/paper_table.py --table moe``).
 
 Rows (``MOE_ROWS``), models built on the meta device from Hugging Face configs:
 
-* **Mixtral 8x7B on 64 H100** (Megatron-Core, ``megatron/core/transformer/moe/README.md``, "Reference
-  Best Parallel Mapping" and its headline): TP1 x EP8 x PP4 (VP 8), dropless all-to-all dispatcher,
-  bf16, sequence 4096, micro-batch 1, global batch 256, distributed optimizer; **468 TFLOP/s per
-  GPU** (MCore v0.9). TFLOP/s counted as Megatron counts them (``megatron_flops``, its
-  ``num_floating_point_operations``: 12 B s L h^2 ((1 + g/a + s/h) + f/h k 3/2 + V/(2 L h))).
+* **Mixtral 8x7B on 64 H100** (Megatron-Core): **468 TFLOP/s per GPU** (MCore v0.9, the headline of
+  ``megatron/core/transformer/moe/README.md``, github.com/NVIDIA/Megatron-LM). The layout is the
+  README's "Reference Best Parallel Mapping" table (its MCore v0.8 edition, 438 TF) and the benchmark
+  recipe of github.com/yanring/Megatron-MoE-ModelZoo
+  (``runtime_configs/benchmarking/runtime.conf``: ``[Mixtral-8x7B]`` TP1 PP4 EP8 CP1 VPP8 MBS1 GBS256,
+  alltoall dispatcher, grouped GEMM, 8 nodes, seq 4096; ``model_configs/benchmarking/*.yaml``:
+  ``--use-flash-attn``, ``--use-distributed-optimizer``, ``--overlap-grad-reduce``,
+  ``--overlap-param-gather``, ``--sequence-parallel``, bf16, and no ``--recompute-*`` or
+  ``--moe-layer-recompute`` flag: no recomputation). TFLOP/s counted as Megatron counts them
+  (``megatron_flops``, its ``num_floating_point_operations``: 12 B s L h^2 ((1 + g/a + s/h) + f/h k
+  3/2 + V/(2 L h))).
+
+  What FORCED expresses of it: the mesh (pp 4, dp 2, ep 8: dense ops data-parallel over dp x ep =
+  16), the micro-batch (1 sequence per data-parallel rank: 16 microbatches), bf16, no recomputation
+  (``recompute="none"``), attention as SDPA with ``is_causal`` (the HF model built with
+  ``attn_implementation="sdpa"``: no mask is materialised or sent between stages,
+  ``autopar/frontend/causal_sdpa.py``; flash attention's FLOPs counted in full as Megatron counts
+  them). The distributed optimizer is ZeRO-1 over the data-parallel ranks. What it cannot: 8
+  virtual stages (autopar's interleaved schedule has 2; the planner picks the schedule) and the
+  overlap of the gradient reduce and parameter gather with compute.
 * **DeepSeek-V3 671B on 2048 H800** (DeepSeek-V3 technical report, arXiv 2412.19437): PP16 x EP64
   (spanning 8 nodes) x ZeRO-1 data parallelism, no tensor parallelism, sequence 4096, batch 15360
   sequences at the end of its batch-size schedule. The report gives no TFLOP/s; it gives 180K H800
@@ -18,17 +33,17 @@ Rows (``MOE_ROWS``), models built on the meta device from Hugging Face configs:
       TFLOP/s per GPU     = 6 x 37e9 x 1543 / 1e12 = 342.6
 
   DeepSeek ran its GEMMs in FP8 with DualPipe overlapping the all-to-alls; autopar plans bf16 and
-  adds communication to compute where it does not model overlap. Its attention is MLA (the HF
-  config traces with ``attn_implementation="eager"``).
+  adds communication to compute where it does not model overlap. Its attention is MLA (SDPA with
+  ``is_causal``, as for Mixtral).
 
 For each row: FORCED, the published layout as a named mesh ``("pp", "dp", "ep")`` (every
 ``moe_experts`` node takes "ep" on the "ep" axis, ``solver/moe_axes.py``; dense ops data-parallel over
-``dp x ep``), bf16 mixed precision and ZeRO 0 (both sources shard the optimizer state over the
-data-parallel ranks; autopar does not combine ZeRO with a pipeline yet: the forced plans keep it whole,
-which changes memory, not the step's communication volume), in SEMI_AUTO (the planner picks
-schedule and recomputation; microbatches are the published ones: one sequence per data-parallel rank,
-``batch / (dp x ep)``); AUTO, autopar's own plan on an unnamed mesh of the same
-GPUs. Each job runs in its own process (``paper_table.run_isolated`` style) with a hard timeout.
+``dp x ep``), bf16 mixed precision, the row's recomputation (``MoeRow.recompute``; None lets the
+planner pick) and ZeRO-1 (both sources shard the optimizer state over the data-parallel ranks), in
+SEMI_AUTO (the planner picks the schedule;
+microbatches are the published ones: one sequence per data-parallel rank, ``batch / (dp x ep)``);
+AUTO, autopar's own plan on an unnamed mesh of the same GPUs. Both models are built with
+``attn_implementation="sdpa"``. Each job runs in its own process (``paper_table.run_isolated`` style) with a hard timeout.
 
     PYTHONPATH=. .venv/bin/python bench/paper_table.py --table moe [--rows mixtral_8x7b] [--skip-auto]
 """
@@ -62,7 +77,8 @@ class MoeRow:
     gpus_per_node: int = 8
     flops_kind: str = "megatron"  # how TFLOP/s is counted: "megatron" or "6n" (6 x activated parameters)
     activated: float = 0.0       # activated parameters per token ("6n")
-    extra: dict = field(default_factory=dict)
+    recompute: str | None = None  # the published recomputation ("none", ...); None: the planner picks
+    extra: dict = field(default_factory=dict)   # further auto-parallel context settings of the FORCED plan
 
 
 MIXTRAL_8X7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -75,11 +91,11 @@ DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                    max_position_embeddings=4096)
 
 MOE_ROWS = [
-    MoeRow("mixtral_8x7b", "mixtral", MIXTRAL_8X7B, "h100", 64, (4, 2, 8), 4096, 256, 0, 468.0,
-           "Megatron-Core MoE README (MCore v0.9): TP1 EP8 PP4 VP8, 64 H100, seq 4096, GBS 256"),
-    MoeRow("deepseek_v3", "deepseek_v3", DEEPSEEK_V3, "h800", 2048, (16, 2, 64), 4096, 15360, 0, 342.6,
+    MoeRow("mixtral_8x7b", "mixtral", MIXTRAL_8X7B, "h100", 64, (4, 2, 8), 4096, 256, 1, 468.0,
+           "Megatron-Core MoE README (MCore v0.9): TP1 EP8 PP4 VP8, 64 H100, seq 4096, GBS 256", recompute="none"),
+    MoeRow("deepseek_v3", "deepseek_v3", DEEPSEEK_V3, "h800", 2048, (16, 2, 64), 4096, 15360, 1, 342.6,
            "DeepSeek-V3 report: PP16 EP64 ZeRO-1 on 2048 H800; 180K GPU hours / 1T tokens -> 342.6 TF (6N)",
-           flops_kind="6n", activated=37e9),
+           flops_kind="6n", activated=37e9, extra={"solver_time_limit": 120.0}),
 ]
 
 
@@ -103,7 +119,7 @@ def build(row: MoeRow):
 
     from examples.hf_zoo import LogitsOnly, lm_loss
 
-    common = dict(use_cache=False, attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    common = dict(use_cache=False, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if row.family == "mixtral":
         cfg, cls = tf.MixtralConfig(**row.config, **common), tf.MixtralForCausalLM
     else:
@@ -120,7 +136,8 @@ def plan_row(row: MoeRow, forced: bool, time_budget: float | None) -> tuple[auto
     autopar.clear_annotations()
     if forced:
         # the published micro-batch of 1 sequence per data-parallel rank: batch / (dp x ep) microbatches
-        autopar.set_auto_parallel_context(zero=row.zero, microbatches=row.batch // (row.mesh[1] * row.mesh[2]))
+        autopar.set_auto_parallel_context(zero=row.zero, microbatches=row.batch // (row.mesh[1] * row.mesh[2]),
+                                          recompute=row.recompute, **row.extra)
         mesh = autopar.Mesh(row.mesh, axis_names=("pp", "dp", "ep"), device=row.device, gpus_per_node=row.gpus_per_node)
         mode = "semi_auto"
     else:

@@ -5,10 +5,10 @@ Such a module expands its compressed latent into keys and values for EVERY head 
 ``num_key_value_groups = num_attention_heads // num_key_value_heads``. With
 ``num_key_value_heads < num_attention_heads`` the attention function would repeat those keys again.
 One process never does: without a mask the sdpa path calls ``scaled_dot_product_attention(...,
-enable_gqa=True)``, which, with equal head counts, is plain attention. Under ``torch.export`` the
-causal mask is always built (``transformers`` does not let an exported graph rely on ``is_causal``),
-which sends the call to ``repeat_kv`` and a head-count mismatch (``Attempting to broadcast a dimension
-of length 8``). ``latent_attention_groups(model)`` sets such modules' ``num_key_value_groups`` to 1
+enable_gqa=True)``, which, with equal head counts, is plain attention. Under ``torch.export`` a
+causal mask is built wherever ``transformers`` cannot skip it (``frontend/causal_sdpa.py`` lets it skip
+where one process does; a padding mask still builds one), which sends the call to ``repeat_kv`` and a
+head-count mismatch (``Attempting to broadcast a dimension of length 8``). ``latent_attention_groups(model)`` sets such modules' ``num_key_value_groups`` to 1
 for the trace (what the one-process run computes: every key head is used once) and restores it.
 """
 from __future__ import annotations

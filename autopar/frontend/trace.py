@@ -24,6 +24,7 @@ from autopar.core.errors import TraceError
 from autopar.core.quiet_logs import quiet_fake_tensor_logs
 from autopar.frontend.functionalize import functional
 from autopar.frontend.grouped_mm import traceable_grouped_mm
+from autopar.frontend.causal_sdpa import causal_sdpa_without_mask
 from autopar.frontend.latent_attention import latent_attention_groups
 from autopar.frontend.moe_experts import experts_as_ops
 from autopar.frontend.opaque_functions import opaque_functions
@@ -217,7 +218,7 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
     step = _Step(model, loss_fn, float_loss=mixed_precision == "fp16")
     try:
         with opaque_functions(), experts_as_ops(model), latent_attention_groups(model), traceable_grouped_mm(), \
-                quiet_fake_tensor_logs():
+                causal_sdpa_without_mask(), quiet_fake_tensor_logs():
             ep = torch.export.export(step, args, kwargs or None, strict=False)
     except TraceError:
         raise

@@ -1,4 +1,4 @@
-"""Rewrite shape arguments (view/reshape/expand sizes, split sizes) to this rank's local shapes."""
+"""Rewrite shape arguments (view/reshape/expand/new_* sizes, split sizes) to this rank's local shapes."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,8 @@ from torch.ops import aten
 from autopar.plan.specs import PlanSpecs
 from autopar.sharding.placements import Shard, local_shape
 
-_SIZE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+_SIZE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+             aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 _SPLITS = {aten.split.Tensor, aten.unsafe_split.Tensor, aten.split_with_sizes.default}
 
 

@@ -1,5 +1,5 @@
-"""scaled_dot_product_attention: split batch or heads (the mask follows where it has the dim),
-or the sequence (context parallelism, strategy name ``"cp"``).
+"""scaled_dot_product_attention: split batch or heads (the mask follows where it has the dim;
+with ``enable_gqa`` query and key heads split in equal blocks), or the sequence (context parallelism, strategy name ``"cp"``).
 
 Sequence split: queries, keys and values split along their sequence dim over the axis, the
 output split like the queries; a mask splits its query dim and keeps its key dim whole. Two
@@ -29,10 +29,12 @@ CP_FORMS = ("attn_gather:cp", "attn_ring:cp")
 def sdpa(node):
     ins = tensor_inputs(node)
     q, k = shape_of(ins[0]), shape_of(ins[1])
+    gqa = bool(node.kwargs.get("enable_gqa", False))
     opts = []
     for d in range(len(q) - 2):
-        if d == len(q) - 3 and q[d] != k[d]:
-            continue  # grouped-query heads: keep heads whole
+        if d == len(q) - 3 and q[d] != k[d] and not gqa:
+            continue  # heads broadcast: keep them whole
+        # enable_gqa: query head i reads key head i // (Hq / Hk), so equal blocks of both stay together
         pl = []
         for a in ins:
             s = shape_of(a)
