@@ -106,6 +106,17 @@ def reference_run(model_fn, loss_fn, x, y, steps: int = STEPS, lr: float | None 
                   clip_fn)
 
 
+def adamw_steps(pm, x, y, steps: int = 3, lr: float = 1e-2) -> tuple[list[float], dict]:
+    """(losses, gathered state) after ``steps`` AdamW steps of ``pm`` on one batch."""
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        losses.append(float(pm.step(x, target=y)))
+        opt.step()
+        opt.zero_grad()
+    return losses, pm.full_state_dict()
+
+
 def parallel_run(rank, model_fn, loss_fn, x, y, mesh, mode, steps: int = STEPS, lr: float | None = None,
                  eps: float = 1e-8, setup=None, optim: str = "sgd", micro: int = 1, clip: float | None = None,
                  inspect=None, **kw):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import autopar
 from conftest import _fresh_call, _pool
 from examples.models import GPT, MLP, lm_loss
-from oracle import assert_same_training, parallel_run, reference_run
+from oracle import adamw_steps, assert_same_training, parallel_run, reference_run
 
 SLOW = pytest.mark.slow
 MESH = dict(shape=(2, 2), axis_names=("pp", "dp"))
@@ -149,13 +149,7 @@ def _policy_job(rank, plan_jsons):
         torch.manual_seed(0)
         pm = autopar.parallelize(MLP(), plan.mesh, example_inputs=(x,), loss_fn=F.cross_entropy, example_target=y,
                                  plan=plan)
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(3):
-            losses.append(float(pm.step(x, target=y)))
-            opt.step()
-            opt.zero_grad()
-        out.append((losses, pm.full_state_dict()))
+        out.append(adamw_steps(pm, x, y))
     return out
 
 

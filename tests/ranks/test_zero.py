@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import autopar
 from conftest import run_ranks
 from examples.models import GPT, MLP, lm_loss
-from oracle import assert_same_training, make_batch, parallel_run, reference_run
+from oracle import adamw_steps, assert_same_training, make_batch, parallel_run, reference_run
 
 GPT_SMALL = functools.partial(GPT, vocab=64, hidden=32, heads=2, layers=1, seq=8, qkv_bias=False)
 CASES = {
@@ -185,13 +185,7 @@ def _policy_job(rank, plan_jsons):
         torch.manual_seed(0)
         pm = autopar.parallelize(GPT_SMALL(), autopar.Mesh(2), example_inputs=(x,), loss_fn=lm_loss, example_target=y,
                                  plan=autopar.Plan.from_json(js))
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(3):
-            losses.append(float(pm.step(x, target=y)))
-            opt.step()
-            opt.zero_grad()
-        out.append((losses, pm.full_state_dict()))
+        out.append(adamw_steps(pm, x, y))
     return out
 
 
