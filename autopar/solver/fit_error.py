@@ -113,7 +113,8 @@ def no_plan_error(mesh, failures: list[Failure], pipe_failures: list[tuple[str, 
     if others:
         err = nothing_fits(mesh, others + pipeline_failures(other_pipes), cap, batch)
     else:
-        err = PlanError("no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in other_pipes[:4]))
+        reasons = list(dict.fromkeys(f"{n}: {e}" for n, e in other_pipes))   # once per ZeRO stage tried: once
+        err = PlanError("no pipeline plan fits: " + "; ".join(reasons[:4]))
     if not timed and not timed_pipes:
         return err
     names = list(dict.fromkeys(

