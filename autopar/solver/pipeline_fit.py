@@ -26,6 +26,11 @@ class PipelineRequestError(ValueError):
     """A pipeline request that cannot be planned (raised as PlanError by the search)."""
 
 
+class PipelineDominatedError(PipelineRequestError):
+    """A pipeline candidate dropped because a plan the search already has is faster: a reason to list,
+    never the search's error (the faster plan exists), even for a requested pipeline."""
+
+
 def microbatch_counts(batch: int, dp: int, opts) -> list[int]:
     """The microbatch counts m a pipeline may run: m | batch and dp | batch / m (or the one asked for)."""
     if opts.microbatches is not None:

@@ -47,7 +47,7 @@ from autopar.sharding.placements import R, Spec, shard_factor
 from autopar.solver.inter_op import CutRules, PipelinePartition, StageMemoryError, partition_stages
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
-from autopar.solver.pipeline_fit import (PipelineRequestError, budget_bytes, fit_refusal, held, holds_more,
+from autopar.solver.pipeline_fit import (PipelineDominatedError, PipelineRequestError, budget_bytes, fit_refusal, held, holds_more,
                                          microbatch_counts, model_parallel_first, schedules)
 from autopar.solver.pipeline_steer import _next_share, _tighter, in_flight_weight, between_shares
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
@@ -295,7 +295,7 @@ class _CandidateSearch:
             ranked, reasons, errors = self.rank(costs, ref_plan, ref)
         cutoff = opts.progress.cutoff() if opts.progress is not None else None
         if ranked and cutoff is not None and min(r[0][0] for r in ranked) >= (1 + REFERENCE_MARGIN) * cutoff:
-            raise PipelineRequestError(
+            raise PipelineDominatedError(
                 f"slower than the best plan so far ({cutoff:.4g} s): its best stage cut by the reference microbatch's "
                 f"costs takes {min(r[0][0] for r in ranked):.4g} s (over {1 + REFERENCE_MARGIN:g}x; not solved at "
                 "other microbatch sizes)")
@@ -553,7 +553,7 @@ def pipeline_plans(req: SolveRequest, skip: set | None = None):
                 raise refused
             plans.append(plan_pipeline(traced, cand, mode, within, req.param_ann, req.input_ann, req.retracer))
         except (PipelineRequestError, ValueError, SolverTimeoutError) as err:   # one candidate's: the search goes on
-            if forced and len(cands) == 1:
+            if forced and len(cands) == 1 and not isinstance(err, PipelineDominatedError):
                 raise pipeline_nothing_fits(mesh, [(note, err)], batch) or PlanError(str(err)) from None
             failures.append((note, err))
             if progress is not None:
@@ -561,7 +561,7 @@ def pipeline_plans(req: SolveRequest, skip: set | None = None):
             continue
         if progress is not None:       # each as it comes: the time budget can stop the search between them
             progress.record(plans[-1:])
-    if forced and not plans and failures:
+    if forced and not plans and failures and not all(isinstance(e, PipelineDominatedError) for _, e in failures):
         raise pipeline_nothing_fits(mesh, failures, batch) or PlanError(
             "no pipeline plan fits: " + "; ".join(f"{n}: {e}" for n, e in failures[:4]))
     return plans, failures, forced
