@@ -46,7 +46,17 @@ def _fresh_call(rank, fn, *args, **kwargs):
 
     autopar.reset_auto_parallel_context()
     autopar.clear_annotations()
-    return fn(rank, *args, **kwargs)
+    out_dir = os.environ.get("AUTOPAR_RANK_PROFILE")
+    if not out_dir:
+        return fn(rank, *args, **kwargs)
+    import cProfile
+    import time
+
+    prof = cProfile.Profile(time.process_time)
+    try:
+        return prof.runcall(fn, rank, *args, **kwargs)
+    finally:
+        prof.dump_stats(os.path.join(out_dir, f"{getattr(fn, '__name__', 'fn')}_{rank}_{time.time_ns()}.prof"))
 
 
 def run_ranks(n: int, fn, *args, **kwargs) -> list:
