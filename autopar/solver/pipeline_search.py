@@ -13,7 +13,8 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
     2. per unit ``u`` (``autopar.graph.cut_points``) a ``LayerProfile`` (``unit_costs.unit_profiles``:
        time, state, saved activations, bytes crossing the cut, what its parameters add once per
        step and, with m > 1, the data-parallel gradients' second copy held after the schedule).
-    3. for each schedule and microbatch count ``m`` (``m | B``, ``(B / m) % dp == 0``), the profile
+    3. for each schedule and microbatch count ``m`` (``m | B``, ``(B / m) % dp == 0``; interleaved: and
+       each v of ``virtual_stages.virtual_stage_choices``), the profile
        at size ``b = B / m`` is ``launch + (time - launch) * b / b_ref`` (kernel launches do not
        shrink with the batch), and ``inter_op.partition_stages`` cuts the units into stages
        (DP over cut points, memory incl. the schedule's in-flight activations).
@@ -53,6 +54,7 @@ from autopar.solver.pipeline_steer import _next_share, _tighter, in_flight_weigh
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_collectives import pipeline_collectives
 from autopar.solver.stage_tags import check_stage_tags
+from autopar.solver.virtual_stages import best_over_virtual_stages, virtual_stage_choices
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
 from autopar.solver.request import SolveRequest
 from autopar.cost_models.devices import mesh_device
@@ -160,15 +162,24 @@ def _fixed_boundaries(cand: PipelineCandidate, units, gm) -> list[int]:
     return sorted(set(cuts))
 
 
-def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, rules: CutRules):
+def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, rules: CutRules,
+               virtual_stages: int | None = None):
+    """(partition, step, optimizer seconds) at m microbatches; interleaved: the best over the v values
+    ``virtual_stage_choices`` names (``virtual_stages``: the one the user fixed)."""
     profiles = costs.at(batch, m)
-    part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, rules=rules)
-    sync, opt = [0.0] * pp, [0.0] * pp
-    for s in part.stages:                       # a rank runs every stage it holds (interleaved: v of them)
-        a, b = s.layers
-        sync[s.rank] += sum(costs.sync[a:b])
-        opt[s.rank] += sum(costs.optimizer[a:b])
-    return part, part.step_time + max(a + b for a, b in zip(sync, opt)), max(opt)
+
+    def cut(v):
+        part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, rules=rules,
+                                virtual_stages=v)
+        sync, opt = [0.0] * pp, [0.0] * pp
+        for s in part.stages:                       # a rank runs every stage it holds (interleaved: v of them)
+            a, b = s.layers
+            sync[s.rank] += sum(costs.sync[a:b])
+            opt[s.rank] += sum(costs.optimizer[a:b])
+        return part, part.step_time + max(a + b for a, b in zip(sync, opt)), max(opt)
+    if schedule != "interleaved_1f1b":
+        return cut(None)
+    return best_over_virtual_stages(cut, virtual_stage_choices(pp, m, len(profiles), virtual_stages))
 
 
 def _check_tags(part: PipelinePartition, cand: PipelineCandidate, units, gm) -> None:
@@ -267,7 +278,8 @@ class _CandidateSearch:
                                           f"room, and m={over} fits no cut")
                     continue
                 try:
-                    part, t, _ = _partition(costs, batch // m, cand.pp, m, schedule, room[m], self.link, self.rules)
+                    part, t, _ = _partition(costs, batch // m, cand.pp, m, schedule, room[m], self.link, self.rules,
+                                            self.opts.virtual_stages)
                     tried[m] = ((round(t, 12), max(part.rank_memory)), m, schedule)
                 except ValueError as err:
                     tried[m] = err
@@ -332,7 +344,7 @@ class _CandidateSearch:
                 part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule,
                                              budget - _extra(sub_plan) - _buffers(costs_m, batch // m, m, schedule,
                                                                                   cand.pp), self.link,
-                                             self.rules)
+                                             self.rules, opts.virtual_stages)
             except ValueError as err:
                 failed.append(f"{schedule} m={m}: {err}")
                 errors.append(err)
@@ -346,7 +358,8 @@ class _CandidateSearch:
             raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts) or \
                 PipelineRequestError(msg)
         _check_tags(part, cand, units_m, mb.gm)
-        bound = _cut_by_memory(costs_m, batch // m, cand, m, part.schedule, self.link, self.rules, step)
+        bound = _cut_by_memory(costs_m, batch // m, cand, m, part.schedule, self.link, self.rules, step,
+                               part.virtual_stages)
         step += sub_plan.grad_sync_overhead
         plan = _assemble(self.traced, mb, sub_plan, cand, part, step, units_m, budget)
         plan.memory_bound = bound
@@ -357,12 +370,13 @@ class _CandidateSearch:
 
 
 def _cut_by_memory(costs: UnitCosts, batch: int, cand: PipelineCandidate, m: int, schedule: str, link,
-                   rules: CutRules, step: float) -> bool:
+                   rules: CutRules, step: float, virtual_stages: int = 1) -> bool:
     """Whether the cap shaped the stage cut (``Plan.memory_bound``): the cut without it is faster than
     ``step``. The search then tries the candidate with more recomputation or ZeRO too, which may
     balance the stages that memory skewed."""
     try:
-        _, free, _ = _partition(costs, batch, cand.pp, m, schedule, math.inf, link, rules)
+        _, free, _ = _partition(costs, batch, cand.pp, m, schedule, math.inf, link, rules,
+                                virtual_stages if virtual_stages > 1 else None)
     except ValueError:
         return False
     return free < step * (1 - 1e-9)
