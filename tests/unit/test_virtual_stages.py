@@ -156,3 +156,12 @@ def test_virtual_stages_errors_name_the_fault():
     with pytest.raises(autopar.PlanError, match=r"virtual_stages=4 on 2 pipeline ranks needs 8 model stages, but the "
                                                 r"traced model has only \d+ layers"):
         _plan(layers=2, virtual_stages=4, microbatches=4)
+
+
+@pytest.mark.slow
+def test_unfixed_v_is_the_fastest_of_the_fixed_ones():
+    """The planner's own v (schedule interleaved, v unset) is the least step of the fixed v it tries."""
+    free = _plan(schedule="interleaved_1f1b", microbatches=4)
+    fixed = {v: _plan(virtual_stages=v, microbatches=4) for v in virtual_stage_choices(2, 4, 8)}
+    assert free.step_time == pytest.approx(min(p.step_time for p in fixed.values()))
+    assert free.pipeline.virtual_stages == min(fixed, key=lambda v: fixed[v].step_time)
