@@ -97,9 +97,12 @@ class _StageTables:
 class CutRules:
     """What the caller fixes about the cuts: ``fixed`` cut points (unit indices every partition cuts
     at, e.g. from ``pipeline_stage`` tags) and whether a stage may hold no parameters when no
-    partition avoids it (``allow_idle``; else ``IdleStageError``)."""
+    partition avoids it (``allow_idle``; else ``IdleStageError``); ``virtual_stages``: stages per rank
+    under "interleaved_1f1b" when the caller fixes it (None: 2 here; ``pipeline_search`` tries several,
+    ``virtual_stages.virtual_stage_choices``)."""
     fixed: Sequence[int] = ()
     allow_idle: bool = True
+    virtual_stages: int | None = None
 
 
 class IdleStageError(ValueError):
@@ -325,15 +328,16 @@ def partition_stages(layers: Sequence[LayerProfile], num_stages: int, microbatch
     parameterless stage fit and ``rules.allow_idle`` is off.
     """
     return _partition_by(lambda t: _solve_dp(t, microbatches), layers, num_stages, microbatches, schedule,
-                         memory_budget, p2p_link, rules, virtual_stages)
+                         memory_budget, p2p_link, replace(rules, virtual_stages=virtual_stages or rules.virtual_stages))
 
 
-def _partition_by(solve, layers, num_stages, microbatches, schedule, memory_budget, p2p_link, rules: CutRules,
-                  virtual_stages) -> PipelinePartition:
+def _partition_by(solve, layers, num_stages, microbatches, schedule, memory_budget, p2p_link,
+                  rules: CutRules) -> PipelinePartition:
     """The partition ``solve(tables) -> (objective, cuts)`` picks: with several stages per rank, the
     first of ``_rank_tables`` whose partition's rank peaks fit (no idle stage), else the tables
-    bounding each stage by budget / v."""
-    tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, rules, virtual_stages)
+    bounding each stage by budget / v (``rules.virtual_stages``)."""
+    tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, rules,
+                         rules.virtual_stages)
     if v > 1:
         for relaxed in _rank_tables(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, rules, v):
             objective, cuts = solve(_without_idle(relaxed))
@@ -378,8 +382,8 @@ def brute_force_partition(layers: Sequence[LayerProfile], num_stages: int, micro
                     best, best_cuts = objective, cuts
         return best, best_cuts
 
-    return _partition_by(enumerate_cuts, layers, num_stages, microbatches, schedule, memory_budget, p2p_link, rules,
-                         virtual_stages)
+    return _partition_by(enumerate_cuts, layers, num_stages, microbatches, schedule, memory_budget, p2p_link,
+                         replace(rules, virtual_stages=virtual_stages or rules.virtual_stages))
 
 
 def scale_profile(layers: Sequence[LayerProfile], factor: float) -> list[LayerProfile]:

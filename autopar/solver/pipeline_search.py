@@ -162,10 +162,9 @@ def _fixed_boundaries(cand: PipelineCandidate, units, gm) -> list[int]:
     return sorted(set(cuts))
 
 
-def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, rules: CutRules,
-               virtual_stages: int | None = None):
+def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, rules: CutRules):
     """(partition, step, optimizer seconds) at m microbatches; interleaved: the best over the v values
-    ``virtual_stage_choices`` names (``virtual_stages``: the one the user fixed)."""
+    ``virtual_stage_choices`` names (``rules.virtual_stages``: the one the user fixed)."""
     profiles = costs.at(batch, m)
 
     def cut(v):
@@ -179,7 +178,7 @@ def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, bud
         return part, part.step_time + max(a + b for a, b in zip(sync, opt)), max(opt)
     if schedule != "interleaved_1f1b":
         return cut(None)
-    return best_over_virtual_stages(cut, virtual_stage_choices(pp, m, len(profiles), virtual_stages))
+    return best_over_virtual_stages(cut, virtual_stage_choices(pp, m, len(profiles), rules.virtual_stages))
 
 
 def _check_tags(part: PipelinePartition, cand: PipelineCandidate, units, gm) -> None:
@@ -226,7 +225,8 @@ class _CandidateSearch:
         self.share = 1.0          # of pp x the cap the whole model's layout is solved under (``_tighter``)
         self.unbounded = False    # the last layout fitted no such budget (solved without one): tighter cannot help
         self.fitted = None        # the share of the last budget a layout fitted (``between_shares``)
-        self.rules = CutRules(allow_idle=cand.allow_idle)   # the tags' cut points once the reference is traced
+        self.rules = CutRules(allow_idle=cand.allow_idle,   # the tags' cut points once the reference is traced
+                              virtual_stages=opts.virtual_stages)
 
     def _request(self, mb, opts: PlanOptions) -> SolveRequest:
         """The sub-mesh solve of traced microbatch ``mb`` under ``opts``."""
@@ -278,8 +278,7 @@ class _CandidateSearch:
                                           f"room, and m={over} fits no cut")
                     continue
                 try:
-                    part, t, _ = _partition(costs, batch // m, cand.pp, m, schedule, room[m], self.link, self.rules,
-                                            self.opts.virtual_stages)
+                    part, t, _ = _partition(costs, batch // m, cand.pp, m, schedule, room[m], self.link, self.rules)
                     tried[m] = ((round(t, 12), max(part.rank_memory)), m, schedule)
                 except ValueError as err:
                     tried[m] = err
@@ -296,7 +295,7 @@ class _CandidateSearch:
         ref = max([m for m in self.counts if m <= 2 * cand.pp] or [min(self.counts)])
         solved = {ref: self.solve(ref)}
         mb, ref_plan, units_ref, _, costs = solved[ref]
-        self.rules = CutRules(tuple(_fixed_boundaries(cand, units_ref, mb.gm)), cand.allow_idle)
+        self.rules = CutRules(tuple(_fixed_boundaries(cand, units_ref, mb.gm)), cand.allow_idle, opts.virtual_stages)
         ranked, reasons, errors = self.rank(costs, ref_plan, ref)
         for _ in range(TIGHTER):
             if ranked or self.unbounded or (tighter := _tighter(errors, budget - _extra(ref_plan))) is None:
@@ -344,7 +343,7 @@ class _CandidateSearch:
                 part, step, opt = _partition(costs_m, batch // m, cand.pp, m, schedule,
                                              budget - _extra(sub_plan) - _buffers(costs_m, batch // m, m, schedule,
                                                                                   cand.pp), self.link,
-                                             self.rules, opts.virtual_stages)
+                                             self.rules)
             except ValueError as err:
                 failed.append(f"{schedule} m={m}: {err}")
                 errors.append(err)
@@ -358,8 +357,9 @@ class _CandidateSearch:
             raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts) or \
                 PipelineRequestError(msg)
         _check_tags(part, cand, units_m, mb.gm)
-        bound = _cut_by_memory(costs_m, batch // m, cand, m, part.schedule, self.link, self.rules, step,
-                               part.virtual_stages)
+        bound = _cut_by_memory(costs_m, batch // m, cand, m, part.schedule, self.link,
+                               replace(self.rules, virtual_stages=part.virtual_stages if part.virtual_stages > 1
+                                       else None), step)
         step += sub_plan.grad_sync_overhead
         plan = _assemble(self.traced, mb, sub_plan, cand, part, step, units_m, budget)
         plan.memory_bound = bound
@@ -370,13 +370,12 @@ class _CandidateSearch:
 
 
 def _cut_by_memory(costs: UnitCosts, batch: int, cand: PipelineCandidate, m: int, schedule: str, link,
-                   rules: CutRules, step: float, virtual_stages: int = 1) -> bool:
+                   rules: CutRules, step: float) -> bool:
     """Whether the cap shaped the stage cut (``Plan.memory_bound``): the cut without it is faster than
     ``step``. The search then tries the candidate with more recomputation or ZeRO too, which may
     balance the stages that memory skewed."""
     try:
-        _, free, _ = _partition(costs, batch, cand.pp, m, schedule, math.inf, link, rules,
-                                virtual_stages if virtual_stages > 1 else None)
+        _, free, _ = _partition(costs, batch, cand.pp, m, schedule, math.inf, link, rules)
     except ValueError:
         return False
     return free < step * (1 - 1e-9)

@@ -115,7 +115,7 @@ def test_the_search_takes_the_v_with_the_least_step():
     free = _partition(Costs(), 1, 2, 4, "interleaved_1f1b", None, (1e30, 0.0), CutRules())[0]
     slow = _partition(Costs(), 1, 2, 4, "interleaved_1f1b", None, (1e30, 1.0), CutRules())[0]
     assert (free.virtual_stages, slow.virtual_stages) == (8, 2)
-    fixed = _partition(Costs(), 1, 2, 4, "interleaved_1f1b", None, (1e30, 0.0), CutRules(), 4)[0]
+    fixed = _partition(Costs(), 1, 2, 4, "interleaved_1f1b", None, (1e30, 0.0), CutRules(virtual_stages=4))[0]
     assert fixed.virtual_stages == 4
 
 
