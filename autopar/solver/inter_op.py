@@ -242,7 +242,8 @@ def _min_peak_partition(tables: _StageTables) -> tuple[float, list[int]]:
 def _infeasible(layers: Sequence[LayerProfile], tables: _StageTables, budget: float, share: int, schedule: str,
                 num_stages: int) -> StageMemoryError:
     peak, cuts = _min_peak_partition(tables)
-    per = f"budget / {share} virtual stages = {budget / share / GIB:.2f} GiB" if share > 1 else f"budget {budget / GIB:.2f} GiB"
+    per = (f"budget / {share} virtual stages = {budget / share / GIB:.2f} GiB (and no cut found whose ranks' peaks fit "
+           f"{budget / GIB:.2f} GiB together)" if share > 1 else f"budget {budget / GIB:.2f} GiB")
     hint = "the '1f1b' schedule (fewer microbatches in flight than 'gpipe'), " if schedule == "gpipe" else ""
     state = activations = 0.0
     if cuts:

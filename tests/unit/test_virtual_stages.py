@@ -165,3 +165,9 @@ def test_unfixed_v_is_the_fastest_of_the_fixed_ones():
     fixed = {v: _plan(virtual_stages=v, microbatches=4) for v in virtual_stage_choices(2, 4, 8)}
     assert free.step_time == pytest.approx(min(p.step_time for p in fixed.values()))
     assert free.pipeline.virtual_stages == min(fixed, key=lambda v: fixed[v].step_time)
+
+
+def test_no_interleaved_cut_fits_names_both_bounds():
+    with pytest.raises(StageMemoryError, match=r"budget / 4 virtual stages = 1\.00 GiB \(and no cut found whose "
+                                               r"ranks' peaks fit 4\.00 GiB together\)"):
+        partition_stages(uniform(16), 2, 4, "interleaved_1f1b", memory_budget=4 * GIB, virtual_stages=4)
