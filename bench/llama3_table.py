@@ -219,7 +219,9 @@ def result(row: LlamaRow, forced: bool, time_budget: float | None) -> dict:
     out = {"tflops": tf, "ratio": tf / row.tflops, "step": plan.step_time, "solve": wall,
            "cpu": time.process_time() - cpu0,
            "degrees": " ".join(f"{k}={d[k]}" for k in ("pp", "dp", "cp", "tp", "ep") if d.get(k, 1) > 1) or "1",
-           "mb": f"{plan.microbatches} {plan.schedule}", "options": plan.memory_options.summary(),
+           "mb": f"{plan.microbatches} {plan.schedule}" + (f" v={plan.pipeline.virtual_stages}" if plan.pipeline and
+                                                           plan.pipeline.virtual_stages > 1 else ""),
+           "options": plan.memory_options.summary(),
            "mem_gib": max(plan.memory_per_device) / 2**30, "note": plan.search_note,
            "flops_ratio": plan.flops / step_flops(row) if plan.flops else math.nan}
     if forced:

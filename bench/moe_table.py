@@ -20,9 +20,9 @@ Rows (``MOE_ROWS``), models built on the meta device from Hugging Face configs:
   (``recompute="none"``), attention as SDPA with ``is_causal`` (the HF model built with
   ``attn_implementation="sdpa"``: no mask is materialised or sent between stages,
   ``autopar/frontend/causal_sdpa.py``; flash attention's FLOPs counted in full as Megatron counts
-  them). The distributed optimizer is ZeRO-1 over the data-parallel ranks. What it cannot: 8
-  virtual stages (autopar's interleaved schedule has 2; the planner picks the schedule) and the
-  overlap of the gradient reduce and parameter gather with compute.
+  them), the 8 virtual pipeline stages (``virtual_stages=8``: interleaved 1F1B, one layer per
+  virtual stage). The distributed optimizer is ZeRO-1 over the data-parallel ranks. What it cannot:
+  the overlap of the gradient reduce and parameter gather with compute.
 * **DeepSeek-V3 671B on 2048 H800** (DeepSeek-V3 technical report, arXiv 2412.19437): PP16 x EP64
   (spanning 8 nodes) x ZeRO-1 data parallelism, no tensor parallelism, sequence 4096, batch 15360
   sequences at the end of its batch-size schedule. The report gives no TFLOP/s; it gives 180K H800
@@ -40,7 +40,7 @@ For each row: FORCED, the published layout as a named mesh ``("pp", "dp", "ep")`
 ``moe_experts`` node takes "ep" on the "ep" axis, ``solver/moe_axes.py``; dense ops data-parallel over
 ``dp x ep``), bf16 mixed precision, the row's recomputation (``MoeRow.recompute``; None lets the
 planner pick) and ZeRO-1 (both sources shard the optimizer state over the data-parallel ranks), in
-SEMI_AUTO (the planner picks the schedule;
+SEMI_AUTO (the planner picks the schedule where the row does not fix it;
 microbatches are the published ones: one sequence per data-parallel rank, ``batch / (dp x ep)``);
 AUTO, autopar's own plan on an unnamed mesh of the same GPUs. Both models are built with
 ``attn_implementation="sdpa"``. Each job runs in its own process (``paper_table.run_isolated`` style) with a hard timeout.
@@ -92,7 +92,8 @@ DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
 
 MOE_ROWS = [
     MoeRow("mixtral_8x7b", "mixtral", MIXTRAL_8X7B, "h100", 64, (4, 2, 8), 4096, 256, 1, 468.0,
-           "Megatron-Core MoE README (MCore v0.9): TP1 EP8 PP4 VP8, 64 H100, seq 4096, GBS 256", recompute="none"),
+           "Megatron-Core MoE README (MCore v0.9): TP1 EP8 PP4 VP8, 64 H100, seq 4096, GBS 256", recompute="none",
+           extra={"virtual_stages": 8}),
     MoeRow("deepseek_v3", "deepseek_v3", DEEPSEEK_V3, "h800", 2048, (16, 2, 64), 4096, 15360, 1, 342.6,
            "DeepSeek-V3 report: PP16 EP64 ZeRO-1 on 2048 H800; 180K GPU hours / 1T tokens -> 342.6 TF (6N)",
            flops_kind="6n", activated=37e9, extra={"solver_time_limit": 120.0}),
@@ -161,7 +162,8 @@ def result(row: MoeRow, forced: bool, time_budget: float | None) -> dict:
     d = plan.degrees
     return {"tflops": tf, "ratio": tf / row.tflops, "step": plan.step_time, "solve": wall,
             "degrees": " ".join(f"{k}={d[k]}" for k in ("pp", "dp", "tp", "ep") if d.get(k, 1) > 1) or "1",
-            "mb": f"{plan.microbatches} {plan.schedule}", "options": plan.memory_options.summary(),
+            "mb": f"{plan.microbatches} {plan.schedule}" + (f" v={plan.pipeline.virtual_stages}" if plan.pipeline and
+                                                            plan.pipeline.virtual_stages > 1 else ""), "options": plan.memory_options.summary(),
             "mem_gib": max(plan.memory_per_device) / 2**30, "note": plan.search_note,
             "flops_ratio": plan.flops / step_flops(row) if plan.flops else math.nan}
 

@@ -59,6 +59,8 @@ _DEFAULTS: dict[str, Any] = {
     "accumulation": None,          # None (AUTO/SEMI_AUTO pick when memory needs it) or k: run the global
                                    # batch as k microbatches one after another, gradients synced once
     "schedule": None,
+    "virtual_stages": None,        # None (the planner picks for "interleaved_1f1b") or v >= 2 model stages per
+                                   # pipeline rank (Megatron's --virtual-pipeline-model-parallel-size)
     "solver_time_limit": 10.0,
     # AUTO under torch.distributed: time the k best predicted plans (those predicted within
     # autotune_slack x the best) for autotune_steps steps each and keep the fastest; 0 or 1 = off
@@ -130,6 +132,10 @@ def set_auto_parallel_context(**kwargs) -> None:
         if key in ("accumulation", "microbatches") and value is not None and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{key} must be None or a positive int, got {value!r}")
+        if key == "virtual_stages" and value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 2):
+            raise ValueError(f"virtual_stages must be None (the planner picks) or an int >= 2 (model stages per "
+                             f"pipeline rank under the 'interleaved_1f1b' schedule), got {value!r}")
         if key in ("memory_budget_gb", "solver_time_limit") and (value is not None or key == "solver_time_limit") and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise ValueError(f"{key} must be a number > 0{' or None' if key == 'memory_budget_gb' else ''}, "

@@ -29,7 +29,8 @@ def render_pipeline(plan) -> list[str]:
     info = plan.pipeline
     sched = plan_schedule(plan)
     lines = [f"pipeline: {len(plan.stages)} stages on pp={plan.degrees.get('pp')} ranks, {plan.microbatches} "
-             f"microbatches of {info.microbatch_size if info else '?'} samples, schedule {plan.schedule}, "
+             f"microbatches of {info.microbatch_size if info else '?'} samples, schedule {plan.schedule}"
+             f"{f' ({info.virtual_stages} virtual stages per rank)' if info and info.virtual_stages > 1 else ''}, "
              f"bubble {100 * (info.bubble_fraction if info else 0.0):.1f}%, schedule critical path "
              f"{_ms(info.pipeline_time if info else 0.0)} (+ gradient sync + optimizer = step {_ms(plan.step_time)})",
              f"  {'stage':<6} {'ranks':<14} {'layers':<28} {'fwd/mb':>11} {'bwd/mb':>11} {'p2p':>11} {'memory':>12}"]

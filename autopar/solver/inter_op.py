@@ -17,7 +17,10 @@ from the least feasible ``t_max`` (bisection) until the lower bound reaches the 
 reported ``step_time`` is the simulated critical path of the real schedule (``schedule.simulate``).
 
 Constraints (``_StageTables``, ``_validate``): stage memory = params + max(in_flight[s] *
-activations, after) <= budget / v, ``in_flight`` read from the schedule's order; user-fixed cuts
+activations, after) <= budget / v, ``in_flight`` read from the schedule's order. With v > 1 a
+rank's peak is checked, not each stage's (``interleaved_memory``): the DP first charges each stage
+its live microbatches at its rank's peak under per-stage budgets that sum to the rank's, and keeps
+the partition if its exact rank peaks fit; the per-stage bound above is the fallback; user-fixed cuts
 are cut points; every stage holds >= 1 layer; no idle stage (no parameters) where a partition
 without one exists, else ``allow_idle`` decides (``idle_stages`` or ``IdleStageError``).
 
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autopar.schedules.schedule import build_schedule, simulate
+from autopar.solver.interleaved_memory import rank_charges, rank_peaks, stage_budgets
 from autopar.schedules.schedule import in_flight as schedule_in_flight
 
 GIB = float(1 << 30)
@@ -93,9 +97,12 @@ class _StageTables:
 class CutRules:
     """What the caller fixes about the cuts: ``fixed`` cut points (unit indices every partition cuts
     at, e.g. from ``pipeline_stage`` tags) and whether a stage may hold no parameters when no
-    partition avoids it (``allow_idle``; else ``IdleStageError``)."""
+    partition avoids it (``allow_idle``; else ``IdleStageError``); ``virtual_stages``: stages per rank
+    under "interleaved_1f1b" when the caller fixes it (None: 2 here; ``pipeline_search`` tries several,
+    ``virtual_stages.virtual_stage_choices``)."""
     fixed: Sequence[int] = ()
     allow_idle: bool = True
+    virtual_stages: int | None = None
 
 
 class IdleStageError(ValueError):
@@ -235,7 +242,8 @@ def _min_peak_partition(tables: _StageTables) -> tuple[float, list[int]]:
 def _infeasible(layers: Sequence[LayerProfile], tables: _StageTables, budget: float, share: int, schedule: str,
                 num_stages: int) -> StageMemoryError:
     peak, cuts = _min_peak_partition(tables)
-    per = f"budget / {share} virtual stages = {budget / share / GIB:.2f} GiB" if share > 1 else f"budget {budget / GIB:.2f} GiB"
+    per = (f"budget / {share} virtual stages = {budget / share / GIB:.2f} GiB (and no cut found whose ranks' peaks fit "
+           f"{budget / GIB:.2f} GiB together)" if share > 1 else f"budget {budget / GIB:.2f} GiB")
     hint = "the '1f1b' schedule (fewer microbatches in flight than 'gpipe'), " if schedule == "gpipe" else ""
     state = activations = 0.0
     if cuts:
@@ -260,6 +268,11 @@ def _build_partition(layers: Sequence[LayerProfile], tables: _StageTables, cuts:
         stages.append(StagePlan((a, b), fwd, bwd, float(tables.memory[s, a, b]), sched.rank_of(s), float(tables.hop[b])))
     sim = simulate(sched, [s.fwd for s in stages], [s.bwd for s in stages], [s.send_time for s in stages[:-1]])
     rank_memory = [sum(s.memory for s in stages if s.rank == r) for r in range(num_ranks)]
+    if virtual_stages > 1:          # a rank's stages peak at different times (``interleaved_memory``)
+        spans = list(zip(cuts, cuts[1:]))
+        rank_memory = rank_peaks(sched, [sum(x.param_bytes for x in layers[a:b]) for a, b in spans],
+                                 [sum(x.activation_bytes for x in layers[a:b]) for a, b in spans],
+                                 [sum(x.after_bytes for x in layers[a:b]) for a, b in spans])
     idle = [s for s, (a, b) in enumerate(zip(cuts, cuts[1:])) if not tables.working[a, b]]
     return PipelinePartition(stages, microbatches, schedule, sim.step_time, sim.bubble_fraction, objective,
                              num_ranks, virtual_stages, rank_memory, idle)
@@ -289,6 +302,22 @@ def _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link
     return _stage_tables(layers, held, budget, p2p_link, fixed), virtual_stages
 
 
+def _rank_tables(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, cuts: CutRules,
+                 v: int) -> list[_StageTables]:
+    """Tables charging each stage its live microbatches at its rank's peak (``rank_charges``), under
+    each of ``stage_budgets`` (one unbudgeted table when there is no budget)."""
+    charges = rank_charges(schedule, num_stages, microbatches, v)
+    base = _stage_tables(layers, charges, None, p2p_link, sorted(set(cuts.fixed)))
+    if memory_budget is None:
+        return [base]
+    n, total = len(layers), num_stages * v
+    least = base.memory[:, np.arange(n), np.arange(n) + 1].min(axis=1)     # one unit per stage
+    state, acts = sum(x.param_bytes for x in layers) / total, sum(x.activation_bytes for x in layers) / total
+    even = state + np.asarray(charges, dtype=float) * acts
+    return [replace(base, allowed=base.structural[None] & (base.memory <= b[:, None, None]))
+            for b in stage_budgets(num_stages, v, memory_budget, least, even)]
+
+
 def partition_stages(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, schedule: str = "1f1b",
                      memory_budget: float | None = None, p2p_link: tuple[float, float] | None = None,
                      rules: CutRules = CutRules(), virtual_stages: int | None = None) -> PipelinePartition:
@@ -299,31 +328,52 @@ def partition_stages(layers: Sequence[LayerProfile], num_stages: int, microbatch
     Raises ValueError when no partition fits, and ``IdleStageError`` when only partitions with a
     parameterless stage fit and ``rules.allow_idle`` is off.
     """
-    tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, rules, virtual_stages)
-    objective, cuts = _solve_avoiding_idle(layers, tables, lambda t: _solve_dp(t, microbatches), rules.allow_idle,
-                                           num_stages * v)
+    return _partition_by(lambda t: _solve_dp(t, microbatches), layers, num_stages, microbatches, schedule,
+                         memory_budget, p2p_link, replace(rules, virtual_stages=virtual_stages or rules.virtual_stages))
+
+
+def _partition_by(solve, layers, num_stages, microbatches, schedule, memory_budget, p2p_link,
+                  rules: CutRules) -> PipelinePartition:
+    """The partition ``solve(tables) -> (objective, cuts)`` picks: with several stages per rank, the
+    first of ``_rank_tables`` whose partition's rank peaks fit (no idle stage), else the tables
+    bounding each stage by budget / v (``rules.virtual_stages``)."""
+    tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, rules,
+                         rules.virtual_stages)
+    if v > 1:
+        for relaxed in _rank_tables(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, rules, v):
+            objective, cuts = solve(_without_idle(relaxed))
+            if cuts:
+                part = _build_partition(layers, relaxed, cuts, objective, num_stages, microbatches, schedule, v)
+                if memory_budget is None or max(part.rank_memory) <= memory_budget:
+                    return part
+    objective, cuts = _solve_avoiding_idle(layers, tables, solve, rules.allow_idle, num_stages * v)
     if not cuts:
         raise _infeasible(layers, tables, memory_budget, v, schedule, num_stages * v)
     return _build_partition(layers, tables, cuts, objective, num_stages, microbatches, schedule, v)
 
 
 def least_stage_memory(layers: Sequence[LayerProfile], num_stages: int, microbatches: int,
-                       schedule: str = "1f1b") -> tuple[float, int]:
-    """(the least max stage memory over every contiguous partition, ignoring time; stages per rank):
-    the minimax DP of the memory-error path. Per stage, params + in-flight x activations as
-    ``partition_stages`` charges them; a partition fits only if this is <= budget / stages per rank."""
-    tables, v = _prepare(layers, num_stages, microbatches, schedule, None, None, CutRules(), None)
-    return _min_peak_partition(tables)[0], v
+                       schedule: str = "1f1b", virtual_stages: int | None = None) -> tuple[float, int]:
+    """(the least max stage memory over every contiguous partition, ignoring time; a divisor of the
+    budget): the minimax DP of the memory-error path; a partition fits only if this is <= budget /
+    divisor. One stage per rank: params + in-flight x activations as ``partition_stages`` charges
+    them, divisor 1. Several: each stage charged its live microbatches at its rank's peak (no more
+    than any table of ``partition_stages`` charges), and a stage may take up to the whole budget,
+    divisor 1 (a lower bound: the rank's other stages are not counted)."""
+    tables, v = _prepare(layers, num_stages, microbatches, schedule, None, None, CutRules(), virtual_stages)
+    if v > 1:
+        tables = _rank_tables(layers, num_stages, microbatches, schedule, None, None, CutRules(), v)[0]
+    return _min_peak_partition(tables)[0], 1
 
 
 def brute_force_partition(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, schedule: str = "1f1b",
                           memory_budget: float | None = None, p2p_link: tuple[float, float] | None = None,
                           rules: CutRules = CutRules(), virtual_stages: int | None = None) -> PipelinePartition:
     """Same contract as ``partition_stages`` by enumerating every cut set (tests, small inputs only)."""
-    tables, v = _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, rules, virtual_stages)
-    n, total = len(layers), num_stages * v
+    n = len(layers)
 
     def enumerate_cuts(t: _StageTables):
+        total = t.memory.shape[0]
         best, best_cuts = np.inf, []
         for inner in itertools.combinations(range(1, n), total - 1):
             cuts = [0, *inner, n]
@@ -333,10 +383,8 @@ def brute_force_partition(layers: Sequence[LayerProfile], num_stages: int, micro
                     best, best_cuts = objective, cuts
         return best, best_cuts
 
-    best, best_cuts = _solve_avoiding_idle(layers, tables, enumerate_cuts, rules.allow_idle, total)
-    if not best_cuts:
-        raise _infeasible(layers, tables, memory_budget, v, schedule, total)
-    return _build_partition(layers, tables, best_cuts, best, num_stages, microbatches, schedule, v)
+    return _partition_by(enumerate_cuts, layers, num_stages, microbatches, schedule, memory_budget, p2p_link,
+                         replace(rules, virtual_stages=virtual_stages or rules.virtual_stages))
 
 
 def scale_profile(layers: Sequence[LayerProfile], factor: float) -> list[LayerProfile]:

@@ -17,6 +17,7 @@ from autopar.graph.cut_points import assign_units
 from autopar.schedules.schedule import in_flight
 from autopar.solver.inter_op import LayerProfile, least_stage_memory
 from autopar.solver.memory_floor import state_floor, unit_floors
+from autopar.solver.virtual_stages import VirtualStagesError, check_virtual_stages, virtual_stage_choices
 from autopar.cost_models.devices import mesh_device
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -52,9 +53,15 @@ def microbatch_counts(batch: int, dp: int, opts) -> list[int]:
 
 def schedules(opts, pp: int, num_units: int) -> list[str]:
     """The schedules to try (the one asked for); interleaved only with two units per stage or more."""
+    if opts.schedule is not None and opts.schedule not in SCHEDULES:
+        raise PipelineRequestError(f"unknown schedule {opts.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    try:
+        check_virtual_stages(opts.virtual_stages, opts.schedule, pp, num_units)
+    except VirtualStagesError as err:
+        raise PipelineRequestError(str(err)) from None
+    if opts.virtual_stages is not None:
+        return ["interleaved_1f1b"]
     if opts.schedule is not None:
-        if opts.schedule not in SCHEDULES:
-            raise PipelineRequestError(f"unknown schedule {opts.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         return [opts.schedule]
     out = ["gpipe", "1f1b"]
     if num_units >= 2 * pp:
@@ -71,7 +78,11 @@ def held(schedule: str, pp: int, m: int) -> tuple[float, ...]:
 
 
 def holds_more(schedule: str, pp: int, m: int, other: int) -> bool:
-    """Whether m microbatches hold at least ``other``'s activations in flight on every stage."""
+    """Whether m microbatches hold at least ``other``'s activations in flight on every stage. Never
+    for the interleaved schedule: its partition tries several v and checks each rank's peak
+    (``interleaved_memory``), which no per-stage comparison at one v bounds."""
+    if schedule == "interleaved_1f1b":
+        return False
     return all(a >= b for a, b in zip(held(schedule, pp, m), held(schedule, pp, other)))
 
 
@@ -106,7 +117,7 @@ def fit_refusal(traced, cand, opts) -> PipelineRequestError | None:
       pp x the cap (``state_floor``); or
     * no cut fits by the units' floors (``unit_floors``: state as above, saved activations under the
       candidate's recomputation split over every device of the sub-mesh) at any schedule and
-      microbatch count: ``inter_op.least_stage_memory`` over budget / stages per rank. A count m
+      microbatch count (and, interleaved, v): ``inter_op.least_stage_memory`` over its budget. A count m
       is skipped where another m' of the schedule holds at most as many activations in flight on
       every stage (``in_flight(m') / m' <= in_flight(m) / m``: activations scale as 1 / m).
     Both are lower bounds on what ``partition_stages`` charges, so a refused candidate has no
@@ -130,10 +141,13 @@ def fit_refusal(traced, cand, opts) -> PipelineRequestError | None:
         for m in undominated(counts, schedule, cand.pp):
             layers = [LayerProfile(u.name, 0.0, 0.0, st, a * (batch // m) / batch, 0.0)
                       for u, st, a in zip(units, state, acts)]
-            peak, v = least_stage_memory(layers, cand.pp, m, schedule)
-            if peak <= budget / v:
-                return None
-            least = min(least, peak * v)
+            vs = virtual_stage_choices(cand.pp, m, len(units), opts.virtual_stages) \
+                if schedule == "interleaved_1f1b" else [None]
+            for v in vs:
+                peak, share = least_stage_memory(layers, cand.pp, m, schedule, v)
+                if peak <= budget / share:
+                    return None
+                least = min(least, peak * share)
     return PipelineRequestError(
         f"no stage cut fits at any schedule or microbatch count: even with every parameter split as finely as the "
         f"{sub} sub-mesh allows and every activation over all its {cand.sub.size} devices, the fullest of "

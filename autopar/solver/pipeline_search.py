@@ -13,7 +13,8 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
     2. per unit ``u`` (``autopar.graph.cut_points``) a ``LayerProfile`` (``unit_costs.unit_profiles``:
        time, state, saved activations, bytes crossing the cut, what its parameters add once per
        step and, with m > 1, the data-parallel gradients' second copy held after the schedule).
-    3. for each schedule and microbatch count ``m`` (``m | B``, ``(B / m) % dp == 0``), the profile
+    3. for each schedule and microbatch count ``m`` (``m | B``, ``(B / m) % dp == 0``; interleaved: and
+       each v of ``virtual_stages.virtual_stage_choices``), the profile
        at size ``b = B / m`` is ``launch + (time - launch) * b / b_ref`` (kernel launches do not
        shrink with the batch), and ``inter_op.partition_stages`` cuts the units into stages
        (DP over cut points, memory incl. the schedule's in-flight activations).
@@ -53,6 +54,7 @@ from autopar.solver.pipeline_steer import _next_share, _tighter, in_flight_weigh
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_collectives import pipeline_collectives
 from autopar.solver.stage_tags import check_stage_tags
+from autopar.solver.virtual_stages import best_over_virtual_stages, virtual_stage_choices
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
 from autopar.solver.request import SolveRequest
 from autopar.cost_models.devices import mesh_device
@@ -161,14 +163,22 @@ def _fixed_boundaries(cand: PipelineCandidate, units, gm) -> list[int]:
 
 
 def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, rules: CutRules):
+    """(partition, step, optimizer seconds) at m microbatches; interleaved: the best over the v values
+    ``virtual_stage_choices`` names (``rules.virtual_stages``: the one the user fixed)."""
     profiles = costs.at(batch, m)
-    part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, rules=rules)
-    sync, opt = [0.0] * pp, [0.0] * pp
-    for s in part.stages:                       # a rank runs every stage it holds (interleaved: v of them)
-        a, b = s.layers
-        sync[s.rank] += sum(costs.sync[a:b])
-        opt[s.rank] += sum(costs.optimizer[a:b])
-    return part, part.step_time + max(a + b for a, b in zip(sync, opt)), max(opt)
+
+    def cut(v):
+        part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, rules=rules,
+                                virtual_stages=v)
+        sync, opt = [0.0] * pp, [0.0] * pp
+        for s in part.stages:                       # a rank runs every stage it holds (interleaved: v of them)
+            a, b = s.layers
+            sync[s.rank] += sum(costs.sync[a:b])
+            opt[s.rank] += sum(costs.optimizer[a:b])
+        return part, part.step_time + max(a + b for a, b in zip(sync, opt)), max(opt)
+    if schedule != "interleaved_1f1b":
+        return cut(None)
+    return best_over_virtual_stages(cut, virtual_stage_choices(pp, m, len(profiles), rules.virtual_stages))
 
 
 def _check_tags(part: PipelinePartition, cand: PipelineCandidate, units, gm) -> None:
@@ -215,7 +225,8 @@ class _CandidateSearch:
         self.share = 1.0          # of pp x the cap the whole model's layout is solved under (``_tighter``)
         self.unbounded = False    # the last layout fitted no such budget (solved without one): tighter cannot help
         self.fitted = None        # the share of the last budget a layout fitted (``between_shares``)
-        self.rules = CutRules(allow_idle=cand.allow_idle)   # the tags' cut points once the reference is traced
+        self.rules = CutRules(allow_idle=cand.allow_idle,   # the tags' cut points once the reference is traced
+                              virtual_stages=opts.virtual_stages)
 
     def _request(self, mb, opts: PlanOptions) -> SolveRequest:
         """The sub-mesh solve of traced microbatch ``mb`` under ``opts``."""
@@ -284,7 +295,7 @@ class _CandidateSearch:
         ref = max([m for m in self.counts if m <= 2 * cand.pp] or [min(self.counts)])
         solved = {ref: self.solve(ref)}
         mb, ref_plan, units_ref, _, costs = solved[ref]
-        self.rules = CutRules(tuple(_fixed_boundaries(cand, units_ref, mb.gm)), cand.allow_idle)
+        self.rules = CutRules(tuple(_fixed_boundaries(cand, units_ref, mb.gm)), cand.allow_idle, opts.virtual_stages)
         ranked, reasons, errors = self.rank(costs, ref_plan, ref)
         for _ in range(TIGHTER):
             if ranked or self.unbounded or (tighter := _tighter(errors, budget - _extra(ref_plan))) is None:
@@ -346,7 +357,9 @@ class _CandidateSearch:
             raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts) or \
                 PipelineRequestError(msg)
         _check_tags(part, cand, units_m, mb.gm)
-        bound = _cut_by_memory(costs_m, batch // m, cand, m, part.schedule, self.link, self.rules, step)
+        bound = _cut_by_memory(costs_m, batch // m, cand, m, part.schedule, self.link,
+                               replace(self.rules, virtual_stages=part.virtual_stages if part.virtual_stages > 1
+                                       else None), step)
         step += sub_plan.grad_sync_overhead
         plan = _assemble(self.traced, mb, sub_plan, cand, part, step, units_m, budget)
         plan.memory_bound = bound

@@ -29,6 +29,7 @@ class PlanOptions:
     time_limit_s: float = 10.0
     microbatches: int | None = None
     schedule: str | None = None
+    virtual_stages: int | None = None  # model stages per pipeline rank, interleaved (None: the planner picks)
     accumulation: int | None = None  # microbatches run one after another (None: AUTO/SEMI_AUTO pick when needed)
     recompute: str | dict | None = None   # activation recomputation (None: AUTO/SEMI_AUTO pick when needed)
     zero: int | None = None          # ZeRO stage over the data-parallel axes (None: AUTO/SEMI_AUTO pick when needed)

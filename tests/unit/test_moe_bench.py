@@ -12,7 +12,8 @@ from bench.moe_table import MOE_ROWS, megatron_flops, plan_row, result, step_flo
 SMALL = dataclasses.replace(
     MOE_ROWS[0], name="mixtral_small", gpus=8, mesh=(2, 2, 2), seq=64, batch=16,
     config=dict(MOE_ROWS[0].config, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, vocab_size=256))
+                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, vocab_size=256),
+    extra={})       # two layers: no room for the row's 8 virtual stages per pipeline rank
 
 
 def test_megatron_flops_counts_top_k_gated_experts():

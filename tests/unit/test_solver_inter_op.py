@@ -148,7 +148,15 @@ def test_bytes_held_after_the_schedule_count_beside_the_state_not_the_activation
     assert base.stages[0].memory == 20.0 + 2 * 6.0 and base.stages[1].memory == 20.0 + 6.0
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_interleaved_counts_are_never_skipped_by_dominance():
+    """The interleaved partition tries several v and checks each rank's peak, which no per-stage
+    comparison bounds: no count is skipped without its DP."""
+    from autopar.solver.pipeline_fit import holds_more
+
+    assert not any(holds_more("interleaved_1f1b", 2, m, o) for m in (2, 4, 8) for o in (2, 4, 8, 16))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_count_holding_more_in_flight_fits_no_cut_where_a_lighter_one_fits_none(schedule):
     """What ``pipeline_search`` relies on to skip a microbatch count's DP: when m holds at least
     ``other``'s activations in flight on every stage (``holds_more``) and ``other`` fits no cut in
