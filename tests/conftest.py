@@ -16,6 +16,8 @@ os.environ.setdefault("AUTOPAR_AUTOTUNE_TOP_K", "0")
 
 import pytest  # noqa: E402
 
+import cpu_accounting  # noqa: E402
+
 from autopar.runtime.launch import RankPool  # noqa: E402
 
 _POOLS: dict[int, RankPool] = {}
@@ -37,7 +39,7 @@ def pytest_runtest_logreport(report):
     path = os.environ.get("AUTOPAR_TEST_TIMES")
     if path and report.when == "call":
         with open(path, "a") as f:
-            f.write(f"{report.duration:.2f}\t{report.outcome}\t{report.nodeid}\n")
+            f.write(f"{report.duration:.2f}\t{report.outcome}\t{report.nodeid}{cpu_accounting.cpu_note()}\n")
 
 
 def _fresh_call(rank, fn, *args, **kwargs):
@@ -46,17 +48,7 @@ def _fresh_call(rank, fn, *args, **kwargs):
 
     autopar.reset_auto_parallel_context()
     autopar.clear_annotations()
-    out_dir = os.environ.get("AUTOPAR_RANK_PROFILE")
-    if not out_dir:
-        return fn(rank, *args, **kwargs)
-    import cProfile
-    import time
-
-    prof = cProfile.Profile(time.process_time)
-    try:
-        return prof.runcall(fn, rank, *args, **kwargs)
-    finally:
-        prof.dump_stats(os.path.join(out_dir, f"{getattr(fn, '__name__', 'fn')}_{rank}_{time.time_ns()}.prof"))
+    return cpu_accounting.call(rank, fn, *args, **kwargs)
 
 
 def run_ranks(n: int, fn, *args, **kwargs) -> list:
