@@ -9,8 +9,9 @@ recomputes every layer ("full"), it re-plans that plan's candidate (its mesh, a 
 activations fall linearly as ``r`` grows and the time grows with ``r``, so the best ``r`` is the
 smallest that fits (the most layers kept); it is found by bisection over ``r`` in ``(0, L)``, ``r = 0``
 ("none") taken as not fitting and ``r = L`` ("full") as fitting. A probe that fits moves the upper end
-down; one that the best plan so far dominates (its bound is not faster) also moves it down (more
-recomputation is only slower); one that does not fit moves the lower end up. At most
+down, one that does not fit moves the lower end up. The probes are solved without the best-plan-so-far
+bound (``SearchProgress.cutoff``): "cannot beat the best plan" would not say on which side of ``r`` the
+smallest fitting count lies, and the answer would depend on the order plans were found in. At most
 ``MAX_PROBES`` probes (``ceil(log2 L)``: 7 for 126 layers). Every probe that fits joins the plans,
 so a probe whose cut the cap skewed loses to a neighbour by the usual ranking. A 1-D search, not a
 product with the other levers: those are the best "full" plan's.
@@ -18,14 +19,13 @@ product with the other levers: those are the best "full" plan's.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 from autopar.core.context import ParallelMode
 from autopar.graph.recompute_layers import layers_choice
 from autopar.graph.recompute_regions import layer_names
 from autopar.plan.plan import Plan, PlanError
 from autopar.solver.accumulation import accumulated, microbatch_traced
-from autopar.solver.intra_op import DominatedError
-from autopar.solver.pipeline_fit import PipelineDominatedError
 from autopar.solver.request import SolveRequest
 
 MAX_PROBES = 8
@@ -55,14 +55,19 @@ def applies(req: SolveRequest) -> bool:
     return req.opts.recompute is None and req.mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO)
 
 
-def _outcome(got: list, failed: list, pipe_failed: list) -> str:
-    """"fits", "dominated" (a faster plan exists) or "over" (does not fit) of one probe."""
-    if got:
-        return "fits"
-    errors = [e for _, e in failed] + [e for _, e in pipe_failed]
-    if errors and all(isinstance(e, (DominatedError, PipelineDominatedError)) for e in errors):
-        return "dominated"
-    return "over"
+@contextmanager
+def _unbounded(progress):
+    """``progress`` gives no cutoff (``SearchProgress.cutoff`` is None while it keeps unboundedly many)."""
+    if progress is None:
+        yield
+        return
+    keep = progress.keep
+    progress.keep = 2**62
+    try:
+        yield
+    finally:
+        progress.keep = keep
+        progress.kept_times = progress.kept_times[:keep]
 
 
 def partial_plans(req: SolveRequest, best: Plan, traces: dict, candidates) -> list[Plan]:
@@ -90,14 +95,14 @@ def partial_plans(req: SolveRequest, best: Plan, traces: dict, candidates) -> li
         probe = req.replace(traced=mb, mesh=best.mesh).with_options(recompute=layers_choice(mb.gm, r),
                                                                  zero=best.memory_options.zero)
         try:
-            got, failed, pipe_failed = candidates(probe, pipelines=pipeline, microbatches=k)
-        except PlanError as err:
-            got, failed, pipe_failed = [], [], [("probe", err)]
+            with _unbounded(progress):
+                got, _, _ = candidates(probe, pipelines=pipeline, microbatches=k)
+        except PlanError:
+            got = []
         got = [accumulated(p, k, req.traced, mb) for p in got if (p.pipeline is not None) == pipeline]
-        outcome = _outcome(got, failed, pipe_failed)
         out += got
-        if outcome == "over":
-            lo = r
-        else:
+        if got:
             hi = r
+        else:
+            lo = r
     return out
