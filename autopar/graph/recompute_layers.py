@@ -2,9 +2,10 @@
 
 Which layers (``spread``): layer ``i`` (graph order) recomputes when ``ceil((i+1) k / L) > ceil(i k / L)``,
 ``k`` layers spread evenly from the first, so each block of ``L / k`` consecutive layers recomputes its
-first. A pipeline cuts the layers into contiguous stages, so with stages of equal layer counts each
-stage recomputes its first ``k / pp`` layers: Megatron's ``--recompute-granularity full
---recompute-method block --recompute-num-layers k/pp``. ``k = 0`` is "none", ``k = L`` is "full".
+first. A pipeline cuts the layers into contiguous stages, so with stages of equal layer counts and ``k``
+a multiple of ``pp`` each stage recomputes ``k / pp`` of its layers, spread over the stage: the count
+(so the memory and time) of Megatron's ``--recompute-granularity full --recompute-method block
+--recompute-num-layers k/pp``, which takes each stage's first ``k / pp``. ``k = 0`` is "none", ``k = L`` is "full".
 The result is a ``{layer: "full"}`` mapping, the per-layer form every consumer of
 ``plan.memory_options.recompute`` already reads.
 """

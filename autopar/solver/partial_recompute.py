@@ -5,16 +5,19 @@ mapping of ``k`` layers before the search (``recompute`` must be None or "full")
 
 ``partial_plans`` (AUTO/SEMI_AUTO, recomputation left to the search): when the fastest plan found
 recomputes every layer ("full"), it re-plans that plan's candidate (its mesh, a pipeline's named
-``pp`` mesh, its ZeRO stage and accumulation) with ``r`` of the ``L`` layers recomputed. The rule: saved
-activations fall linearly as ``r`` grows and the time grows with ``r``, so the best ``r`` is the
-smallest that fits (the most layers kept); it is found by bisection over ``r`` in ``(0, L)``, ``r = 0``
-("none") taken as not fitting and ``r = L`` ("full") as fitting. A probe that fits moves the upper end
-down, one that does not fit moves the lower end up. The probes are solved without the best-plan-so-far
-bound (``SearchProgress.cutoff``): "cannot beat the best plan" would not say on which side of ``r`` the
-smallest fitting count lies, and the answer would depend on the order plans were found in. At most
-``MAX_PROBES`` probes (``ceil(log2 L)``: 7 for 126 layers). Every probe that fits joins the plans,
-so a probe whose cut the cap skewed loses to a neighbour by the usual ranking. A 1-D search, not a
-product with the other levers: those are the best "full" plan's.
+``pp`` mesh, its ZeRO stage and accumulation) with ``r`` of the ``L`` layers recomputed; with a
+pipeline of ``pp`` stages ``r = k * pp`` (each stage its first ``k``, Megatron's block method), so
+``k`` runs over ``0 .. ceil(L / pp)``, without one ``r`` runs over ``0 .. L``. The rule: saved activations
+fall linearly as ``r`` grows and the time grows with ``r``, so the best ``r`` is the smallest whose plan
+fits without the cap shaping its layout or stage cut (``Plan.memory_bound``: a pipeline can often fit
+any ``r`` by a skewed cut, which is slower); it is found by bisection over ``k``, ``k = 0`` ("none")
+taken as not fitting freely and the top ("full") as fitting. A probe that fits freely moves the upper
+end down, any other moves the lower end up. The probes are solved without the best-plan-so-far bound
+(``SearchProgress.cutoff``): "cannot beat the best plan" would not say on which side the smallest
+fitting count lies, and the answer would depend on the order plans were found in. At most
+``ceil(log2(top))`` probes (3 for 126 layers on 16 stages, 7 for 126 layers without a pipeline). Every
+probe that fits joins the plans (a memory-bound one too), and the usual ranking picks among them. A
+1-D search, not a product with the other levers: those are the best "full" plan's.
 """
 from __future__ import annotations
 
@@ -27,9 +30,6 @@ from autopar.graph.recompute_regions import layer_names
 from autopar.plan.plan import Plan, PlanError
 from autopar.solver.accumulation import accumulated, microbatch_traced
 from autopar.solver.request import SolveRequest
-
-MAX_PROBES = 8
-
 
 def resolve_recompute_layers(req: SolveRequest) -> SolveRequest:
     """``req`` with ``opts.recompute_layers`` turned into the ``{layer: "full"}`` mapping it names."""
@@ -84,14 +84,17 @@ def partial_plans(req: SolveRequest, best: Plan, traces: dict, candidates) -> li
     if k not in traces:
         traces[k] = microbatch_traced(req.traced, k, req.retracer)
     mb = traces[k]
-    lo, hi, out = 0, len(names), []
-    for _ in range(min(MAX_PROBES, math.ceil(math.log2(len(names))))):
+    step = best.mesh.shape[best.mesh.axis_names.index("pp")] if pipeline else 1
+    top = -(-len(names) // step)
+    lo, hi, out = 0, top, []
+    for _ in range(math.ceil(math.log2(top))):
         if hi - lo <= 1 or (progress is not None and progress.out_of_time()):
             break
-        r = (lo + hi) // 2
+        mid = (lo + hi) // 2
+        r = min(len(names), mid * step)
         if progress is not None:
-            progress.enter(f"ZeRO-{best.memory_options.zero}, recompute full on {r} of {len(names)} layers, "
-                           f"accumulation {k}")
+            progress.enter(f"ZeRO-{best.memory_options.zero}, recompute full on {r} of {len(names)} layers"
+                           + (f" ({mid} per stage)" if pipeline else "") + f", accumulation {k}")
         probe = req.replace(traced=mb, mesh=best.mesh).with_options(recompute=layers_choice(mb.gm, r),
                                                                  zero=best.memory_options.zero)
         try:
@@ -101,8 +104,8 @@ def partial_plans(req: SolveRequest, best: Plan, traces: dict, candidates) -> li
             got = []
         got = [accumulated(p, k, req.traced, mb) for p in got if (p.pipeline is not None) == pipeline]
         out += got
-        if got:
-            hi = r
+        if any(not p.memory_bound for p in got):
+            hi = mid
         else:
-            lo = r
+            lo = mid
     return out
