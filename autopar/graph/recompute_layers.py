@@ -32,3 +32,12 @@ def recomputed_count(recompute) -> int | None:
     if not isinstance(recompute, dict):
         return None
     return sum(v == "full" for v in recompute.values())
+
+
+def recompute_label(recompute) -> str:
+    """A recompute choice for messages: the choice, or "full on 96 layers" for a per-layer mapping."""
+    if not isinstance(recompute, dict):
+        return str(recompute)
+    used = sorted({v for v in recompute.values() if v != "none"})
+    n = sum(v != "none" for v in recompute.values())
+    return ("/".join(used) or "none") + f" on {n} layer{'s' if n != 1 else ''}"

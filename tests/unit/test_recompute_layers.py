@@ -9,7 +9,7 @@ import torch
 import autopar
 from autopar.cost_models.recompute import saved_storages
 from autopar.frontend.trace import trace
-from autopar.graph.recompute_layers import layers_choice, spread
+from autopar.graph.recompute_layers import layers_choice, recompute_label, spread
 from autopar.plan.plan import PlanError
 from examples.models import GPT, lm_loss
 from oracle import make_batch
@@ -44,6 +44,8 @@ def test_spread_takes_the_first_layer_of_each_block():
     assert list(spread(names[:6], 4)) == ["blocks.0", "blocks.1", "blocks.3", "blocks.4"]
     with pytest.raises(ValueError, match="from 0 to the model's 8"):
         spread(names, 9)
+    assert recompute_label(spread(names, 3)) == "full on 3 layers" and recompute_label("full") == "full"
+    assert recompute_label({"blocks.0": "full"}) == "full on 1 layer"
 
 
 def test_saved_bytes_fall_linearly_in_k():
