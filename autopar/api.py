@@ -59,8 +59,9 @@ def _options(mixed_precision=None, compiled: bool = False) -> PlanOptions:
     ctx = get_auto_parallel_context()
     return PlanOptions(grad_compression=ctx["grad_compression"], memory_budget_gb=ctx["memory_budget_gb"],
                        time_limit_s=ctx["solver_time_limit"], microbatches=ctx["microbatches"],
-                       schedule=ctx["schedule"], virtual_stages=ctx["virtual_stages"], mixed_precision=mixed_precision, accumulation=ctx["accumulation"],
-                       recompute=ctx["recompute"], zero=ctx["zero"], compiled=compiled,
+                       schedule=ctx["schedule"], virtual_stages=ctx["virtual_stages"], mixed_precision=mixed_precision,
+                       accumulation=ctx["accumulation"], recompute=ctx["recompute"],
+                       recompute_layers=ctx["recompute_layers"], zero=ctx["zero"], compiled=compiled,
                        moe_imbalance=ctx["moe_imbalance"],
                        precision="mixed" if mixed_precision else "fp32")
 

@@ -54,6 +54,8 @@ _DEFAULTS: dict[str, Any] = {
     "microbatches": None,
     "recompute": None,             # None (AUTO/SEMI_AUTO pick when memory needs it), "none", "selective"
                                    # (attention core), "full" (each layer) or {layer name: one of those}
+    "recompute_layers": None,      # None, or k: "full" on k of the repeated layers only, spread evenly (each
+                                   # pipeline stage its first k/pp: Megatron's --recompute-num-layers)
     "zero": None,                  # None (AUTO/SEMI_AUTO pick when memory needs it) or a ZeRO stage 0-3 over the
                                    # data-parallel axes: 1 optimizer state, 2 + gradients, 3 + parameters sharded
     "accumulation": None,          # None (AUTO/SEMI_AUTO pick when memory needs it) or k: run the global
@@ -126,6 +128,10 @@ def set_auto_parallel_context(**kwargs) -> None:
             if bad:
                 raise ValueError(f"recompute must be None, 'none', 'selective', 'full' or a {{layer: one of those}} "
                                  f"mapping, got {bad[0]!r}")
+        if key == "recompute_layers" and value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"recompute_layers must be None or an int >= 0 (how many layers recompute \"full\"), "
+                             f"got {value!r}")
         if key == "zero" and value not in (None, 0, 1, 2, 3):
             raise ValueError(f"zero must be None (chosen when memory needs it) or a ZeRO stage 0, 1, 2 or 3, "
                              f"got {value!r}")

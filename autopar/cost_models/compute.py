@@ -5,7 +5,8 @@ fake tensors of the node's shapes, forward and then backward through autograd:
 
 - FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convolutions, attention
   where registered). Where it counts nothing, formulas: scaled_dot_product_attention
-  ``fwd = 4*b*heads*Sq*Sk*d``, ``bwd = 2*fwd``; other ops ``c * numel`` with ``c`` from
+  ``fwd = 4*b*heads*Sq*Sk*d``, ``bwd = 2*fwd``, times the visible share when causal
+  (``causal_attention.py``: about 1/2 for a long sequence); other ops ``c * numel`` with ``c`` from
   ``_FLOPS_PER_ELEMENT`` (elementwise: 1 forward, 2 backward).
 - Bytes: every non-view kernel dispatched reads its tensor inputs and writes its outputs
   (``_KernelCounter``); gathers (embedding, index_select) read output-sized rows only.
@@ -47,6 +48,7 @@ from autopar.graph.grads import grad_nodes
 from autopar.graph.grads import is_float_value as _is_float
 from autopar.graph.grads import node_value as _val
 
+from .causal_attention import causal_scale
 from .devices import DeviceSpec
 from .moe import is_moe, moe_work_numbers
 
@@ -339,9 +341,20 @@ def node_work(node: fx.Node) -> OpWork:
         return OpWork(**moe_work_numbers(node))
     need = grad_nodes(node.graph)
     try:
-        return _work(target, node_signature(node))
+        work = _work(target, node_signature(node))
     except Exception:
         return _fallback_work(node, need)
+    return _causal(work, causal_scale(node)) if target in _SDPA else work
+
+
+def _causal(work: OpWork, f: float) -> OpWork:
+    """``work`` with its FLOPs at the share ``f`` of the score entries a causal mask leaves visible
+    (``causal_attention.py``; bytes and kernels as they are)."""
+    if f >= 1.0:
+        return work
+    return dataclasses.replace(work, flops_fwd=work.flops_fwd * f, flops_bwd=work.flops_bwd * f,
+                               matmuls_fwd=tuple((d, fl * f) for d, fl in work.matmuls_fwd),
+                               matmuls_bwd=tuple((d, fl * f) for d, fl in work.matmuls_bwd))
 
 
 def node_signature(node: fx.Node):

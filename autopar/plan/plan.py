@@ -192,7 +192,8 @@ class MemoryOptions:
         if isinstance(self.recompute, dict):
             used = sorted({v for v in self.recompute.values() if v != "none"})
             if used:
-                parts.append("recompute " + "/".join(used) + f" on {sum(v != 'none' for v in self.recompute.values())} layers")
+                n = sum(v != "none" for v in self.recompute.values())
+                parts.append("recompute " + "/".join(used) + f" on {n} layer{'s' if n != 1 else ''}")
         elif self.recompute != "none":
             parts.append(f"recompute {self.recompute}")
         return ", ".join(parts) or "none"

@@ -8,6 +8,7 @@ import math
 
 import torch.fx as fx
 
+from autopar.cost_models.causal_attention import is_causal
 from autopar.cost_models.compute import OpCost
 from autopar.cost_models.context_parallel import CpTime, gather_time, ring_time
 from autopar.sharding.local_impls import family, local_collectives
@@ -33,8 +34,7 @@ def zigzag(st: Strategy, axes: list[int]) -> bool:
 
 def causal(node: fx.Node) -> bool:
     """Whether the op's own causal flag is set (an explicit mask tensor's pattern is not known)."""
-    flag = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
-    return bool(flag)
+    return is_causal(node)
 
 
 def cp_time(node: fx.Node, st: Strategy, cost: OpCost, c) -> CpTime:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.graph.recompute_layers import recompute_label
 from autopar.cost_models.memory import training_state_parts
 from autopar.core.units import human_bytes
 from autopar.plan.plan import CandidateError, PlanError
@@ -68,7 +69,7 @@ def stage_fit_error(message: str, errors: list, sub_breakdown: dict | None, mesh
     breakdown["activations"] = best.activations
     if (sub_breakdown or {}).get("transient"):
         breakdown["transient"] = sub_breakdown["transient"]
-    options = f"recompute {opts.recompute}" if opts.recompute not in (None, "none") else ""
+    options = f"recompute {recompute_label(opts.recompute)}" if opts.recompute not in (None, "none") else ""
     return StageFitError(message, mesh, cap, breakdown, options)
 
 

@@ -32,6 +32,7 @@ class PlanOptions:
     virtual_stages: int | None = None  # model stages per pipeline rank, interleaved (None: the planner picks)
     accumulation: int | None = None  # microbatches run one after another (None: AUTO/SEMI_AUTO pick when needed)
     recompute: str | dict | None = None   # activation recomputation (None: AUTO/SEMI_AUTO pick when needed)
+    recompute_layers: int | None = None   # "full" on this many layers only (graph/recompute_layers.py)
     zero: int | None = None          # ZeRO stage over the data-parallel axes (None: AUTO/SEMI_AUTO pick when needed)
     compiled: bool = False           # per-rank programs through torch.compile: compute at the compiled speedup
     moe_imbalance: float = DEFAULT_IMBALANCE   # MoE expert load of the busiest rank over the mean (cost_models/moe.py)

@@ -27,6 +27,7 @@ from autopar.solver.fit_error import Failure, no_plan_error, smallest_of
 from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, pipeline_requested
+from autopar.solver.partial_recompute import applies as partial_applies, partial_plans, resolve_recompute_layers
 from autopar.solver.progress import SearchProgress
 from autopar.solver.request import SolveRequest
 from autopar.cost_models.devices import mesh_device
@@ -78,6 +79,7 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
     """The ``top_k`` best predicted plans that fit memory, best first; each lists the others (and
     the candidates that failed) as its ``alternatives``. Pipeline candidates need ``request.retracer``."""
     t0 = time.perf_counter()
+    request = resolve_recompute_layers(request)     # recompute_layers=k: its {layer: "full"} mapping
     traced, mesh, mode, opts = request.traced, request.mesh, request.mode, request.opts
     if opts.progress is None:
         opts = dataclasses.replace(opts, progress=SearchProgress())
@@ -115,6 +117,8 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
                    for p in got):
                 frontiers = {y: s for y, s in frontiers.items() if y <= z}
                 break               # fits freely: a higher stage only adds all-gathers
+    if plans and partial_applies(request) and not progress.out_of_time():   # "full" on fewer layers
+        plans += partial_plans(request, min(plans, key=rank_key), traces, _candidates)
     if not plans:
         err = no_plan_error(mesh, failures, pipe_failures, _cap(mesh, opts), traced.batch_size, opts.time_limit_s)
         if whole_batch:
@@ -184,7 +188,7 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
         k = ks[i]
         if progress.out_of_time():
             return plans, failures, pipe_failures
-        pipelines = k == 1 and (opts.zero or 0) in PIPELINE_ZERO and rc not in early and (
+        pipelines = k == 1 and (opts.zero or 0) in PIPELINE_ZERO and not (isinstance(rc, str) and rc in early) and (
             rc == "none" or opts.recompute is not None or pipeline_request or not state.fitting)
         if pipeline_request and not pipelines:
             break               # only pipelines were asked for

@@ -45,9 +45,11 @@ TOY = DeviceSpec(
     [(1000, 128, 256, 4, 2, 2, False), (5000, 256, 512, 8, 2, 2, False), (3000, 512, 256, 4, 1, 1, True)],
 )
 def test_gpt_training_flops_match_narayanan(vocab, seq, h, heads, layers, batch, sdpa):
-    """72 B s l h^2 (1 + s/(6h) + V/(12 l h)) for fwd + bwd without recomputation."""
+    """72 B s l h^2 (1 + s/(6h) + V/(12 l h)) for fwd + bwd without recomputation; the causal SDPA
+    (``sdpa``) does (s+1)/(2s) of the attention term (the hand-written one masks a full square)."""
     gm = export_gpt(vocab, seq, h, heads, layers, batch, sdpa)
-    expected = 72 * batch * seq * layers * h * h * (1 + seq / (6 * h) + vocab / (12 * layers * h))
+    attention = seq / (6 * h) * ((seq + 1) / (2 * seq) if sdpa else 1.0)
+    expected = 72 * batch * seq * layers * h * h * (1 + attention + vocab / (12 * layers * h))
     assert total_flops(gm) == pytest.approx(expected, rel=0.02)
 
 
@@ -121,7 +123,7 @@ def test_fallback_formulas():
     gm = export_gpt(500, 64, 64, 4, 1, 2, sdpa=True)
     (sdpa,) = nodes(gm, aten.scaled_dot_product_attention.default)
     work = node_work(sdpa)
-    assert work.flops_fwd == 4 * 2 * 4 * 64 * 64 * 16  # 2 matmuls of 2*b*heads*s*s*d
+    assert work.flops_fwd == 4 * 2 * 4 * 64 * 64 * 16 * (65 / 128)  # 2 matmuls of 2*b*heads*s*s*d, causal share
     assert work.flops_bwd == 2 * work.flops_fwd
     gelu_gm = export(nn.Sequential(nn.Linear(8, 8), nn.GELU()), torch.randn(4, 8))
     (gelu,) = nodes(gelu_gm, aten.gelu.default)
@@ -167,3 +169,44 @@ def test_node_work_follows_a_changed_value():
         x.meta["val"] = torch.empty(32, 512)
         node.meta["val"] = torch.empty(32, 1024)
     assert node_work(node).flops_fwd == 2 * 32 * 512 * 1024
+
+
+def _sdpa_node(seq: int, causal: bool, target=aten.scaled_dot_product_attention.default):
+    """One SDPA node on (1, 2, seq, 16) fake query, key and value."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = torch.fx.Graph()
+    with FakeTensorMode():
+        vals = [torch.empty(1, 2, seq, 16, requires_grad=True) for _ in range(3)]
+    ins = []
+    for name, v in zip("qkv", vals):
+        ins.append(g.placeholder(name))
+        ins[-1].meta["val"] = v
+    if target is aten.scaled_dot_product_attention.default:
+        node = g.call_function(target, tuple(ins), {"is_causal": causal})
+    else:       # _scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal)
+        node = g.call_function(target, (*ins, 0.0, causal))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        node.meta["val"] = torch.ops.aten.scaled_dot_product_attention(*vals, is_causal=causal)
+    g.output(node)
+    return node
+
+
+@pytest.mark.parametrize("target", [aten.scaled_dot_product_attention.default,
+                                    aten._scaled_dot_product_flash_attention_for_cpu.default])
+def test_causal_attention_counts_the_visible_half(target):
+    """is_causal SDPA costs S(S+1)/2 of the S^2 score entries, forward and backward: cheaper than the
+    non-causal op, the ratio tending to 1/2 at long S (the flag read by the op's schema, so the CPU
+    flash variant, whose flag is its fifth argument, counts the same)."""
+    from autopar.cost_models.causal_attention import causal_fraction, visible_entries
+
+    assert visible_entries(4, 4) == 10 and visible_entries(2, 4) == 3 and visible_entries(4, 2) == 7
+    ratios = []
+    for seq in (8, 64, 1024):
+        causal, full = node_work(_sdpa_node(seq, True, target)), node_work(_sdpa_node(seq, False, target))
+        assert full.flops_fwd > 0 and causal.flops_fwd < full.flops_fwd and causal.flops_bwd < full.flops_bwd
+        assert causal.flops_fwd == pytest.approx(full.flops_fwd * causal_fraction(seq, seq))
+        assert causal.flops_bwd == pytest.approx(full.flops_bwd * (seq + 1) / (2 * seq))
+        ratios.append(causal.flops_fwd / full.flops_fwd)
+    assert ratios[0] > ratios[1] > ratios[2] and ratios[-1] == pytest.approx(0.5, abs=1e-3)
+    assert node_cost(_sdpa_node(1024, True, target), TOY).time_fwd < node_cost(_sdpa_node(1024, False, target), TOY).time_fwd

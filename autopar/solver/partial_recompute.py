@@ -1,0 +1,111 @@
+"""Partial recomputation in the search: "full" on some layers only (``graph/recompute_layers.py``).
+
+``resolve_recompute_layers``: the user's ``recompute_layers=k`` becomes the ``{layer: "full"}``
+mapping of ``k`` layers before the search (``recompute`` must be None or "full").
+
+``partial_plans`` (AUTO/SEMI_AUTO, recomputation left to the search): when the fastest plan found
+recomputes every layer ("full"), it re-plans that plan's candidate (its mesh, a pipeline's named
+``pp`` mesh, its ZeRO stage and accumulation) with ``r`` of the ``L`` layers recomputed; with a
+pipeline of ``pp`` stages ``r = k * pp`` (each stage its first ``k``, Megatron's block method), so
+``k`` runs over ``0 .. ceil(L / pp)``, without one ``r`` runs over ``0 .. L``. The rule: saved activations
+fall linearly as ``r`` grows and the time grows with ``r``, so the best ``r`` is the smallest whose plan
+fits without the cap shaping its layout or stage cut (``Plan.memory_bound``: a pipeline can often fit
+any ``r`` by a skewed cut, which is slower); it is found by bisection over ``k``, ``k = 0`` ("none")
+taken as not fitting freely and the top ("full") as fitting. A probe that fits freely moves the upper
+end down, any other moves the lower end up. The probes are solved without the best-plan-so-far bound
+(``SearchProgress.cutoff``): "cannot beat the best plan" would not say on which side the smallest
+fitting count lies, and the answer would depend on the order plans were found in. At most
+``ceil(log2(top))`` probes (3 for 126 layers on 16 stages, 7 for 126 layers without a pipeline). Every
+probe that fits joins the plans (a memory-bound one too), and the usual ranking picks among them. A
+1-D search, not a product with the other levers: those are the best "full" plan's.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+from autopar.core.context import ParallelMode
+from autopar.graph.recompute_layers import layers_choice
+from autopar.graph.recompute_regions import layer_names
+from autopar.plan.plan import Plan, PlanError
+from autopar.solver.accumulation import accumulated, microbatch_traced
+from autopar.solver.request import SolveRequest
+
+def resolve_recompute_layers(req: SolveRequest) -> SolveRequest:
+    """``req`` with ``opts.recompute_layers`` turned into the ``{layer: "full"}`` mapping it names."""
+    opts = req.opts
+    k = opts.recompute_layers
+    if k is None:
+        return req
+    if opts.recompute not in (None, "full"):
+        raise PlanError(f"recompute_layers={k} recomputes whole layers ('full') but recompute={opts.recompute!r}; "
+                        "leave recompute unset (or 'full') with recompute_layers, or drop recompute_layers")
+    names = layer_names(req.traced.gm)
+    if not names:
+        raise PlanError(f"recompute_layers={k}: this model has no repeated layers (container.<index> modules, e.g. "
+                        "an nn.ModuleList of blocks) to recompute; use recompute='full' or 'selective' instead")
+    if k > len(names):
+        raise PlanError(f"recompute_layers={k} is more than the model's {len(names)} repeated layers "
+                        f"({names[0]} .. {names[-1]}); use at most {len(names)} (that is recompute='full')")
+    return req.with_options(recompute=layers_choice(req.traced.gm, k), recompute_layers=None)
+
+
+def applies(req: SolveRequest) -> bool:
+    """Whether the search may try partial recomputation: AUTO or SEMI_AUTO with recomputation free."""
+    return req.opts.recompute is None and req.mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO)
+
+
+@contextmanager
+def _unbounded(progress):
+    """``progress`` gives no cutoff (``SearchProgress.cutoff`` is None while it keeps unboundedly many)."""
+    if progress is None:
+        yield
+        return
+    keep = progress.keep
+    progress.keep = 2**62
+    try:
+        yield
+    finally:
+        progress.keep = keep
+        progress.kept_times = progress.kept_times[:keep]
+
+
+def partial_plans(req: SolveRequest, best: Plan, traces: dict, candidates) -> list[Plan]:
+    """Plans of ``best``'s candidate with ``r`` of the layers recomputed (module docstring).
+    ``candidates``: ``search._candidates``; ``traces``: accumulation k -> the step traced at B/k."""
+    if best.memory_options.recompute != "full" or best.candidate == "DDP layout":
+        return []
+    names = layer_names(req.traced.gm)
+    if len(names) < 2:
+        return []
+    progress = req.opts.progress
+    k = best.memory_options.accumulation
+    pipeline = best.pipeline is not None
+    if k not in traces:
+        traces[k] = microbatch_traced(req.traced, k, req.retracer)
+    mb = traces[k]
+    step = best.mesh.shape[best.mesh.axis_names.index("pp")] if pipeline else 1
+    top = -(-len(names) // step)
+    lo, hi, out = 0, top, []
+    for _ in range(math.ceil(math.log2(top))):
+        if hi - lo <= 1 or (progress is not None and progress.out_of_time()):
+            break
+        mid = (lo + hi) // 2
+        r = min(len(names), mid * step)
+        if progress is not None:
+            progress.enter(f"ZeRO-{best.memory_options.zero}, recompute full on {r} of {len(names)} layers"
+                           + (f" ({mid} per stage)" if pipeline else "") + f", accumulation {k}")
+        probe = req.replace(traced=mb, mesh=best.mesh).with_options(recompute=layers_choice(mb.gm, r),
+                                                                 zero=best.memory_options.zero)
+        try:
+            with _unbounded(progress):
+                got, _, _ = candidates(probe, pipelines=pipeline, microbatches=k)
+        except PlanError:
+            got = []
+        got = [accumulated(p, k, req.traced, mb) for p in got if (p.pipeline is not None) == pipeline]
+        out += got
+        if any(not p.memory_bound for p in got):
+            hi = mid
+        else:
+            lo = mid
+    return out
