@@ -132,6 +132,22 @@ def check(label: str, value: float, target: float, le: bool = True) -> str:
     return f"{label}: {value:.3f} (target {'<=' if le else '>='} {target}) -> {'MET' if ok else 'MISSED'}"
 
 
+def _result(queue, proc, deadline: float) -> dict | None:
+    """The worker's result; an error dict at once when it exits without one (a crash, an OOM kill);
+    None at the deadline."""
+    while time.perf_counter() < deadline:
+        try:
+            return queue.get(timeout=min(5.0, max(0.1, deadline - time.perf_counter())))
+        except Exception:  # noqa: BLE001 - queue.Empty: not yet
+            if proc.exitcode is not None:
+                try:
+                    return queue.get(timeout=2.0)      # a result put just before it exited
+                except Exception:  # noqa: BLE001
+                    return {"error": f"the worker process exited with code {proc.exitcode} without a result "
+                                     f"(negative: killed by that signal, e.g. -9 by the kernel's OOM killer)"}
+    return None
+
+
 def run_isolated(worker: Callable, args: tuple, hard_timeout: float, on_timeout: dict | None = None) -> dict:
     """``worker(*args, queue)`` in a fresh spawned process; its ``queue.put`` result, or
     ``{"error": "killed after ... (hard timeout)", **on_timeout}`` when nothing came within
@@ -141,9 +157,8 @@ def run_isolated(worker: Callable, args: tuple, hard_timeout: float, on_timeout:
     proc = ctx.Process(target=worker, args=(*args, queue), daemon=True)
     t0 = time.perf_counter()
     proc.start()
-    try:
-        res = queue.get(timeout=hard_timeout)
-    except Exception:  # noqa: BLE001 - queue.Empty: over the hard limit
+    res = _result(queue, proc, t0 + hard_timeout)
+    if res is None:
         res = {"error": f"killed after {hard_timeout:.0f} s (hard timeout)", **(on_timeout or {})}
     proc.join(5)
     if proc.is_alive():
