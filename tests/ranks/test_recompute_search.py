@@ -17,6 +17,7 @@ MODEL = functools.partial(GPT, qkv_bias=False, layers=2, hidden=32)
 BATCH = 16
 
 
+@functools.lru_cache(maxsize=None)
 def _capped_mesh(frac: float) -> autopar.Mesh:
     """A 2-device data-parallel mesh whose cap holds the training state and ``frac`` of the activations
     (the transient workspace, a recomputed layer's re-made activations included, must fit in that too)."""
@@ -55,15 +56,16 @@ def test_user_fixed_recompute_is_planned_in_every_mode():
     assert plan.step_time > plain.step_time
 
 
-def _job(rank):
+def _job(rank, cap_gb):
     x, y = make_batch("tokens", BATCH)
-    return parallel_run(rank, MODEL, lm_loss, x, y, _capped_mesh(0.65), "auto", steps=2)
+    mesh = autopar.Mesh(2, axis_names=("dp",), memory_gb=cap_gb)      # ``_capped_mesh(0.65)``, probed once
+    return parallel_run(rank, MODEL, lm_loss, x, y, mesh, "auto", steps=2)
 
 
 def test_auto_picked_recomputation_trains_like_one_device():
     x, y = make_batch("tokens", BATCH)
     ref = reference_run(MODEL, lm_loss, x, y, steps=2)
-    for r in run_ranks(2, _job):
+    for r in run_ranks(2, _job, _capped_mesh(0.65).memory_gb):
         plan = autopar.Plan.from_json(r["plan"])
         assert plan.memory_options.recompute != "none", plan.memory_options
         assert_same_training(ref, r, what=f"auto {plan.memory_options.summary()}")
