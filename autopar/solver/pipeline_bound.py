@@ -1,40 +1,59 @@
 """A lower bound on a pipeline candidate's step time, known before its solves (AUTO's branch and bound
 over pipeline candidates, ``pipeline_search.pipeline_plans``).
 
-For a candidate (pp, sub-mesh S), ``plan_pipeline`` returns a plan whose step is
+For a candidate (pp = p, sub-mesh S), ``plan_pipeline`` returns a plan whose step is
 
     simulate(schedule).critical_path + max_r (sync_r + opt_r) + the last gradient bucket
 
-over the units of one intra-op plan of S at m microbatches of B / m rows. The busiest rank runs at
-least 1 / pp of the units' work (every unit's forward and backward for each of the m microbatches,
-each on one rank; the bubble and the hops only add) and of their gradient syncs and optimizer steps.
-So its step is at least T_m / pp, where T_m = m x (one microbatch's costs) + (once-per-step costs) is
-the whole model's step on S under that plan, and T_m is at least the unbudgeted optimum of the
-whole model on S at the global batch B with one microbatch (``step_floor``): the cost model charges
-m microbatches of B / m rows at least what it charges one of B (kernel launches and collective
-latencies repeat; the bound ``search._frontier`` rests on too), and a memory budget only removes
-assignments. A candidate whose floor reaches the best plan so far (``progress.cutoff``) cannot beat
-it and is not solved (``PipelineDominatedError``, listed among the plan's alternatives).
+over the units of one intra-op plan of S at m microbatches of B / m rows, cut into S' = p·v stages
+(stage s on rank s mod p). Its units' work per microbatch W (forward and backward, each unit once)
+and its once-per-step costs O (gradient syncs, optimizer steps; each on one rank, so the fullest
+rank holds at least O / p) are those of the whole model's step on S under that plan,
+T_m = m·W + O, and so (``step_floor``) m·W >= E and O >= O_B, where E + O_B is the unbudgeted
+optimum of the whole model on S at the global batch B with one microbatch, split into its
+per-microbatch part E and once-per-step part O_B: the cost model charges m microbatches of B / m rows
+at least what it charges one of B (kernel launches and collective latencies repeat; the bound
+``search._frontier`` rests on too), and a memory budget only removes assignments.
 
-The floor is one unbudgeted solve of the traced step on S (no re-trace, no memory loop); it is used
-only when that solve is proven optimal. ``AUTOPAR_PIPELINE_BOUND=0`` turns the pruning off (tests
-compare the search with and without it).
+The critical path (``schedule_factor``): in any schedule, with stage times t_s (sum W), a rank r
+can start its first action of chunk c (stage s = r + c·p) only once some microbatch has run the
+stages before s, and before that it can only run forwards of its lower chunks; after its last
+chunk-c action it can only run backwards of its lower chunks while the backward runs down stages
+s-1 .. 0. So the step is at least sum_{s' < s} t_s' + m · sum_{c' >= c} t_{r + c'p} for every
+stage s. The least over all t >= 0 of the largest of these (a small LP, per (p, v, m)) is x·W;
+it is m·W / p with no bubble at the least, and (m + p - 1)-like for one stage per rank.
+
+    floor = E · min_{v, m} x(p, v, m) / m + O_B / p
+
+over the stages per rank the search tries (``VIRTUAL_STAGES``) and its microbatch counts. A
+candidate whose floor reaches the best plan so far (``progress.cutoff``) cannot beat it and is not
+solved (``PipelineDominatedError``, listed among the plan's alternatives).
+
+The floor costs one unbudgeted solve of the traced step on S (no re-trace, no memory loop); it is
+used only when that solve is proven optimal. ``AUTOPAR_PIPELINE_BOUND=0`` turns the pruning off
+(tests compare the search with and without it).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+
+from ortools.linear_solver import pywraplp
 
 from autopar.cost_models.memory import param_numel, parameter_nodes, training_state_bytes
 from autopar.plan.plan import PlanError
 from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import solve_on_mesh
-from autopar.solver.pipeline_fit import PipelineDominatedError, budget_bytes
+from autopar.solver.pipeline_fit import PipelineDominatedError, PipelineRequestError, budget_bytes, microbatch_counts
 from autopar.solver.request import SolveRequest
 
 BOUND_ENV = "AUTOPAR_PIPELINE_BOUND"
 UNBOUNDED_GB = 1e6      # the memory budget of the floor's solve: no layout is refused for memory
+VIRTUAL_STAGES = {"gpipe": (1,), "1f1b": (1,), "interleaved_1f1b": (2,)}   # stages per rank of each schedule
+                        # the search tries (``inter_op._prepare``): a search that tries more must list them here
+SAFETY = 1e-6           # the LP's optimum is shaded by this share (its tolerance)
 
 
 def bounds_enabled() -> bool:
@@ -44,18 +63,43 @@ def bounds_enabled() -> bool:
 
 def step_floor(traced, cand, mode, opts, param_ann: dict, input_ann: dict) -> float:
     """A lower bound (seconds) on the step of any plan ``plan_pipeline`` returns for ``cand`` (module
-    docstring): the sub-mesh's unbudgeted whole-model optimum at the traced (global) batch, less its
-    last-bucket latency, over pp. 0.0 when no proven optimum is at hand (a timed-out or failed solve)."""
+    docstring). 0.0 when no proven optimum is at hand (a timed-out or failed solve)."""
     per_node = min(cand.full.size, cand.full.gpus_per_node or cand.full.size)
     loose = dataclasses.replace(opts, memory_budget_gb=UNBOUNDED_GB, progress=None)
+    dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
     try:
+        counts = microbatch_counts(traced.batch_size, dp, opts)
         plan = solve_on_mesh(SolveRequest(traced, None, cand.sub, mode, loose, param_ann, input_ann),
                              microbatches=1, ranks_per_node=per_node)
-    except (InfeasibleError, SolverTimeoutError, PlanError, ValueError):
+    except (InfeasibleError, SolverTimeoutError, PlanError, PipelineRequestError, ValueError):
         return 0.0                  # the candidate's own solves say what is wrong
     if plan.solver_status != "OPTIMAL":
         return 0.0
-    return max(0.0, plan.step_time - plan.grad_sync_overhead) / cand.pp
+    once = max(0.0, plan.once_per_step_time - plan.grad_sync_overhead)
+    every = max(0.0, plan.step_time - plan.once_per_step_time)
+    kinds = [opts.schedule] if opts.schedule in VIRTUAL_STAGES else list(VIRTUAL_STAGES)
+    factor = min(schedule_factor(cand.pp, v, m) / m for kind in kinds for v in VIRTUAL_STAGES[kind] for m in counts)
+    return every * factor + once / cand.pp
+
+
+@functools.lru_cache(maxsize=4096)
+def schedule_factor(p: int, v: int, m: int) -> float:
+    """x(p, v, m): the least critical path, over every split of one microbatch's work (sum 1) into p·v
+    stages (stage s on rank s mod p), of any schedule of m microbatches (module docstring), shaded by
+    ``SAFETY``; at least m / p."""
+    if p == 1:
+        return float(m)
+    n = p * v
+    lp = pywraplp.Solver.CreateSolver("GLOP")
+    t = [lp.NumVar(0.0, 1.0, f"t{s}") for s in range(n)]
+    x = lp.NumVar(0.0, lp.infinity(), "x")
+    lp.Add(sum(t) == 1.0)
+    for s in range(n):
+        lp.Add(sum(t[:s]) + m * sum(t[q] for q in range(s, n, p)) <= x)
+    lp.Minimize(x)
+    if lp.Solve() != pywraplp.Solver.OPTIMAL:
+        return m / p
+    return max(m / p, x.solution_value() * (1 - SAFETY))
 
 
 def candidate_floors(traced, cands: list, mode, opts, param_ann: dict, input_ann: dict, keep) -> dict[int, float]:
