@@ -91,8 +91,10 @@ def _same(a, b):
     assert a.step_time == pytest.approx(b.step_time, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_pruning_keeps_the_plan_and_lists_what_it_pruned(monkeypatch):
-    """AUTO with the floors returns the plan it returns without them, and names a pruned candidate."""
+    """AUTO with the floors (``AUTOPAR_PIPELINE_BOUND=1``) returns the plan it returns without them,
+    and names a pruned candidate."""
     job, mesh = _SMALL(), autopar.Mesh(4, device="h100", gpus_per_node=2)
     pruned = _auto(job, mesh, monkeypatch, True)
     plain = _auto(job, mesh, monkeypatch, False)
