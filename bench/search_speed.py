@@ -6,7 +6,9 @@ mixed precision, and plans it with ``autopar.plan(mode="auto")`` on ``Mesh(64, d
 gpus_per_node=8)`` (``--named`` plans on a named 8 x 8 (dp, tp) mesh instead). Prints the wall
 time and the chosen plan; ``--profile FILE`` writes a cProfile dump of the plan call.
 
-    PYTHONPATH=. python bench/search_speed.py [--named] [--progress] [--time-budget S] [--profile FILE]
+    PYTHONPATH=. python bench/search_speed.py [--named] [--progress] [--time-budget S] [--profile FILE] [--alternatives]
+
+``AUTOPAR_PIPELINE_BOUND=1`` in the environment turns on the pipeline candidates' step floors (solver/pipeline_bound.py).
 """
 from __future__ import annotations
 
