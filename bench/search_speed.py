@@ -6,7 +6,9 @@ mixed precision, and plans it with ``autopar.plan(mode="auto")`` on ``Mesh(64, d
 gpus_per_node=8)`` (``--named`` plans on a named 8 x 8 (dp, tp) mesh instead). Prints the wall
 time and the chosen plan; ``--profile FILE`` writes a cProfile dump of the plan call.
 
-    PYTHONPATH=. python bench/search_speed.py [--named] [--progress] [--time-budget S] [--profile FILE]
+    PYTHONPATH=. python bench/search_speed.py [--named] [--progress] [--time-budget S] [--profile FILE] [--alternatives]
+
+``AUTOPAR_PIPELINE_BOUND=1`` in the environment turns on the pipeline candidates' step floors (solver/pipeline_bound.py).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def main() -> None:
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--time-budget", type=float, default=None)
     ap.add_argument("--profile", default=None, help="write a cProfile dump of the plan call here")
+    ap.add_argument("--alternatives", action="store_true", help="list every candidate's outcome after the plan")
     args = ap.parse_args()
     model = llama3_8b()
     x = torch.randint(0, VOCAB, (BATCH, SEQ), device="meta")
@@ -64,6 +67,9 @@ def main() -> None:
           f"pp={d.get('pp')} microbatches={p.microbatches} {p.schedule} | {p.memory_options.summary()} | "
           f"step {p.step_time:.4f} s | peak {max(p.memory_per_device) / 2**30:.2f} GiB"
           + (f" | {p.search_note}" if p.search_note else ""), flush=True)
+    if args.alternatives:
+        for a in sorted(p.alternatives, key=lambda a: (not a.fits, a.step_time, a.note)):
+            print(f"  {'fits' if a.fits else 'no  '} {a.step_time:9.4f} s  {a.note[:230]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
 from autopar.solver.pipeline_fit import (PipelineDominatedError, PipelineRequestError, budget_bytes, fit_refusal, held, holds_more,
                                          microbatch_counts, model_parallel_first, schedules)
+from autopar.solver.pipeline_bound import bounds_enabled, by_floor, candidate_floors, floor_dominated
 from autopar.solver.pipeline_steer import _next_share, _tighter, in_flight_weight, between_shares
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_collectives import pipeline_collectives
@@ -550,6 +551,12 @@ def pipeline_plans(req: SolveRequest, skip: set | None = None):
         cands = model_parallel_first(traced, cands, opts)
     plans, failures = [], []
     progress = opts.progress
+    floors = {} if forced or not bounds_enabled() or (progress is not None and progress.out_of_time()) else \
+        candidate_floors(traced, cands, mode, opts, req.param_ann, req.input_ann,
+                         lambda c: c.pp <= num_units and not (skip and (c.full.shape, c.full.axis_names) in skip)
+                         and fit_refusal(traced, c, opts) is None)
+    if floors:
+        cands = by_floor(traced, cands, floors, opts)    # the likeliest best first: its plan bounds the rest
     for cand in cands:
         if progress is not None and progress.out_of_time():
             break
@@ -564,6 +571,8 @@ def pipeline_plans(req: SolveRequest, skip: set | None = None):
         try:
             if not forced and (refused := fit_refusal(traced, cand, opts)) is not None:
                 raise refused
+            if (dominated := floor_dominated(floors.get(id(cand)), progress and progress.cutoff())) is not None:
+                raise dominated
             plans.append(plan_pipeline(traced, cand, mode, within, req.param_ann, req.input_ann, req.retracer))
         except (PipelineRequestError, ValueError, SolverTimeoutError) as err:   # one candidate's: the search goes on
             if forced and len(cands) == 1 and not isinstance(err, PipelineDominatedError):
