@@ -33,7 +33,7 @@ The floor costs one unbudgeted solve of the traced step on S (no re-trace, no me
 used only when that solve is proven optimal. The floors are on only with ``AUTOPAR_PIPELINE_BOUND=1``
 (then every candidate's floor is solved first and the candidates are tried by floor ascending): on
 Llama-3 8B over 64 H100s they were 0.55-0.88 of the solved steps, and every candidate lies within 1.3x of
-the best plan, so none is pruned and the floors' solves only add time (bench/RESULTS.md §35l).
+the best plan, so none is pruned and the floors' solves only add time (bench/RESULTS.md §35m).
 """
 from __future__ import annotations
 
@@ -45,22 +45,32 @@ import os
 from ortools.linear_solver import pywraplp
 
 from autopar.cost_models.memory import param_numel, parameter_nodes, training_state_bytes
+from autopar.graph.cut_points import assign_units
 from autopar.plan.plan import PlanError
 from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import solve_on_mesh
 from autopar.solver.pipeline_fit import PipelineDominatedError, PipelineRequestError, budget_bytes, microbatch_counts
 from autopar.solver.request import SolveRequest
+from autopar.solver.virtual_stages import virtual_stage_choices
 
 BOUND_ENV = "AUTOPAR_PIPELINE_BOUND"
 UNBOUNDED_GB = 1e6      # the memory budget of the floor's solve: no layout is refused for memory
-VIRTUAL_STAGES = {"gpipe": (1,), "1f1b": (1,), "interleaved_1f1b": (2,)}   # stages per rank of each schedule
+VIRTUAL_STAGES = {"gpipe": (1,), "1f1b": (1,), "interleaved_1f1b": (2,)}   # the schedules; interleaved: see below
+
+
+def stages_per_rank(kind: str, pp: int, m: int, units: int, opts) -> list[int]:
+    """Every stages-per-rank value the search may cut ``kind`` at (``virtual_stages.virtual_stage_choices``:
+    the floor is a minimum over them, so covering each keeps it sound)."""
+    if kind != "interleaved_1f1b":
+        return list(VIRTUAL_STAGES[kind])
+    return virtual_stage_choices(pp, m, units, getattr(opts, "virtual_stages", None))
                         # the search tries (``inter_op._prepare``): a search that tries more must list them here
 SAFETY = 1e-6           # the LP's optimum is shaded by this share (its tolerance)
 
 
 def bounds_enabled() -> bool:
     """Whether AUTO orders and prunes pipeline candidates by ``step_floor``: only with
-    ``AUTOPAR_PIPELINE_BOUND=1`` (off by default: on the jobs measured, bench/RESULTS.md §35l, the
+    ``AUTOPAR_PIPELINE_BOUND=1`` (off by default: on the jobs measured, bench/RESULTS.md §35m, the
     floors cost a solve each and pruned too little to pay for it)."""
     return os.environ.get(BOUND_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
@@ -82,7 +92,9 @@ def step_floor(traced, cand, mode, opts, param_ann: dict, input_ann: dict) -> fl
     once = max(0.0, plan.once_per_step_time - plan.grad_sync_overhead)
     every = max(0.0, plan.step_time - plan.once_per_step_time)
     kinds = [opts.schedule] if opts.schedule in VIRTUAL_STAGES else list(VIRTUAL_STAGES)
-    factor = min(schedule_factor(cand.pp, v, m) / m for kind in kinds for v in VIRTUAL_STAGES[kind] for m in counts)
+    units = len(assign_units(traced.gm)[0])
+    factor = min(schedule_factor(cand.pp, v, m) / m for kind in kinds for m in counts
+                 for v in stages_per_rank(kind, cand.pp, m, units, opts))
     return every * factor + once / cand.pp
 
 

@@ -12,7 +12,8 @@ from autopar.core.context import ParallelMode
 from autopar.frontend.trace import trace
 from autopar.graph.retrace import Retracer
 from autopar.schedules.schedule import build_schedule, simulate
-from autopar.solver.pipeline_bound import BOUND_ENV, VIRTUAL_STAGES, floor_dominated, schedule_factor, step_floor
+from autopar.graph.cut_points import assign_units
+from autopar.solver.pipeline_bound import BOUND_ENV, floor_dominated, schedule_factor, stages_per_rank, step_floor
 from autopar.solver.pipeline_fit import PipelineDominatedError, PipelineRequestError
 from autopar.solver.pipeline_search import pipeline_candidates, plan_pipeline
 from autopar.solver.request import PlanOptions
@@ -35,7 +36,9 @@ def _floors_and_steps(job, mesh, opts: PlanOptions):
         except PipelineRequestError:
             continue
         # the floor covers the stages per rank the search tries (a search trying more must list them)
-        assert plan.pipeline.virtual_stages in VIRTUAL_STAGES[plan.schedule], (plan.schedule, plan.pipeline)
+        units = len(assign_units(traced.gm)[0])
+        assert plan.pipeline.virtual_stages in stages_per_rank(plan.schedule, cand.pp, plan.microbatches, units,
+                                                               opts), (plan.schedule, plan.pipeline)
         out.append((cand.pp, cand.sub.shape, floor, plan.step_time))
     return out
 
