@@ -11,7 +11,7 @@ where S is the least training state (parameters, gradients, optimizer state, gat
 any candidate on each of the n devices (split further by ZeRO-3 or tensor parallelism), ``a``
 the least activations and transients of a microbatch of one row per device (accumulation and
 recomputation shrink them that far; ``_more_devices``) and ``i`` the step's inputs. ``j`` is capped where the batch runs out of rows. It is an
-estimate: the message says so (``tests/ranks/test_zero_search.py`` checks that it fits).
+estimate: the message says so (``tests/unit/test_zero_search_plans.py`` checks that it fits).
 """
 from __future__ import annotations
 
