@@ -33,7 +33,8 @@ from autopar.report.progress_display import ProgressDisplay
 from autopar.solver.progress import SearchProgress
 from autopar.solver.request import SolveRequest
 from autopar.solver.search import PlanOptions, make_plans
-from autopar.frontend.trace import Traced, trace
+from autopar.frontend.shared_trace import pack_traced, unpack_traced
+from autopar.frontend.trace import Traced, run_device, trace
 
 
 def _mode(mode) -> ParallelMode:
@@ -157,12 +158,13 @@ def _planning_group():
     return world_group(max(comm_timeout_s(), PLANNING_WAIT_S))
 
 
-def _share_plans(err: Exception | None, plans: list[Plan] | None, group) -> list[Plan]:
-    """Rank 0's planning outcome on every rank: its plans, or its error raised everywhere."""
+def _share_plans(err: Exception | None, plans: list[Plan] | None, group, graph=None) -> tuple[list[Plan], object]:
+    """Rank 0's planning outcome on every rank: its plans (and ``graph``, its packed trace), or its error
+    raised everywhere."""
     if group is None:
         if err is not None:
             raise err
-        return plans
+        return plans, graph
     box = [repr(err) if err is not None else None]
     note("broadcast_object_list", detail=f"of rank 0's planning outcome (rank 0 plans while the others wait, "
                                          f"at most {max(comm_timeout_s(), PLANNING_WAIT_S):g} s)")
@@ -171,10 +173,10 @@ def _share_plans(err: Exception | None, plans: list[Plan] | None, group) -> list
         if err is not None:
             raise err
         raise PlanError(f"planning failed on rank 0: {box[0]}")
-    box = [[p.to_json(indent=None) for p in plans] if plans is not None else None]
-    note("broadcast_object_list", detail="of the plans from rank 0")
+    box = [[p.to_json(indent=None) for p in plans] if plans is not None else None, graph]
+    note("broadcast_object_list", detail="of the plans and the traced graph from rank 0")
     dist.broadcast_object_list(box, src=0, group=group)
-    return [Plan.from_json(text) for text in box[0]]
+    return [Plan.from_json(text) for text in box[0]], box[1]
 
 
 def parallelize(model: nn.Module, mesh, example_inputs=None, loss_fn=None, example_target=None, mode=None,
@@ -232,25 +234,19 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
             raise PlanError(f"parallelize(compile={compile!r}) but the given plan was made with compiled="
                             f"{given.compiled!r}; drop the keyword or make a new plan with it")
     compiled = given.compiled if given is not None else _compile(compile)
-    traced = trace(model, example_inputs, loss_fn, example_target, mp, example_kwargs)
     retracer = Retracer(model, example_inputs, loss_fn, example_target, mp, example_kwargs)
-    mark_chunk_hints(traced.gm)      # every rank's graph, whether it plans or receives the plan
-    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def traced_here() -> Traced:
+        traced = trace(model, example_inputs, loss_fn, example_target, mp, example_kwargs)
+        mark_chunk_hints(traced.gm)      # every rank's graph, whether it plans or receives the plan
+        return traced
+
     if given is not None:
+        traced = traced_here()
         the_plan = _check_plan(given, traced, mesh)
         _warn_unused_annotations(ParallelMode.HYBRID, stacklevel=4)
     else:
-        err, plans = None, None
-        top_k = get_auto_parallel_context()["autotune_top_k"] if mode == ParallelMode.AUTO and mesh.size > 1 else 1
-        group = _planning_group() if dist.is_initialized() and dist.get_world_size() > 1 else None
-        if rank == 0:
-            try:
-                with fewer_collections():
-                    plans = _plan_traced(model, traced, retracer, mesh, mode, max(1, top_k), mp, warn_level=5,
-                                         compiled=compiled)
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                err = e
-        plans = _share_plans(err, plans, group)
+        traced, plans = _plans_from_rank0(model, mesh, mode, mp, compiled, on_meta, retracer, traced_here)
         the_plan = plans[0]
         if len(plans) > 1:
             from autopar.modules.autotune import choose
@@ -267,6 +263,38 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
     if on_meta:
         keep_meta_model(pmodel, model)
     return remember_configs(pmodel, model)      # the HF config save_pretrained writes
+
+
+def _plans_from_rank0(model, mesh, mode, mp, compiled, on_meta, retracer, traced_here) -> tuple[Traced, list[Plan]]:
+    """Rank 0 traces and plans while the others wait; every rank gets the plans and, where it can run it,
+    rank 0's traced graph (``frontend/shared_trace.py``; else it traces the model itself)."""
+    err, plans, traced, graph = None, None, None, None
+    top_k = get_auto_parallel_context()["autotune_top_k"] if mode == ParallelMode.AUTO and mesh.size > 1 else 1
+    group = _planning_group() if dist.is_initialized() and dist.get_world_size() > 1 else None
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        try:
+            traced = traced_here()
+            graph = (_device_of(model, on_meta), pack_traced(traced)) if group is not None else None
+            with fewer_collections():
+                plans = _plan_traced(model, traced, retracer, mesh, mode, max(1, top_k), mp, warn_level=6,
+                                     compiled=compiled)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            err = e
+    try:
+        plans, graph = _share_plans(err, plans, group, graph)
+    except PlanError:
+        if traced is None:
+            traced_here()       # rank 0 failed: where this rank's own trace fails too, its error says why
+        raise
+    if traced is None:          # rank 0's graph, unless it holds what only rank 0 can run, or another device
+        same = graph is not None and graph[1] is not None and graph[0] == _device_of(model, on_meta)
+        traced = unpack_traced(graph[1]) if same else traced_here()
+    return traced, plans
+
+
+def _device_of(model: nn.Module, on_meta: bool) -> str:
+    """The device this rank's graph makes its own tensors on (``trace`` retargets a meta model's)."""
+    return str(run_device() if on_meta else next((p.device for p in model.parameters()), torch.device("cpu")))
 
 
 def _trial(pmodel: ParallelModule, on_meta: bool) -> ParallelModule:

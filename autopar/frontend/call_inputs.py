@@ -18,6 +18,9 @@ class _Tensor:
     def __repr__(self) -> str:
         return "<tensor>"
 
+    def __reduce__(self) -> str:
+        return "TENSOR"      # unpickled as the one marker (compared with ``is``)
+
 
 TENSOR = _Tensor()
 
