@@ -10,7 +10,8 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from autopar.runtime import idle_rank
-from autopar.runtime.checkpoint_state import MODEL, OPTIM, held_names, layout, model_tensor, param_names, rng_key
+from autopar.runtime.checkpoint_state import MODEL, OPTIM, param_names, rng_key
+from autopar.runtime.held_state import held_names, layout, model_tensor
 
 _LIST = 3       # names listed in one message at most
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.runtime.checkpoint_state import held_names, model_tensor
+from autopar.runtime.held_state import held_names, model_tensor
 from autopar.sharding.boxes import slices
 
 

@@ -199,7 +199,7 @@ def test_pieces_and_zero_shards_map_to_the_full_tensor():
     for chunked and 2-D specs and for ZeRO flat shards with partial rows and padding."""
     import itertools
 
-    from autopar.runtime.checkpoint_state import Layout
+    from autopar.runtime.held_state import Layout
     from autopar.sharding.boxes import runs
     from autopar.sharding.placements import R
     from autopar.sharding.shard_params import local_piece
