@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
+from autopar.core import search_memo
 from autopar.graph.grads import grad_nodes, is_parameter
 from .moe import is_moe, moe_save_rule
 from .save_rules import SAVE_RULES, Internal, default_rule, dropout_rule, node_value, tensor_bytes
@@ -144,6 +145,8 @@ def _saved_items(node: fx.Node, mask_bytes: int | None) -> list:
     """What ``node``'s save rule keeps (``_rule_items``), memoised per node and mask while what the
     rules read stays the same objects: the node's arguments, its and its inputs' values, and the
     graph's set of values that need a gradient (a planning search asks it for every edge of every solve)."""
+    if not search_memo.ENABLED:
+        return _rule_items(node, mask_bytes)
     need = grad_nodes(node.graph)
     guard = (node.args, node.kwargs, need, node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes))
     per_node = _SAVED_ITEMS.get(node)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.fx as fx
 
+from autopar.core import search_memo
 from autopar.graph.grads import grad_nodes
 from autopar.plan.plan import Collective, NodeDecision, ParamDecision
 from autopar.sharding.candidates import Candidates, producer
@@ -125,6 +126,8 @@ _DESCRIBED: dict[int, tuple] = {}      # id(strategy) -> (strategy, its ``descri
 def _described(st) -> str:
     """``st.describe()``, memoised per Strategy object (repeated layers share them; the entry keeps
     the object alive, so an id is not reused while it is listed)."""
+    if not search_memo.ENABLED:
+        return st.describe()
     hit = _DESCRIBED.get(id(st))
     if hit is None or hit[0] is not st:
         if len(_DESCRIBED) > 200_000:

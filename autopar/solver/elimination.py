@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 
+from autopar.core import search_memo
 from autopar.solver.class_graph import ClassGraph
 
 LIMIT = 64_000_000     # sums one elimination step may do (its table times the class's candidates)
@@ -101,6 +102,11 @@ def _sum_into(parts: list[np.ndarray], out: np.ndarray) -> None:
     only the last addition runs over the whole table. Each entry is the same sum of the same floats
     in the same order as adding every part into a table of zeros (0 + x = x; a zero's sign aside,
     which no comparison sees): the same values and picks."""
+    if not search_memo.ENABLED:
+        out.fill(0.0)
+        for part in parts:
+            out += part
+        return
     acc = parts[0]
     for part in parts[1:-1]:
         acc = acc + part

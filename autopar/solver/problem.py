@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from autopar.core import search_memo
 from autopar.cost_models.memory import saved_bytes_by_node, saves_input
 from autopar.cost_models.recompute import saved_bytes_after
 from autopar.graph.grads import grad_nodes, is_parameter
@@ -119,6 +120,9 @@ def _node_kinds(by_name: dict, cands: Candidates, params: set[str], need: frozen
     list enters the key as the number of its value among the lists seen (``_strategy_rows``): the
     same classes as the key with the list itself, without hashing every strategy of every node."""
     ids: dict = {}
+    if not search_memo.ENABLED:
+        return {n: ids.setdefault(cost_key(by_name[n], st, {}, params, need), len(ids))
+                for n, st in cands.strategies.items()}
     rows = _strategy_rows(cands)
     return {n: ids.setdefault(cost_key(by_name[n], (), {}, params, need) + (rows[n],), len(ids))
             for n in cands.strategies}
