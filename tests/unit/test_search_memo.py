@@ -26,17 +26,35 @@ def _hf_llama():
 def _plan_dict(job, mesh, monkeypatch, enabled: bool, **kw) -> dict:
     monkeypatch.setattr(search_memo, "ENABLED", enabled)
     model, inputs, loss, target = job()
-    plan = autopar.plan(model, mesh, example_inputs=inputs, loss_fn=loss, example_target=target, mode="auto", **kw)
+    # CP-SAT's limit is wall time: room enough that no budgeted solve ends at it under load (docs/testing.md)
+    autopar.set_auto_parallel_context(solver_time_limit=60.0)
+    try:
+        plan = autopar.plan(model, mesh, example_inputs=inputs, loss_fn=loss, example_target=target, mode="auto",
+                            **kw)
+    finally:
+        autopar.reset_auto_parallel_context()
     d = plan.to_dict()
     d.pop("solve_time")          # seconds measured, not decided
     return d
 
 
-def _same_plan(job, mesh, monkeypatch, **kw) -> dict:
+def _fitting_times(d: dict) -> dict:
+    """``d`` with its alternatives cut to (note, memory options, step) of those that fit."""
+    alts = [(a["note"], a["memory_options"], a["step_time"]) for a in d["alternatives"] if a["fits"]]
+    return {**d, "alternatives": alts}
+
+
+def _same_plan(job, mesh, monkeypatch, ties_vary: bool = False, **kw) -> dict:
+    """``ties_vary``: the job has candidates whose budgeted CP-SAT solve has several assignments of equal
+    time, of which the portfolio returns one by its workers' timing (the same code, run three times on
+    the capped job, listed 4466944 and 4467200 bytes for one alternative): their memory and the
+    failed candidates' notes are not compared."""
     decode._DESCRIBED.clear()
     on = _plan_dict(job, mesh, monkeypatch, True, **kw)
     assert decode._DESCRIBED and len(memory._SAVED_ITEMS), "the memos were not used: the test compares nothing"
     off = _plan_dict(job, mesh, monkeypatch, False, **kw)
+    if ties_vary:
+        on, off = _fitting_times(on), _fitting_times(off)
     for key in on:
         assert on[key] == off[key], key
     assert on == off
@@ -62,7 +80,7 @@ def test_gpt_on_4_devices_plans_the_same_with_and_without_the_memos(monkeypatch)
 def test_gpt_under_a_cap_plans_the_same_with_and_without_the_memos(monkeypatch):
     """Under a cap that needs ZeRO, accumulation and recomputation (tests/unit/test_search_bounds.py's job)."""
     _same_plan(lambda: factories.gpt(hidden=64, layers=4, heads=4, seq=64, batch=16, vocab=2048),
-               autopar.Mesh(2, device="v100-16gb", memory_gb=0.0045), monkeypatch)
+               autopar.Mesh(2, device="v100-16gb", memory_gb=0.0045), monkeypatch, ties_vary=True)
 
 
 @pytest.mark.slow
