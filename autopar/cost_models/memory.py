@@ -16,6 +16,7 @@ layer-norm statistics, a contiguous copy). Ops without a rule save every tensor 
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
+from autopar.core import search_memo
 from autopar.graph.grads import grad_nodes, is_parameter
 from .moe import is_moe, moe_save_rule
 from .save_rules import SAVE_RULES, Internal, default_rule, dropout_rule, node_value, tensor_bytes
@@ -136,7 +138,29 @@ def storage_key(node: fx.Node) -> object:
     return _storage(node)[0]
 
 
+_SAVED_ITEMS: "weakref.WeakKeyDictionary[fx.Node, dict]" = weakref.WeakKeyDictionary()
+
+
 def _saved_items(node: fx.Node, mask_bytes: int | None) -> list:
+    """What ``node``'s save rule keeps (``_rule_items``), memoised per node and mask while what the
+    rules read stays the same objects: the node's arguments, its and its inputs' values, and the
+    graph's set of values that need a gradient (a planning search asks it for every edge of every solve)."""
+    if not search_memo.ENABLED:
+        return _rule_items(node, mask_bytes)
+    need = grad_nodes(node.graph)
+    guard = (node.args, node.kwargs, need, node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes))
+    per_node = _SAVED_ITEMS.get(node)
+    hit = per_node.get(mask_bytes) if per_node is not None else None
+    if hit is not None and len(hit[0]) == len(guard) and all(x is y for x, y in zip(hit[0], guard)):
+        return hit[1]
+    items = _rule_items(node, mask_bytes)
+    if per_node is None:
+        per_node = _SAVED_ITEMS[node] = {}
+    per_node[mask_bytes] = (guard, items)
+    return items
+
+
+def _rule_items(node: fx.Node, mask_bytes: int | None) -> list:
     if node.op != "call_function" or node not in grad_nodes(node.graph):
         return []
     if node.target is aten.dropout.default:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.fx as fx
 
+from autopar.core import search_memo
 from autopar.graph.grads import grad_nodes
 from autopar.plan.plan import Collective, NodeDecision, ParamDecision
 from autopar.sharding.candidates import Candidates, producer
@@ -116,7 +117,23 @@ def _options(strategies: list, v: int, p, choice: list[int], edges_at: tuple) ->
     for e in out_edges.get(v, []):
         totals = totals + e.cost[:, choice[e.dst]]
     order = np.argsort(totals)[:6]
-    return [[strategies[int(i)].describe(), float(totals[i])] for i in order]
+    return [[_described(strategies[int(i)]), float(totals[i])] for i in order]
+
+
+_DESCRIBED: dict[int, tuple] = {}      # id(strategy) -> (strategy, its ``describe()``)
+
+
+def _described(st) -> str:
+    """``st.describe()``, memoised per Strategy object (repeated layers share them; the entry keeps
+    the object alive, so an id is not reused while it is listed)."""
+    if not search_memo.ENABLED:
+        return st.describe()
+    hit = _DESCRIBED.get(id(st))
+    if hit is None or hit[0] is not st:
+        if len(_DESCRIBED) > 200_000:
+            _DESCRIBED.clear()
+        hit = _DESCRIBED[id(st)] = (st, st.describe())
+    return hit[1]
 
 
 def _node_decision(node: fx.Node, st, seconds: float, options: list) -> NodeDecision:

@@ -17,7 +17,8 @@ back in reverse order, each from its ``arg`` table at the picks of its scope (wh
 eliminated later, so are known). The next class is the one whose new table (the product of the
 candidate counts of U and v) is smallest; a step of more than ``LIMIT`` sums or a table over
 ``TABLE`` entries returns None and the caller uses CP-SAT. The sums of one step are done one
-candidate of v at a time, so the working set is one table over U. No rounding: the result is optimal (inf = forbidden, propagated; an infinite
+candidate of v at a time, so the working set is one table over U, each partial sum of the factors as
+small as its scopes allow (``_sum_into``). No rounding: the result is optimal (inf = forbidden, propagated; an infinite
 optimum means no finite assignment).
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import math
 
 import numpy as np
 
+from autopar.core import search_memo
 from autopar.solver.class_graph import ClassGraph
 
 LIMIT = 64_000_000     # sums one elimination step may do (its table times the class's candidates)
@@ -78,9 +80,8 @@ def _min_over_last(parts: list[np.ndarray], shape: list[int], n: int) -> tuple[n
                                                  [b - a] + list(shape[1:]), n)
         return best, arg
     if math.prod(shape) * n <= DENSE:
-        total = np.zeros(list(shape) + [n])
-        for part in parts:
-            total += part
+        total = np.empty(list(shape) + [n])
+        _sum_into(parts, total)
         arg = total.argmin(axis=-1)
         return np.take_along_axis(total, arg[..., None], axis=-1)[..., 0], arg.astype(np.int32)
     best = np.full(shape, np.inf)
@@ -88,13 +89,31 @@ def _min_over_last(parts: list[np.ndarray], shape: list[int], n: int) -> tuple[n
     total = np.empty(shape)
     better = np.empty(shape, dtype=bool)
     for k in range(n):
-        total.fill(0.0)
-        for part in parts:
-            total += part[..., k if part.shape[-1] > 1 else 0]
+        _sum_into([part[..., k if part.shape[-1] > 1 else 0] for part in parts], total)
         np.less(total, best, out=better)
         np.copyto(best, total, where=better)
         np.copyto(arg, k, where=better)
     return best, arg
+
+
+def _sum_into(parts: list[np.ndarray], out: np.ndarray) -> None:
+    """``out[...] = parts[0] + parts[1] + ...`` added left to right, each partial sum at the broadcast
+    shape of the parts so far (a step's unary and pairwise factors come first and are small), so
+    only the last addition runs over the whole table. Each entry is the same sum of the same floats
+    in the same order as adding every part into a table of zeros (0 + x = x; a zero's sign aside,
+    which no comparison sees): the same values and picks."""
+    if not search_memo.ENABLED:
+        out.fill(0.0)
+        for part in parts:
+            out += part
+        return
+    acc = parts[0]
+    for part in parts[1:-1]:
+        acc = acc + part
+    if len(parts) > 1:
+        np.add(acc, parts[-1], out=out)
+    else:
+        out[...] = acc
 
 
 def eliminate_best(g: ClassGraph, active: list[int], limit: int | None = None) -> tuple[float, dict[int, int]] | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.core import search_memo
 from autopar.cost_models.devices import mesh_device
 from autopar.core.context import ParallelMode
 from autopar.cost_models.compute import total_flops
@@ -226,9 +227,7 @@ def solve_on_mesh(req: SolveRequest, microbatches: int = 1, cutoff: float | None
                       recompute=opts.recompute or "none", zero=opts.zero or 0, microbatches=microbatches,
                       grad_element_bytes=sync_element_bytes(opts.precision, opts.grad_compression),
                       moe_imbalance=opts.moe_imbalance, _redistribution=redistribution, _memo=memo, _tables=tables)
-    names = dict(traced.params)
-    names.update(traced.buffers)
-    ties = tie_groups(find_layers(traced.gm, names))
+    ties = _ties(traced)
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
     built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
     held = step_input_bytes(traced, microbatches)
@@ -287,6 +286,18 @@ def step_input_bytes(traced, microbatches: int = 1) -> float:
     by_name = {n.name: n for n in traced.gm.graph.nodes}
     vals = [by_name[n].meta.get("val") for n in names if n in by_name]
     return float(microbatches * sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)))
+
+
+def _ties(traced) -> list[list[str]]:
+    """The repeated layers' tie groups of ``traced``'s graph, once per graph (every mesh and memory
+    option the search solves it on asks for the same groups)."""
+    key = (id(traced.gm.graph), len(traced.gm.graph.nodes))
+    kept = traced.meta.get("tie_groups")
+    if kept is None or kept[0] != key or not search_memo.ENABLED:
+        names = dict(traced.params)
+        names.update(traced.buffers)
+        kept = traced.meta["tie_groups"] = (key, tie_groups(find_layers(traced.gm, names)))
+    return kept[1]
 
 
 def _candidates(traced, mesh_shape: tuple):

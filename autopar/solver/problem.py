@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from autopar.core import search_memo
 from autopar.cost_models.memory import saved_bytes_by_node, saves_input
 from autopar.cost_models.recompute import saved_bytes_after
 from autopar.graph.grads import grad_nodes, is_parameter
@@ -115,10 +116,33 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
 
 def _node_kinds(by_name: dict, cands: Candidates, params: set[str], need: frozenset) -> dict[str, int]:
     """node name -> an integer naming its ``cost_key`` without the costing's inputs (saved
-    bytes, recomputation): equal integers cost the same under every strategy."""
+    bytes, recomputation): equal integers cost the same under every strategy. A node's strategy
+    list enters the key as the number of its value among the lists seen (``_strategy_rows``): the
+    same classes as the key with the list itself, without hashing every strategy of every node."""
     ids: dict = {}
-    return {n: ids.setdefault(cost_key(by_name[n], st, {}, params, need), len(ids))
-            for n, st in cands.strategies.items()}
+    if not search_memo.ENABLED:
+        return {n: ids.setdefault(cost_key(by_name[n], st, {}, params, need), len(ids))
+                for n, st in cands.strategies.items()}
+    rows = _strategy_rows(cands)
+    return {n: ids.setdefault(cost_key(by_name[n], (), {}, params, need) + (rows[n],), len(ids))
+            for n in cands.strategies}
+
+
+def _strategy_rows(cands: Candidates) -> dict[str, int]:
+    """node name -> the number of its strategy list's value (equal lists, equal numbers). Repeated
+    layers' lists hold the same Strategy objects (``mesh_strategies`` is memoised), so a list is
+    looked up by its members' identities first and hashed by value once per distinct identity row
+    (every member is alive in ``cands`` while this runs, so identities are not reused)."""
+    by_value: dict = {}
+    by_identity: dict = {}
+    out = {}
+    for n, strategies in cands.strategies.items():
+        ident = tuple(map(id, strategies))
+        row = by_identity.get(ident)
+        if row is None:
+            row = by_identity[ident] = by_value.setdefault(tuple(strategies), len(by_value))
+        out[n] = row
+    return out
 
 
 def _edges_of(by_name: dict, names: list[str], index: dict, cands: Candidates, c: Costing, params: set[str],
