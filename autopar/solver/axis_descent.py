@@ -31,6 +31,7 @@ import numpy as np
 
 from autopar.solver.intra_op import (InfeasibleError, IntraOpProblem, IntraOpSolution, SolverTimeoutError, evaluate,
                                      solve_intra_op, workspace_bytes)
+from autopar.solver.memory_floor import memory_floor
 
 ROUNDS = 2               # sweeps over the axes
 DESCENT_PAIRS = 100_000  # the descent runs when the problem has more (src, dst) strategy pairs than this
@@ -144,7 +145,8 @@ def solve_with_start(p: IntraOpProblem, solve=solve_intra_op) -> IntraOpSolution
     axes: ``descend`` within ``SHARE`` of the time limit; the others: the greedy hint), and never slower
     than that start unless proven optimal."""
     began = time.perf_counter()
+    hopeless = p.memory_budget is not None and memory_floor(p) > p.memory_budget    # raises its explanation at once
     seed = descend(p, solve, list(p.hint), began + SHARE * p.time_limit_s) \
-        if p.hint is not None and wants_descent(p) else None
+        if p.hint is not None and not hopeless and wants_descent(p) else None
     q = p if seed is None else dataclasses.replace(p, hint=seed.choice, hint_fits=True)
     return no_worse(solve(q), seed or assess(p, p.hint, "greedy"), began)
