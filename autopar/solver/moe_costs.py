@@ -4,25 +4,30 @@ each at the load imbalance where the experts are split (``Costing.moe_imbalance`
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch.fx as fx
 
 from autopar.cost_models.compute import OpCost, OpWork, cost_from_work, node_work
-from autopar.cost_models.moe import MoeShape, etp_split, expert_split_axes, local_rows_per_expert
+from autopar.cost_models.moe import MoeShape, etp_split, expert_split_axes, local_rows_per_expert, moe_kernels
 from autopar.sharding.strategy import Strategy
 
 
 def moe_split_cost(node: fx.Node, base: OpCost, st: Strategy, f: int, c) -> OpCost:
     """One rank's cost: the work over ``f`` (``strategy_prices.work_split``), its GEMMs at the local rows per
-    expert (``cost_models.moe.local_rows_per_expert``) and intermediate dim (``etp_split``), times
+    expert (``cost_models.moe.local_rows_per_expert``) and intermediate dim (``etp_split``), the launches
+    of its own experts where they are split (``moe_kernels``; the runtime runs only those), times
     ``c.moe_imbalance`` (launches excluded) where the experts are split."""
     if f <= 1:
         return base
     work = node_work(node)
+    shape = MoeShape(node)
     rows = local_rows_per_expert(node, st.inputs, c.mesh_shape)
-    dim = MoeShape(node).gemm_dim(rows, etp_split(st.local, c.mesh_shape))
+    dim = shape.gemm_dim(rows, etp_split(st.local, c.mesh_shape))
+    held = math.prod(c.mesh_shape[a] for a in expert_split_axes(st.local, c.mesh_shape))
+    kernels = moe_kernels(max(1, shape.experts // held)) if held > 1 else work.kernels_fwd   # the rank's experts only
     local = OpWork(work.flops_fwd / f, work.flops_bwd / f, work.bytes_fwd / f, work.bytes_bwd / f,
-                   work.kernels_fwd, work.kernels_bwd,
+                   kernels, 2 * kernels if work.kernels_bwd else 0,
                    tuple((dim, fl / f) for _, fl in work.matmuls_fwd), tuple((dim, fl / f) for _, fl in work.matmuls_bwd))
     cost = cost_from_work(local, c.device, base_dtype(node))
     k = c.moe_imbalance if expert_split_axes(st.local, c.mesh_shape) else 1.0
