@@ -14,7 +14,8 @@ expert's matmuls; biases add ``n_e``'s small rest)::
                while keeping every expert (``moe:batch``) costs more per FLOP than ``moe:ep``
     bytes      the parameters once, the gathered, intermediate and output rows (T k (2 H + 2 n_e / H))
     kernels    6 + 4 E forward, twice that backward (routing, permutation, one GEMM group per expert);
-               a rank holding E_local of the experts (split on "ep"/"experts" axes) launches 6 + 4 E_local
+               a rank holding E_local of the experts (split on "ep"/"experts" axes) launches 6 + 4 E_local,
+               plus each ep hop's dispatch (``dispatch_kernels``: 5 + 9 per rank of the axis forward, 8 backward)
 
 Per rank under a strategy (``moe_split_cost``): the work divided by the strategy's ``work_split``
 (tokens split on "batch"/"ep" axes, experts split on "ep"/"experts" axes, each expert's intermediate
@@ -117,6 +118,21 @@ def moe_kernels(experts: int) -> int:
     """Kernels of one forward over ``experts`` experts (routing and permutation, one GEMM group per expert);
     a rank holding ``E_local`` of them launches ``moe_kernels(E_local)`` (``solver/moe_costs.py``)."""
     return 6 + 4 * experts
+
+
+DISPATCH_BWD_KERNELS = 8     # one ep hop's backward: the row gathers' scatters, the k-sum's expand, the token gather's add
+SPLIT_KERNELS = (7, 3)       # a rank with split experts, forward / backward: its (token, k) rows (arange, repeat_interleave,
+                             # gather, the weights' cast, cat) and their k-sum (moe_dispatch.moe_experts)
+KEEP_KERNELS = (6, 3)        # the "experts" role: picking the rows of the rank's experts (compare, nonzero, gathers),
+                             # adding their results into zeros (index_add)
+
+
+def dispatch_kernels(ranks: int) -> int:
+    """Kernels of one ep hop's dispatch and combine forward over an axis of ``ranks`` (``collectives/
+    moe_dispatch.py``; its all_to_alls are costed as collectives): 5 fixed (the destination digits, the
+    argsort, the bincount, the rows' gather by it, the inverse permutation's gather) and 9 per destination
+    rank (its experts' mask and ids, its count's gather, its rows' sum, its received ids' repeat_interleave)."""
+    return 5 + 9 * ranks
 
 
 def expert_split_axes(local: tuple, mesh_shape) -> list[int]:

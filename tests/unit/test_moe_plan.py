@@ -183,8 +183,8 @@ def test_auto_keeps_small_experts_data_parallel_and_splits_large_ones_on_h100():
 
 
 def test_a_rank_launches_only_its_own_experts_kernels():
-    """Split experts (moe:ep) launch 6 + 4 E_local kernels, the whole set (moe:batch) 6 + 4 E (the runtime
-    runs only the rank's experts, collectives/moe_dispatch.py)."""
+    """Split experts (moe:ep) launch 6 + 4 E_local kernels and their dispatch's, the whole set (moe:batch)
+    6 + 4 E (the runtime runs only the rank's experts, collectives/moe_dispatch.py)."""
     from types import SimpleNamespace
 
     from autopar.cost_models.compute import node_cost
@@ -202,6 +202,7 @@ def test_a_rank_launches_only_its_own_experts_kernels():
     whole = Strategy(((s0,), (s0,), (s0,), (r,), (r,)), (s0,), ("moe:batch",), "batch")
     launch = dev.kernel_overhead * dev.compute_scale
     base = node_cost(node, dev)
-    assert moe_split_cost(node, base, ep, 4, c).launch_fwd == pytest.approx((6 + 4 * 2) * launch)
-    assert moe_split_cost(node, base, ep, 4, c).launch_bwd == pytest.approx(2 * (6 + 4 * 2) * launch)
+    dispatch = 5 + 9 * 4                                     # one ep hop over 4 ranks (collectives/moe_dispatch.py)
+    assert moe_split_cost(node, base, ep, 4, c).launch_fwd == pytest.approx((6 + 4 * 2 + 7 + dispatch) * launch)
+    assert moe_split_cost(node, base, ep, 4, c).launch_bwd == pytest.approx((2 * (6 + 4 * 2) + 3 + 8) * launch)
     assert moe_split_cost(node, base, whole, 4, c).launch_fwd == pytest.approx((6 + 4 * 8) * launch)
