@@ -206,3 +206,22 @@ def test_a_rank_launches_only_its_own_experts_kernels():
     assert moe_split_cost(node, base, ep, 4, c).launch_fwd == pytest.approx((6 + 4 * 2 + 7 + dispatch) * launch)
     assert moe_split_cost(node, base, ep, 4, c).launch_bwd == pytest.approx((2 * (6 + 4 * 2) + 3 + 8) * launch)
     assert moe_split_cost(node, base, whole, 4, c).launch_fwd == pytest.approx((6 + 4 * 8) * launch)
+
+
+def test_full_recomputation_runs_the_dispatch_all_to_alls_again():
+    """A recomputed layer's forward runs again in backward with its collectives (passes/recompute.py): the
+    experts op's forward all-to-alls are charged twice (ep over 4 nodes, 8k tokens of hidden 1024, experts of F 16:
+    they outweigh the forward's compute and launches, so without them the recomputation adds less than they take)."""
+    mesh = autopar.Mesh(4, axis_names=("ep",), device="h100", gpus_per_node=1)
+    times = {}
+    for rc in ("none", "full"):
+        autopar.set_auto_parallel_context(recompute=rc)
+        plan = _plan(mesh, model=_mixtral(1024, 16), rows=512)
+        moe = _moe_nodes(plan)
+        name, node = sorted(moe.items())[0]
+        fwd_a2a = sum(c.time for c in plan.collective_list if c.kind == "all_to_all" and c.node == name
+                      and c.phase == "fwd")
+        times[rc] = (node.time, fwd_a2a)
+    autopar.reset_auto_parallel_context()
+    again = times["full"][0] - times["none"][0]
+    assert times["none"][1] > 0 and again > times["none"][1], times
