@@ -15,7 +15,7 @@ expert's matmuls; biases add ``n_e``'s small rest)::
     bytes      the parameters once, the gathered, intermediate and output rows (T k (2 H + 2 n_e / H))
     kernels    6 + 4 E forward, twice that backward (routing, permutation, one GEMM group per expert);
                a rank holding E_local of the experts (split on "ep"/"experts" axes) launches 6 + 4 E_local,
-               plus each ep hop's dispatch (``dispatch_kernels``: 5 + 9 per rank of the axis forward, 8 backward)
+               plus each ep hop's dispatch (``dispatch_kernels``: 16 forward, 8 backward)
 
 Per rank under a strategy (``moe_split_cost``): the work divided by the strategy's ``work_split``
 (tokens split on "batch"/"ep" axes, experts split on "ep"/"experts" axes, each expert's intermediate
@@ -129,10 +129,10 @@ KEEP_KERNELS = (6, 3)        # the "experts" role: picking the rows of the rank'
 
 def dispatch_kernels(ranks: int) -> int:
     """Kernels of one ep hop's dispatch and combine forward over an axis of ``ranks`` (``collectives/
-    moe_dispatch.py``; its all_to_alls are costed as collectives): 5 fixed (the destination digits, the
-    argsort, the bincount, the rows' gather by it, the inverse permutation's gather) and 9 per destination
-    rank (its experts' mask and ids, its count's gather, its rows' sum, its received ids' repeat_interleave)."""
-    return 5 + 9 * ranks
+    moe_dispatch.py``; its all_to_alls are costed as collectives): the destination digits and the rows'
+    sort, the experts' digits and sort, two bincounts, the counts' gather, the received ids' tile and
+    repeat, the rows' gather, the inverse permutation and its gather: 16, whatever ``ranks``."""
+    return 16
 
 
 def expert_split_axes(local: tuple, mesh_shape) -> list[int]:
