@@ -1,12 +1,13 @@
 """Where a pipelined MoE plan's step goes (bench/RESULTS.md §34e): per stage and microbatch, the
 expert all-to-alls, the experts' compute, attention, the rest; the bubble and the once-per-step
-part. Reads a plan JSON (``Plan.save``) made by ``bench/moe_table.plan_row``.
+part. Reads a plan JSON (``Plan.save``), or makes one: ``--row NAME --out FILE`` plans the row's FORCED layout
+with ``bench/moe_table.plan_row`` (what ``paper_table.py --table moe --rows NAME --skip-auto`` runs) and saves it.
 
     PYTHONPATH=. python bench/moe_breakdown.py plan.json
+    PYTHONPATH=. python bench/moe_breakdown.py --row deepseek_v3 --out deepseek.json
 """
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 
 from autopar.plan.plan import Plan
@@ -62,5 +63,30 @@ def breakdown(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def main(argv=None) -> None:
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plan", nargs="?", help="a plan JSON to break down")
+    ap.add_argument("--row", help="a row of bench/moe_table.MOE_ROWS to plan (FORCED) first")
+    ap.add_argument("--out", help="where --row's plan is saved")
+    args = ap.parse_args(argv)
+    if args.row:
+        from bench import moe_table
+
+        row = {r.name: r for r in moe_table.MOE_ROWS}[args.row]
+        t0, c0 = time.perf_counter(), time.process_time()
+        plan, _ = moe_table.plan_row(row, True, None)
+        tf = moe_table.step_flops(row) / plan.step_time / row.gpus / 1e12
+        print(f"{row.name}: {tf:.1f} TF/GPU ({tf / row.tflops:.3f}x of {row.tflops:g}) | plan() "
+              f"{time.perf_counter() - t0:.0f} s wall, {time.process_time() - c0:.0f} s CPU")
+        if args.out:
+            plan.save(args.out)
+    else:
+        plan = Plan.load(args.plan)
+    print(breakdown(plan))
+
+
 if __name__ == "__main__":
-    print(breakdown(Plan.load(sys.argv[1])))
+    main()
