@@ -50,6 +50,7 @@ from autopar.graph.grads import node_value as _val
 
 from .causal_attention import causal_scale
 from .devices import DeviceSpec
+from .fused_attention import costs_fused, fused_sdpa_numbers
 from .moe import is_moe, moe_work_numbers
 
 aten = torch.ops.aten
@@ -491,6 +492,9 @@ def node_cost(node: fx.Node, device: DeviceSpec) -> OpCost:
     work = node_work(node)
     if work == OpWork():
         return ZERO_COST
+    if node.target in _SDPA and work.kernels_fwd > 1 and costs_fused(device) and \
+            (fused := fused_sdpa_numbers(node, work.kernels_bwd > 0, causal_scale(node))) is not None:
+        work = OpWork(**fused)      # unequal head dims (MLA): CUDA's fused kernels take them (fused_attention.py)
     return cost_from_work(work, device, _dtype(node), attention=node.target in _SDPA)
 
 

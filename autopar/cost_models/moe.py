@@ -13,7 +13,9 @@ expert's matmuls; biases add ``n_e``'s small rest)::
                (``DeviceSpec.matmul_eff``), which is why splitting tokens over data-parallel ranks
                while keeping every expert (``moe:batch``) costs more per FLOP than ``moe:ep``
     bytes      the parameters once, the gathered, intermediate and output rows (T k (2 H + 2 n_e / H))
-    kernels    6 + 4 E forward, twice that backward (routing, permutation, one GEMM group per expert)
+    kernels    6 + 4 E forward, twice that backward (routing, permutation, one GEMM group per expert);
+               a rank holding E_local of the experts (split on "ep"/"experts" axes) launches 6 + 4 E_local,
+               plus each ep hop's dispatch (``dispatch_kernels``: 16 forward, 8 backward)
 
 Per rank under a strategy (``moe_split_cost``): the work divided by the strategy's ``work_split``
 (tokens split on "batch"/"ep" axes, experts split on "ep"/"experts" axes, each expert's intermediate
@@ -105,11 +107,32 @@ def moe_work_numbers(node: fx.Node) -> dict:
     grads = int(s.hidden in need) + int(any(p in need and is_parameter(p) for p in s.params))
     dim = s.gemm_dim(s.rows / s.experts)
     moved = float(s.param_bytes + s.rows * (2 * s.width + 2 * s.inner) * s.itemsize)
-    kernels = 6 + 4 * s.experts
+    kernels = moe_kernels(s.experts)
     return dict(flops_fwd=mm, flops_bwd=mm * grads,
                 bytes_fwd=moved, bytes_bwd=2 * moved if grads else 0.0,
                 kernels_fwd=kernels, kernels_bwd=2 * kernels if grads else 0,
                 matmuls_fwd=((dim, mm),), matmuls_bwd=((dim, mm * grads),) if grads else ())
+
+
+def moe_kernels(experts: int) -> int:
+    """Kernels of one forward over ``experts`` experts (routing and permutation, one GEMM group per expert);
+    a rank holding ``E_local`` of them launches ``moe_kernels(E_local)`` (``solver/moe_costs.py``)."""
+    return 6 + 4 * experts
+
+
+DISPATCH_BWD_KERNELS = 8     # one ep hop's backward: the row gathers' scatters, the k-sum's expand, the token gather's add
+SPLIT_KERNELS = (7, 3)       # a rank with split experts, forward / backward: its (token, k) rows (arange, repeat_interleave,
+                             # gather, the weights' cast, cat) and their k-sum (moe_dispatch.moe_experts)
+KEEP_KERNELS = (6, 3)        # the "experts" role: picking the rows of the rank's experts (compare, nonzero, gathers),
+                             # adding their results into zeros (index_add)
+
+
+def dispatch_kernels(ranks: int) -> int:
+    """Kernels of one ep hop's dispatch and combine forward over an axis of ``ranks`` (``collectives/
+    moe_dispatch.py``; its all_to_alls are costed as collectives): the destination digits and the rows'
+    sort, the experts' digits and sort, two bincounts, the counts' gather, the received ids' tile and
+    repeat, the rows' gather, the inverse permutation and its gather: 16, whatever ``ranks``."""
+    return 16
 
 
 def expert_split_axes(local: tuple, mesh_shape) -> list[int]:

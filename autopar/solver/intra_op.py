@@ -96,6 +96,9 @@ class IntraOpProblem:
     cutoff: float | None = None    # objective a budgeted solve must beat (docs/solver.md, Bound)
     transient: tuple[list, list] | None = None  # (max terms, sum terms): per node, bytes by strategy (or
                                    # None) of workspace beside the row (docs/solver.md, Transients)
+    axis_keys: list | None = None  # per node, [strategies, mesh axes] ids of its per-axis choices (``axis_descent``)
+    hint_fits: bool = False        # the hint fits the budget: a budgeted CP-SAT run starts from it, not from
+                                   # the unbudgeted optimum that does not fit (``axis_descent``)
 
 
 @dataclass
@@ -307,7 +310,7 @@ def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
     except SolverTimeoutError:
         return _solve(p, start + p.time_limit_s, p.hint, start)
     fits = free.memory <= p.memory_budget
-    hint = free.choice if p.hint is None or not fits else p.hint
+    hint = free.choice if p.hint is None or not (fits or p.hint_fits) else p.hint
     if fits and free.status == "OPTIMAL":
         return free
     if p.cutoff is not None and free.lower_bound >= p.cutoff:

@@ -31,6 +31,7 @@ from autopar.solver.annotations import restrict_op_strategies
 from autopar.solver.context_axes import fed_by_inputs, keep_sequence_split, sequence_order
 from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
+from autopar.solver.axis_descent import solve_with_start
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
 from autopar.solver.moe_axes import ROLE_EXPERT, expert_axis_choices, nodes_moe
 from autopar.solver.memory_terms import accumulated_grad_bytes, op_transients, transient_bytes, zero_layer_buffers
@@ -356,7 +357,7 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
     smallest = None                 # (total bytes, choice) of the smallest assignment tried
     for _ in range(SOLVE_TRIES):
         try:
-            sol = solve_intra_op(problem)
+            sol = solve_with_start(problem, solve_intra_op)
         except InfeasibleError as err:
             if problem.transient is not None and getattr(err, "least_memory", None) is None:
                 problem = dataclasses.replace(problem, transient=None)   # not proven by the row alone:

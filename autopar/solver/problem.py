@@ -27,6 +27,7 @@ from autopar.graph.recompute_regions import choices_for, find_regions
 from autopar.sharding.candidates import Candidates, producer
 from autopar.sharding.placements import shard_factor
 from autopar.sharding.strategy import tensor_inputs
+from autopar.solver.axis_descent import axis_keys
 from autopar.solver.greedy import feasible_hint
 from autopar.solver.intra_op import EdgeCost, IntraOpProblem, NodeChoices, is_forbidden
 from autopar.solver.seq_parallel import with_gathered_copies
@@ -111,6 +112,9 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     ties_idx = [g for g in ties_idx if len(g) > 1 and len({len(cands.strategies[names[i]]) for i in g}) == 1]
     prob = IntraOpProblem(nodes, edges, memory_budget, ties_idx, time_limit_s)
     prob.hint = feasible_hint(prob)
+    if ("axis_keys", id(cands)) not in c._memo:
+        c._memo[("axis_keys", id(cands))] = axis_keys([cands.strategies[n] for n in names])
+    prob.axis_keys = c._memo[("axis_keys", id(cands))]
     return BuiltProblem(prob, names, index, once)
 
 

@@ -180,3 +180,48 @@ def test_auto_keeps_small_experts_data_parallel_and_splits_large_ones_on_h100():
     split = (_moe_strategies(large) == {"ep"} and large.degrees["ep"] == 4) or \
         (_moe_strategies(large) == {"etp"} and large.degrees["tp"] == 4)
     assert split, (large.degrees, _moe_strategies(large))
+
+
+def test_a_rank_launches_only_its_own_experts_kernels():
+    """Split experts (moe:ep) launch 6 + 4 E_local kernels and their dispatch's, the whole set (moe:batch)
+    6 + 4 E (the runtime runs only the rank's experts, collectives/moe_dispatch.py)."""
+    from types import SimpleNamespace
+
+    from autopar.cost_models.compute import node_cost
+    from autopar.cost_models.devices import get_device
+    from autopar.sharding.strategy import Strategy
+    from autopar.solver.moe_costs import moe_split_cost
+
+    x, y = batch()
+    traced = trace(moe_lm("mixtral", 8), (x,), lm_loss, y)
+    node = next(n for n in traced.gm.graph.nodes if is_moe(n))
+    dev = get_device("h100")
+    c = SimpleNamespace(mesh_shape=(4,), device=dev, moe_imbalance=1.0)
+    s0, r = Shard(0), Replicate()
+    ep = Strategy(((s0,), (s0,), (s0,), (s0,), (s0,)), (s0,), ("moe:ep",), "ep")
+    whole = Strategy(((s0,), (s0,), (s0,), (r,), (r,)), (s0,), ("moe:batch",), "batch")
+    launch = dev.kernel_overhead * dev.compute_scale
+    base = node_cost(node, dev)
+    dispatch = 16                                            # one ep hop (collectives/moe_dispatch.py)
+    assert moe_split_cost(node, base, ep, 4, c).launch_fwd == pytest.approx((6 + 4 * 2 + 7 + dispatch) * launch)
+    assert moe_split_cost(node, base, ep, 4, c).launch_bwd == pytest.approx((2 * (6 + 4 * 2) + 3 + 8) * launch)
+    assert moe_split_cost(node, base, whole, 4, c).launch_fwd == pytest.approx((6 + 4 * 8) * launch)
+
+
+def test_full_recomputation_runs_the_dispatch_all_to_alls_again():
+    """A recomputed layer's forward runs again in backward with its collectives (passes/recompute.py): the
+    experts op's forward all-to-alls are charged twice (ep over 4 nodes, 8k tokens of hidden 1024, experts of F 16:
+    they outweigh the forward's compute and launches, so without them the recomputation adds less than they take)."""
+    mesh = autopar.Mesh(4, axis_names=("ep",), device="h100", gpus_per_node=1)
+    times = {}
+    for rc in ("none", "full"):
+        autopar.set_auto_parallel_context(recompute=rc)
+        plan = _plan(mesh, model=_mixtral(1024, 16), rows=512)
+        moe = _moe_nodes(plan)
+        name, node = sorted(moe.items())[0]
+        fwd_a2a = sum(c.time for c in plan.collective_list if c.kind == "all_to_all" and c.node == name
+                      and c.phase == "fwd")
+        times[rc] = (node.time, fwd_a2a)
+    autopar.reset_auto_parallel_context()
+    again = times["full"][0] - times["none"][0]
+    assert times["none"][1] > 0 and again > times["none"][1], times

@@ -5,7 +5,7 @@ import torch.fx as fx
 
 from autopar.sharding.registry import rule_for
 from autopar.sharding.rules import (  # noqa: F401
-    attention, conv, embedding, loss, matmul, moe, norm, pointwise, reduction, scatter, views,
+    attention, conv, embedding, loss, matmul, moe, norm, pointwise, reduction, routing, scatter, views,
 )
 from autopar.sharding.strategy import AxisStrategy
 

@@ -1,0 +1,152 @@
+"""A fitting start for big intra-op problems on meshes of several axes, and the rule that a
+time-limited solve never returns anything slower than its start (docs/solver.md, "A fitting start").
+
+On a mesh of n axes a node's strategies are the product of its per-axis choices (``sharding/
+strategy.py``): 7 per axis give 49 on two axes, and the problem's pair variables grow with the
+square of that. A budgeted problem that big (DeepSeek-V3's whole-model layout on dp 2 x ep 64: 179k
+variables) cannot be eliminated or enumerated, and CP-SAT stopped by its time limit returns whatever
+it found by then (it once split the attention by heads across nodes where a batch split costs no
+communication). Block coordinate descent over the axes gives a good fitting assignment cheaply:
+
+    start: the greedy hint (``greedy.feasible_hint``) when it fits, else the unbudgeted optimum;
+    for axis a = 0 .. n-1 (``ROUNDS`` times, or until no axis improves):
+        keep every node's per-axis choice on the other axes as in the current assignment, free axis a
+        (``allowed`` = the strategies that agree with it there), and solve that restricted problem
+        with the same budget (its candidates are the per-axis ones: the reductions, elimination and
+        enumeration solve it exactly or nearly); keep its answer when it fits and is faster.
+
+Each restricted problem contains the current assignment, so the objective never rises. Its result
+is the budgeted CP-SAT run's hint and its floor: ``no_worse`` returns the start where a solve that
+was not proven optimal came back slower (or found nothing in time). A proven optimum is never
+replaced, so plans whose solves are proven are unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.solver.intra_op import (InfeasibleError, IntraOpProblem, IntraOpSolution, SolverTimeoutError, evaluate,
+                                     solve_intra_op, workspace_bytes)
+from autopar.solver.memory_floor import memory_floor
+
+ROUNDS = 2               # sweeps over the axes
+DESCENT_PAIRS = 100_000  # the descent runs when the problem has more (src, dst) strategy pairs than this
+SHARE = 0.4              # of the time limit the descent may use
+
+
+@dataclass
+class Start:
+    choice: list[int]
+    objective: float
+    memory: float
+    how: str             # "greedy", "descent"
+
+
+def axis_keys(strategies: list[list]) -> list[np.ndarray]:
+    """Per node, an int array [strategies, axes]: equal entries in column a mean the same choice on
+    axis a (inputs', outputs' placements and local implementation there)."""
+    ids: dict = {}
+    out = []
+    for sts in strategies:
+        rows = [[ids.setdefault(_axis_part(st, a), len(ids)) for a in range(len(st.local))] for st in sts]
+        width = len(rows[0]) if rows else 0
+        out.append(np.array(rows, dtype=np.int64).reshape(len(sts), width))
+    return out
+
+
+def _at(spec, a: int):
+    """Placement on axis ``a`` of a Spec, or the tuple of them for a tuple of Specs (multi-output)."""
+    if isinstance(spec, tuple) and spec and all(s is None or isinstance(s, tuple) for s in spec):
+        return tuple(None if s is None else s[a] for s in spec)
+    return spec[a] if isinstance(spec, tuple) and len(spec) > a else spec
+
+
+def _axis_part(st, a: int) -> tuple:
+    return tuple(_at(s, a) for s in st.inputs), _at(st.output, a), st.local[a]
+
+
+def pair_count(p) -> int:
+    """(src, dst) strategy pairs of the problem's edges: what its CP-SAT model's size grows with."""
+    return int(sum(np.size(e.cost) for e in p.edges))
+
+
+def wants_descent(p) -> bool:
+    keys = getattr(p, "axis_keys", None)
+    if not keys or len(keys) != len(p.nodes) or pair_count(p) <= DESCENT_PAIRS:
+        return False
+    return any(k.shape[1] > 1 and len(np.unique(k[:, a])) > 1 for k in keys for a in range(k.shape[1]))
+
+
+def assess(p, choice: list[int] | None, how: str) -> Start | None:
+    """``choice`` as a Start when it is finite and fits the budget with its workspace, else None."""
+    if choice is None or len(choice) != len(p.nodes):
+        return None
+    objective, memory = evaluate(p, list(choice))
+    if not math.isfinite(objective):
+        return None
+    if p.memory_budget is not None and memory + workspace_bytes(p, list(choice)) > p.memory_budget:
+        return None
+    return Start(list(choice), objective, memory, how)
+
+
+def _restricted(p, keys: list[np.ndarray], current: list[int], axis: int):
+    """``p`` with each node limited to the strategies that agree with ``current`` on every axis but ``axis``."""
+    nodes = []
+    for node, k, s in zip(p.nodes, keys, current):
+        others = [b for b in range(k.shape[1]) if b != axis]
+        keep = np.all(k[:, others] == k[s, others], axis=1) if others else np.ones(len(k), dtype=bool)
+        if node.allowed is not None:
+            keep &= np.isin(np.arange(len(k)), node.allowed)
+        nodes.append(dataclasses.replace(node, allowed=[int(i) for i in np.flatnonzero(keep)]))
+    return nodes
+
+
+def descend(p: IntraOpProblem, solve, start: list[int], deadline: float) -> Start | None:
+    """Block coordinate descent over the mesh axes from ``start`` (module docstring); ``solve`` is
+    ``intra_op.solve_intra_op``. None when ``start`` does not fit and no restricted solve fits."""
+    keys = p.axis_keys
+    axes = max(k.shape[1] for k in keys)
+    best = assess(p, start, "greedy")
+    current = list(start)
+    steps = [a for _ in range(ROUNDS) for a in range(axes)]
+    since = 0                 # axes at their best given the others (stop when all are)
+    for i, axis in enumerate(steps):
+        left = deadline - time.perf_counter()
+        if left <= 0 or since >= axes:
+            break
+        q = dataclasses.replace(p, nodes=_restricted(p, keys, current, axis), hint=current, cutoff=None,
+                                axis_keys=None, time_limit_s=max(left / (len(steps) - i), 0.1))
+        since += 1
+        try:
+            sol = solve(q)
+        except (InfeasibleError, SolverTimeoutError):
+            continue
+        found = assess(p, sol.choice, "descent")
+        if found is not None and (best is None or found.objective < best.objective * (1 - 1e-9)):
+            best, current, since = found, list(sol.choice), 1     # this axis is now at its best
+    return best
+
+
+def no_worse(sol, start: Start | None, began: float):
+    """``sol`` unless it was not proven optimal and ``start`` is faster (then the start, status
+    "FEASIBLE(start)")."""
+    if start is None or sol.status == "OPTIMAL" or sol.objective <= start.objective:
+        return sol
+    return dataclasses.replace(sol, choice=list(start.choice), objective=start.objective, memory=start.memory,
+                               status="FEASIBLE(start)", solve_time=time.perf_counter() - began)
+
+
+def solve_with_start(p: IntraOpProblem, solve=solve_intra_op) -> IntraOpSolution:
+    """``solve`` (``intra_op.solve_intra_op``) started from a fitting assignment (a big problem on several
+    axes: ``descend`` within ``SHARE`` of the time limit; the others: the greedy hint), and never slower
+    than that start unless proven optimal."""
+    began = time.perf_counter()
+    hopeless = p.memory_budget is not None and memory_floor(p) > p.memory_budget    # raises its explanation at once
+    seed = descend(p, solve, list(p.hint), began + SHARE * p.time_limit_s) \
+        if p.hint is not None and not hopeless and wants_descent(p) else None
+    q = p if seed is None else dataclasses.replace(p, hint=seed.choice, hint_fits=True)
+    return no_worse(solve(q), seed or assess(p, p.hint, "greedy"), began)
