@@ -96,6 +96,7 @@ class Collective:
     node: str = ""
     time: float = 0.0
     stages: list[int] = field(default_factory=list)   # pipeline: the stages whose ranks run it (empty: by node)
+    in_node: bool = False        # run by the node's own local implementation: its seconds are in the node's time
 
 
 @dataclass
