@@ -6,7 +6,8 @@ mapping of ``k`` layers before the search (``recompute`` must be None or "full")
 ``partial_plans`` (AUTO/SEMI_AUTO, recomputation left to the search): when the fastest plan found
 recomputes every layer ("full"), it re-plans that plan's candidate (its mesh, a pipeline's named
 ``pp`` mesh, its ZeRO stage and accumulation) with ``r`` of the ``L`` layers recomputed; with a
-pipeline of ``pp`` stages ``r = k * pp`` (each stage its first ``k``, Megatron's block method), so
+pipeline of ``pp`` stages ``r = k * pp`` (each stage its first ``k``, Megatron's block method; under
+interleaved 1F1B each rank's ``k`` where their activations weigh most, ``recompute_placement``), so
 ``k`` runs over ``0 .. ceil(L / pp)``, without one ``r`` runs over ``0 .. L``. The rule: saved activations
 fall linearly as ``r`` grows and the time grows with ``r``, so the best ``r`` is the smallest whose plan
 fits without the cap shaping its layout or stage cut (``Plan.memory_bound``: a pipeline can often fit
@@ -29,6 +30,7 @@ from autopar.graph.recompute_layers import layers_choice
 from autopar.graph.recompute_regions import layer_names
 from autopar.plan.plan import Plan, PlanError
 from autopar.solver.accumulation import accumulated, microbatch_traced
+from autopar.solver.recompute_placement import charged_layers
 from autopar.solver.request import SolveRequest
 
 def resolve_recompute_layers(req: SolveRequest) -> SolveRequest:
@@ -70,6 +72,16 @@ def _unbounded(progress):
         progress.kept_times = progress.kept_times[:keep]
 
 
+def _choice(gm, best: Plan, per_stage: int, r: int) -> dict[str, str]:
+    """The ``r`` recomputed layers: under interleaved 1F1B ``per_stage`` per pipeline rank where their
+    activations weigh most (``recompute_placement``), otherwise spread evenly (``layers_choice``)."""
+    info = best.pipeline
+    if info is None or info.virtual_stages <= 1:
+        return layers_choice(gm, r)
+    pp = best.mesh.shape[best.mesh.axis_names.index("pp")]
+    return charged_layers(layer_names(gm), per_stage, pp, best.microbatches, best.schedule, info.virtual_stages)
+
+
 def partial_plans(req: SolveRequest, best: Plan, traces: dict, candidates) -> list[Plan]:
     """Plans of ``best``'s candidate with ``r`` of the layers recomputed (module docstring).
     ``candidates``: ``search._candidates``; ``traces``: accumulation k -> the step traced at B/k."""
@@ -95,7 +107,7 @@ def partial_plans(req: SolveRequest, best: Plan, traces: dict, candidates) -> li
         if progress is not None:
             progress.enter(f"ZeRO-{best.memory_options.zero}, recompute full on {r} of {len(names)} layers"
                            + (f" ({mid} per stage)" if pipeline else "") + f", accumulation {k}")
-        probe = req.replace(traced=mb, mesh=best.mesh).with_options(recompute=layers_choice(mb.gm, r),
+        probe = req.replace(traced=mb, mesh=best.mesh).with_options(recompute=_choice(mb.gm, best, mid, r),
                                                                  zero=best.memory_options.zero)
         try:
             with _unbounded(progress):
