@@ -151,6 +151,28 @@ class KeptCopies:
         return params, regions
 
 
+def _listed_times(plan: Plan, params) -> tuple[dict, dict, dict, dict]:
+    """Per node, seconds of the plan's listed collectives: (those a unit adds to the node time:
+    its inputs' redistributions, recomputed ones included; those a recomputation runs again; those
+    the node time holds already: its own local implementation's and its activation-gradient
+    all-reduces; per parameter, its gradient sync)."""
+    coll_time: dict[str, float] = {}
+    again_time: dict[str, float] = {}
+    held_time: dict[str, float] = {}
+    sync_time: dict[str, float] = {}
+    for c in plan.collective_list:
+        if c.node in params:
+            sync_time[c.node] = sync_time.get(c.node, 0.0) + c.time
+            continue
+        if c.phase == RECOMPUTE_PHASE:
+            again_time[c.node] = again_time.get(c.node, 0.0) + c.time
+        if c.in_node or c.kind == "all_reduce" and c.phase == "bwd":
+            held_time[c.node] = held_time.get(c.node, 0.0) + c.time
+        elif c.phase in ("fwd", "bwd", RECOMPUTE_PHASE):
+            coll_time[c.node] = coll_time.get(c.node, 0.0) + c.time
+    return coll_time, again_time, held_time, sync_time
+
+
 def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts:
     """Per-unit time, memory and crossing bytes under the intra-op ``plan`` (module docstring, step 2)."""
     gm, shape = traced.gm, plan.mesh.shape
@@ -163,20 +185,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
     for node_name, key, nbytes, internal, tensor in saved_storages(gm, plan.memory_options.recompute,
                                                                    dropout_mask_bytes_for(device.name)):
         saved.setdefault(node_name, []).append((key, nbytes, internal, tensor))
-    coll_time: dict[str, float] = {}
-    again_time: dict[str, float] = {}       # listed collectives a recomputation runs again
-    held_time: dict[str, float] = {}        # listed collectives the node time holds (not its compute)
-    sync_time: dict[str, float] = {}
-    for c in plan.collective_list:
-        if c.node in traced.params:
-            sync_time[c.node] = sync_time.get(c.node, 0.0) + c.time
-            continue
-        if c.phase == RECOMPUTE_PHASE:
-            again_time[c.node] = again_time.get(c.node, 0.0) + c.time
-        if c.in_node or c.kind == "all_reduce" and c.phase == "bwd":    # in the node time already
-            held_time[c.node] = held_time.get(c.node, 0.0) + c.time
-        elif c.phase in ("fwd", "bwd", RECOMPUTE_PHASE):
-            coll_time[c.node] = coll_time.get(c.node, 0.0) + c.time
+    coll_time, again_time, held_time, sync_time = _listed_times(plan, traced.params)
     recomputed = region_of(gm, plan.memory_options.recompute)
     param_spec = {d.placeholder: d.spec for d in plan.params.values()}
     zero = plan.memory_options.zero
