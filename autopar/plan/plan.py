@@ -92,7 +92,7 @@ class Collective:
     kind: str                    # "all_reduce", "all_gather", ..., "send", "recv" (pipeline p2p)
     bytes: int
     axes: list[str]
-    phase: str                   # "fwd", "bwd", "step" or "recompute" (a recomputed region's forward, again in backward)
+    phase: str                   # "fwd", "bwd", "step" or "recompute" (a recomputed region's forward again)
     node: str = ""
     time: float = 0.0
     stages: list[int] = field(default_factory=list)   # pipeline: the stages whose ranks run it (empty: by node)

@@ -42,4 +42,5 @@ def test_each_rank_recomputes_its_heaviest_stages_first():
 def test_one_stage_per_rank_counts_alike():
     names = NAMES[:32]
     choice = charged_layers(names, 1, 4, 8, "1f1b")
-    assert len(choice) == 4 and all(sum(f"layers.{i}" in choice for i in range(8 * r, 8 * r + 8)) == 1 for r in range(4))
+    assert len(choice) == 4
+    assert all(sum(f"layers.{i}" in choice for i in range(8 * r, 8 * r + 8)) == 1 for r in range(4))
