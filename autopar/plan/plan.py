@@ -92,10 +92,11 @@ class Collective:
     kind: str                    # "all_reduce", "all_gather", ..., "send", "recv" (pipeline p2p)
     bytes: int
     axes: list[str]
-    phase: str                   # "fwd", "bwd" or "step"
+    phase: str                   # "fwd", "bwd", "step" or "recompute" (a recomputed region's forward again)
     node: str = ""
     time: float = 0.0
     stages: list[int] = field(default_factory=list)   # pipeline: the stages whose ranks run it (empty: by node)
+    in_node: bool = False        # run by the node's own local implementation: its seconds are in the node's time
 
 
 @dataclass

@@ -11,12 +11,21 @@ def _pattern(module: str) -> str:
     return ".".join("*" if p.isdigit() else p for p in module.split("."))
 
 
+def _is_norm(d) -> bool:
+    """A norm op, or the statistic of a norm written from ops (Hugging Face's ``LlamaRMSNorm``:
+    pow, mean, rsqrt, mul in a module named ``*norm*``): its ``mean`` over the hidden dim, which
+    can split only along the batch and the sequence."""
+    if any(k in d.op for k in NORM_OPS):
+        return True
+    return "mean" in d.op and "norm" in (d.module or "").rsplit(".", 1)[-1].lower()
+
+
 def sequence_parallel(plan) -> dict[str, list[str]]:
     """tp axis name -> module patterns (``blocks.*.ln1``) of the norms split along a non-batch dim
     there, in graph order (empty: the plan uses no sequence parallelism)."""
     out: dict[str, list[str]] = {}
     for d in plan.nodes.values():
-        if not any(k in d.op for k in NORM_OPS):
+        if not _is_norm(d):
             continue
         spec = d.output[0] if isinstance(d.output, list) else d.output
         for axis, p in zip(plan.mesh.axis_names, spec or ()):

@@ -151,6 +151,11 @@ def mesh_strategies(node: fx.Node, axis_options: list[AxisStrategy], mesh_shape,
 
 
 def _combinations(node, base, axis_options, mesh_shape, in_shapes, outs, limit) -> list[Strategy]:
+    """The first ``limit`` valid combinations in product order (the first mesh axis varies slowest).
+    When that cuts some off, the last ``limit // 4`` places go to combinations that split the output
+    on every mesh axis (``_fully_split``): product order alone keeps only the first options of the
+    outer axes, so on three or more axes a view could not keep a batch x sequence x heads split its
+    neighbours all use (its strategy came after the cut) and the plan gathered the value instead."""
     options = [base] + [o for o in axis_options if o != base]
     seen, result = set(), []
     for combo in itertools.product(options, repeat=len(mesh_shape)):
@@ -163,8 +168,39 @@ def _combinations(node, base, axis_options, mesh_shape, in_shapes, outs, limit) 
         seen.add(key)
         result.append(st)
         if len(result) >= limit:
-            break
+            return _with_fully_split(node, options, mesh_shape, in_shapes, outs, result, limit)
     return result
+
+
+def _with_fully_split(node, options, mesh_shape, in_shapes, outs, result: list[Strategy], limit: int) -> list[Strategy]:
+    """``result`` (``limit`` combinations in product order, more cut off) with its last places given
+    to fully split combinations it lacks (``_combinations``), in product order after the others."""
+    key = lambda st: (st.inputs, st.output, st.local)   # noqa: E731
+    head = result[:limit - limit // 4]
+    extra = _fully_split(node, options, mesh_shape, in_shapes, outs, {key(st) for st in head}, limit // 4)
+    taken = {key(st) for st in head + extra}
+    tail = [st for st in result[len(head):] if key(st) not in taken]
+    return head + tail[:limit - len(head) - len(extra)] + extra
+
+
+def _splits(o: AxisStrategy) -> bool:
+    """Whether an axis option leaves the (first) output split (a Shard, not replicated or partial)."""
+    out = o.output[0] if isinstance(o.output, tuple) else o.output
+    return isinstance(out, Shard)
+
+
+def _fully_split(node, options, mesh_shape, in_shapes, outs, seen: set, count: int) -> list[Strategy]:
+    """Up to ``count`` valid combinations not in ``seen`` whose output is split on every axis of size > 1."""
+    per_axis = [[o for o in options if _splits(o)] if size > 1 else options[:1] for size in mesh_shape]
+    out = []
+    for combo in itertools.product(*per_axis):
+        if len(out) >= count:
+            break
+        st = _combine(node, combo, mesh_shape, in_shapes, outs)
+        if st is not None and (st.inputs, st.output, st.local) not in seen:
+            seen.add((st.inputs, st.output, st.local))
+            out.append(st)
+    return out
 
 
 def is_partial(p) -> bool:

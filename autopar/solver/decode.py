@@ -18,6 +18,7 @@ from autopar.sharding.edge import edge_collectives
 from autopar.sharding.redistribute import step_bytes
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.problem import BuiltProblem
+from autopar.solver.recompute_collectives import RECOMPUTE_PHASE, region_of, same_region
 from autopar.solver.strategy_prices import Costing, local_impl_times, split_axes, tensor_bytes
 
 
@@ -79,7 +80,7 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
     nodes = {}
     rule = grad_sync_rule(gm.graph, trainable_params(gm.graph, set(traced.params), loss_output(gm, traced)),
                           ChosenSpecs(chosen), len(axis_names))
-    listed = _StepCollectives(c, axis_names, rule, grad_nodes(gm.graph))
+    listed = _StepCollectives(c, axis_names, rule, grad_nodes(gm.graph), region=region_of(gm, c.recompute))
     p = built.problem
     edges_at = _edges_at(p)
     for name, st in chosen.items():
@@ -154,6 +155,7 @@ class _StepCollectives:
     need: frozenset                 # values that get a gradient: only they run backward collectives
     out: list[Collective] = field(default_factory=list)
     emitted: set = field(default_factory=set)
+    region: dict = field(default_factory=dict)   # node -> its recomputed region (``recompute_collectives``)
 
     def add(self, kind: str, nbytes: float, axis: int, phase: str, name: str) -> None:
         self.out.append(Collective(kind, int(nbytes), [self.axis_names[axis]], phase, name,
@@ -177,6 +179,8 @@ class _StepCollectives:
                 fwd = edge.forward(j)
                 if fwd:
                     self.add(fwd, moved, step.axis, "fwd", name)
+                    if same_region(self.region, src.name, name):     # the region's forward runs again
+                        self.add(fwd, moved, step.axis, RECOMPUTE_PHASE, name)
                 bwd = edge.backward(j) if a in self.need else None
                 if bwd:
                     self.add(bwd, moved, step.axis, "bwd", name)
@@ -187,8 +191,12 @@ class _StepCollectives:
                     self.add("all_reduce", nbytes, ax, "bwd", name)
 
     def of_local_impl(self, node: fx.Node, st) -> None:
-        for kind, nbytes, ax, phase, seconds in local_impl_times(node, st, self.c):
-            self.out.append(Collective(kind, int(nbytes), [self.axis_names[ax]], phase, node.name, seconds))
+        timed = list(local_impl_times(node, st, self.c))
+        if node.name in self.region:                                  # recomputed: its forward ones again
+            timed += [(kind, b, ax, RECOMPUTE_PHASE, t) for kind, b, ax, phase, t in timed if phase == "fwd"]
+        for kind, nbytes, ax, phase, seconds in timed:
+            self.out.append(Collective(kind, int(nbytes), [self.axis_names[ax]], phase, node.name, seconds,
+                                       in_node=True))
 
 
 def _param_decisions(traced, chosen: dict, by_name: dict, listed: _StepCollectives) -> dict:

@@ -6,7 +6,9 @@ mapping of ``k`` layers before the search (``recompute`` must be None or "full")
 ``partial_plans`` (AUTO/SEMI_AUTO, recomputation left to the search): when the fastest plan found
 recomputes every layer ("full"), it re-plans that plan's candidate (its mesh, a pipeline's named
 ``pp`` mesh, its ZeRO stage and accumulation) with ``r`` of the ``L`` layers recomputed; with a
-pipeline of ``pp`` stages ``r = k * pp`` (each stage its first ``k``, Megatron's block method), so
+pipeline of ``pp`` stages ``r = k * pp`` (each stage its first ``k``, Megatron's block method; under
+interleaved 1F1B also, as a second probe, each rank's ``k`` where their activations weigh most,
+``recompute_placement``), so
 ``k`` runs over ``0 .. ceil(L / pp)``, without one ``r`` runs over ``0 .. L``. The rule: saved activations
 fall linearly as ``r`` grows and the time grows with ``r``, so the best ``r`` is the smallest whose plan
 fits without the cap shaping its layout or stage cut (``Plan.memory_bound``: a pipeline can often fit
@@ -29,6 +31,7 @@ from autopar.graph.recompute_layers import layers_choice
 from autopar.graph.recompute_regions import layer_names
 from autopar.plan.plan import Plan, PlanError
 from autopar.solver.accumulation import accumulated, microbatch_traced
+from autopar.solver.recompute_placement import charged_layers
 from autopar.solver.request import SolveRequest
 
 def resolve_recompute_layers(req: SolveRequest) -> SolveRequest:
@@ -70,6 +73,21 @@ def _unbounded(progress):
         progress.kept_times = progress.kept_times[:keep]
 
 
+def _choices(gm, best: Plan, per_stage: int, r: int) -> list[dict[str, str]]:
+    """The ``r`` recomputed layers to probe: spread evenly (``layers_choice``) and, under interleaved
+    1F1B, also ``per_stage`` per pipeline rank where their activations weigh most (``recompute_placement``:
+    less memory, but the recomputing stages are the early ones, which can lengthen the schedule)."""
+    out = [layers_choice(gm, r)]
+    info = best.pipeline
+    if info is not None and info.virtual_stages > 1:
+        pp = best.mesh.shape[best.mesh.axis_names.index("pp")]
+        charged = charged_layers(layer_names(gm), per_stage, pp, best.microbatches, best.schedule,
+                                 info.virtual_stages)
+        if charged != out[0]:
+            out.append(charged)
+    return out
+
+
 def partial_plans(req: SolveRequest, best: Plan, traces: dict, candidates) -> list[Plan]:
     """Plans of ``best``'s candidate with ``r`` of the layers recomputed (module docstring).
     ``candidates``: ``search._candidates``; ``traces``: accumulation k -> the step traced at B/k."""
@@ -95,14 +113,16 @@ def partial_plans(req: SolveRequest, best: Plan, traces: dict, candidates) -> li
         if progress is not None:
             progress.enter(f"ZeRO-{best.memory_options.zero}, recompute full on {r} of {len(names)} layers"
                            + (f" ({mid} per stage)" if pipeline else "") + f", accumulation {k}")
-        probe = req.replace(traced=mb, mesh=best.mesh).with_options(recompute=layers_choice(mb.gm, r),
-                                                                 zero=best.memory_options.zero)
-        try:
-            with _unbounded(progress):
-                got, _, _ = candidates(probe, pipelines=pipeline, microbatches=k)
-        except PlanError:
-            got = []
-        got = [accumulated(p, k, req.traced, mb) for p in got if (p.pipeline is not None) == pipeline]
+        got = []
+        for choice in _choices(mb.gm, best, mid, r):
+            probe = req.replace(traced=mb, mesh=best.mesh).with_options(recompute=choice,
+                                                                     zero=best.memory_options.zero)
+            try:
+                with _unbounded(progress):
+                    found, _, _ = candidates(probe, pipelines=pipeline, microbatches=k)
+            except PlanError:
+                found = []
+            got += [accumulated(p, k, req.traced, mb) for p in found if (p.pipeline is not None) == pipeline]
         out += got
         if any(not p.memory_bound for p in got):
             hi = mid

@@ -30,6 +30,7 @@ from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.axis_descent import axis_keys
 from autopar.solver.greedy import feasible_hint
 from autopar.solver.intra_op import EdgeCost, IntraOpProblem, NodeChoices, is_forbidden
+from autopar.solver.recompute_collectives import region_of, with_recomputed_redistributions
 from autopar.solver.seq_parallel import with_gathered_copies
 from autopar.solver.strategy_prices import (Costing, cost_key, edge_cost, gathered_matrix, node_costs, saved_pair,
                                             tensor_bytes)
@@ -106,7 +107,9 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     inside = set()
     if c.recompute not in (None, "none"):
         edges = _with_region_input_copies(edges, gm, by_name, names, index, cands, c)
-        inside = {n for r in find_regions(gm, choices_for(gm.graph, c.recompute)) for n in r.nodes}
+        region = region_of(gm, c.recompute)
+        inside = set(region)
+        edges = with_recomputed_redistributions(edges, list(graph_edges(names, by_name, index)), cands, c, region)
     edges = with_gathered_copies(edges, list(graph_edges(names, by_name, index)), cands, c, params, need, mask, inside)
     ties_idx = [[index[t] for t in g if t in index] for g in ties]
     ties_idx = [g for g in ties_idx if len(g) > 1 and len({len(cands.strategies[names[i]]) for i in g}) == 1]

@@ -207,11 +207,10 @@ def local_impl_times(node: fx.Node, st: Strategy, c: Costing) -> list[tuple[str,
     return out
 
 
-def _local_impl_time(node: fx.Node, st: Strategy, c: Costing, recomputed: bool = False) -> float:
-    """The seconds of ``local_impl_times``; ``recomputed``: the forward ones twice (a recomputed region runs
-    its collectives again in backward, ``passes/recompute.py``: an MoE layer's dispatch all-to-alls)."""
-    times = local_impl_times(node, st, c)
-    return sum(t for *_, t in times) + (sum(t for *_, ph, t in times if ph == "fwd") if recomputed else 0.0)
+def _local_impl_time(node: fx.Node, st: Strategy, c: Costing, again: bool = False) -> float:
+    """The seconds of ``local_impl_times``; ``again``: the node is recomputed, its forward
+    collectives run once more in backward (``solver/recompute_collectives.py``)."""
+    return sum(t * (2 if again and phase == "fwd" else 1) for _k, _b, _a, phase, t in local_impl_times(node, st, c))
 
 
 def _param_state_cost(numel: float, parts: list[float], st: Strategy, c: Costing) -> tuple[float, float, float]:
@@ -268,7 +267,7 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
             compute[s] += sync
             if param and c.zero < 2:            # ZeRO-2 and -3 reduce-scatter in every microbatch
                 once[s] += sync
-        compute[s] += _local_impl_time(node, st, c, recomputed) if cp is None else 0.0   # cp's are in its time
+        compute[s] += _local_impl_time(node, st, c, again=recomputed) if cp is None else 0.0   # cp's are in its time
         memory[s] = local_saved(node, st, saved, c) + cp_saved_bytes(node, st, c)
     return compute, memory, once
 

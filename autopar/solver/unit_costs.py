@@ -3,7 +3,11 @@ time, state, saved activations, the bytes crossing each cut, and what each unit'
 once per step (gradient sync, optimizer step, the data-parallel gradients' second copy).
 
     time_u   = sum_{v in u} node_time(v) - param_sync(v) + resharding collectives of v
-    fwd_u    = time_u * (sum base fwd / sum base fwd+bwd),   bwd_u = time_u - fwd_u
+               (not the node's own local implementation's: node_time holds them)
+    again_u  = what recomputation adds: the forward again of recomputed nodes (their forward split
+               as ``split_cost`` splits it) and the collectives listed with phase "recompute"
+    fwd_u    = (time_u - again_u) * (sum base fwd / sum base fwd+bwd),   bwd_u = time_u - fwd_u
+               (the recomputation runs in backward, ``passes/recompute.py``)
     param_u  = sum_{params p used in u} numel(p) * state bytes / shard(p)   (ZeRO: its stage's parts / d(p))
     act_u    = sum_{t saved by v in u} bytes(t) / shard(output of the node making t)   (internal: v's)
                + copies of recomputed regions' inputs v takes in another placement (scale with rows)
@@ -31,6 +35,7 @@ from autopar.sharding.placements import Replicate, shard_factor
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.inter_op import LayerProfile
 from autopar.solver.problem import region_input_uses
+from autopar.solver.recompute_collectives import RECOMPUTE_PHASE, region_of
 from autopar.solver.strategy_prices import Costing, sync_element_bytes, tensor_bytes
 
 
@@ -87,6 +92,11 @@ def _moved_param_sync(node, d, traced, costing: Costing, mesh_shape) -> float:
     return t
 
 
+def _outputs(d) -> list:
+    """A node decision's output specs (one or several)."""
+    return list(d.output) if isinstance(d.output, list) else [d.output]
+
+
 def _split(specs: PlanSpecs, node, shape) -> int:
     """How many ways the plan splits ``node``'s (first) output (at least 1)."""
     d = specs.plan.nodes.get(node.name)
@@ -141,6 +151,28 @@ class KeptCopies:
         return params, regions
 
 
+def _listed_times(plan: Plan, params) -> tuple[dict, dict, dict, dict]:
+    """Per node, seconds of the plan's listed collectives: (those a unit adds to the node time:
+    its inputs' redistributions, recomputed ones included; those a recomputation runs again; those
+    the node time holds already: its own local implementation's and its activation-gradient
+    all-reduces; per parameter, its gradient sync)."""
+    coll_time: dict[str, float] = {}
+    again_time: dict[str, float] = {}
+    held_time: dict[str, float] = {}
+    sync_time: dict[str, float] = {}
+    for c in plan.collective_list:
+        if c.node in params:
+            sync_time[c.node] = sync_time.get(c.node, 0.0) + c.time
+            continue
+        if c.phase == RECOMPUTE_PHASE:
+            again_time[c.node] = again_time.get(c.node, 0.0) + c.time
+        if c.in_node or c.kind == "all_reduce" and c.phase == "bwd":
+            held_time[c.node] = held_time.get(c.node, 0.0) + c.time
+        elif c.phase in ("fwd", "bwd", RECOMPUTE_PHASE):
+            coll_time[c.node] = coll_time.get(c.node, 0.0) + c.time
+    return coll_time, again_time, held_time, sync_time
+
+
 def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts:
     """Per-unit time, memory and crossing bytes under the intra-op ``plan`` (module docstring, step 2)."""
     gm, shape = traced.gm, plan.mesh.shape
@@ -153,13 +185,8 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
     for node_name, key, nbytes, internal, tensor in saved_storages(gm, plan.memory_options.recompute,
                                                                    dropout_mask_bytes_for(device.name)):
         saved.setdefault(node_name, []).append((key, nbytes, internal, tensor))
-    coll_time: dict[str, float] = {}
-    sync_time: dict[str, float] = {}
-    for c in plan.collective_list:
-        if c.node in traced.params:
-            sync_time[c.node] = sync_time.get(c.node, 0.0) + c.time
-        elif not (c.kind == "all_reduce" and c.phase == "bwd") and c.phase in ("fwd", "bwd"):
-            coll_time[c.node] = coll_time.get(c.node, 0.0) + c.time
+    coll_time, again_time, held_time, sync_time = _listed_times(plan, traced.params)
+    recomputed = region_of(gm, plan.memory_options.recompute)
     param_spec = {d.placeholder: d.spec for d in plan.params.values()}
     zero = plan.memory_options.zero
     cuts = crossing_values(gm, unit_of, len(units))
@@ -167,7 +194,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
     copied = KeptCopies(traced, plan, dropout_mask_bytes_for(device.name))
     profiles, launches, syncs, steps, copies, kept = [], [], [], [], [], []
     for unit in units:
-        time = fwd_base = total_base = launch = act = held = 0.0
+        time = fwd_base = total_base = launch = act = held = again = 0.0
         params: set[str] = set()
         for name in unit.nodes:
             node, d = by_name[name], plan.nodes.get(name)
@@ -177,7 +204,13 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             fwd_base += base.time_fwd
             total_base += base.time_total
             launch += base.launch_fwd + base.launch_bwd
-            time += d.time - _moved_param_sync(node, d, traced, costing, shape) + coll_time.get(name, 0.0)
+            own = d.time - _moved_param_sync(node, d, traced, costing, shape)
+            time += own + coll_time.get(name, 0.0)
+            again += again_time.get(name, 0.0)
+            if name in recomputed:      # its forward again, split as ``split_cost`` splits it (launches whole)
+                ways = max([shard_factor(sp, shape) for sp in d.inputs + _outputs(d) if sp] + [1])
+                fwd_again = (base.time_fwd - base.launch_fwd) / ways + base.launch_fwd
+                again += min(fwd_again, max(own - held_time.get(name, 0.0), 0.0))
             out_shard = _split(specs, node, shape)
             in_shard = shard_factor(d.inputs[0], shape) if d.inputs and d.inputs[0] else 1
             for key, nbytes, internal, tensor in saved.get(name, []):
@@ -196,7 +229,8 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
                      for p in params if p in param_spec)
         nxt = unit.index + 1
         out = sum(tensor_bytes(v) / shard_factor(specs.spec(v), shape) for v in cuts[nxt]) if nxt < len(units) else 0.0
-        profiles.append(LayerProfile(unit.name, time * share, time * (1 - share), pbytes, act, out))
+        fwd = (time - again) * share
+        profiles.append(LayerProfile(unit.name, fwd, time - fwd, pbytes, act, out))
         launches.append(min(launch, time))
         syncs.append(sum(sync_time.get(p, 0.0) for p in params))
         numel = sum(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape)
