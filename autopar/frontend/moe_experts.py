@@ -156,8 +156,20 @@ def run_experts(key: str, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     if num_experts is not None and num_experts != e.num_experts:
         module = copy.copy(module)          # shallow: the template keeps its count
         module.num_experts = num_experts
+    if e.implementation == "grouped_mm" and not _grouped_mm_aligned([hidden, *params]):
+        module = copy.copy(module)          # a rank's piece torch's grouped GEMM refuses: the same math in bmm
+        module.config = copy.copy(module.config)
+        module.config._experts_implementation = "batched_mm"
     return torch.func.functional_call(module, dict(zip(e.param_names, params)),
                                       (hidden, top_k_index, top_k_weights), strict=True)
+
+
+def _grouped_mm_aligned(tensors: list[torch.Tensor]) -> bool:
+    """Whether torch's grouped GEMM takes the module's operands built from these (the rank's hidden rows
+    and expert weights, laid out contiguously): each row 16-byte aligned. A piece split finely (expert
+    tensor parallelism over several axes) can leave e.g. 6 fp32 columns, which ``torch._grouped_mm``
+    refuses ("strides should be multiple of 16 bytes")."""
+    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors if t.is_floating_point() and t.dim() >= 2)
 
 
 @torch.library.custom_op("autopar::moe_experts", mutates_args=())

@@ -120,3 +120,27 @@ def test_op_strategy_errors_name_the_fault():
         autopar.op_strategy(model, dp="ep")
     with pytest.raises(ValueError, match="at least one axis=strategy name"):
         autopar.op_strategy("layers.*")
+
+
+def test_a_piece_torchs_grouped_gemm_refuses_runs_the_same_math_in_bmm():
+    """Expert tensor parallelism over several axes can leave an fp32 piece of 6 columns, which
+    ``torch._grouped_mm`` refuses; the experts op then runs the module's batched_mm form."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = MixtralConfig(hidden_size=16, intermediate_size=6, num_local_experts=4, num_experts_per_tok=2)
+    cfg._experts_implementation = "grouped_mm"
+    module = MixtralExperts(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    hidden = torch.randn(8, 16, generator=g)
+    index = torch.randint(0, 4, (8, 2), generator=g)
+    weights = torch.rand(8, 2, generator=g)
+    with pytest.raises(RuntimeError, match="multiple of 16 bytes"):
+        module(hidden, index, weights)
+    key = moe_experts._register(module, moe_experts._template(module), 2)
+    got = moe_experts.run_experts(key, hidden, index, weights, list(module.parameters()))
+    cfg._experts_implementation = "batched_mm"
+    torch.testing.assert_close(got, module(hidden, index, weights))
