@@ -83,26 +83,13 @@ def _target(node: fx.Node):
     return t
 
 
-def _map_args(fn, a):
-    """``a`` (a node's args or kwargs) with ``fn`` applied to its leaves; fx's immutable containers become
-    plain tuples, lists and dicts (which pickle)."""
-    if isinstance(a, tuple) and not hasattr(a, "_fields"):
-        return tuple(_map_args(fn, x) for x in a)
-    if isinstance(a, list):
-        return [_map_args(fn, x) for x in a]
-    if isinstance(a, dict):
-        return {k: _map_args(fn, v) for k, v in a.items()}
-    if isinstance(a, slice):
-        return slice(_map_args(fn, a.start), _map_args(fn, a.stop), _map_args(fn, a.step))
-    return fn(a)
-
-
 def pack_traced(traced: Traced) -> bytes | None:
     """``traced`` as bytes, or None where it holds something only the tracing process can run."""
     try:
         nodes = []
         for n in traced.gm.graph.nodes:
-            args, kwargs = _map_args(lambda a: _Ref(a.name) if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
+            args, kwargs = fx.node.map_aggregate((n.args, n.kwargs),
+                                                 lambda a: _Ref(a.name) if isinstance(a, fx.Node) else a)
             meta = {k: tree_map(_describe, v) for k, v in n.meta.items()}
             nodes.append((n.op, n.name, _target(n), args, kwargs, meta))
         fields = {f.name: getattr(traced, f.name) for f in dataclasses.fields(traced) if f.name != "gm"}
@@ -135,7 +122,7 @@ def unpack_traced(data: bytes) -> Traced:
 
     graph, made = fx.Graph(), {}
     for op, name, target, args, kwargs, meta in nodes:
-        args, kwargs = _map_args(lambda a: made[a.name] if isinstance(a, _Ref) else a, (args, kwargs))
+        args, kwargs = fx.node.map_aggregate((args, kwargs), lambda a: made[a.name] if isinstance(a, _Ref) else a)
         node = graph.create_node(op, _op(target.name) if isinstance(target, _Op) else target, args, kwargs,
                                  name=name)
         node.meta = {k: tree_map(make, v) for k, v in meta.items()}
