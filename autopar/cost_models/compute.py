@@ -17,7 +17,7 @@ fake tensors of the node's shapes, forward and then backward through autograd:
 Time per phase (``devices.DeviceSpec``)::
 
     compute = sum_i mm_flops_i / (peak[dtype] * matmul_eff(min_dim_i))
-              + other_flops / (peak[dtype] * e),   e = attention_efficiency for fused attention,
+              + other_flops / (peak[dtype] * e),   e = attention_eff(keys a query sees) for fused attention,
                                                        compute_efficiency otherwise
     t = max(compute, bytes / (memory_bandwidth * memory_efficiency)) + kernels * kernel_overhead
 
@@ -133,7 +133,11 @@ _NO_KERNEL = {
     aten.sym_size.int,
     aten.sym_stride.int,
     aten.sym_numel.default,
+    aten._assert_tensor_metadata.default,
 }
+# ops whose schema may return their input (an alias) but that copy when the dtype changes or the
+# input is not contiguous: under mixed precision ``x.to(torch.float32)`` of a bf16 activation is a kernel
+_MAYBE_COPY = {aten.to.dtype, aten.to.dtype_layout, aten.to.other, aten.contiguous.default}
 _GATHERS = {aten.embedding.default, aten.index_select.default, aten.gather.default, aten.index.Tensor}
 _NORMS = {
     aten.layer_norm.default,
@@ -336,7 +340,7 @@ def node_work(node: fx.Node) -> OpWork:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return OpWork()
-    if target.is_view or target in _NO_KERNEL:
+    if (target.is_view and not _copies(node)) or target in _NO_KERNEL:
         return OpWork()
     if is_moe(node):         # its fake kernel does no work: the formula of cost_models/moe.py
         return OpWork(**moe_work_numbers(node))
@@ -346,6 +350,19 @@ def node_work(node: fx.Node) -> OpWork:
     except Exception:
         return _fallback_work(node, need)
     return _causal(work, causal_scale(node)) if target in _SDPA else work
+
+
+def _copies(node: fx.Node) -> bool:
+    """Whether a may-alias op (``_MAYBE_COPY``) runs a copy kernel here: its output's dtype differs from
+    its input's, or (``contiguous``) its input is not contiguous."""
+    if node.target not in _MAYBE_COPY or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    src, out = _val(node.args[0]), _val(node)
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    if node.target == aten.contiguous.default:
+        return not src.is_contiguous()
+    return src.dtype != out.dtype
 
 
 def _causal(work: OpWork, f: float) -> OpWork:
@@ -421,10 +438,10 @@ def roofline_time(
 
 
 def cost_from_work(work: OpWork, device: DeviceSpec, dtype: torch.dtype = torch.float32,
-                   attention: bool = False) -> OpCost:
+                   attention: bool = False, keys_per_query: float = 0.0) -> OpCost:
     """Roofline an :class:`OpWork` on ``device`` (times ``device.compute_scale``); ``attention``: a fused
-    attention kernel, whose FLOPs run at ``device.attention_efficiency``."""
-    eff = device.attention_efficiency if attention else None
+    attention kernel, whose FLOPs run at ``device.attention_eff(keys_per_query)``."""
+    eff = device.attention_eff(keys_per_query) if attention else None
     k = device.compute_scale
     lf = work.kernels_fwd * device.kernel_overhead * k
     lb = work.kernels_bwd * device.kernel_overhead * k
@@ -488,14 +505,51 @@ def local_node_cost(node: fx.Node, input_shapes: dict, device: DeviceSpec) -> Op
 
 
 def node_cost(node: fx.Node, device: DeviceSpec) -> OpCost:
-    """Forward and backward cost of one node on ``device`` (0 for views, inputs, outputs)."""
+    """Forward and backward cost of one node on ``device`` (0 for inputs, outputs and views that no two
+    gradient-needing ops consume), with the backward's sum of the node's gradients (``grad_sum_work``)."""
     work = node_work(node)
+    summed = grad_sum_work(node)
+    if summed is not None:
+        work = OpWork(work.flops_fwd, work.flops_bwd + summed.flops_bwd, work.bytes_fwd, work.bytes_bwd + summed.bytes_bwd,
+                      work.kernels_fwd, work.kernels_bwd + summed.kernels_bwd, work.matmuls_fwd, work.matmuls_bwd)
     if work == OpWork():
         return ZERO_COST
     if node.target in _SDPA and work.kernels_fwd > 1 and costs_fused(device) and \
             (fused := fused_sdpa_numbers(node, work.kernels_bwd > 0, causal_scale(node))) is not None:
         work = OpWork(**fused)      # unequal head dims (MLA): CUDA's fused kernels take them (fused_attention.py)
-    return cost_from_work(work, device, _dtype(node), attention=node.target in _SDPA)
+    if node.target not in _SDPA:
+        return cost_from_work(work, device, _dtype(node))
+    return cost_from_work(work, device, _dtype(node), attention=True, keys_per_query=_keys_per_query(node))
+
+
+def grad_sum_work(node: fx.Node) -> OpWork | None:
+    """The backward's additions of a value's gradients: autograd sums the gradients of a tensor that ``k``
+    gradient-needing ops consume (a residual stream read by a norm and an add; one input of the q, k and v
+    projections) with ``k - 1`` elementwise adds, each reading two gradients and writing one. None when
+    the node is not a call producing one tensor that needs a gradient, or fewer than two such ops read it."""
+    if node.op != "call_function":
+        return None
+    val = _val(node)
+    if not isinstance(val, torch.Tensor) or not _is_float(val):
+        return None
+    need = grad_nodes(node.graph)
+    if node not in need:
+        return None
+    k = sum(1 for u in node.users if u.op == "call_function" and u in need)
+    if k < 2:
+        return None
+    n = val.numel()
+    return OpWork(0.0, float((k - 1) * n), 0.0, float(3 * (k - 1) * n * val.element_size()), 0, k - 1)
+
+
+def _keys_per_query(node: fx.Node) -> float:
+    """Keys an attention node's query sees on average: its key length times the causal share (0 when
+    the shapes are unknown)."""
+    try:
+        sk = int(node.args[1].meta["val"].shape[-2])
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return 0.0
+    return sk * causal_scale(node)
 
 
 def optimizer_step_time(numel: float, device: DeviceSpec, tensors: int = 0, optimizer: str = "adamw") -> float:
@@ -514,6 +568,22 @@ def optimizer_step_time(numel: float, device: DeviceSpec, tensors: int = 0, opti
     if per_tensor is None:
         per_tensor = 12 * device.kernel_overhead
     return bytes_moved / (device.memory_bandwidth * device.memory_efficiency) + tensors * per_tensor
+
+
+# bytes per element of a mixed-precision working copy per forward + backward: the fp32 master cast to 16 bits
+# (read 4, write 2) and the 16-bit gradient returned to fp32 (read 2, write 4)
+WORKING_COPY_BYTES = 12.0
+
+
+def working_copy_time(numel: float, device: DeviceSpec, precision: str) -> float:
+    """Seconds per forward + backward of the working copy of ``numel`` local parameter elements under
+    ``precision == "mixed"`` (autopar's ``mixed_precision``: ``runtime/program.ParamTree`` casts each
+    master once per forward call, autograd casts its gradient back): ``WORKING_COPY_BYTES`` per element
+    at the streaming bandwidth, two kernels. 0 otherwise (fp32, or 16-bit weights without masters)."""
+    if precision != "mixed" or numel <= 0:
+        return 0.0
+    return numel * WORKING_COPY_BYTES / (device.memory_bandwidth * device.memory_efficiency) \
+        + 2 * device.kernel_overhead
 
 
 def graph_cost(gm: fx.GraphModule | fx.Graph, device: DeviceSpec) -> dict[str, OpCost]:

@@ -11,7 +11,8 @@ Roofline time of an op (see ``compute.py``)::
             bytes / (memory_bandwidth * memory_efficiency)) + kernels * kernel_overhead
 
 where a matmul's FLOPs use ``matmul_efficiency`` at its smallest dimension and fused
-attention's use ``attention_efficiency`` when the device has them (CPU calibration does).
+attention's use ``attention_efficiency`` (or ``attention_curve`` at the keys a query sees) when the
+device has them (CPU calibration and the measured H100 family do).
 """
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ class DeviceSpec:
     # (smallest matmul dimension, fraction of peak) points, ascending; () = compute_efficiency
     matmul_efficiency: tuple[tuple[int, float], ...] = ()
     attention_efficiency: float | None = None  # fraction of peak for fused attention FLOPs
+    # (keys a query sees on average, fraction of peak) points, ascending; () = attention_efficiency
+    attention_curve: tuple[tuple[int, float], ...] = ()
     # CPU only, measured: (ranks per node, compute, memory, per-kernel slowdown) vs one rank
     sharing: tuple[tuple[int, float, float, float], ...] = ()
     # CPU only, measured: (ranks per node, latency s, bandwidth B/s) of the loopback link when that many
@@ -102,16 +105,16 @@ class DeviceSpec:
         """Fraction of peak a matmul whose smallest dimension is ``min_dim`` reaches:
         ``matmul_efficiency`` interpolated linearly in ``log(min_dim)``, clamped at its ends;
         ``compute_efficiency`` when there is no curve."""
-        pts = self.matmul_efficiency
-        if not pts:
-            return self.compute_efficiency
-        if min_dim <= pts[0][0]:
-            return pts[0][1]
-        for (d0, e0), (d1, e1) in zip(pts, pts[1:]):
-            if min_dim <= d1:
-                w = math.log(min_dim / d0) / math.log(d1 / d0)
-                return e0 + w * (e1 - e0)
-        return pts[-1][1]
+        return _log_interpolate(self.matmul_efficiency, min_dim, self.compute_efficiency)
+
+    def attention_eff(self, keys_per_query: float) -> float | None:
+        """Fraction of peak fused attention reaches when a query sees ``keys_per_query`` keys on average
+        (``Sk`` without a mask, about ``Sk / 2`` causal): ``attention_curve`` interpolated in the log,
+        clamped at its ends; ``attention_efficiency`` (None: ``compute_efficiency``) without a curve or
+        a length."""
+        if not self.attention_curve or keys_per_query <= 0:
+            return self.attention_efficiency
+        return _log_interpolate(self.attention_curve, keys_per_query, self.attention_efficiency)
 
     def slowdown(self, ranks_per_node: int) -> tuple[float, float, float]:
         """(compute, memory, per-kernel) slowdown of one rank when ``ranks_per_node`` ranks share
@@ -185,6 +188,20 @@ class DeviceSpec:
         return dataclasses.replace(self, devices_per_node=int(n))
 
 
+def _log_interpolate(pts, x: float, default):
+    """``pts`` ((x, y) ascending) interpolated linearly in ``log(x)``, clamped at its ends; ``default``
+    when empty."""
+    if not pts:
+        return default
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (d0, e0), (d1, e1) in zip(pts, pts[1:]):
+        if x <= d1:
+            w = math.log(x / d0) / math.log(d1 / d0)
+            return e0 + w * (e1 - e0)
+    return pts[-1][1]
+
+
 def _gbps(gbit_per_s: float) -> float:
     """Gigabit/s -> bytes/s."""
     return gbit_per_s * GIGA / 8
@@ -207,6 +224,12 @@ def _v100_16gb() -> DeviceSpec:
         inter_node_link=Link(bandwidth=_gbps(25) / 8, latency=3e-5),
         devices_per_node=8,
     )
+
+
+# measured on one H100 (docstring of _h100): (smallest matmul dimension, fraction of bf16 peak)
+H100_MATMUL_CURVE = ((8, 0.01), (128, 0.24), (256, 0.42), (512, 0.59), (1024, 0.69), (2048, 0.70), (4096, 0.71))
+# (keys a query sees on average, fraction of peak of fused attention's counted FLOPs), head dim 128
+H100_ATTENTION_CURVE = ((512, 0.21), (1024, 0.32), (2048, 0.40), (4096, 0.45), (8192, 0.47))
 
 
 def _a100(memory_gb: int, hbm_bw: float) -> DeviceSpec:
@@ -235,6 +258,15 @@ def _h100() -> DeviceSpec:
     numbers): 67 TFLOP/s fp32, 494.7 tf32, 989.4 bf16/fp16; HBM3 3.35 TB/s. NVLink 4:
     900 GB/s aggregate = 450 GB/s per direction, 8 GPUs per node. Inter-node:
     8 x 400 Gbit/s NDR InfiniBand (ConnectX-7) = 50 GB/s per GPU per direction.
+
+    Rates measured on one H100 80GB HBM3 (``bench/gpu_fit.py``, torch 2.11 + CUDA 13, bf16; the
+    numbers in ``bench/gpu_fit_h100.jsonl``, bench/RESULTS.md §GPU3): a linear layer's training
+    matmuls reach the median fraction of peak of nine weight shapes at each smallest dimension
+    (``H100_MATMUL_CURVE``); fused attention forward + backward the fraction of its counted FLOPs
+    (the causal share of ``S x S``) at the keys a query sees, head dim 128 (``H100_ATTENTION_CURVE``;
+    head dim 64 reaches ~0.8x of it, DeepSeek's 192 / 128 ~0.9x); fused AdamW 1.13e-11 s per fp32
+    parameter (30 bytes at 0.8 of the bandwidth) and ~3 us per tensor. Streaming ops measured
+    0.77-0.89 of the bandwidth (the default 0.8 kept).
     """
     return DeviceSpec(
         name="h100",
@@ -244,6 +276,10 @@ def _h100() -> DeviceSpec:
         intra_node_link=Link(bandwidth=450 * GIGA, latency=5e-6),
         inter_node_link=Link(bandwidth=_gbps(400), latency=1e-5),
         devices_per_node=8,
+        matmul_efficiency=H100_MATMUL_CURVE,
+        attention_curve=H100_ATTENTION_CURVE,
+        optimizer_bytes_per_param=30.0,
+        optimizer_tensor_overhead=3e-6,
     )
 
 

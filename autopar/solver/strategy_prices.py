@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_models.comm import GRAD_BUCKET_BYTES, axis_collective_time, bucketed_collective_time
-from autopar.cost_models.compute import (OpCost, local_node_cost, node_cost, optimizer_step_time,
+from autopar.cost_models.compute import (OpCost, local_node_cost, node_cost, optimizer_step_time, working_copy_time,
                                          node_signature)
 from autopar.graph.grads import grad_nodes, is_parameter
 from autopar.cost_models.memory import training_state_parts
@@ -221,15 +221,17 @@ def _param_state_cost(numel: float, parts: list[float], st: Strategy, c: Costing
     consumers' gradient sync (``Costing.grad_sync``); its weight all-gathers, bucketed too (by
     25 MB for stages 1, 2, by layer for stage 3), are added: one after the optimizer step
     (stages 1, 2), one before the layer's forward and one before its backward (stage 3). Only
-    stage 3's gathers run in every microbatch."""
+    stage 3's gathers run in every microbatch, as does the mixed-precision working copy's cast
+    (``compute.working_copy_time``)."""
+    cast = working_copy_time(numel, c.device, c.precision)     # every microbatch: the mixed-precision working copy
     if not c.zero:
         step = optimizer_step_time(numel, c.device, 1, c.optimizer)
-        return sum(parts), step, step
+        return sum(parts), step + cast, step
     axes, d = zero_axes(st.output, c.mesh_shape)
     gathers = 2 if c.zero == 3 else 1
     step = optimizer_step_time(numel / d, c.device, 1, c.optimizer)
     gathered = gathers * sum(c.bucketed("all_gather", parts[0], a) for a in axes)
-    return sharded_state(*parts, d, c.zero), step + gathered, step + (0.0 if c.zero == 3 else gathered)
+    return sharded_state(*parts, d, c.zero), step + gathered + cast, step + (0.0 if c.zero == 3 else gathered)
 
 
 def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dict,

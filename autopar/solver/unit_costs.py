@@ -20,9 +20,10 @@ once per step (gradient sync, optimizer step, the data-parallel gradients' secon
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
-from autopar.cost_models.compute import node_cost, optimizer_step_time
+from autopar.cost_models.compute import local_node_cost, node_cost, optimizer_step_time, working_copy_time
 from autopar.graph.grads import grad_nodes
 from autopar.cost_models.memory import dropout_mask_bytes_for, saves_input, training_state_parts
 from autopar.cost_models.recompute import saved_storages
@@ -31,7 +32,8 @@ from autopar.graph.cut_points import crossing_values
 from autopar.plan.plan import Plan
 from autopar.plan.specs import PlanSpecs
 from autopar.sharding.candidates import producer
-from autopar.sharding.placements import Replicate, shard_factor
+from autopar.cost_models.moe import is_moe
+from autopar.sharding.placements import Replicate, local_shape, shard_factor
 from autopar.sharding.strategy import tensor_inputs
 from autopar.solver.inter_op import LayerProfile
 from autopar.solver.problem import region_input_uses
@@ -90,6 +92,20 @@ def _moved_param_sync(node, d, traced, costing: Costing, mesh_shape) -> float:
             if isinstance(spec[a], Replicate):
                 t += costing.grad_sync(costing.grad_bytes(inp) / shard_factor(spec, mesh_shape), a)
     return t
+
+
+def _forward_again(node, d, base, shape, device) -> float:
+    """One rank's forward of ``node`` under its placement, as ``strategy_prices.split_cost`` costs it: a
+    matmul on its local shapes (its efficiency follows its local smallest dimension), other work divided
+    by the split with the launches whole."""
+    ways = max([shard_factor(sp, shape) for sp in d.inputs + _outputs(d) if sp] + [1])
+    if ways > 1 and not is_moe(node):
+        ins = tensor_inputs(node)
+        shapes = {a: local_shape(a.meta["val"].shape, sp, shape) for a, sp in zip(ins, d.inputs) if sp is not None}
+        local = local_node_cost(node, shapes, device)
+        if local is not None and math.isclose(local.flops_fwd * ways, base.flops_fwd, rel_tol=0.02):
+            return local.time_fwd
+    return (base.time_fwd - base.launch_fwd) / ways + base.launch_fwd
 
 
 def _outputs(d) -> list:
@@ -208,9 +224,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             time += own + coll_time.get(name, 0.0)
             again += again_time.get(name, 0.0)
             if name in recomputed:      # its forward again, split as ``split_cost`` splits it (launches whole)
-                ways = max([shard_factor(sp, shape) for sp in d.inputs + _outputs(d) if sp] + [1])
-                fwd_again = (base.time_fwd - base.launch_fwd) / ways + base.launch_fwd
-                again += min(fwd_again, max(own - held_time.get(name, 0.0), 0.0))
+                again += min(_forward_again(node, d, base, shape, device), max(own - held_time.get(name, 0.0), 0.0))
             out_shard = _split(specs, node, shape)
             in_shard = shard_factor(d.inputs[0], shape) if d.inputs and d.inputs[0] else 1
             for key, nbytes, internal, tensor in saved.get(name, []):
@@ -224,6 +238,8 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             param_copies, region_copies = copied.of(node, unit.index)
             held += param_copies
             act += region_copies
+        time += sum(working_copy_time(by_name[p].meta["val"].numel() / shard_factor(param_spec[p], shape), device,
+                                      opts.precision) for p in params if p in param_spec)
         share = fwd_base / total_base if total_base else 1 / 3
         pbytes = sum(_state_bytes(by_name[p].meta["val"], param_spec[p], shape, opts, zero)
                      for p in params if p in param_spec)
