@@ -285,13 +285,15 @@ def cost_key(node: fx.Node, strategies: list[Strategy], saved: dict, traced_para
              need: frozenset, recomputed: bool = False) -> tuple:
     """Everything ``node_costs`` reads: two nodes with equal keys cost the same under every strategy
     (the op and its argument signature, which inputs are parameters, need gradients and how many
-    consumers share them, the saved-activation bytes, the strategies)."""
+    consumers share them, how many gradient-needing ops read the node itself (its backward sums their
+    gradients: ``compute.grad_sum_work``), the saved-activation bytes, the strategies)."""
     if node.op == "placeholder":
         v = node.meta.get("val")
         shape = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
         return ("placeholder", node.name in traced_params, shape, tuple(strategies))
     ins = tuple((a.name in traced_params, a in need, len(a.users)) for a in tensor_inputs(node))
-    return (node.op, node.target, node_signature(node), node in need, ins, saved_pair(saved, node.name),
+    readers = sum(1 for u in node.users if u.op == "call_function" and u in need)
+    return (node.op, node.target, node_signature(node), node in need, ins, readers, saved_pair(saved, node.name),
             tuple(strategies), recomputed)
 
 
