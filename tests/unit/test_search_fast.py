@@ -88,7 +88,7 @@ def _plan(monkeypatch, enabled: bool, job, mesh) -> dict:
 
 
 def test_auto_plans_the_same_with_the_descent_on_every_solve(monkeypatch):
-    """A 2-layer GPT on 8 H100s (4 per node), the descent forced on every multi-axis solve
+    """A 2-layer GPT on 4 H100s (2 per node), the descent forced on every multi-axis solve
     (``DESCENT_PAIRS`` 0, as Llama-3 8B's solves on 64 devices run it): AUTO reaches the pipeline search and
     returns the same plan, field for field (degrees, microbatches, schedule, every node's strategy and
     options, predicted step and memory, the alternatives), with the shortcuts on and off."""
@@ -97,7 +97,7 @@ def test_auto_plans_the_same_with_the_descent_on_every_solve(monkeypatch):
     real = axis_descent.descend
     monkeypatch.setattr(axis_descent, "descend", lambda *a, **k: calls.append(1) or real(*a, **k))
     job = lambda: factories.gpt(hidden=32, layers=2, heads=2, seq=32, batch=8, vocab=256)  # noqa: E731
-    mesh = autopar.Mesh(8, device="h100", gpus_per_node=4)
+    mesh = autopar.Mesh(4, device="h100", gpus_per_node=2)
     on = _plan(monkeypatch, True, job, mesh)
     assert calls, "no solve ran the descent: the test compares nothing"
     off = _plan(monkeypatch, False, job, mesh)
