@@ -122,8 +122,9 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
 
 
 def saved_bytes_once(gm: fx.GraphModule, mask) -> dict[str, tuple[int, int]]:
-    """``saved_bytes_by_node(gm, mask)``, once per graph (kept in ``gm.meta`` like ``memory_terms.op_gradient_facts``: it
-    depends on the graph only, and the search solves one graph on several meshes); read-only."""
+    """``saved_bytes_by_node(gm, mask)``, once per graph (kept in ``gm.meta`` like
+    ``memory_terms.op_gradient_facts``: it depends on the graph only, and the search solves one graph on
+    several meshes); read-only."""
     if not search_memo.ENABLED:
         return saved_bytes_by_node(gm, dropout_mask_bytes=mask)
     cache = gm.meta.setdefault("saved_bytes_by_node", {})
