@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch.ops import aten
 
+from autopar.core import search_memo
 from autopar.sharding.placements import R, Shard
 from autopar.sharding.rules import axis_options, has_rule
 from autopar.sharding.strategy import Strategy, mesh_strategies, replicate_all, shape_of
@@ -60,6 +61,7 @@ def is_dropped(node: fx.Node) -> bool:
 
 def build_candidates(gm: fx.GraphModule, mesh_shape, mutated_buffers: set[str] = frozenset()) -> Candidates:
     c = Candidates()
+    options = _options_once(gm)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             c.strategies[node.name] = placeholder_strategies(node, mesh_shape)
@@ -70,10 +72,32 @@ def build_candidates(gm: fx.GraphModule, mesh_shape, mutated_buffers: set[str] =
                 c.unknown_ops[node.name] = str(node.target)
                 c.strategies[node.name] = mesh_strategies(node, [], mesh_shape)
                 continue
-            opts = axis_options(node)
+            opts = options(node)
             strategies = mesh_strategies(node, opts, mesh_shape)
             c.strategies[node.name] = strategies or mesh_strategies(node, [replicate_all(node)], mesh_shape)
     return c
+
+
+def _options_once(gm: fx.GraphModule):
+    """``axis_options`` of a node, once per graph (kept in ``gm.meta``): a rule's options depend on the
+    node alone, and the search builds one graph's candidates on several meshes."""
+    if not search_memo.ENABLED or not hasattr(gm, "meta"):
+        return axis_options
+    cache = gm.meta.setdefault("axis_options", {})
+    key = (id(gm.graph), len(gm.graph.nodes))
+    if cache.get("key") != key:
+        cache.clear()
+        cache["key"] = key
+        cache["by_node"] = {}
+    by_node = cache["by_node"]
+
+    def options(node: fx.Node):
+        hint = node.meta.get("chunk_hint", 1)       # the one mark a rule reads that planning sets late
+        hit = by_node.get(node.name)
+        if hit is None or hit[0] is not node or hit[1] != hint:
+            hit = by_node[node.name] = (node, hint, axis_options(node))
+        return list(hit[2])
+    return options
 
 
 def producer(node: fx.Node) -> tuple[fx.Node, int | None]:

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.core import search_memo
 from autopar.solver.intra_op import (InfeasibleError, IntraOpProblem, IntraOpSolution, SolverTimeoutError, evaluate,
                                      solve_intra_op, workspace_bytes)
+from autopar.solver.class_graph import allowed_mask
 from autopar.solver.memory_floor import memory_floor
 
 ROUNDS = 2               # sweeps over the axes
@@ -51,10 +53,36 @@ def axis_keys(strategies: list[list]) -> list[np.ndarray]:
     axis a (inputs', outputs' placements and local implementation there)."""
     ids: dict = {}
     out = []
+    if search_memo.ENABLED:     # repeated layers share their Strategy objects (and often whole lists):
+        return _axis_keys_shared(strategies, ids)   # each is keyed once, by identity
     for sts in strategies:
         rows = [[ids.setdefault(_axis_part(st, a), len(ids)) for a in range(len(st.local))] for st in sts]
         width = len(rows[0]) if rows else 0
         out.append(np.array(rows, dtype=np.int64).reshape(len(sts), width))
+    return out
+
+
+def _axis_keys_shared(strategies: list[list], ids: dict) -> list[np.ndarray]:
+    """``axis_keys`` with each Strategy object's row computed once and each list of the same objects
+    built once (shared, read-only): a strategy seen before adds no id, so the numbering is the plain
+    loop's. Every strategy is alive in ``strategies`` while this runs, so identities are not reused."""
+    row_of: dict[int, list[int]] = {}
+    by_list: dict[tuple, np.ndarray] = {}
+    out = []
+    for sts in strategies:
+        ident = tuple(map(id, sts))
+        keys = by_list.get(ident)
+        if keys is None:
+            rows = []
+            for st in sts:
+                row = row_of.get(id(st))
+                if row is None:
+                    row = row_of[id(st)] = [ids.setdefault(_axis_part(st, a), len(ids)) for a in range(len(st.local))]
+                rows.append(row)
+            width = len(rows[0]) if rows else 0
+            keys = by_list[ident] = np.array(rows, dtype=np.int64).reshape(len(sts), width)
+            keys.flags.writeable = False
+        out.append(keys)
     return out
 
 
@@ -96,12 +124,17 @@ def assess(p, choice: list[int] | None, how: str) -> Start | None:
 def _restricted(p, keys: list[np.ndarray], current: list[int], axis: int):
     """``p`` with each node limited to the strategies that agree with ``current`` on every axis but ``axis``."""
     nodes = []
+    agree: dict = {}        # (keys, choice) -> the agreeing strategies: tied layers repeat both (``axis_keys``)
     for node, k, s in zip(p.nodes, keys, current):
-        others = [b for b in range(k.shape[1]) if b != axis]
-        keep = np.all(k[:, others] == k[s, others], axis=1) if others else np.ones(len(k), dtype=bool)
+        hit = agree.get((id(k), s)) if search_memo.ENABLED else None
+        if hit is None:
+            others = [b for b in range(k.shape[1]) if b != axis]
+            mask = np.all(k[:, others] == k[s, others], axis=1) if others else np.ones(len(k), dtype=bool)
+            hit = agree[(id(k), s)] = (mask, np.flatnonzero(mask).tolist())
+        mask, kept = hit        # nodes without their own ``allowed`` share one list (read-only)
         if node.allowed is not None:
-            keep &= np.isin(np.arange(len(k)), node.allowed)
-        nodes.append(dataclasses.replace(node, allowed=[int(i) for i in np.flatnonzero(keep)]))
+            kept = np.flatnonzero(mask & allowed_mask(len(k), node.allowed)).tolist()
+        nodes.append(dataclasses.replace(node, allowed=kept))
     return nodes
 
 

@@ -133,6 +133,16 @@ def is_forbidden(x: np.ndarray) -> np.ndarray:
     return ~np.isfinite(x) | (x >= HUGE_COST)
 
 
+def allowed_mask(k: int, allowed) -> np.ndarray:
+    """``np.isin(np.arange(k), allowed)``: which of ``k`` candidates ``allowed`` lists (by index)."""
+    idx = np.asarray(list(allowed), dtype=np.intp)
+    if idx.size and (idx.min() < 0 or idx.max() >= k):
+        return np.isin(np.arange(k), idx)
+    mask = np.zeros(k, dtype=bool)
+    mask[idx] = True
+    return mask
+
+
 # ---------------------------------------------------------------- reductions
 
 def _restrict_each(g: ClassGraph, keep_of) -> bool:

@@ -37,7 +37,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.sat.python import cp_model
 
-from autopar.solver.class_graph import HUGE_COST, ClassGraph, InfeasibleError, is_forbidden, recover_choices, reduce_graph
+from autopar.core import search_memo
+from autopar.solver.class_graph import (HUGE_COST, ClassGraph, InfeasibleError, allowed_mask, is_forbidden,
+                                         recover_choices, reduce_graph)
 from autopar.solver.cpsat_model import (OverBudget, active_classes, build_model, objective_bound, picked_strategies,
                                         run_model, workspace_of)
 from autopar.solver.elimination import eliminate_best
@@ -116,11 +118,15 @@ class IntraOpSolution:
 # ---------------------------------------------------------------- problem -> class graph
 
 def _validate(p: IntraOpProblem) -> None:
+    checked: set = set()        # (allowed list, strategies) checked already: tied members share lists
     for v, node in enumerate(p.nodes):
         if np.shape(node.compute) != np.shape(node.memory) or np.ndim(node.compute) != 1 or not len(node.compute):
             raise ValueError(f"node {v} ({node.name}): compute and memory must be equal-length non-empty 1-D arrays")
-        if node.allowed is not None and any(not 0 <= s < len(node.compute) for s in node.allowed):
+        if node.allowed is not None and (id(node.allowed), len(node.compute)) not in checked and \
+                any(not 0 <= s < len(node.compute) for s in node.allowed):
             raise ValueError(f"node {v} ({node.name}): allowed {node.allowed} outside 0..{len(node.compute) - 1}")
+        if node.allowed is not None and search_memo.ENABLED:
+            checked.add((id(node.allowed), len(node.compute)))
     for e in p.edges:
         if not (0 <= e.src < len(p.nodes) and 0 <= e.dst < len(p.nodes)):
             raise ValueError(f"edge ({e.src}, {e.dst}) refers to a node outside 0..{len(p.nodes) - 1}")
@@ -163,9 +169,13 @@ def _collapse_ties(p: IntraOpProblem) -> tuple[ClassGraph, list[int]]:
     for group in members:
         k = len(p.nodes[group[0]].compute)
         keep = np.ones(k, dtype=bool)
+        applied: set = set()        # tied members often share one ``allowed`` list (``axis_descent``)
         for v in group:
-            if p.nodes[v].allowed is not None:
-                keep &= np.isin(np.arange(k), p.nodes[v].allowed)
+            allowed = p.nodes[v].allowed
+            if allowed is not None and id(allowed) not in applied:
+                keep &= allowed_mask(k, allowed)
+                if search_memo.ENABLED:
+                    applied.add(id(allowed))
         compute = sum(np.asarray(p.nodes[v].compute, dtype=float) for v in group)
         memory = sum(np.asarray(p.nodes[v].memory, dtype=float) for v in group)
         g.cands.append(np.arange(k))
@@ -184,8 +194,13 @@ def _collapse_ties(p: IntraOpProblem) -> tuple[ClassGraph, list[int]]:
 def _map_edges(p: IntraOpProblem, g: ClassGraph, class_of: list[int]) -> None:
     """Edges onto classes; parallel edges summed; an edge inside a class adds its diagonal (time
     to the class's compute, kept bytes to its memory)."""
+    picks: dict = {}    # (tables, classes) -> the picked tables: repeated layers' edges share their tables
     for e in p.edges:
         a, b = class_of[e.src], class_of[e.dst]
+        key = (id(e.cost), id(e.memory), a, b)
+        if a != b and key in picks:
+            g.add_edge(a, b, *picks[key])
+            continue
         cost = np.asarray(e.cost, dtype=float)
         cost = np.where(is_forbidden(cost), np.inf, cost)
         mem = None if e.memory is None else np.asarray(e.memory, dtype=float)
@@ -196,7 +211,10 @@ def _map_edges(p: IntraOpProblem, g: ClassGraph, class_of: list[int]) -> None:
                 g.memory[a] = g.memory[a] + mem[c, c]
         else:
             pick = np.ix_(g.cands[a], g.cands[b])
-            g.add_edge(a, b, cost[pick], None if mem is None else mem[pick])
+            picked = (cost[pick], None if mem is None else mem[pick])
+            if search_memo.ENABLED:
+                picks[key] = picked
+            g.add_edge(a, b, *picked)
 
 
 def _memory_problem(p: IntraOpProblem) -> IntraOpProblem:
@@ -249,6 +267,14 @@ def _expand(class_of: list[int], picked: dict[int, int]) -> list[int]:
 
 def evaluate(p: IntraOpProblem, choice: list[int]) -> tuple[float, float]:
     """(objective seconds, memory bytes) of an assignment; objective inf if a forbidden choice is used."""
+    if search_memo.ENABLED:     # the same sums, and one forbidden test over the picked values
+        node_times = [float(n.compute[s]) for n, s in zip(p.nodes, choice)]
+        edge_times = [float(e.cost[choice[e.src], choice[e.dst]]) for e in p.edges]
+        total = sum(node_times)
+        total += sum(edge_times)
+        forbidden = bool(is_forbidden(np.array(node_times + edge_times, dtype=float)).any())
+        memory = sum(float(n.memory[s]) for n, s in zip(p.nodes, choice)) + edge_memory(p, choice)
+        return (math.inf if forbidden else total), memory
     total = sum(float(n.compute[s]) for n, s in zip(p.nodes, choice))
     total += sum(float(e.cost[choice[e.src], choice[e.dst]]) for e in p.edges)
     forbidden = any(is_forbidden(np.asarray(n.compute[s])) for n, s in zip(p.nodes, choice)) or any(

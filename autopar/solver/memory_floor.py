@@ -11,7 +11,8 @@ from autopar.cost_models.recompute import saved_storages
 from autopar.sharding.candidates import placeholder_strategies
 from autopar.sharding.placements import shard_factor
 from autopar.sharding.strategy import tensor_inputs
-from autopar.solver.class_graph import is_forbidden
+from autopar.core import search_memo
+from autopar.solver.class_graph import allowed_mask, is_forbidden
 
 
 def memory_floor(p) -> float:
@@ -19,6 +20,8 @@ def memory_floor(p) -> float:
     node's least over its allowed, unforbidden strategies plus each edge's least over its
     unforbidden pairs (the coupling ignored). Above
     the budget, no assignment fits, and the time solves are skipped."""
+    if search_memo.ENABLED and p.nodes and all(len(n.compute) for n in p.nodes):
+        return _memory_floor_arrays(p)
     total = 0.0
     for n in p.nodes:
         compute = np.asarray(n.compute, dtype=float)
@@ -32,6 +35,33 @@ def memory_floor(p) -> float:
         if e.memory is not None:
             ok = ~is_forbidden(np.asarray(e.cost, dtype=float))
             total += float(np.asarray(e.memory, dtype=float)[ok].min()) if ok.any() else 0.0
+    return total
+
+
+def _memory_floor_arrays(p) -> float:
+    """``memory_floor`` on the nodes' arrays joined end to end (one numpy pass instead of one per node)
+    and each distinct edge table once (repeated layers share them, ``problem._edges_of``): the same
+    terms, added in the same order, so the same float."""
+    sizes = [len(n.compute) for n in p.nodes]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.intp)
+    ok = ~is_forbidden(np.concatenate([np.asarray(n.compute, dtype=float) for n in p.nodes]))
+    for n, at, k in zip(p.nodes, starts.tolist(), sizes):
+        if n.allowed is not None:
+            ok[at:at + k] &= allowed_mask(k, n.allowed)
+    if not np.logical_or.reduceat(ok, starts).all():
+        return 0.0                  # infeasible for another reason: let the solve say which
+    memory = np.concatenate([np.asarray(n.memory, dtype=float) for n in p.nodes])
+    total = 0.0
+    for least in np.minimum.reduceat(np.where(ok, memory, np.inf), starts).tolist():
+        total += least
+    seen: dict = {}
+    for e in p.edges:
+        if e.memory is not None:
+            key = (id(e.cost), id(e.memory))
+            if key not in seen:
+                fine = ~is_forbidden(np.asarray(e.cost, dtype=float))
+                seen[key] = float(np.asarray(e.memory, dtype=float)[fine].min()) if fine.any() else 0.0
+            total += seen[key]
     return total
 
 

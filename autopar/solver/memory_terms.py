@@ -11,7 +11,7 @@ import numpy as np
 import torch.fx as fx
 
 from autopar.graph.grads import grad_nodes
-from autopar.cost_models.memory import saved_bytes_by_node, storage_key, training_state_parts
+from autopar.cost_models.memory import storage_key, training_state_parts
 from autopar.cost_models.zero import (gather_unit, shard_elements, zero1_bucket_bytes, zero3_gathered_bytes, zero_axes,
                                       zero_buckets)
 from autopar.graph.recompute_regions import choices_for, find_regions
@@ -19,7 +19,7 @@ from autopar.sharding.candidates import Candidates
 from autopar.sharding.placements import shard_factor
 from autopar.sharding.strategy import Strategy, tensor_inputs
 from autopar.solver.cp_costs import cp_transient_bytes
-from autopar.solver.problem import BuiltProblem, resharded_param_bytes
+from autopar.solver.problem import BuiltProblem, resharded_param_bytes, saved_bytes_once
 from autopar.solver.strategy_prices import Costing, local_saved, saved_pair, strategy_outputs, tensor_bytes
 
 
@@ -84,7 +84,7 @@ def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, 
     """
     by_name = {n.name: n for n in gm.graph.nodes}
     mask = 1 if getattr(c.device, "name", "") != "cpu" else None
-    saved = saved_bytes_by_node(gm, dropout_mask_bytes=mask)
+    saved = saved_bytes_once(gm, mask)
     need = grad_nodes(gm.graph)
     facts = op_gradient_facts(gm, params, c)
     fresh, waiting = _param_grad_terms(gm, cands, built, choice, c, params, need)
@@ -147,7 +147,7 @@ def op_gradient_facts(gm: fx.GraphModule, params, c: Costing) -> dict[str, OpGra
     cache = gm.meta.setdefault("op_gradient_facts", {})
     key = (id(gm.graph), len(gm.graph.nodes), mask, frozenset(params))
     if key not in cache:
-        saved = saved_bytes_by_node(gm, dropout_mask_bytes=mask)
+        saved = saved_bytes_once(gm, mask)
         need = grad_nodes(gm.graph)
         facts = {}
         for node in gm.graph.nodes:

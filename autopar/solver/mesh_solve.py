@@ -272,7 +272,16 @@ def solve_on_mesh(req: SolveRequest, microbatches: int = 1, cutoff: float | None
 
 
 def gathered_activation_copies(traced, cands, built, choice: list[int], costing: Costing) -> float:
-    """``seq_parallel.resharded_saved_activations`` of an assignment (recomputed regions save nothing)."""
+    """``seq_parallel.resharded_saved_activations`` of an assignment (recomputed regions save nothing); kept
+    per assignment on ``built`` (one solve's problem and costing: the solve and the plan ask for the same one)."""
+    memo = built.__dict__.setdefault("activation_copies", {}) if search_memo.ENABLED else {}
+    if tuple(choice) in memo:
+        return memo[tuple(choice)]
+    memo[tuple(choice)] = _activation_copies(traced, cands, built, choice, costing)
+    return memo[tuple(choice)]
+
+
+def _activation_copies(traced, cands, built, choice: list[int], costing: Costing) -> float:
     inside: set = set()
     if costing.recompute not in (None, "none"):
         inside = {n for r in find_regions(traced.gm, choices_for(traced.gm.graph, costing.recompute)) for n in r.nodes}

@@ -82,7 +82,7 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     allowed = allowed or {}
     mask = 1 if getattr(c.device, "name", "") != "cpu" else None
     if c.recompute == "none":
-        saved, again = saved_bytes_by_node(gm, dropout_mask_bytes=mask), frozenset()
+        saved, again = saved_bytes_once(gm, mask), frozenset()
     else:
         saved, again = saved_bytes_after(gm, c.recompute, dropout_mask_bytes=mask)
     names = list(cands.strategies)
@@ -121,6 +121,19 @@ def build_problem(gm: fx.GraphModule, cands: Candidates, c: Costing, params: set
     return BuiltProblem(prob, names, index, once)
 
 
+def saved_bytes_once(gm: fx.GraphModule, mask) -> dict[str, tuple[int, int]]:
+    """``saved_bytes_by_node(gm, mask)``, once per graph (kept in ``gm.meta`` like
+    ``memory_terms.op_gradient_facts``: it depends on the graph only, and the search solves one graph on
+    several meshes); read-only."""
+    if not search_memo.ENABLED:
+        return saved_bytes_by_node(gm, dropout_mask_bytes=mask)
+    cache = gm.meta.setdefault("saved_bytes_by_node", {})
+    key = (id(gm.graph), len(gm.graph.nodes), mask)
+    if key not in cache:
+        cache[key] = saved_bytes_by_node(gm, dropout_mask_bytes=mask)
+    return cache[key]
+
+
 def _node_kinds(by_name: dict, cands: Candidates, params: set[str], need: frozenset) -> dict[str, int]:
     """node name -> an integer naming its ``cost_key`` without the costing's inputs (saved
     bytes, recomputation): equal integers cost the same under every strategy. A node's strategy
@@ -131,8 +144,25 @@ def _node_kinds(by_name: dict, cands: Candidates, params: set[str], need: frozen
         return {n: ids.setdefault(cost_key(by_name[n], st, {}, params, need), len(ids))
                 for n, st in cands.strategies.items()}
     rows = _strategy_rows(cands)
-    return {n: ids.setdefault(cost_key(by_name[n], (), {}, params, need) + (rows[n],), len(ids))
-            for n in cands.strategies}
+    base = _graph_kinds(by_name, cands, params, need)
+    return {n: ids.setdefault((base[n], rows[n]), len(ids)) for n in cands.strategies}
+
+
+def _graph_kinds(by_name: dict, cands: Candidates, params: set[str], need: frozenset) -> dict[str, int]:
+    """node name -> the number of its ``cost_key`` without strategies and costing (equal keys, equal
+    numbers), once per graph (kept in the graph module's ``meta``; every mesh the search solves the
+    graph on asks for the same keys). Numbers stand for the keys one to one, so ``_node_kinds``' classes
+    and their numbering are those of the keys themselves."""
+    node = next(iter(by_name.values()))
+    gm_meta = node.graph.owning_module.meta if node.graph.owning_module is not None else {}
+    cache = gm_meta.setdefault("graph_kinds", {})
+    key = (id(node.graph), len(node.graph.nodes), frozenset(params))
+    kept = cache.get(key)
+    if kept is None or not all(n in kept for n in cands.strategies):
+        ids: dict = {}
+        kept = cache[key] = {n: ids.setdefault(cost_key(by_name[n], (), {}, params, need), len(ids))
+                             for n in cands.strategies}
+    return kept
 
 
 def _strategy_rows(cands: Candidates) -> dict[str, int]:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from autopar.core import search_memo
 from autopar.cost_models.comm import GRAD_BUCKET_BYTES, axis_collective_time, bucketed_collective_time
 from autopar.cost_models.compute import (OpCost, local_node_cost, node_cost, optimizer_step_time, working_copy_time,
                                          node_signature)
@@ -327,14 +328,32 @@ def edge_cost(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index,
         us, ud = list(dict.fromkeys(s_specs)), list(dict.fromkeys(d_specs))
         table = np.zeros((len(us), len(ud)))
         memo = c._redistribution
+        numbered = search_memo.ENABLED     # specs as small integers: one hash per spec, not per pair
+        if numbered:
+            ids = c._tables.setdefault("spec ids", {})
+            by_id = c._tables.setdefault("redistribution by spec ids", {})
+            si = [ids.setdefault(ss, len(ids)) for ss in us]
+            di = [ids.setdefault(ds, len(ids)) for ds, _ in ud]
         for a, ss in enumerate(us):
             for b, (ds, f_axes) in enumerate(ud):
                 if frozen and ss != ds:
                     table[a, b] = HUGE_COST
                     continue
-                t = memo.get((ss, ds, nbytes, grad))        # ``redistribution_time``, inlined: every pair
-                if t is None:
-                    t = redistribution_time(ss, ds, nbytes, c, grad)
+                if numbered:                                 # the same value ``redistribution_time`` memoises
+                    t = by_id.get((si[a], di[b], nbytes, grad))
+                    if t is None:
+                        t = by_id[(si[a], di[b], nbytes, grad)] = redistribution_time(ss, ds, nbytes, c, grad)
+                else:
+                    t = memo.get((ss, ds, nbytes, grad))        # ``redistribution_time``, inlined: every pair
+                    if t is None:
+                        t = redistribution_time(ss, ds, nbytes, c, grad)
+                if f_axes and numbered:
+                    saving = by_id.get((si[a], di[b], nbytes, f_axes, users))
+                    if saving is None:
+                        saving = by_id[(si[a], di[b], nbytes, f_axes, users)] = fused_gather_saving(
+                            ss, ds, f_axes, nbytes, users, c)
+                    table[a, b] = t - saving
+                    continue
                 table[a, b] = t - fused_gather_saving(ss, ds, f_axes, nbytes, users, c) if f_axes else t
         pos_s, pos_d = {s: k for k, s in enumerate(us)}, {s: k for k, s in enumerate(ud)}
         ri = np.array([pos_s[s] for s in s_specs])
