@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     if args.row:
         from bench import moe_table
 
-        row = {r.name: r for r in moe_table.MOE_ROWS}[args.row]
+        row = {r.name: r for r in moe_table.MOE_ROWS + moe_table.EXTRA_ROWS}[args.row]
         t0, c0 = time.perf_counter(), time.process_time()
         plan, _ = moe_table.plan_row(row, True, None)
         tf = moe_table.step_flops(row) / plan.step_time / row.gpus / 1e12

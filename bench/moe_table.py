@@ -36,6 +36,12 @@ Rows (``MOE_ROWS``), models built on the meta device from Hugging Face configs:
   adds communication to compute where it does not model overlap. Its attention is MLA (SDPA with
   ``is_causal``, as for Mixtral).
 
+* **DeepSeek-V3, two hops** (``deepseek_v3_two_hop``): the same layout with its ep 64 named as two axes,
+  ``"expert"`` (8, across the nodes) and ``"ep"`` (8, inside a node): the dispatch then sends a token
+  once per destination node over InfiniBand and fans it out over NVLink (``collectives/moe_dispatch.py``),
+  as DeepSeek-V3's node-limited routing does (report section 3.2). Not among the default rows
+  (``EXTRA_ROWS``, by name only): its forced plan is not right yet (§34g).
+
 For each row: FORCED, the published layout as a named mesh ``("pp", "dp", "ep")`` (every
 ``moe_experts`` node takes "ep" on the "ep" axis, ``solver/moe_axes.py``; dense ops data-parallel over
 ``dp x ep``), bf16 mixed precision, the row's recomputation (``MoeRow.recompute``; None lets the
@@ -79,6 +85,8 @@ class MoeRow:
     activated: float = 0.0       # activated parameters per token ("6n")
     recompute: str | None = None  # the published recomputation ("none", ...); None: the planner picks
     extra: dict = field(default_factory=dict)   # further auto-parallel context settings of the FORCED plan
+    axis_names: tuple = ("pp", "dp", "ep")      # the forced mesh's axes; two expert axes ("expert" across nodes,
+                                                # "ep" inside one): the two-hop, node-de-duplicated dispatch
 
 
 MIXTRAL_8X7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -97,6 +105,15 @@ MOE_ROWS = [
     MoeRow("deepseek_v3", "deepseek_v3", DEEPSEEK_V3, "h800", 2048, (16, 2, 64), 4096, 15360, 1, 342.6,
            "DeepSeek-V3 report: PP16 EP64 ZeRO-1 on 2048 H800; 180K GPU hours / 1T tokens -> 342.6 TF (6N)",
            flops_kind="6n", activated=37e9, extra={"solver_time_limit": 120.0}),
+]
+
+# selected by name only (``--rows deepseek_v3_two_hop``): its forced plan is not right yet (plan.degrees shows
+# dp 8 where the layout has 128: the dense ops are not data-parallel over all three axes; bench/RESULTS.md §34g)
+EXTRA_ROWS = [
+    MoeRow("deepseek_v3_two_hop", "deepseek_v3", DEEPSEEK_V3, "h800", 2048, (16, 2, 8, 8), 4096, 15360, 1, 342.6,
+           "the deepseek_v3 row, its ep 64 as 8 nodes x 8 GPUs: a token crosses InfiniBand once per destination node "
+           "(DeepSeek-V3 report 3.2), then fans out over NVLink", flops_kind="6n", activated=37e9,
+           extra={"solver_time_limit": 120.0}, axis_names=("pp", "dp", "expert", "ep")),
 ]
 
 
@@ -137,9 +154,9 @@ def plan_row(row: MoeRow, forced: bool, time_budget: float | None) -> tuple[auto
     autopar.clear_annotations()
     if forced:
         # the published micro-batch of 1 sequence per data-parallel rank: batch / (dp x ep) microbatches
-        autopar.set_auto_parallel_context(zero=row.zero, microbatches=row.batch // (row.mesh[1] * row.mesh[2]),
+        autopar.set_auto_parallel_context(zero=row.zero, microbatches=row.batch // math.prod(row.mesh[1:]),
                                           recompute=row.recompute, **row.extra)
-        mesh = autopar.Mesh(row.mesh, axis_names=("pp", "dp", "ep"), device=row.device, gpus_per_node=row.gpus_per_node)
+        mesh = autopar.Mesh(row.mesh, axis_names=row.axis_names, device=row.device, gpus_per_node=row.gpus_per_node)
         mode = "semi_auto"
     else:
         mesh = autopar.Mesh(row.gpus, device=row.device, gpus_per_node=row.gpus_per_node)
@@ -193,7 +210,7 @@ def main(argv=None) -> None:
     ap.add_argument("--time-budget", type=float, default=60.0)
     ap.add_argument("--hard-timeout", type=float, default=900.0)
     args = ap.parse_args(argv)
-    rows = {r.name: r for r in MOE_ROWS}
+    rows = {r.name: r for r in MOE_ROWS + EXTRA_ROWS}
     for name in args.rows.split(","):
         row = rows[name.strip()]
         f = None if args.skip_forced else run_isolated(row, True, None, args.hard_timeout)

@@ -4,13 +4,16 @@
 :func:`moe_experts` (the custom op has no autograd), handing it ``_axes = {role: [axis names]}``:
 
 * no role, or ``"batch"`` (tokens split, experts whole): the module's own forward on this rank's rows.
-* ``"ep"`` (tokens split and experts split on the axis): the (token, k) rows are sorted by the rank
-  owning their expert; a tiny all_to_all of per-expert row counts tells every rank what it receives
-  (dropless: uneven counts), then one all_to_all (``all_to_all_single``, uneven splits) sends each row
-  (hidden row and its routing weight side by side) to its owner, which runs its experts on them as
-  top-1 rows with local expert ids; the reverse all_to_all brings the weighted results back, and
-  each token sums its k rows. Each data all_to_all's backward is the reverse all_to_all
-  (:class:`_Exchange`, DESIGN invariant 5), so the router weights and the hidden rows get gradients.
+* ``"ep"`` (tokens split and experts split on the axis): de-duplicated dispatch, as Megatron-Core and
+  DeepEP run it. A token whose k experts live on several ranks is sent ONCE to each of those ranks,
+  as one bundle: its hidden row with its k routing weights side by side, and its k expert ids (a
+  second, int32 all_to_all). A tiny all_to_all of per-destination bundle counts comes first
+  (dropless: uneven counts), then one all_to_all (``all_to_all_single``, uneven splits) of the
+  bundles. The owner runs its experts on the bundle's pairs that are its own (top-1 rows with local
+  ids), sums them per bundle (the weighted k-sum, locally) and the reverse all_to_all brings ONE row
+  per bundle back, where the sender adds the bundles of each token. Each data all_to_all's backward
+  is the reverse all_to_all (:class:`_Exchange`, DESIGN invariant 5), so the router weights and the
+  hidden rows get gradients.
 * ``"experts"`` (tokens whole, experts split): only the rows routed to this rank's experts run; their
   results are added into a zero [T, H] output, which is Partial on the axis (the edge sums it).
 * ``"etp"`` (tokens whole, each expert's FFN split on its intermediate dim, ``sharding/rules/moe.py``):
@@ -20,9 +23,12 @@
 
 Several split axes compose: expert ``e`` lives on piece ``e // E_local`` of the expert dim split
 over the ep and experts axes in mesh order (first outermost, as parameters are sharded); each ep
-axis, in mesh order, moves rows to the coordinate of their owner's piece along it, and an experts
-axis keeps the rows whose owner's coordinate along it is this rank's. ``sharding/local_impls.py``
-lists the collectives this runs (``_moe``); change both together.
+axis, in mesh order, is one hop: a bundle goes once to each coordinate along it that holds one of its
+experts still bound for this rank (:func:`bundle_targets`). With the ep dim split as (node axis, in-node
+axis) this is the two-hop, node-de-duplicated dispatch of DeepSeek-V3: one copy per destination node
+across nodes, then the fan-out inside the node. An experts axis keeps the pairs whose owner's
+coordinate along it is this rank's. ``sharding/local_impls.py`` lists the collectives this runs
+(``_moe``; the copies per token are ``sharding/moe_routing.py``'s expectation); change both together.
 """
 from __future__ import annotations
 
@@ -57,7 +63,7 @@ class _Exchange(torch.autograd.Function):
 
 
 def _counts_a2a(counts: torch.Tensor, ax) -> torch.Tensor:
-    """Equal-split all_to_all of int64 counts (one block per destination, same size for all)."""
+    """Equal-split all_to_all of int64 counts (one per destination)."""
     out = torch.empty_like(counts)
     COUNTER.record("all_to_all", counts, ax.name, "fwd")
     dist.all_to_all_single(out, counts.contiguous(), group=ax.group)
@@ -65,41 +71,46 @@ def _counts_a2a(counts: torch.Tensor, ax) -> torch.Tensor:
 
 
 class _Hop:
-    """One ep axis's dispatch: what went where, so the results can come back."""
+    """One ep axis's dispatch: which of the sender's rows each sent bundle copies, so the results come back."""
 
-    def __init__(self, name: str, order: torch.Tensor, send: list[int], recv: list[int]):
-        self.name, self.order, self.send, self.recv = name, order, send, recv
+    def __init__(self, name: str, src: torch.Tensor, send: list[int], recv: list[int], rows: int):
+        self.name, self.src, self.send, self.recv, self.rows = name, src, send, recv, rows
 
 
-def _dispatch(name: str, digit, rows: list[torch.Tensor], ids: torch.Tensor, num_experts: int):
-    """Send each row to the rank along axis ``name`` whose coordinate is ``digit(expert id)``.
-    Returns the received rows, their global expert ids and the hop (for :func:`_combine`)."""
+def bundle_targets(ids: torch.Tensor, digit, size: int, reached: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (row, destination) pairs of one hop: row ``b`` (a bundle holding ``ids[b]``, its k expert
+    ids) goes ONCE to each coordinate ``digit(id)`` along the axis among its pairs still bound here (those
+    whose digits on the hops already made, ``reached = [(digit, my coordinate)]``, are this rank's).
+    Returns (source rows, destinations), grouped by destination, then by source row."""
+    bound = torch.ones_like(ids, dtype=torch.bool)
+    for dg, coord in reached:
+        bound &= dg(ids) == coord
+    dest = torch.where(bound, digit(ids), size)
+    hit = torch.zeros((ids.shape[0], size + 1), dtype=torch.bool, device=ids.device)
+    hit.scatter_(1, dest, True)
+    src, to = hit[:, :size].nonzero(as_tuple=True)          # row-major: by source row, then destination
+    order = torch.argsort(to, stable=True)
+    return src[order], to[order]
+
+
+def _dispatch(name: str, digit, rows: list[torch.Tensor], ids: torch.Tensor, reached: list):
+    """Send each bundle ONCE to every rank along axis ``name`` that holds one of its bound experts (its
+    hidden row with all k weights, and its k expert ids). Returns the received rows and ids and the hop
+    (for :func:`_combine`)."""
     ax = _axis(name)
-    dest = digit(ids)
-    # rows grouped by destination, then by expert: the receiver rebuilds the ids from counts. The experts
-    # grouped alike (``by_dest``: each destination's experts, ascending) in one sort: a fixed number of
-    # kernels and two host reads per hop, whatever the axis size
-    order = torch.argsort(dest * num_experts + ids, stable=True)
-    experts = torch.arange(num_experts, device=ids.device)
-    owner = digit(experts)
-    by_dest = experts[torch.argsort(owner * num_experts + experts, stable=True)]
-    per_expert = torch.bincount(ids, minlength=num_experts)
-    counts = per_expert[by_dest].to(torch.int64)
-    got = _counts_a2a(counts, ax).view(ax.size, -1)
-    send = torch.bincount(dest, minlength=ax.size).tolist()
-    recv = got.sum(1).tolist()
-    mine = experts[owner == ax.rank]
-    new_ids = mine.repeat(ax.size).repeat_interleave(got.reshape(-1))
-    moved = [_Exchange.apply(r[order], send, recv, name) for r in rows]
-    return moved, new_ids, _Hop(name, order, send, recv)
+    src, to = bundle_targets(ids, digit, ax.size, reached)
+    send_t = torch.bincount(to, minlength=ax.size).to(torch.int64)
+    recv_t = _counts_a2a(send_t, ax)
+    send, recv = send_t.tolist(), recv_t.tolist()
+    moved = [_Exchange.apply(r[src], send, recv, name) for r in rows]
+    new_ids = _rows_a2a(ids[src].to(torch.int32), send, recv, ax, "fwd").to(torch.int64)
+    return moved, new_ids, _Hop(name, src, send, recv, int(ids.shape[0]))
 
 
 def _combine(y: torch.Tensor, hop: _Hop) -> torch.Tensor:
-    """The results of the rows ``hop`` received, back on their sender, in the sender's original order."""
+    """The results of the bundles ``hop`` received, back on their sender, summed into the rows they copied."""
     back = _Exchange.apply(y, hop.recv, hop.send, hop.name)
-    inv = torch.empty_like(hop.order)
-    inv[hop.order] = torch.arange(hop.order.numel(), device=hop.order.device)
-    return back[inv]
+    return back.new_zeros((hop.rows, *back.shape[1:])).index_add(0, hop.src, back)
 
 
 def _run_rows(key, x, ids, w, params, first: int, n_local: int) -> torch.Tensor:
@@ -138,26 +149,23 @@ def moe_experts(key, hidden, top_k_index, top_k_weights, params, *, _op=None, _a
     for i in range(len(split) - 2, -1, -1):
         strides[i] = strides[i + 1] * sizes[i + 1]
     me = sum(bound[n].rank * st for n, st in zip(split, strides))
-    T, k = top_k_index.shape
-    tokens = torch.arange(T, device=hidden.device).repeat_interleave(k)
-    x, w, ids = hidden[tokens], top_k_weights.reshape(-1), top_k_index.reshape(-1).to(torch.int64)
-    same = w.dtype == x.dtype
-    rows = [torch.cat([x, w.unsqueeze(1)], 1)] if same else [x, w]
-    hops = []
+    k = top_k_index.shape[1]
+    ids = top_k_index.to(torch.int64)
+    same = top_k_weights.dtype == hidden.dtype
+    rows = [torch.cat([hidden, top_k_weights], 1)] if same else [hidden, top_k_weights]
+    hops, reached = [], []
     for n, size, st in zip(split, sizes, strides):
         if n in roles.get("ep", []):
             def digit(i, st=st, size=size):
                 return torch.div(i, n_local * st, rounding_mode="floor") % size
-            rows, ids, hop = _dispatch(n, digit, rows, ids, e.num_experts)
+            rows, ids, hop = _dispatch(n, digit, rows, ids, reached)
             hops.append(hop)
-    x, w = (rows[0][:, :-1], rows[0][:, -1]) if same else rows
+            reached.append((digit, bound[n].rank))
+    x, w = (rows[0][:, :-k], rows[0][:, -k:]) if same else rows
     first = me * n_local
-    if any(n in roles.get("experts", []) for n in split):
-        keep = ((ids >= first) & (ids < first + n_local)).nonzero().squeeze(1)
-        out = _run_rows(key, x[keep], ids[keep], w[keep], params, first, n_local)
-        y = x.new_zeros((x.shape[0], x.shape[1])).index_add(0, keep, out.to(x.dtype))
-    else:
-        y = _run_rows(key, x, ids, w, params, first, n_local).to(x.dtype)
+    b, j = ((ids >= first) & (ids < first + n_local)).nonzero(as_tuple=True)    # this rank's (bundle, k) pairs
+    out = _run_rows(key, x[b], ids[b, j], w[b, j], params, first, n_local)
+    y = x.new_zeros((x.shape[0], x.shape[1])).index_add(0, b, out.to(x.dtype))   # each bundle's local k-sum
     for hop in reversed(hops):
         y = _combine(y, hop)
-    return y.view(T, k, -1).sum(1).to(hidden.dtype)
+    return y.to(hidden.dtype)

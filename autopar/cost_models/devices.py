@@ -260,7 +260,7 @@ def _h100() -> DeviceSpec:
     8 x 400 Gbit/s NDR InfiniBand (ConnectX-7) = 50 GB/s per GPU per direction.
 
     Rates measured on one H100 80GB HBM3 (``bench/gpu_fit.py``, torch 2.11 + CUDA 13, bf16; the
-    numbers in ``bench/gpu_fit_h100.jsonl``, bench/RESULTS.md §GPU3): a linear layer's training
+    numbers in ``bench/gpu_fit_h100.jsonl``, bench/RESULTS.md §GPU4): a linear layer's training
     matmuls reach the median fraction of peak of nine weight shapes at each smallest dimension
     (``H100_MATMUL_CURVE``); fused attention forward + backward the fraction of its counted FLOPs
     (the causal share of ``S x S``) at the keys a query sees, head dim 128 (``H100_ATTENTION_CURVE``;

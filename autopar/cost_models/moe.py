@@ -15,7 +15,7 @@ expert's matmuls; biases add ``n_e``'s small rest)::
     bytes      the parameters once, the gathered, intermediate and output rows (T k (2 H + 2 n_e / H))
     kernels    6 + 4 E forward, twice that backward (routing, permutation, one GEMM group per expert);
                a rank holding E_local of the experts (split on "ep"/"experts" axes) launches 6 + 4 E_local,
-               plus each ep hop's dispatch (``dispatch_kernels``: 16 forward, 8 backward)
+               plus each ep hop's dispatch (``dispatch_kernels``: 18 forward, 9 backward)
 
 Per rank under a strategy (``moe_split_cost``): the work divided by the strategy's ``work_split``
 (tokens split on "batch"/"ep" axes, experts split on "ep"/"experts" axes, each expert's intermediate
@@ -120,19 +120,23 @@ def moe_kernels(experts: int) -> int:
     return 6 + 4 * experts
 
 
-DISPATCH_BWD_KERNELS = 8     # one ep hop's backward: the row gathers' scatters, the k-sum's expand, the token gather's add
-SPLIT_KERNELS = (7, 3)       # a rank with split experts, forward / backward: its (token, k) rows (arange, repeat_interleave,
-                             # gather, the weights' cast, cat) and their k-sum (moe_dispatch.moe_experts)
-KEEP_KERNELS = (6, 3)        # the "experts" role: picking the rows of the rank's experts (compare, nonzero, gathers),
-                             # adding their results into zeros (index_add)
+# Counted with a dispatch mode on the runtime (2 gloo ranks; views, allocations and the all-to-alls left out, the
+# experts module's own kernels apart): forward 11 for the "experts" role and 11 + 18 for one ep hop; backward the
+# pre-de-duplication charge (3 + 3 experts, 3 + 8 ep) moved by the measured change (0 and +4)
+DISPATCH_BWD_KERNELS = 9     # one ep hop's backward: the combine's gather, the bundle gathers' scatters, the casts
+SPLIT_KERNELS = (11, 6)      # a rank with split experts, forward / backward: the bundles' [hidden, weights] cat, the
+                             # mask of its own (bundle, k) pairs (ge, lt, and, nonzero), their gathers (3), local ids,
+                             # the per-bundle k-sum (zeros, index_add) (moe_dispatch.moe_experts); backward their scatters
+KEEP_KERNELS = (0, 0)        # the "experts" role: the same mask of the rank's own pairs, nothing more
 
 
 def dispatch_kernels(ranks: int) -> int:
     """Kernels of one ep hop's dispatch and combine forward over an axis of ``ranks`` (``collectives/
-    moe_dispatch.py``; its all_to_alls are costed as collectives): the destination digits and the rows'
-    sort, the experts' digits and sort, two bincounts, the counts' gather, the received ids' tile and
-    repeat, the rows' gather, the inverse permutation and its gather: 16, whatever ``ranks``."""
-    return 16
+    moe_dispatch.py``; its all_to_alls are costed as collectives): the bundles' destinations (ones, the
+    digits, where, zeros, scatter, nonzero, sort, gathers), the counts' bincount, the bundles' and their ids'
+    gathers and casts, the combine's zeros and index_add: 18, whatever ``ranks`` (a later hop adds the
+    digits already reached, left out)."""
+    return 18
 
 
 def expert_split_axes(local: tuple, mesh_shape) -> list[int]:

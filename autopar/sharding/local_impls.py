@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from autopar.graph.grads import grad_nodes
+from autopar.sharding.moe_routing import copies_per_token as dispatch_copies
 from autopar.sharding.placements import local_shape, shard_factor
 from autopar.sharding.strategy import Strategy, tensor_inputs
 
@@ -71,34 +72,40 @@ def _batch_norm(node: fx.Node, st: Strategy, roles: dict, mesh_shape) -> list[Lo
 
 
 def _moe(node: fx.Node, st: Strategy, roles: dict, mesh_shape) -> list[LocalCollective]:
-    """``collectives/moe_dispatch.py``: per ep axis in mesh order, forward, an all_to_all of the
-    per-expert row counts (E int64s) and one of the rows (hidden row and routing weight side by side:
-    ``T_local * k`` rows whatever the routing, on the first ep axis; on a further one the same count
-    for balanced routing), or two (hidden, then weights) when their dtypes differ; then, in reverse
-    axis order, the results back (``rows x H``). Backward, when the node needs a gradient, each
-    data all_to_all reversed: the results' in axis order, then the rows' in reverse order."""
+    """``collectives/moe_dispatch.py`` (de-duplicated dispatch): per ep axis in mesh order, forward, an
+    all_to_all of the per-destination copy counts (one int64 per rank), one of the copies (hidden row and
+    the token's k routing weights side by side; two, hidden then weights, when their dtypes differ) and one
+    of their k expert ids (int32); then, in reverse axis order, one result row per copy back. Copies per
+    local token on hop i: ``dispatch_copies`` (``sharding/moe_routing.py``: the expected count of distinct
+    destinations, uniform or group-limited routing). Backward, when the node needs a gradient, each data
+    all_to_all reversed: the results' in axis order, then the copies' in reverse order."""
     ep = roles.get("ep", [])
     if not ep:
         return []
     hidden, index, weights = tensor_inputs(node)[:3]
     h, idx, w = (a.meta["val"] for a in (hidden, index, weights))
-    rows = idx.numel() / shard_factor(st.inputs[1], mesh_shape)
+    k = int(idx.shape[-1])
+    tokens = idx.numel() / k / shard_factor(st.inputs[1], mesh_shape)
     width = h.shape[-1]
-    num_experts = tensor_inputs(node)[3].meta["val"].shape[0]
-    if w.dtype == h.dtype:
-        sends = [rows * (width + 1) * h.element_size()]
-    else:
-        sends = [rows * width * h.element_size(), rows * w.element_size()]
-    back = rows * width * h.element_size()
-    fwd = [c for ax in ep for c in [("all_to_all", 8.0 * num_experts, ax, "fwd")]
-           + [("all_to_all", b, ax, "fwd") for b in sends]]
-    fwd += [("all_to_all", back, ax, "fwd") for ax in reversed(ep)]
+    num_experts = int(tensor_inputs(node)[3].meta["val"].shape[0])
+    split = sorted(set(ep) | set(roles.get("experts", [])))
+    copies = dispatch_copies(node.args[0], num_experts, k, [mesh_shape[a] for a in split], [a in ep for a in split])
+    fwd, bwd, backs = [], [], []
+    for ax, d in zip(ep, copies):
+        rows = tokens * d
+        sends = ([rows * (width + k) * h.element_size()] if w.dtype == h.dtype
+                 else [rows * width * h.element_size(), rows * k * w.element_size()])
+        fwd += [("all_to_all", 8.0 * mesh_shape[ax], ax, "fwd")] + [("all_to_all", b, ax, "fwd") for b in sends]
+        fwd.append(("all_to_all", rows * k * 4.0, ax, "fwd"))
+        backs.append(rows * width * h.element_size())
+        bwd = [("all_to_all", b, ax, "bwd") for b in reversed(sends)] + bwd
+    fwd += [("all_to_all", b, ax, "fwd") for ax, b in reversed(list(zip(ep, backs)))]
     if node not in grad_nodes(node.graph):
         return fwd
-    bwd = [("all_to_all", back, ax, "bwd") for ax in ep]
+    out = fwd + [("all_to_all", b, ax, "bwd") for ax, b in zip(ep, backs)]
     if hidden in grad_nodes(node.graph) or weights in grad_nodes(node.graph):
-        bwd += [("all_to_all", b, ax, "bwd") for ax in reversed(ep) for b in reversed(sends)]
-    return fwd + bwd
+        out += bwd
+    return out
 
 
 def _kv_bytes(node: fx.Node, st: Strategy, mesh_shape, i: int, itemsize: int | None = None) -> float:

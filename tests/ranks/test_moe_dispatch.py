@@ -6,6 +6,7 @@ other receives nothing) and with random routing; and the all_to_alls it runs are
 from __future__ import annotations
 
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from autopar.collectives import comm, local_ops
 from autopar.collectives.groups import axis_groups, bound_axes
 from autopar.frontend.trace import trace
 from autopar.sharding.candidates import build_candidates
+from autopar.sharding import local_impls
 from autopar.sharding.local_impls import local_collectives
+from autopar.sharding.moe_routing import hop_pieces
 from autopar.sharding.placements import Replicate, Shard
 from autopar.sharding.shard_params import local_piece
 from conftest import run_ranks
@@ -68,6 +71,18 @@ def _reference(block, hidden, index, weights, seed):
                           **{n: p.grad for n, p in block.experts.named_parameters()}}
 
 
+def observed_copies(index):
+    """``moe_routing.copies_per_token`` as this routing has it: per hop, the mean count of distinct
+    destinations among each local token's experts (what the de-duplicated dispatch sends)."""
+    def copies(key, num_experts, k, sizes, ep):
+        out = []
+        for pieces in hop_pieces(num_experts, sizes, ep):
+            where = {e: i for i, members in enumerate(pieces) for e in members}
+            out.append(sum(len({where[int(e)] for e in row}) for row in index) / max(1, len(index)))
+        return out
+    return copies
+
+
 def _job(rank, routing, shape=(2,), names=("a",)):
     torch.manual_seed(0)
     block = Block()
@@ -108,7 +123,9 @@ def _job(rank, routing, shape=(2,), names=("a",)):
                         dist.all_reduce(grad, group=groups[names[ax]].group)        # partial gradients
                 torch.testing.assert_close(grad, local_piece(want_grads[name], spec, coords, mesh.shape),
                                            rtol=1e-5, atol=1e-6, msg=f"{st.name} gradient of {name}")
-            expect = [(k, b, names[ax], ph) for k, b, ax, ph in local_collectives(node, st, mesh.shape)]
+            with mock.patch.object(local_impls, "dispatch_copies", observed_copies(local[1])):
+                listed = local_collectives(node, st, mesh.shape)     # at this routing's copies, not the expectation
+            expect = [(k, b, names[ax], ph) for k, b, ax, ph in listed]
             checked[st.name] = ([(k, a, ph) for k, _, a, ph in counter.calls], sum(b for _, b, _, _ in counter.calls),
                                 [(k, a, ph) for k, _, a, ph in expect], sum(b for _, b, _, _ in expect))
     return checked
@@ -129,6 +146,9 @@ def test_every_strategy_matches_one_device(routing):
     assert set(results[0]) == {"replicate", "batch", "ep", "experts", "etp"}, set(results[0])
     _check_counts(results)
     assert results[0]["ep"][0], "ep must run all_to_alls"
+    if routing == "one_rank":       # both experts of every token on rank 0: one copy per token, not k
+        h_row = (H + K) * 4
+        assert sum(r["ep"][1] for r in results) == T * (h_row + 4 * K + H * 4 + H * 4 + h_row) + 2 * 2 * 8
 
 
 @pytest.mark.slow

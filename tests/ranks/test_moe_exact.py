@@ -95,8 +95,8 @@ def test_expert_parallel_trains_like_one_device(name):
     assert _roles(plan) == CASES[name][5], _roles(plan)
     a2a = results[0]["inspect"]
     assert {(ax, ph) for _, _, ax, ph in a2a} == {("dp", "fwd"), ("dp", "bwd")}
-    # per layer: counts + rows + results back forward, the two reversed backward
-    assert len(a2a) == 2 * 5, a2a
+    # per layer: counts + copies + their expert ids + results back forward, the two data ones reversed backward
+    assert len(a2a) == 2 * 6, a2a
 
 
 @pytest.mark.slow

@@ -63,3 +63,34 @@ def test_group_limited_router_runs_on_each_ranks_tokens_and_trains_like_one_devi
     assert {d.op.split(".")[1] for d in router.values()} >= {"topk", "gather", "scatter", "zeros_like"}, router
     assert all(str(d.output if not isinstance(d.output, list) else d.output[0]) == "[S(0)]" for d in router.values()), \
         {n: (d.op, str(d.output)) for n, d in router.items()}
+
+
+def _job_two_hop(rank):
+    from autopar.collectives.comm import count_collectives
+
+    x, y = batch()
+
+    def inspect(pmodel):
+        x7, y7 = batch(seed=7)
+        with count_collectives() as c:
+            pmodel.step(x7, target=y7)
+        return [call for call in c.calls if call[0] == "all_to_all"]
+    return parallel_run(rank, _model, lm_loss, x, y, autopar.Mesh((2, 2), axis_names=("expert", "ep")), "semi_auto",
+                        steps=STEPS, inspect=inspect)
+
+
+@pytest.mark.slow
+def test_two_ep_axes_dispatch_in_two_de_duplicated_hops_and_train_like_one_device():
+    """Mesh axes "expert" (outer, the node in a real cluster) and "ep" (inner): every experts op takes "ep" on
+    both, and the dispatch runs one hop per axis, a token going once to each "expert" coordinate holding one
+    of its experts, then once to each rank there (``collectives/moe_dispatch.py``)."""
+    x, y = batch()
+    ref = reference_run(_model, lm_loss, x, y, steps=STEPS)
+    results = _pool(4).run(_fresh_call, _job_two_hop, timeout_s=600)
+    for r, res in enumerate(results):
+        assert_same_training(ref, res, what=f"deepseek two-hop rank {r}")
+    plan = autopar.Plan.from_json(results[0]["plan"])
+    moe = [d for d in plan.nodes.values() if d.op.startswith("autopar.moe_experts")]
+    assert moe and all(d.local == ["moe:ep", "moe:ep"] for d in moe), [d.local for d in moe]
+    a2a = results[0]["inspect"]
+    assert {(ax, ph) for _, _, ax, ph in a2a} == {(a, p) for a in ("expert", "ep") for p in ("fwd", "bwd")}, a2a

@@ -1,4 +1,4 @@
-"""The H100 preset's measured rates (bench/gpu_fit.py, bench/RESULTS.md §GPU3) and the costs found by
+"""The H100 preset's measured rates (bench/gpu_fit.py, bench/RESULTS.md §GPU4) and the costs found by
 comparing the H100's profile with the prediction: casts that change the dtype, the gradient sums of a
 value several ops read, the mixed-precision working copies."""
 import dataclasses

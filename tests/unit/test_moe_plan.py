@@ -173,9 +173,13 @@ def test_auto_keeps_small_experts_data_parallel_and_splits_large_ones_on_h100():
     """Per MoE layer, the ILP weighs the experts' gradient all-reduce (moe:batch) against the tokens'
     all-to-alls (moe:ep): on 4 H100s with 8192 tokens, experts of 3 x 256 x 128 parameters stay
     replicated (dp 4, ep 1); experts of 3 x 1024 x 4096 are split: expert-parallel (ep 4) or expert
-    tensor parallel (etp 4, the whole model tp 4), predicted within 5 % of each other here (AUTO took etp)."""
+    tensor parallel (etp 4, the whole model tp 4), predicted within 5 % of each other here (AUTO took etp).
+    The small experts are never dispatched by all-to-all: they stay replicated (``batch``) or, as cheap within
+    ~4 % here (the runtime's own launches, ``cost_models/moe.py``), split with the tokens whole (``experts``);
+    the budgeted search under load returns either."""
     small = _plan(autopar.Mesh(4, device="h100"), mode="auto", model=_mixtral(256, 128), rows=512, time_budget=10)
-    assert _moe_strategies(small) == {"batch"} and small.degrees["ep"] == 1, (small.degrees, _moe_strategies(small))
+    assert _moe_strategies(small) in ({"batch"}, {"experts"}), (small.degrees, _moe_strategies(small))
+    assert not any(c.kind == "all_to_all" for c in small.collective_list), small.degrees
     large = _plan(autopar.Mesh(4, device="h100"), mode="auto", model=_mixtral(1024, 4096), rows=256, time_budget=10)
     split = (_moe_strategies(large) == {"ep"} and large.degrees["ep"] == 4) or \
         (_moe_strategies(large) == {"etp"} and large.degrees["tp"] == 4)
@@ -202,9 +206,9 @@ def test_a_rank_launches_only_its_own_experts_kernels():
     whole = Strategy(((s0,), (s0,), (s0,), (r,), (r,)), (s0,), ("moe:batch",), "batch")
     launch = dev.kernel_overhead * dev.compute_scale
     base = node_cost(node, dev)
-    dispatch = 16                                            # one ep hop (collectives/moe_dispatch.py)
-    assert moe_split_cost(node, base, ep, 4, c).launch_fwd == pytest.approx((6 + 4 * 2 + 7 + dispatch) * launch)
-    assert moe_split_cost(node, base, ep, 4, c).launch_bwd == pytest.approx((2 * (6 + 4 * 2) + 3 + 8) * launch)
+    dispatch = 18                                            # one ep hop (collectives/moe_dispatch.py)
+    assert moe_split_cost(node, base, ep, 4, c).launch_fwd == pytest.approx((6 + 4 * 2 + 11 + dispatch) * launch)
+    assert moe_split_cost(node, base, ep, 4, c).launch_bwd == pytest.approx((2 * (6 + 4 * 2) + 6 + 9) * launch)
     assert moe_split_cost(node, base, whole, 4, c).launch_fwd == pytest.approx((6 + 4 * 8) * launch)
 
 
