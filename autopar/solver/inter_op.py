@@ -99,10 +99,12 @@ class CutRules:
     at, e.g. from ``pipeline_stage`` tags) and whether a stage may hold no parameters when no
     partition avoids it (``allow_idle``; else ``IdleStageError``); ``virtual_stages``: stages per rank
     under "interleaved_1f1b" when the caller fixes it (None: 2 here; ``pipeline_search`` tries several,
-    ``virtual_stages.virtual_stage_choices``)."""
+    ``virtual_stages.virtual_stage_choices``); ``joined``: cut points no partition cuts at (an end unit
+    kept with its layer, ``cut_points.end_cuts``)."""
     fixed: Sequence[int] = ()
     allow_idle: bool = True
     virtual_stages: int | None = None
+    joined: Sequence[int] = ()
 
 
 class IdleStageError(ValueError):
@@ -115,15 +117,16 @@ def _without_idle(tables: _StageTables) -> _StageTables:
 
 
 def _validate(layers: Sequence[LayerProfile], num_stages: int, microbatches: int, total_stages: int,
-              fixed_boundaries: Sequence[int]) -> None:
+              fixed_boundaries: Sequence[int], joined: Sequence[int] = ()) -> None:
     if not layers:
         raise ValueError("partition_stages needs at least one layer")
     if num_stages < 1 or microbatches < 1:
         raise ValueError(f"num_stages and microbatches must be >= 1 (got {num_stages}, {microbatches})")
-    if total_stages > len(layers):
+    cuttable = len(layers) - len(set(joined))
+    if total_stages > cuttable:
         raise ValueError(
-            f"cannot split {len(layers)} layers into {total_stages} stages: every stage needs at least one "
-            f"layer; use at most {len(layers)} stages or expose more cut points (finer layers)")
+            f"cannot split {cuttable} layers into {total_stages} stages: every stage needs at least one "
+            f"layer; use at most {cuttable} stages or expose more cut points (finer layers)")
     bad = [b for b in fixed_boundaries if not 0 < b < len(layers)]
     if bad:
         raise ValueError(f"fixed boundaries {bad} are outside (0, {len(layers)}): a cut must fall between layers")
@@ -134,7 +137,8 @@ def _validate(layers: Sequence[LayerProfile], num_stages: int, microbatches: int
 
 
 def _stage_tables(layers: Sequence[LayerProfile], in_flight: Sequence[int], budget: float | None,
-                  p2p_link: tuple[float, float] | None, fixed_boundaries: Sequence[int]) -> _StageTables:
+                  p2p_link: tuple[float, float] | None, fixed_boundaries: Sequence[int],
+                  joined: Sequence[int] = ()) -> _StageTables:
     n = len(layers)
     prefix = lambda xs: np.concatenate([[0.0], np.cumsum(np.asarray(xs, dtype=float))])  # noqa: E731
     compute = prefix([x.fwd + x.bwd for x in layers])
@@ -153,6 +157,8 @@ def _stage_tables(layers: Sequence[LayerProfile], in_flight: Sequence[int], budg
                                                          (after[l] - after[k])[None])
     for b in fixed_boundaries:
         valid &= ~((k < b) & (b < l))
+    for b in joined:
+        valid &= (k != b) & (l != b)
     allowed = valid[None] & (memory <= (np.inf if budget is None else budget))
     return _StageTables(time, memory, valid, allowed, hop, float(compute[-1]), params[l] - params[k] > 0)
 
@@ -296,10 +302,10 @@ def _prepare(layers, num_stages, microbatches, schedule, memory_budget, p2p_link
     virtual_stages = virtual_stages or (2 if schedule == "interleaved_1f1b" else 1)
     fixed = sorted(set(cuts.fixed))
     total = num_stages * virtual_stages
-    _validate(layers, num_stages, microbatches, total, fixed)
+    _validate(layers, num_stages, microbatches, total, fixed, cuts.joined)
     held = schedule_in_flight(schedule, num_stages, microbatches, virtual_stages)
     budget = None if memory_budget is None else memory_budget / virtual_stages
-    return _stage_tables(layers, held, budget, p2p_link, fixed), virtual_stages
+    return _stage_tables(layers, held, budget, p2p_link, fixed, cuts.joined), virtual_stages
 
 
 def _rank_tables(layers, num_stages, microbatches, schedule, memory_budget, p2p_link, cuts: CutRules,
@@ -307,7 +313,7 @@ def _rank_tables(layers, num_stages, microbatches, schedule, memory_budget, p2p_
     """Tables charging each stage its live microbatches at its rank's peak (``rank_charges``), under
     each of ``stage_budgets`` (one unbudgeted table when there is no budget)."""
     charges = rank_charges(schedule, num_stages, microbatches, v)
-    base = _stage_tables(layers, charges, None, p2p_link, sorted(set(cuts.fixed)))
+    base = _stage_tables(layers, charges, None, p2p_link, sorted(set(cuts.fixed)), cuts.joined)
     if memory_budget is None:
         return [base]
     n, total = len(layers), num_stages * v

@@ -92,7 +92,7 @@ def step_floor(traced, cand, mode, opts, param_ann: dict, input_ann: dict) -> fl
     once = max(0.0, plan.once_per_step_time - plan.grad_sync_overhead)
     every = max(0.0, plan.step_time - plan.once_per_step_time)
     kinds = [opts.schedule] if opts.schedule in VIRTUAL_STAGES else list(VIRTUAL_STAGES)
-    units = len(assign_units(traced.gm)[0])
+    units = len(assign_units(traced.gm, ends=True)[0])    # every v the search may cut at (``end_units``)
     factor = min(schedule_factor(cand.pp, v, m) / m for kind in kinds for m in counts
                  for v in stages_per_rank(kind, cand.pp, m, units, opts))
     return every * factor + once / cand.pp

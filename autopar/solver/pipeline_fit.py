@@ -51,12 +51,13 @@ def microbatch_counts(batch: int, dp: int, opts) -> list[int]:
     return counts
 
 
-def schedules(opts, pp: int, num_units: int) -> list[str]:
-    """The schedules to try (the one asked for); interleaved only with two units per stage or more."""
+def schedules(opts, pp: int, num_units: int, layers: int | None = None) -> list[str]:
+    """The schedules to try (the one asked for); interleaved only with two layers per stage or more.
+    ``num_units``: the cut units, the end units included (``end_units``); ``layers``: the layers."""
     if opts.schedule is not None and opts.schedule not in SCHEDULES:
         raise PipelineRequestError(f"unknown schedule {opts.schedule!r}; choose one of {', '.join(SCHEDULES)}")
     try:
-        check_virtual_stages(opts.virtual_stages, opts.schedule, pp, num_units)
+        check_virtual_stages(opts.virtual_stages, opts.schedule, pp, num_units, layers)
     except VirtualStagesError as err:
         raise PipelineRequestError(str(err)) from None
     if opts.virtual_stages is not None:
@@ -64,7 +65,7 @@ def schedules(opts, pp: int, num_units: int) -> list[str]:
     if opts.schedule is not None:
         return [opts.schedule]
     out = ["gpipe", "1f1b"]
-    if num_units >= 2 * pp:
+    if (num_units if layers is None else layers) >= 2 * pp:
         out.append("interleaved_1f1b")
     return out
 
@@ -129,22 +130,28 @@ def fit_refusal(traced, cand, opts) -> PipelineRequestError | None:
             f"the training state alone needs at least {floor / 2**30:.2f} GiB per pipeline rank, over the "
             f"{budget / 2**30:.2f} GiB cap (every parameter split as finely as the {sub} sub-mesh allows, the model "
             f"over {cand.pp} stages): use more pipeline stages, wider tensor parallelism or more devices")
-    units = assign_units(traced.gm)[0]
+    units, ends = assign_units(traced.gm)[0], assign_units(traced.gm, ends=True)[0]
     dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
     batch = traced.batch_size
     state, acts = unit_floors(traced, units, cand.sub.shape, opts.optimizer, opts.precision, opts.recompute,
                               dropout_mask_bytes_for(mesh_device(cand.sub).name))
-    least = math.inf
-    for schedule in schedules(opts, cand.pp, len(units)):
+    least, floors = math.inf, {len(units): (units, state, acts)}
+
+    def rows(v, m):     # v x pp over the layers: each end unit may be a model stage (``end_units``)
+        key = len(ends) if v is not None and cand.pp * v > len(units) else len(units)
+        if key not in floors:
+            floors[key] = (ends, *unit_floors(traced, ends, cand.sub.shape, opts.optimizer, opts.precision,
+                                              opts.recompute, dropout_mask_bytes_for(mesh_device(cand.sub).name)))
+        us, st_, ac = floors[key]
+        return [LayerProfile(u.name, 0.0, 0.0, st, a * (batch // m) / batch, 0.0) for u, st, a in zip(us, st_, ac)]
+    for schedule in schedules(opts, cand.pp, len(ends), len(units)):
         counts = [m for m in microbatch_counts(batch, dp, opts)
                   if schedule != "interleaved_1f1b" or m % cand.pp == 0]
         for m in undominated(counts, schedule, cand.pp):
-            layers = [LayerProfile(u.name, 0.0, 0.0, st, a * (batch // m) / batch, 0.0)
-                      for u, st, a in zip(units, state, acts)]
-            vs = virtual_stage_choices(cand.pp, m, len(units), opts.virtual_stages) \
+            vs = virtual_stage_choices(cand.pp, m, len(ends), opts.virtual_stages) \
                 if schedule == "interleaved_1f1b" else [None]
             for v in vs:
-                peak, share = least_stage_memory(layers, cand.pp, m, schedule, v)
+                peak, share = least_stage_memory(rows(v, m), cand.pp, m, schedule, v)
                 if peak <= budget / share:
                     return None
                 least = min(least, peak * share)

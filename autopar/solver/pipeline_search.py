@@ -39,7 +39,7 @@ from autopar.cost_models.compute import optimizer_step_time, total_flops
 from autopar.cost_models.devices import axis_link
 from autopar.cost_models.zero import zero_axes
 from autopar.graph.buffer_writes import updates_buffers
-from autopar.graph.cut_points import assign_units, unit_of_module
+from autopar.graph.cut_points import assign_units, end_cuts, unit_of_module
 from autopar.graph.retrace import Retracer, graph_fingerprint, microbatch_trace
 from autopar.core.mesh import Mesh
 from autopar.plan.plan import PipelineInfo, Plan, PlanError, Stage
@@ -56,6 +56,7 @@ from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_collectives import pipeline_collectives
 from autopar.solver.stage_tags import check_stage_tags
 from autopar.solver.virtual_stages import best_over_virtual_stages, virtual_stage_choices
+from autopar.solver.end_units import rules_at, stage_layer_names
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
 from autopar.solver.request import SolveRequest
 from autopar.cost_models.devices import mesh_device
@@ -169,8 +170,8 @@ def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, bud
     profiles = costs.at(batch, m)
 
     def cut(v):
-        part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link, rules=rules,
-                                virtual_stages=v)
+        part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link,
+                                rules=rules_at(rules, schedule, pp, v, len(profiles)), virtual_stages=v)
         sync, opt = [0.0] * pp, [0.0] * pp
         for s in part.stages:                       # a rank runs every stage it holds (interleaved: v of them)
             a, b = s.layers
@@ -215,7 +216,8 @@ class _CandidateSearch:
                 f"cannot split the model into {cand.pp} pipeline stages: the traced model has {len(units)} layer(s) "
                 f"({', '.join(u.name for u in units[:8])}) and every stage needs at least one; use at most "
                 f"{len(units)} stages")
-        self.kinds = schedules(opts, cand.pp, len(units))
+        ends = assign_units(traced.gm, ends=True)[0]     # the embedding and head as units (``end_units``)
+        self.kinds = schedules(opts, cand.pp, len(ends), len(units))
         self.per_node = min(cand.full.size, cand.full.gpus_per_node or cand.full.size)
         # CPU ranks of every stage share the cores; a compiled program's ops run at the compiled speedup
         self.device = mesh_device(cand.sub).shared_by(self.per_node).with_compile(opts.compiled)
@@ -227,7 +229,7 @@ class _CandidateSearch:
         self.unbounded = False    # the last layout fitted no such budget (solved without one): tighter cannot help
         self.fitted = None        # the share of the last budget a layout fitted (``between_shares``)
         self.rules = CutRules(allow_idle=cand.allow_idle,   # the tags' cut points once the reference is traced
-                              virtual_stages=opts.virtual_stages)
+                              virtual_stages=opts.virtual_stages, joined=end_cuts(ends))
 
     def _request(self, mb, opts: PlanOptions) -> SolveRequest:
         """The sub-mesh solve of traced microbatch ``mb`` under ``opts``."""
@@ -255,7 +257,7 @@ class _CandidateSearch:
             self.unbounded = True
             sub_plan = solve_on_mesh(self._request(mb, self.loose), microbatches=m,
                                      ranks_per_node=self.per_node)    # the partition enforces it
-        units_m, unit_of = assign_units(mb.gm)
+        units_m, unit_of = assign_units(mb.gm, ends=True)
         return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, self.device, opts)
 
     def rank(self, costs, ref_plan, ref: int):
@@ -296,7 +298,8 @@ class _CandidateSearch:
         ref = max([m for m in self.counts if m <= 2 * cand.pp] or [min(self.counts)])
         solved = {ref: self.solve(ref)}
         mb, ref_plan, units_ref, _, costs = solved[ref]
-        self.rules = CutRules(tuple(_fixed_boundaries(cand, units_ref, mb.gm)), cand.allow_idle, opts.virtual_stages)
+        self.rules = CutRules(tuple(_fixed_boundaries(cand, units_ref, mb.gm)), cand.allow_idle, opts.virtual_stages,
+                              end_cuts(units_ref))
         ranked, reasons, errors = self.rank(costs, ref_plan, ref)
         for _ in range(TIGHTER):
             if ranked or self.unbounded or (tighter := _tighter(errors, budget - _extra(ref_plan))) is None:
@@ -464,7 +467,7 @@ def _assemble(traced, mb, sub_plan: Plan, cand: PipelineCandidate, part: Pipelin
     for s, sp in enumerate(part.stages):
         nodes = [n for u in units[sp.layers[0]:sp.layers[1]] for n in u.nodes]
         ranks = list(range(sp.rank * per_pp, (sp.rank + 1) * per_pp))
-        stages.append(Stage(s, nodes, [u.name for u in units[sp.layers[0]:sp.layers[1]]], ranks,
+        stages.append(Stage(s, nodes, stage_layer_names(units[sp.layers[0]:sp.layers[1]]), ranks,
                             sp.fwd + sp.bwd, sp.memory, sp.fwd, sp.bwd, sp.send_time))
     memory = [part.rank_memory[r // per_pp] for r in range(full.size)]
     info = PipelineInfo(microbatch_size=mb.batch_size, microbatch_fingerprint=graph_fingerprint(mb.gm),

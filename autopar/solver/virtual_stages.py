@@ -30,8 +30,10 @@ class VirtualStagesError(ValueError):
     """A ``virtual_stages`` request the pipeline cannot take."""
 
 
-def check_virtual_stages(v: int | None, schedule: str | None, pp: int, num_units: int) -> None:
-    """A fixed ``virtual_stages`` needs the interleaved schedule and pp x v cut units."""
+def check_virtual_stages(v: int | None, schedule: str | None, pp: int, num_units: int,
+                         layers: int | None = None) -> None:
+    """A fixed ``virtual_stages`` needs the interleaved schedule and pp x v cut units (``num_units``:
+    the ``layers`` and the end units, ``graph.cut_points``)."""
     if v is None:
         return
     if schedule is not None and schedule != INTERLEAVED:
@@ -41,8 +43,15 @@ def check_virtual_stages(v: int | None, schedule: str | None, pp: int, num_units
     if pp * v > num_units:
         raise VirtualStagesError(
             f"virtual_stages={v} on {pp} pipeline ranks needs {pp * v} model stages, but the traced model has only "
-            f"{num_units} layers to cut between (every stage needs one); use virtual_stages <= {max(num_units // pp, 1)}"
+            f"{num_units} layers to cut between{_ends(num_units, layers)} (every stage needs one); use "
+            f"virtual_stages <= {max(num_units // pp, 1)}"
             " or fewer pipeline stages")
+
+
+def _ends(num_units: int, layers: int | None) -> str:
+    if layers is None or layers == num_units:
+        return ""
+    return f" ({layers} repeated layers and {num_units - layers} end unit(s): the embedding, the head)"
 
 
 def virtual_stage_choices(pp: int, m: int, num_units: int, fixed: int | None = None) -> list[int]:
