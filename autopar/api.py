@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from autopar.modules.build_module import build_parallel_module
 from autopar.collectives.watch import guard, note
-from autopar.core.comm_timeout import comm_timeout_s, using, world_group
+from autopar.core.comm_timeout import SETUP_WAIT_S, comm_timeout_s, using, world_group
 from autopar.core.context import MIXED_PRECISIONS, ParallelMode, check_comm_timeout, check_compile, get_auto_parallel_context
 from autopar.core.gc_pause import fewer_collections
 from autopar.graph.chunk_hints import mark_chunk_hints
@@ -150,12 +150,21 @@ def _check_plan(plan: Plan, traced: Traced, mesh: Mesh) -> Plan:
 
 # how long the other ranks wait for rank 0 to plan (torch's default timeout): planning is not
 # communication, and a search may run for minutes; rank 0 dying while it plans is still seen at once
-PLANNING_WAIT_S = 1800.0
+PLANNING_WAIT_S = SETUP_WAIT_S
 
 
 def _planning_group():
     """Every rank, with the planning wait as timeout; made (a collective) before rank 0 starts planning."""
     return world_group(max(comm_timeout_s(), PLANNING_WAIT_S))
+
+
+def _built_together() -> None:
+    """Every rank has built its module before any starts its first step, waited for as long as planning
+    may take: the ranks that received rank 0's graph unpack it, build and import what they had not yet
+    needed after rank 0 did, so without this a short ``comm_timeout_s`` would time the first step's
+    collectives out on a slower rank's set-up rather than on its communication."""
+    note("barrier", detail="every rank has built its module (before the first step)")
+    dist.barrier(group=_planning_group())
 
 
 def _share_plans(err: Exception | None, plans: list[Plan] | None, group, graph=None) -> tuple[list[Plan], object]:
@@ -256,9 +265,12 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
                                                                                   retracer), on_meta),
                               tuple(example_inputs or ()), example_target, ctx["autotune_steps"],
                               ctx["autotune_slack"], example_kwargs, one_at_a_time=on_meta)
+    multi = dist.is_initialized() and dist.get_world_size() > 1
     check_agreement({"traced graph": graph_fingerprint(traced.gm), "plan": plan_digest(the_plan)},
-                    "after planning")
+                    "after planning", group=_planning_group() if multi else None)
     pmodel = build_parallel_module(model, traced, the_plan, retracer)
+    if multi:
+        _built_together()
     note_source(pmodel, model)       # an optimizer over model's own parameters is refused at its step()
     if on_meta:
         keep_meta_model(pmodel, model)

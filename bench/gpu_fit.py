@@ -21,7 +21,8 @@ All in bf16 unless named; CUDA events, median of the repetitions after warm-up.
 - ``optimizer``: AdamW (foreach and fused) over fp32 parameters: seconds per parameter and per tensor.
 - ``layer``: one Hugging Face decoder layer (+ embedding and head) forward + backward under
   autocast bf16, its step with AdamW, and the peak memory (the prediction is made on the CPU
-  machine with ``autopar.plan(..., Mesh(1, device=preset))``).
+  machine with ``autopar.plan(..., Mesh(1, device=preset))``); ``--compiled``: the same forward +
+  backward through ``torch.compile`` (eager / compiled = the preset's ``compiled_speedup``).
 """
 from __future__ import annotations
 
@@ -275,7 +276,7 @@ def _op_times(fn, dev: str) -> list:
     return sorted((o for o in ops if o[1] > 0), key=lambda o: -o[1])[:60]
 
 
-def layers(dev, sink, small: bool, profile: bool = False) -> None:
+def layers(dev, sink, small: bool, profile: bool = False, compiled: bool = False) -> None:
     import transformers as tf
     from examples.hf_zoo import LogitsOnly, lm_loss
 
@@ -318,6 +319,18 @@ def layers(dev, sink, small: bool, profile: bool = False) -> None:
             if profile:
                 sink.emit(kind="layer_ops", case=case, ops=_op_times(fwd_bwd, dev))
                 opt.zero_grad(set_to_none=True)
+            if compiled and case != "mixtral":
+                eager = model
+                model = torch.compile(eager)
+                t0 = time.perf_counter()
+                fwd_bwd()
+                first = time.perf_counter() - t0
+                opt.zero_grad(set_to_none=True)
+                csec = timed(fwd_bwd, dev, reps=5, warmup=1)
+                sink.emit(kind="layer_compiled", case=case, seq=seq, eager_fwd_bwd=sec, compiled_fwd_bwd=csec,
+                          compiled_speedup=sec / csec, first_call_seconds=first)
+                model = eager
+                opt.zero_grad(set_to_none=True)
             del model, opt
         except Exception as err:  # noqa: BLE001 - one failed case must not hide the others
             sink.emit(kind="layer", case=case, error=f"{type(err).__name__}: {str(err)[:300]}")
@@ -332,6 +345,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for fit.jsonl")
     ap.add_argument("--only", default="matmul,attention,grouped,stream,launch,optimizer,layers")
     ap.add_argument("--profile", action="store_true", help="layers: also each aten op's device time")
+    ap.add_argument("--compiled", action="store_true", help="layers: also forward + backward through torch.compile")
     args = ap.parse_args(argv)
     path = os.path.join(args.out, "fit.jsonl") if args.out else None
     sink, dev = Sink(path), args.device
@@ -341,7 +355,7 @@ def main(argv=None) -> int:
              "linears": lambda: table_linears(dev, sink, args.small), "attention": lambda: attention(dev, sink, args.small),
              "grouped": lambda: grouped(dev, sink, args.small), "stream": lambda: stream(dev, sink, args.small),
              "launch": lambda: launches(dev, sink), "optimizer": lambda: optimizer(dev, sink, args.small),
-             "layers": lambda: layers(dev, sink, args.small, args.profile)}
+             "layers": lambda: layers(dev, sink, args.small, args.profile, args.compiled)}
     for name in args.only.split(","):
         t0 = time.perf_counter()
         try:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from autopar.core.context import check_comm_timeout, get_auto_parallel_context
 
 DEFAULT_TIMEOUT_S = 120.0       # the default group autopar initializes (launch, torchrun) when nothing is set
+SETUP_WAIT_S = 1800.0           # how long set-up waits for a slower rank: planning on rank 0, making groups
 
 _override: list[float | None] = [None]
 _WORLD_GROUPS: dict = {}         # timeout (s) -> (the default group it spans, a group of every rank)
@@ -65,8 +66,18 @@ def using(seconds: float | None):
 
 
 def new_group(ranks=None, backend=None):
-    """``torch.distributed.new_group`` with the timeout in force (a collective over every rank)."""
-    return dist.new_group(ranks=ranks, backend=backend, timeout=comm_timeout())
+    """``torch.distributed.new_group`` with the timeout in force (a collective over every rank). Making it
+    waits for the other ranks as long as set-up may take (``SETUP_WAIT_S``: a peer still building its
+    module, slower than this rank under load, has not stalled); its operations then get the timeout in
+    force (torch's ``_set_pg_timeout``)."""
+    seconds = comm_timeout_s()
+    group = dist.new_group(ranks=ranks, backend=backend,
+                           timeout=datetime.timedelta(seconds=max(seconds, SETUP_WAIT_S)))
+    if seconds < SETUP_WAIT_S and group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+    return group
 
 
 def world_group(seconds: float | None = None):

@@ -53,16 +53,17 @@ def _first_difference(ref, other, rank: int) -> str:
     return f"{ref!r} on rank 0, {other!r} on rank {rank}"
 
 
-def check_agreement(fields: dict, when: str) -> None:
+def check_agreement(fields: dict, when: str, group=None) -> None:
     """Compare ``fields`` (name -> a small value; gathered whole) with every other rank's; raise
     ``RankMismatchError`` on every rank when a rank differs from rank 0, naming the first such rank,
     the field and the first differing entry. ``when``: the moment, for the message ("before
-    planning", ...). A no-op without a process group of 2+ ranks."""
+    planning", ...); ``group``: the world group to gather over (default: the one with the
+    communication timeout). A no-op without a process group of 2+ ranks."""
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return
     gathered: list = [None] * dist.get_world_size()
     note("all_gather_object", detail=f"of what each rank was started with ({when})")
-    dist.all_gather_object(gathered, fields, group=world_group())
+    dist.all_gather_object(gathered, fields, group=group or world_group())
     for rank, other in enumerate(gathered[1:], start=1):
         for key, ref in gathered[0].items():
             if other.get(key) != ref:

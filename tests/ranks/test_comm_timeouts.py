@@ -153,6 +153,37 @@ def test_pipeline_waits_and_tie_groups_use_the_timeout():
         assert r["ties"] == [6.0]           # GPT's tied embedding: its stages' group
 
 
+def _slow_build(rank):
+    """Rank 1 builds its module 4 s later than rank 0 (as a slower rank under load does) under a 2 s
+    timeout: set-up waits for it; the groups it makes then time out after 2 s."""
+    import autopar.api as api
+
+    real = api.build_parallel_module
+
+    def late(*args, **kwargs):
+        time.sleep(4.0)
+        return real(*args, **kwargs)
+
+    autopar.set_auto_parallel_context(schedule="1f1b", microbatches=2)
+    torch.manual_seed(0)
+    x = torch.randint(0, 32, (4, 8))
+    if rank == 1:
+        api.build_parallel_module = late
+    try:
+        pm = autopar.parallelize(GPT(vocab=32, hidden=16, heads=2, layers=2, seq=8), autopar.Mesh((2,), axis_names=("pp",)),
+                                 example_inputs=(x,), loss_fn=lm_loss, example_target=x, comm_timeout_s=2.0)
+        loss = pm.step(x, target=x)
+    finally:
+        api.build_parallel_module = real
+    return float(loss), group_timeout_s(pm._axes["pp"].group)
+
+
+def test_a_rank_slower_to_build_its_module_is_waited_for_and_its_groups_keep_the_timeout():
+    out = run_ranks(2, _slow_build)
+    assert all(t == 2.0 for _, t in out), out
+    assert all(loss == loss for loss, _ in out), out         # both trained a step
+
+
 # ---- a peer that dies or stalls under autopar.launch ----------------------------------------
 
 def _mark(folder: str, name: str, **data) -> None:
