@@ -93,12 +93,9 @@ def attention_curve(dev, spec, rows, seqs, heads, head_dim):
              preset_efficiency=spec.attention_efficiency or spec.compute_efficiency)
 
 
-def grouped_experts(dev, spec, rows, tokens, experts, hidden, ffn):
-    peak = spec.peak_flops["bf16"]
-    if not hasattr(torch, "_grouped_mm"):
-        emit(rows, kind="grouped_mm", error="torch._grouped_mm is missing")
-        return
-    per = tokens // experts
+def grouped_mm_step(dev: str, experts: int, per: int, hidden: int, ffn: int):
+    """Forward + backward of ``torch._grouped_mm`` over ``experts`` experts of ``per`` rows each (bf16)."""
+    tokens = experts * per
     x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(experts, hidden, ffn, device=dev, dtype=torch.bfloat16, requires_grad=True)
     offs = torch.arange(per, tokens + 1, per, device=dev, dtype=torch.int32)
@@ -107,6 +104,18 @@ def grouped_experts(dev, spec, rows, tokens, experts, hidden, ffn):
     def step():
         torch._grouped_mm(x, w, offs=offs).backward(g)
 
+    return step
+
+
+def grouped_experts(dev, spec, rows, tokens, experts, hidden, ffn):
+    peak = spec.peak_flops["bf16"]
+    if not hasattr(torch, "_grouped_mm"):
+        emit(rows, kind="grouped_mm", error="torch._grouped_mm is missing")
+        return
+    per = tokens // experts
+    step = grouped_mm_step(dev, experts, per, hidden, ffn)
+    x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(tokens, ffn, device=dev, dtype=torch.bfloat16)
     try:
         sec = timed(step, dev)
     except Exception as err:  # noqa: BLE001 - a kernel this build lacks is a finding
@@ -141,6 +150,33 @@ def _hf_layer(family: str, small: bool):
     return tf.LlamaConfig(**cfg, **common), tf.LlamaForCausalLM, (64 if small else 8192)
 
 
+def measure_layer(model, x, dev: str, loss_fn):
+    """(forward + backward function, step seconds, forward + backward seconds, peak bytes) of ``model``
+    trained on ``x`` with ``loss_fn(model(x), x)`` under autocast bf16 and AdamW (foreach): the step's
+    peak allocated memory on a GPU (nan on the CPU)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def fwd_bwd():
+        with torch.autocast(device_type=dev, dtype=torch.bfloat16):
+            loss = loss_fn(model(x), x)
+        loss.backward()
+
+    def step():
+        fwd_bwd()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    full = timed(step, dev, reps=5, warmup=1)
+    mem = torch.cuda.max_memory_allocated() if dev == "cuda" else math.nan
+    sec = timed(fwd_bwd, dev, reps=5, warmup=1)
+    opt.zero_grad(set_to_none=True)
+    return fwd_bwd, full, sec, mem
+
+
 def layer_case(dev, preset, rows, family: str, attn: str, experts_impl: str | None, small: bool):
     """One decoder layer (+ embeddings and head) trained one step: measured vs autopar's prediction."""
     import autopar
@@ -170,32 +206,12 @@ def layer_case(dev, preset, rows, family: str, attn: str, experts_impl: str | No
     torch.manual_seed(0)
     with torch.device(dev):
         model = LogitsOnly(cls(cfg))  # fp32 masters, bf16 compute under autocast: what "bf16" costs
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    xd = x.to(dev)
-
-    def fwd_bwd():
-        with torch.autocast(device_type=dev, dtype=torch.bfloat16):
-            loss = lm_loss(model(xd), xd)
-        loss.backward()
-
-    def step():
-        fwd_bwd()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    if dev == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    full = timed(step, dev, reps=5, warmup=1)
-    mem = torch.cuda.max_memory_allocated() if dev == "cuda" else math.nan
-    sec = timed(fwd_bwd, dev, reps=5, warmup=1)
-    opt.zero_grad(set_to_none=True)
+    _fwd_bwd, full, sec, mem = measure_layer(model, x.to(dev), dev, lm_loss)
     emit(rows, kind="layer", family=family, attn=attn, experts=experts_impl, seq=seq, measured_fwd_bwd=sec,
          predicted_fwd_bwd=predicted, predicted_over_measured=predicted / sec, measured_step=full,
          predicted_step=plan_step, step_predicted_over_measured=plan_step / full, plan_seconds=solve,
          measured_peak_bytes=mem, predicted_peak_bytes=pred_mem, memory_predicted_over_measured=pred_mem / mem)
-    del model, opt
+    del model
 
 
 def moe_profile(dev, rows, small: bool) -> None:

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 
+from bench.gpu_calibration import grouped_mm_step, timed  # noqa: E402
+
 PEAK_BF16 = 989.4e12  # H100 SXM dense bf16, the preset's peak
 HBM = 3.35e12
 
@@ -52,29 +54,6 @@ class Sink:
         if self.fh:
             self.fh.write(line + "\n")
             self.fh.flush()
-
-
-def timed(fn, dev: str, reps: int = 10, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` (CUDA events on a GPU, perf_counter on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    if dev == "cuda":
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        if dev == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def matmuls(dev, sink, small: bool) -> None:
@@ -173,14 +152,7 @@ def grouped(dev, sink, small: bool) -> None:
         cases = [(2, 64, 128, 32)]
     for e, h, f, per in cases:
         tokens = e * per
-        x = torch.randn(tokens, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        w = torch.randn(e, h, f, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        offs = torch.arange(per, tokens + 1, per, device=dev, dtype=torch.int32)
-        g = torch.randn(tokens, f, device=dev, dtype=torch.bfloat16)
-
-        def step():
-            torch._grouped_mm(x, w, offs=offs).backward(g)
-
+        step = grouped_mm_step(dev, e, per, h, f)
         try:
             sec = timed(step, dev, reps=8, warmup=2)
         except Exception as err:  # noqa: BLE001
@@ -189,7 +161,7 @@ def grouped(dev, sink, small: bool) -> None:
         flops = 6.0 * tokens * h * f
         sink.emit(kind="grouped_mm", experts=e, rows_per_expert=per, hidden=h, ffn=f, min_dim=min(per, h, f),
                   seconds=sec, efficiency=flops / sec / PEAK_BF16)
-        del x, w, g
+        del step
 
 
 def stream(dev, sink, small: bool) -> None:
@@ -278,6 +250,8 @@ def _op_times(fn, dev: str) -> list:
 
 def layers(dev, sink, small: bool, profile: bool = False, compiled: bool = False) -> None:
     import transformers as tf
+
+    from bench.gpu_calibration import measure_layer
     from examples.hf_zoo import LogitsOnly, lm_loss
 
     for case in ("llama8b", "l405_tp8_slice", "mixtral"):
@@ -293,45 +267,20 @@ def layers(dev, sink, small: bool, profile: bool = False, compiled: bool = False
                 for mod in model.modules():
                     if type(mod).__name__.endswith("Experts"):
                         mod.to(torch.bfloat16)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
             x = torch.randint(0, cfg.vocab_size, (1, seq), device=dev)
-
-            def fwd_bwd():
-                with torch.autocast(device_type=dev, dtype=torch.bfloat16):
-                    loss = lm_loss(model(x), x)
-                loss.backward()
-
-            def step():
-                fwd_bwd()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            step()
-            if dev == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            full = timed(step, dev, reps=5, warmup=1)
-            mem = torch.cuda.max_memory_allocated() if dev == "cuda" else math.nan
-            sec = timed(fwd_bwd, dev, reps=5, warmup=1)
-            opt.zero_grad(set_to_none=True)
+            fwd_bwd, full, sec, mem = measure_layer(model, x, dev, lm_loss)
             sink.emit(kind="layer", case=case, seq=seq, fwd_bwd=sec, step=full, peak_bytes=mem,
                       params=sum(p.numel() for p in model.parameters()))
             if profile:
                 sink.emit(kind="layer_ops", case=case, ops=_op_times(fwd_bwd, dev))
-                opt.zero_grad(set_to_none=True)
+                model.zero_grad(set_to_none=True)
             if compiled and case != "mixtral":
-                eager = model
-                model = torch.compile(eager)
                 t0 = time.perf_counter()
-                fwd_bwd()
-                first = time.perf_counter() - t0
-                opt.zero_grad(set_to_none=True)
-                csec = timed(fwd_bwd, dev, reps=5, warmup=1)
+                csec = measure_layer(torch.compile(model), x, dev, lm_loss)[2]
                 sink.emit(kind="layer_compiled", case=case, seq=seq, eager_fwd_bwd=sec, compiled_fwd_bwd=csec,
-                          compiled_speedup=sec / csec, first_call_seconds=first)
-                model = eager
-                opt.zero_grad(set_to_none=True)
-            del model, opt
+                          compiled_speedup=sec / csec, seconds_with_compile=time.perf_counter() - t0)
+                model.zero_grad(set_to_none=True)
+            del model
         except Exception as err:  # noqa: BLE001 - one failed case must not hide the others
             sink.emit(kind="layer", case=case, error=f"{type(err).__name__}: {str(err)[:300]}")
         if dev == "cuda":

@@ -52,13 +52,18 @@ def _job(rank):
                         setup=_setup)
 
 
-def test_group_limited_router_runs_on_each_ranks_tokens_and_trains_like_one_device():
+def _trains_like_one_device(job, what: str):
+    """``job`` on 4 ranks trains like one device; (its results, rank 0's plan)."""
     x, y = batch()
     ref = reference_run(_model, lm_loss, x, y, steps=STEPS)
-    results = _pool(4).run(_fresh_call, _job, timeout_s=600)
+    results = _pool(4).run(_fresh_call, job, timeout_s=600)
     for r, res in enumerate(results):
-        assert_same_training(ref, res, what=f"deepseek router ep4 rank {r}")
-    plan = autopar.Plan.from_json(results[0]["plan"])
+        assert_same_training(ref, res, what=f"{what} rank {r}")
+    return results, autopar.Plan.from_json(results[0]["plan"])
+
+
+def test_group_limited_router_runs_on_each_ranks_tokens_and_trains_like_one_device():
+    _, plan = _trains_like_one_device(_job, "deepseek router ep4")
     router = {n: d for n, d in plan.nodes.items() if d.op.startswith(ROUTER_OPS) and ".mlp.gate" in d.module}
     assert {d.op.split(".")[1] for d in router.values()} >= {"topk", "gather", "scatter", "zeros_like"}, router
     assert all(str(d.output if not isinstance(d.output, list) else d.output[0]) == "[S(0)]" for d in router.values()), \
@@ -84,12 +89,7 @@ def test_two_ep_axes_dispatch_in_two_de_duplicated_hops_and_train_like_one_devic
     """Mesh axes "expert" (outer, the node in a real cluster) and "ep" (inner): every experts op takes "ep" on
     both, and the dispatch runs one hop per axis, a token going once to each "expert" coordinate holding one
     of its experts, then once to each rank there (``collectives/moe_dispatch.py``)."""
-    x, y = batch()
-    ref = reference_run(_model, lm_loss, x, y, steps=STEPS)
-    results = _pool(4).run(_fresh_call, _job_two_hop, timeout_s=600)
-    for r, res in enumerate(results):
-        assert_same_training(ref, res, what=f"deepseek two-hop rank {r}")
-    plan = autopar.Plan.from_json(results[0]["plan"])
+    results, plan = _trains_like_one_device(_job_two_hop, "deepseek two-hop")
     moe = [d for d in plan.nodes.values() if d.op.startswith("autopar.moe_experts")]
     assert moe and all(d.local == ["moe:ep", "moe:ep"] for d in moe), [d.local for d in moe]
     a2a = results[0]["inspect"]

@@ -16,6 +16,7 @@ from autopar.solver.inter_op import CutRules, LayerProfile, partition_stages
 from autopar.solver.virtual_stages import virtual_stage_choices
 from examples.models import GPT, Llama, lm_loss
 from oracle import make_batch
+from test_virtual_stages import _plan      # a GPT on two pipeline stages, planned under a context
 
 X, Y = make_batch("tokens", 8)
 
@@ -67,15 +68,6 @@ def test_the_dp_keeps_the_ends_joined_unless_the_model_stages_outnumber_the_laye
     assert part.boundaries == list(range(1, 8))
     with pytest.raises(ValueError, match="cannot split 6 layers into 8 stages"):
         partition_stages(ends, 2, 8, "interleaved_1f1b", rules=joined, virtual_stages=4)
-
-
-def _plan(layers, **ctx):
-    autopar.set_auto_parallel_context(**ctx)
-    try:
-        return autopar.plan(GPT(qkv_bias=False, layers=layers, hidden=32), autopar.Mesh((2,), axis_names=("pp",)),
-                            example_inputs=(X,), loss_fn=lm_loss, example_target=Y, mode="auto")
-    finally:
-        autopar.reset_auto_parallel_context()
 
 
 def test_a_plan_at_v_of_l_plus_two_over_pp_puts_the_ends_in_chunks_of_their_own():
