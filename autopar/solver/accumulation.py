@@ -52,7 +52,8 @@ def zero_ladder(mode: ParallelMode, zero: int | None, compiled: bool = False) ->
     before the next choice (the cheaper lever first), and keeps the fastest plan of all; it drops
     the stages above the first one whose plan fits without accumulation or recomputation
     and without the cap shaping its layout (``Plan.memory_bound``): a higher stage then only adds
-    all-gathers of the weights. ``compiled`` (compile=True): ZeRO-3 does not run compiled yet
+    collectives (ZeRO-1, which adds none to a pipeline and shards its optimizer step, is then tried
+    on the best pipelined plan's candidate: ``zero_upgrade.py``). ``compiled`` (compile=True): ZeRO-3 does not run compiled yet
     (``runtime.zero.check_zero_supported``), so the ladder stops at 2. A pipeline runs stages 0 and 1
     (``pipeline_zero_ladder``)."""
     if zero is not None:

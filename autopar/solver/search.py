@@ -30,6 +30,7 @@ from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, pipel
 from autopar.solver.partial_recompute import applies as partial_applies, partial_plans, resolve_recompute_layers
 from autopar.solver.progress import SearchProgress
 from autopar.solver.request import SolveRequest
+from autopar.solver.zero_upgrade import applies as zero1_applies, zero1_plans
 from autopar.cost_models.devices import mesh_device
 
 
@@ -105,10 +106,12 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
     plans, failures, pipe_failures, traces = [], [], [], {}
     request = request.replace(opts=opts)
     frontiers = {z: FrontierState() for z in stages if not (z and mesh.size == 1)}
+    tried = set()                   # the ZeRO stages whose frontier ran
     for rc in choices:              # cheapest lever first: every ZeRO stage before more recomputation
         for z, state in frontiers.items():
             if progress.out_of_time():
                 break
+            tried.add(z)
             got, failed, pipe_failed = _frontier(request.with_options(zero=z), ks, choices, rc, traces, state)
             plans += got
             failures += failed
@@ -119,6 +122,8 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
                 break               # fits freely: a higher stage only adds all-gathers
     if plans and partial_applies(request) and not progress.out_of_time():   # "full" on fewer layers
         plans += partial_plans(request, min(plans, key=rank_key), traces, _candidates)
+    if plans and zero1_applies(request, tried) and not progress.out_of_time():   # ZeRO-1 shards the optimizer step
+        plans += zero1_plans(request, min(plans, key=rank_key), traces, _candidates)
     if not plans:
         err = no_plan_error(mesh, failures, pipe_failures, _cap(mesh, opts), traced.batch_size, opts.time_limit_s)
         if whole_batch:
