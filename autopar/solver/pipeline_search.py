@@ -35,7 +35,8 @@ import math
 from dataclasses import dataclass, replace
 
 from autopar.core.context import ParallelMode
-from autopar.cost_models.compute import optimizer_step_time, total_flops
+from autopar.cost_models.compute import total_flops
+from autopar.cost_models.param_step import optimizer_step_time
 from autopar.cost_models.devices import axis_link
 from autopar.cost_models.zero import zero_axes
 from autopar.graph.buffer_writes import updates_buffers

@@ -40,12 +40,12 @@ import torch.fx as fx
 
 from autopar.core import search_memo
 from autopar.cost_models.comm import GRAD_BUCKET_BYTES, axis_collective_time, bucketed_collective_time
-from autopar.cost_models.compute import (OpCost, local_node_cost, optimizer_step_time, working_copy_time,
-                                         node_signature)
+from autopar.cost_models.compute import OpCost, local_node_cost, node_signature
 from autopar.graph.grads import grad_nodes, is_parameter
 from autopar.cost_models.memory import training_state_parts
 from autopar.cost_models.moe import DEFAULT_IMBALANCE, is_moe
 from autopar.cost_models.node_cost_memo import cached_node_cost, node_cost_table
+from autopar.cost_models.param_step import optimizer_step_time, working_copy_time
 from autopar.cost_models.zero import sharded_state, zero_axes
 from autopar.sharding.candidates import Candidates
 from autopar.sharding.local_impls import local_collectives
@@ -254,7 +254,7 @@ def _param_state_cost(numel: float, parts: list[float], st: Strategy, c: Costing
     25 MB for stages 1, 2, by layer for stage 3), are added: one after the optimizer step
     (stages 1, 2), one before the layer's forward and one before its backward (stage 3). Only
     stage 3's gathers run in every microbatch, as does the mixed-precision working copy's cast
-    (``compute.working_copy_time``)."""
+    (``param_step.working_copy_time``)."""
     cast = working_copy_time(numel, c.device, c.precision)     # every microbatch: the mixed-precision working copy
     if not c.zero:
         step = optimizer_step_time(numel, c.device, 1, c.optimizer)

@@ -23,8 +23,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from autopar.cost_models.compute import local_node_cost, optimizer_step_time, working_copy_time
+from autopar.cost_models.compute import local_node_cost
 from autopar.cost_models.node_cost_memo import cached_node_cost, node_cost_table
+from autopar.cost_models.param_step import optimizer_step_time, working_copy_time
 from autopar.graph.grads import grad_nodes
 from autopar.cost_models.memory import dropout_mask_bytes_for, saves_input, training_state_parts
 from autopar.cost_models.recompute import saved_storages

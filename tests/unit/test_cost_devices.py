@@ -187,7 +187,7 @@ def test_fit_alpha_beta_recovers_the_line():
 
 
 def test_optimizer_step_time_is_bytes_plus_a_cost_per_tensor(no_profile):
-    from autopar.cost_models.compute import optimizer_step_time
+    from autopar.cost_models.param_step import optimizer_step_time
 
     dev = get_device("cpu")
     bytes_part = 1e6 * dev.optimizer_bytes_per_param / dev.memory_bandwidth

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar.cost_models.compute import (WORKING_COPY_BYTES, grad_sum_work, node_cost, node_work,
-                                         working_copy_time)
+from autopar.cost_models.compute import grad_sum_work, node_cost, node_work
+from autopar.cost_models.param_step import WORKING_COPY_BYTES, working_copy_time
 from autopar.cost_models.devices import H100_ATTENTION_CURVE, H100_MATMUL_CURVE, get_device
 
 FIT = Path(__file__).resolve().parents[2] / "bench" / "gpu_fit_h100.jsonl"
