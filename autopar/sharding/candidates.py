@@ -60,6 +60,15 @@ def is_dropped(node: fx.Node) -> bool:
 
 
 def build_candidates(gm: fx.GraphModule, mesh_shape, mutated_buffers: set[str] = frozenset()) -> Candidates:
+    """Every node's candidate strategies on ``mesh_shape``. Under ``search_memo``, nodes whose lists are
+    the same function of the mesh (``_candidate_classes``: repeated layers' nodes) share one list object,
+    built once per call."""
+    if search_memo.ENABLED and hasattr(gm, "meta"):
+        return _shared_candidates(gm, mesh_shape)
+    return _plain_candidates(gm, mesh_shape)
+
+
+def _plain_candidates(gm: fx.GraphModule, mesh_shape) -> Candidates:
     c = Candidates()
     options = _options_once(gm)
     for node in gm.graph.nodes:
@@ -76,6 +85,76 @@ def build_candidates(gm: fx.GraphModule, mesh_shape, mutated_buffers: set[str] =
             strategies = mesh_strategies(node, opts, mesh_shape)
             c.strategies[node.name] = strategies or mesh_strategies(node, [replicate_all(node)], mesh_shape)
     return c
+
+
+def _shared_candidates(gm: fx.GraphModule, mesh_shape) -> Candidates:
+    """``_plain_candidates``' lists, one per candidate class (the same lists by value, the nodes of one
+    class holding the same list object)."""
+    c = Candidates()
+    classes = _candidate_classes(gm)
+    built: dict[int, list[Strategy]] = {}
+    for node in gm.graph.nodes:
+        cls = classes(node)
+        if cls is None:
+            continue
+        if node.op == "call_function" and not has_rule(node.target):
+            c.unknown_ops[node.name] = str(node.target)
+        kept = built.get(cls[0])
+        if kept is None:
+            kept = built[cls[0]] = _plain_strategies(node, cls[1], mesh_shape)
+        c.strategies[node.name] = kept
+    return c
+
+
+def _plain_strategies(node: fx.Node, opts, mesh_shape) -> list[Strategy]:
+    """One node's list as ``_plain_candidates`` builds it (``opts``: its rule's axis options, None: no rule)."""
+    if node.op == "placeholder":
+        return placeholder_strategies(node, mesh_shape)
+    if opts is None:
+        return mesh_strategies(node, [], mesh_shape)
+    return mesh_strategies(node, list(opts), mesh_shape) or mesh_strategies(node, [replicate_all(node)], mesh_shape)
+
+
+def _candidate_classes(gm: fx.GraphModule):
+    """node -> (class number, its rule's options or None) or None (no candidates: getitem, dropped ops),
+    once per graph (kept in ``gm.meta``): two nodes of one class get equal lists on every mesh, since
+    their lists are the same function of the mesh shape (``placeholder_strategies`` of the shape and
+    chunk hint; ``mesh_strategies`` of the options, the input and output shapes and the replicate-all
+    strategy, its memo key less the mesh)."""
+    cache = gm.meta.setdefault("candidate_classes", {})
+    key = (id(gm.graph), len(gm.graph.nodes))
+    if cache.get("key") != key:
+        cache.clear()
+        cache["key"] = key
+        cache["by_node"] = {}
+        cache["ids"] = {}
+    by_node, ids = cache["by_node"], cache["ids"]
+    options = _options_once(gm)
+
+    def classes(node: fx.Node):
+        hint = node.meta.get("chunk_hint", 1)
+        hit = by_node.get(node.name)
+        if hit is None or hit[0] is not node or hit[1] != hint:
+            hit = by_node[node.name] = (node, hint, _class_of(node, options, ids))
+        return hit[2]
+    return classes
+
+
+def _class_of(node: fx.Node, options, ids: dict):
+    from autopar.sharding.strategy import out_shapes, tensor_inputs
+
+    if node.op == "placeholder":
+        v = node.meta.get("val")
+        sig = ("placeholder", tuple(v.shape) if isinstance(v, torch.Tensor) else None,
+               node.meta.get("chunk_hint", 1))
+        return ids.setdefault(sig, len(ids)), None
+    if node.op != "call_function" or node.target is operator.getitem or is_dropped(node):
+        return None
+    opts = tuple(options(node)) if has_rule(node.target) else None
+    outs = out_shapes(node)
+    sig = ("call", opts, tuple(shape_of(a) for a in tensor_inputs(node)), tuple(outs) if isinstance(outs, list)
+           else outs, replicate_all(node))
+    return ids.setdefault(sig, len(ids)), opts
 
 
 def _options_once(gm: fx.GraphModule):

@@ -83,13 +83,14 @@ def decode(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, choice: l
     listed = _StepCollectives(c, axis_names, rule, grad_nodes(gm.graph), region=region_of(gm, c.recompute))
     p = built.problem
     edges_at = _edges_at(p)
+    options = _shared_options(edges_at) if search_memo.ENABLED else _options
     for name, st in chosen.items():
         node = by_name[name]
         if node.op != "call_function":
             continue
         v = built.index[name]
         nodes[name] = _node_decision(node, st, float(p.nodes[v].compute[choice[v]]),
-                                     _options(cands.strategies[name], v, p, choice, edges_at))
+                                     options(cands.strategies[name], v, p, choice, edges_at))
         listed.of_inputs(node, st, chosen)
         listed.of_local_impl(node, st)
     params = _param_decisions(traced, chosen, by_name, listed)
@@ -119,6 +120,24 @@ def _options(strategies: list, v: int, p, choice: list[int], edges_at: tuple) ->
         totals = totals + e.cost[:, choice[e.dst]]
     order = np.argsort(totals)[:6]
     return [[_described(strategies[int(i)]), float(totals[i])] for i in order]
+
+
+def _shared_options(edges_at: tuple):
+    """``_options`` once per class of alike nodes within one decode: two nodes with the same strategy list
+    object, equal prices and the same edge tables (objects, shared by repeated layers) at the same
+    neighbour choices get equal lists (each node its own copy)."""
+    in_edges, out_edges = edges_at
+    kept: dict = {}
+
+    def options(strategies: list, v: int, p, choice: list[int], _edges_at) -> list:
+        key = (id(strategies), p.nodes[v].compute.tobytes(),
+               tuple((id(e.cost), choice[e.src]) for e in in_edges.get(v, [])),
+               tuple((id(e.cost), choice[e.dst]) for e in out_edges.get(v, [])))
+        hit = kept.get(key)
+        if hit is None:
+            hit = kept[key] = (strategies, _options(strategies, v, p, choice, edges_at))
+        return [list(o) for o in hit[1]]
+    return options
 
 
 _DESCRIBED: dict[int, tuple] = {}      # id(strategy) -> (strategy, its ``describe()``)

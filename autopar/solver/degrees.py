@@ -35,6 +35,7 @@ import math
 
 import torch.fx as fx
 
+from autopar.core import search_memo
 from autopar.cost_models.compute import node_work
 from autopar.sharding.candidates import producer
 from autopar.sharding.placements import Replicate, Shard
@@ -88,6 +89,31 @@ def _batch_dims(gm: fx.GraphModule, inputs: dict) -> dict[tuple, int]:
     return dims
 
 
+def _weight(node: fx.Node) -> float:
+    work = node_work(node)
+    return max(1.0, work.flops_fwd + work.flops_bwd)
+
+
+def _weights(gm: fx.GraphModule):
+    """node -> ``_weight(node)``, kept per graph in ``gm.meta`` under ``search_memo`` (every plan of one
+    graph weighs its nodes alike)."""
+    if not search_memo.ENABLED or not hasattr(gm, "meta"):
+        return _weight
+    cache = gm.meta.setdefault("axis_share_weights", {})
+    key = (id(gm.graph), len(gm.graph.nodes))
+    if cache.get("key") != key:
+        cache.clear()
+        cache["key"], cache["by_node"] = key, {}
+    by_node = cache["by_node"]
+
+    def weight(node: fx.Node) -> float:
+        hit = by_node.get(node.name)
+        if hit is None or hit[0] is not node:
+            hit = by_node[node.name] = (node, _weight(node))
+        return hit[1]
+    return weight
+
+
 def _axis_shares(gm: fx.GraphModule, nodes: dict, inputs: dict, a: int, bdims: dict | None = None
                  ) -> dict[str, float]:
     """Weight of the batch-split ops ("dp"), of the ops split otherwise ("tp") and of the ops not
@@ -99,12 +125,12 @@ def _axis_shares(gm: fx.GraphModule, nodes: dict, inputs: dict, a: int, bdims: d
         if isinstance(p, Shard) and p.dim == 0:
             carries[(ph, None)] = 0
     shares = {DP: 0.0, TP: 0.0, NONE: 0.0}
+    weights = _weights(gm)
     for node in gm.graph.nodes:
         d = nodes.get(node.name)
         if node.op != "call_function" or d is None:
             continue
-        work = node_work(node)
-        weight = max(1.0, work.flops_fwd + work.flops_bwd)
+        weight = weights(node)
         ins, outs = list(d.inputs), _outs(d)
         if all(isinstance(s[a], Replicate) for s in ins + outs if s):
             shares[NONE] += weight

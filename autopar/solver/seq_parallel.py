@@ -26,6 +26,7 @@ import dataclasses
 import numpy as np
 import torch.fx as fx
 
+from autopar.core import search_memo
 from autopar.cost_models.memory import saves_input
 from autopar.graph.grads import grad_nodes
 from autopar.sharding.candidates import producer
@@ -110,14 +111,9 @@ def with_gathered_copies(edges: list, graph_edges, cands, c, params: set[str], n
     added to the memory of each edge whose consumer saves a non-parameter input (consumers in
     recomputed regions, ``inside``, save nothing)."""
     out = list(edges)
-    for pos, (n, node, i, a, src, idx) in enumerate(graph_edges):
-        if src.name in params or node not in need or n in inside or not saves_input(node, a, mask):
-            continue
-        v = src.meta.get("val")
-        v = v[idx] if idx is not None and isinstance(v, (tuple, list)) else v
-        nbytes = float(v.numel() * v.element_size()) if hasattr(v, "numel") else 0.0
-        s_specs, d_specs = spec_row(c, cands, src.name, "out", idx), spec_row(c, cands, n, "in", i)
-        key = ("gathered copy", s_specs, d_specs, nbytes, saving_consumers(a, mask))
+    for pos, n, i, src, idx, nbytes, savers in _saving_edges(graph_edges, params, need, mask, inside):
+        s_specs, d_specs = spec_row(c, cands, src, "out", idx), spec_row(c, cands, n, "in", i)
+        key = ("gathered copy", s_specs, d_specs, nbytes, savers)
         if key not in c._tables:
             c._tables[key] = gathered_copy_table(s_specs, d_specs, nbytes, key[-1], c)
         kept = c._tables[key]
@@ -125,3 +121,31 @@ def with_gathered_copies(edges: list, graph_edges, cands, c, params: set[str], n
             e = out[pos]
             out[pos] = dataclasses.replace(e, memory=kept if e.memory is None else e.memory + kept)
     return out
+
+
+def _saving_edges(graph_edges, params: set[str], need, mask, inside) -> list[tuple]:
+    """(position, consumer, input position, producer, output index, bytes, saving consumers) of each edge
+    whose consumer saves a non-parameter input (``with_gathered_copies``' filter): a function of the graph,
+    the save mask and the recomputed nodes only, kept in the graph module's ``meta`` under ``search_memo``
+    (every mesh the search solves one graph on asks for the same list)."""
+    graph_edges = list(graph_edges)
+    gm = graph_edges[0][1].graph.owning_module if graph_edges else None
+    cache = None
+    if search_memo.ENABLED and gm is not None and hasattr(gm, "meta"):
+        cache = gm.meta.setdefault("saving_edges", {})
+        key = (id(gm.graph), len(gm.graph.nodes), len(graph_edges), mask, frozenset(inside), frozenset(params))
+        if key in cache:
+            return cache[key]
+    rows = []
+    for pos, (n, node, i, a, src, idx) in enumerate(graph_edges):
+        if src.name in params or node not in need or n in inside or not saves_input(node, a, mask):
+            continue
+        v = src.meta.get("val")
+        v = v[idx] if idx is not None and isinstance(v, (tuple, list)) else v
+        nbytes = float(v.numel() * v.element_size()) if hasattr(v, "numel") else 0.0
+        rows.append((pos, n, i, src.name, idx, nbytes, saving_consumers(a, mask)))
+    if cache is not None:
+        if len(cache) > 32:
+            cache.clear()
+        cache[key] = rows
+    return rows

@@ -2,6 +2,8 @@
 once per costing (``Costing._tables``): every edge of every solve looks two of them up."""
 from __future__ import annotations
 
+from autopar.core import search_memo
+
 
 class SpecRow(tuple):
     """A node's specs, one per strategy (a key of the edge tables), hashed once: rows of a few hundred
@@ -17,8 +19,11 @@ class SpecRow(tuple):
 def spec_row(c, cands, name: str, side: str, k) -> SpecRow:
     """Output ``k`` (``side`` "out"; None: the only one) or input ``k`` ("in"; None past an op's inputs)
     of each of ``name``'s strategies, kept per costing (one graph on one mesh shape, one set of
-    candidates): the same row object for every edge of the node."""
-    key, strats = ("row", name, side, k), cands.strategies[name]
+    candidates): the same row object for every edge of the node, and under ``search_memo`` for every node
+    holding the same list object (the entry keeps the list alive, so its id is not reused)."""
+    strats = cands.strategies[name]
+    # nodes sharing one list object (``build_candidates``' classes: repeated layers) share one row
+    key = ("row", id(strats) if search_memo.ENABLED else name, side, k)
     kept = c._tables.get(key)
     if kept is not None and kept[0] is strats:      # built from these very strategies
         return kept[1]

@@ -40,10 +40,11 @@ import torch.fx as fx
 
 from autopar.core import search_memo
 from autopar.cost_models.comm import GRAD_BUCKET_BYTES, axis_collective_time, bucketed_collective_time
-from autopar.cost_models.compute import OpCost, local_node_cost, node_cost, node_signature
+from autopar.cost_models.compute import OpCost, local_node_cost, node_signature
 from autopar.graph.grads import grad_nodes, is_parameter
 from autopar.cost_models.memory import training_state_parts
 from autopar.cost_models.moe import DEFAULT_IMBALANCE, is_moe
+from autopar.cost_models.node_cost_memo import cached_node_cost, node_cost_table
 from autopar.cost_models.param_step import optimizer_step_time, working_copy_time
 from autopar.cost_models.zero import sharded_state, zero_axes
 from autopar.sharding.candidates import Candidates
@@ -77,14 +78,24 @@ class Costing:
     _memo: dict = field(default_factory=dict, repr=False)  # node costs, edge lists of one graph (``build_problem``)
     _tables: dict = field(default_factory=dict, repr=False)  # edge resharding tables and gathered-copy matrices,
                                     # keyed by value (specs, bytes), not by node
+    _comm: dict = field(default_factory=dict, repr=False)   # (kind, bytes, axis) -> seconds (``comm``)
 
     def inner(self, axis: int) -> int:
         return math.prod(self.mesh_shape[axis + 1:])
 
     def comm(self, kind: str, nbytes: float, axis: int) -> float:
+        """Seconds of one ``kind`` collective of ``nbytes`` over ``axis`` (memoised per costing under
+        ``search_memo``: a pure function of its arguments, asked ~a million times per search)."""
         if kind in ("local_slice", "to_partial") or nbytes <= 0:
             return 0.0
-        return axis_collective_time(kind, nbytes, self.device, self.mesh_shape[axis], self.inner(axis))
+        if not search_memo.ENABLED:
+            return axis_collective_time(kind, nbytes, self.device, self.mesh_shape[axis], self.inner(axis))
+        key = (kind, nbytes, axis)
+        t = self._comm.get(key)
+        if t is None:
+            t = self._comm[key] = axis_collective_time(kind, nbytes, self.device, self.mesh_shape[axis],
+                                                       self.inner(axis))
+        return t
 
     def latency(self, axis: int) -> float:
         """The size-independent part of an all-reduce over ``axis``."""
@@ -150,6 +161,26 @@ def _redistribution_time(src, dst, nbytes: float, c: Costing, grad: bool = True)
         total += c.comm(st.kind, moved, st.axis)
         bwd = backward_kind(st.kind) if grad else None
         if bwd:
+            total += c.comm(bwd, moved, st.axis)
+        local = local_after
+    return total
+
+
+def _redistribution_by_ids(si: int, di: int, src, dst, nbytes: float, c: Costing, grad: bool) -> float:
+    """``_redistribution_time(src, dst, nbytes, c, grad)`` with the steps and the source's shard factor
+    kept per pair of spec numbers (``edge_cost``'s ``spec ids``): the same arithmetic in the same order,
+    without hashing the specs for every byte count."""
+    plans = c._tables.setdefault("steps by spec ids", {})
+    plan = plans.get((si, di))
+    if plan is None:
+        plan = plans[(si, di)] = (shard_factor(src, c.mesh_shape), tuple(
+            (st, backward_kind(st.kind)) for st in cached_steps(src, dst)))
+    factor, steps = plan
+    total, local = 0.0, nbytes / factor
+    for st, bwd in steps:
+        moved, local_after = step_bytes(st, local, c.mesh_shape)
+        total += c.comm(st.kind, moved, st.axis)
+        if grad and bwd:
             total += c.comm(bwd, moved, st.axis)
         local = local_after
     return total
@@ -252,7 +283,7 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
                 memory[s], compute[s], once[s] = _param_state_cost(v.numel() / shards, [p / shards for p in parts],
                                                                    st, c)
         return compute, memory, once
-    base = node_cost(node, c.device)
+    base = cached_node_cost(node_cost_table(node.graph, c.device), node, c.device)
     need = grad_nodes(node.graph)
     ins = tensor_inputs(node)
     for s, st in enumerate(strategies):
@@ -342,7 +373,8 @@ def edge_cost(src: fx.Node, idx, dst: fx.Node, i: int, cands: Candidates, index,
                 if numbered:                                 # the same value ``redistribution_time`` memoises
                     t = by_id.get((si[a], di[b], nbytes, grad))
                     if t is None:
-                        t = by_id[(si[a], di[b], nbytes, grad)] = redistribution_time(ss, ds, nbytes, c, grad)
+                        t = by_id[(si[a], di[b], nbytes, grad)] = _redistribution_by_ids(si[a], di[b], ss, ds,
+                                                                                          nbytes, c, grad)
                 else:
                     t = memo.get((ss, ds, nbytes, grad))        # ``redistribution_time``, inlined: every pair
                     if t is None:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from autopar.cost_models.compute import local_node_cost, node_cost
+from autopar.cost_models.compute import local_node_cost
+from autopar.cost_models.node_cost_memo import cached_node_cost, node_cost_table
 from autopar.cost_models.param_step import optimizer_step_time, working_copy_time
 from autopar.graph.grads import grad_nodes
 from autopar.cost_models.memory import dropout_mask_bytes_for, saves_input, training_state_parts
@@ -209,6 +210,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
     cuts = crossing_values(gm, unit_of, len(units))
     seen_saved: set = set()     # storage keys: views of one storage (q, k, v of one projection) count once
     copied = KeptCopies(traced, plan, dropout_mask_bytes_for(device.name))
+    costs = node_cost_table(gm.graph, device)
     profiles, launches, syncs, steps, copies, kept = [], [], [], [], [], []
     for unit in units:
         time = fwd_base = total_base = launch = act = held = again = 0.0
@@ -217,7 +219,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
             node, d = by_name[name], plan.nodes.get(name)
             if d is None:
                 continue
-            base = node_cost(node, device)
+            base = cached_node_cost(costs, node, device)
             fwd_base += base.time_fwd
             total_base += base.time_total
             launch += base.launch_fwd + base.launch_bwd
