@@ -251,7 +251,7 @@ def _parallelize(model, mesh, example_inputs, loss_fn, example_target, mode, pla
         return traced
 
     if given is not None:
-        traced = traced_here()
+        traced = _given_plan_trace(model, on_meta, traced_here)
         the_plan = _check_plan(given, traced, mesh)
         _warn_unused_annotations(ParallelMode.HYBRID, stacklevel=4)
     else:
@@ -302,6 +302,30 @@ def _plans_from_rank0(model, mesh, mode, mp, compiled, on_meta, retracer, traced
         same = graph is not None and graph[1] is not None and graph[0] == _device_of(model, on_meta)
         traced = unpack_traced(graph[1]) if same else traced_here()
     return traced, plans
+
+
+def _given_plan_trace(model, on_meta, traced_here) -> Traced:
+    """The graph a given plan is applied to: rank 0 traces and sends it packed, as when it plans (a rank
+    on another device, or a graph that cannot travel, traces itself; where rank 0's trace failed, every
+    rank traces and raises its own error)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return traced_here()
+    traced, err, box = None, None, [None]
+    if dist.get_rank() == 0:
+        try:
+            traced = traced_here()
+            box = [(_device_of(model, on_meta), pack_traced(traced))]
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others are told
+            err = e
+    note("broadcast_object_list", detail="of the traced graph from rank 0 (a plan was given)")
+    dist.broadcast_object_list(box, src=0, group=_planning_group())
+    if err is not None:
+        raise err
+    if traced is None:
+        graph = box[0]
+        same = graph is not None and graph[1] is not None and graph[0] == _device_of(model, on_meta)
+        traced = unpack_traced(graph[1]) if same else traced_here()
+    return traced
 
 
 def _device_of(model: nn.Module, on_meta: bool) -> str:

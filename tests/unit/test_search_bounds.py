@@ -4,6 +4,8 @@ the plan it returns without bounds; the intra-op solver minimises the whole step
 microbatches, in which the gradient sync and optimizer step run once (``BuiltProblem.per_step``)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 import autopar
@@ -25,15 +27,46 @@ def _job():
 def _plan(cap_gb: float):
     model, inputs, loss, target = _job()
     # the plans compared are proven optimal: a solve cut by the default 10 s wall limit on a loaded
-    # machine may return another layout (a 0.3 % slower one was seen at load 20)
-    autopar.set_auto_parallel_context(solver_time_limit=60.0)
+    # machine may return another layout (a 0.3 % slower one was seen at load 20). ZeRO is fixed at 0
+    # (the plan's own stage at these caps): the accumulation and recompute ladders give the bounds and
+    # the jump their candidates, and a search over four ZeRO stages took 2.3x as long
+    autopar.set_auto_parallel_context(solver_time_limit=60.0, zero=0)
     return autopar.plan(model, autopar.Mesh(2, device="v100-16gb", memory_gb=cap_gb), example_inputs=inputs,
                         loss_fn=loss, example_target=target, mode="auto")
 
 
+CAP = 0.0045        # GiB: accumulation 8, recompute full (at 0.004 only accumulation 16 fits)
+
+
+@functools.lru_cache(maxsize=None)
+def _bounded():
+    """AUTO's plan under ``CAP`` with the bounds and the accumulation jump on, how many candidates the
+    bounds dropped (DominatedError) and how many solves it made: one search, read by the two tests below."""
+    from autopar.solver import search
+
+    raised, solved = [], []
+    init, real = intra_op.DominatedError.__init__, search.solve_on_mesh
+
+    def count(self, *args, **kwargs):
+        raised.append(1)
+        init(self, *args, **kwargs)
+
+    def spy(req, *args, **kwargs):
+        solved.append(1)
+        return real(req, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(intra_op.DominatedError, "__init__", count)
+        mp.setattr(search, "solve_on_mesh", spy)
+        plan = _plan(CAP)
+    return plan, len(raised), len(solved)
+
+
 def test_bounds_prune_candidates_and_keep_the_plan(monkeypatch):
-    """Under a cap that needs ZeRO, accumulation and recomputation, the bounds drop candidates
+    """Under a cap that needs accumulation and recomputation, the bounds drop candidates
     (DominatedError) and AUTO still returns the plan of the search without bounds."""
+    bounded, pruned, _ = _bounded()
+    assert pruned, "no candidate was pruned: the test no longer exercises the bounds"
     raised = []
     init = intra_op.DominatedError.__init__
 
@@ -42,17 +75,13 @@ def test_bounds_prune_candidates_and_keep_the_plan(monkeypatch):
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(intra_op.DominatedError, "__init__", count)
-    cap = 0.0045                    # GiB: ZeRO-1, accumulation 8, recompute full (at 0.004 only accumulation 16 fits)
-    bounded = _plan(cap)
-    assert raised, "no candidate was pruned: the test no longer exercises the bounds"
     monkeypatch.setattr(SearchProgress, "cutoff", lambda self: None)
-    raised.clear()
-    plain = _plan(cap)
+    plain = _plan(CAP)
     assert not raised
     assert bounded.step_time == pytest.approx(plain.step_time, rel=1e-9)
     assert bounded.memory_options == plain.memory_options
     assert bounded.degrees == plain.degrees
-    assert max(bounded.memory_per_device) <= cap * 2**30
+    assert max(bounded.memory_per_device) <= CAP * 2**30
     assert any("cannot beat the best plan so far" in a.note for a in bounded.alternatives)
 
 
@@ -77,6 +106,7 @@ def test_a_mesh_that_cannot_fit_skips_the_accumulations_its_least_memory_rules_o
     memory is concave in the microbatch share); the plan is the one found without the jump."""
     from autopar.solver import search
 
+    jumped, _, with_jump = _bounded()
     solved = []
     real = search.solve_on_mesh
 
@@ -85,8 +115,6 @@ def test_a_mesh_that_cannot_fit_skips_the_accumulations_its_least_memory_rules_o
         return real(req, *args, **kwargs)
 
     monkeypatch.setattr(search, "solve_on_mesh", spy)
-    jumped = _plan(0.004)
-    with_jump = len(solved)
     made = intra_op._memory_error
 
     def unproven(*args, **kwargs):
@@ -95,8 +123,7 @@ def test_a_mesh_that_cannot_fit_skips_the_accumulations_its_least_memory_rules_o
         return err
 
     monkeypatch.setattr(intra_op, "_memory_error", unproven)
-    solved.clear()
-    plain = _plan(0.004)
+    plain = _plan(CAP)
     assert with_jump < len(solved), "no accumulation was skipped: the test no longer exercises the jump"
     assert jumped.step_time == pytest.approx(plain.step_time, rel=1e-9)
     assert jumped.memory_options == plain.memory_options and jumped.degrees == plain.degrees
