@@ -33,6 +33,7 @@ from autopar.core import search_memo
 from autopar.solver.intra_op import (InfeasibleError, IntraOpProblem, IntraOpSolution, SolverTimeoutError, evaluate,
                                      solve_intra_op, workspace_bytes)
 from autopar.solver.class_graph import allowed_mask
+from autopar.solver.data_start import data_start
 from autopar.solver.memory_floor import memory_floor
 
 ROUNDS = 2               # sweeps over the axes
@@ -175,11 +176,24 @@ def no_worse(sol, start: Start | None, began: float):
 
 def solve_with_start(p: IntraOpProblem, solve=solve_intra_op) -> IntraOpSolution:
     """``solve`` (``intra_op.solve_intra_op``) started from a fitting assignment (a big problem on several
-    axes: ``descend`` within ``SHARE`` of the time limit; the others: the greedy hint), and never slower
-    than that start unless proven optimal."""
+    axes: ``descend`` within ``SHARE`` of the time limit, from the greedy hint and from the data-parallel
+    start of ``data_start`` where the problem has one, the faster; the others: the greedy hint or the
+    data-parallel start), and never slower than that start unless proven optimal."""
     began = time.perf_counter()
     hopeless = p.memory_budget is not None and memory_floor(p) > p.memory_budget    # raises its explanation at once
-    seed = descend(p, solve, list(p.hint), began + SHARE * p.time_limit_s) \
-        if p.hint is not None and not hopeless and wants_descent(p) else None
+    data = None if hopeless else data_start(p, solve)
+    if p.hint is not None and not hopeless and wants_descent(p):
+        end = began + SHARE * p.time_limit_s
+        seeds = [descend(p, solve, list(p.hint), end if data is None else (began + end) / 2)]
+        if data is not None:
+            seeds.append(descend(p, solve, data, end))
+    else:
+        seeds = [assess(p, data, "data")]
+    seed = _fastest(seeds)
     q = p if seed is None else dataclasses.replace(p, hint=seed.choice, hint_fits=True)
-    return no_worse(solve(q), seed or assess(p, p.hint, "greedy"), began)
+    return no_worse(solve(q), _fastest([seed, assess(p, p.hint, "greedy")]), began)
+
+
+def _fastest(starts: list[Start | None]) -> Start | None:
+    found = [s for s in starts if s is not None]
+    return min(found, key=lambda s: s.objective) if found else None
