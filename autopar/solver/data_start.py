@@ -24,10 +24,12 @@ import dataclasses
 
 from autopar.core.mesh import Mesh
 from autopar.sharding.placements import Shard
+from autopar.solver.degrees import _batch_dims
 from autopar.solver.greedy import greedy_choice
 from autopar.solver.intra_op import InfeasibleError, IntraOpProblem, SolverTimeoutError
+from autopar.solver.moe_axes import ROLE_EXPERT
 
-DATA_ROLES = ("dp", "data", "batch", "ep", "expert")    # mesh_solve.ROLE_DATA + moe_axes.ROLE_EXPERT
+DATA_ROLES = ("dp", "data", "batch") + ROLE_EXPERT     # mesh_solve.ROLE_DATA (which imports this) + the expert axes
 SHARE = 0.15            # of the time limit the restricted solve may use
 
 
@@ -46,8 +48,6 @@ def batch_split_allowed(traced, cands, mesh: Mesh, allowed: dict) -> dict[str, l
     """Per node carrying the batch, its allowed strategies that split the batch on every data axis
     (nodes without any keep theirs); None when the mesh has fewer than two such axes (one data axis
     is a single-axis problem the solve handles)."""
-    from autopar.solver.degrees import _batch_dims
-
     axes = data_axes(mesh)
     if len(axes) < 2:
         return None
