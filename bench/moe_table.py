@@ -39,8 +39,8 @@ Rows (``MOE_ROWS``), models built on the meta device from Hugging Face configs:
 * **DeepSeek-V3, two hops** (``deepseek_v3_two_hop``): the same layout with its ep 64 named as two axes,
   ``"expert"`` (8, across the nodes) and ``"ep"`` (8, inside a node): the dispatch then sends a token
   once per destination node over InfiniBand and fans it out over NVLink (``collectives/moe_dispatch.py``),
-  as DeepSeek-V3's node-limited routing does (report section 3.2). Not among the default rows
-  (``EXTRA_ROWS``, by name only): its forced plan is not right yet (§34g).
+  as DeepSeek-V3's node-limited routing does (report section 3.2). Its forced plan is data-parallel over
+  dp x expert x ep = 128 as the one-hop row's (``solver/data_start.py``; before, §34g, it was not).
 
 For each row: FORCED, the published layout as a named mesh ``("pp", "dp", "ep")`` (every
 ``moe_experts`` node takes "ep" on the "ep" axis, ``solver/moe_axes.py``; dense ops data-parallel over
@@ -105,16 +105,13 @@ MOE_ROWS = [
     MoeRow("deepseek_v3", "deepseek_v3", DEEPSEEK_V3, "h800", 2048, (16, 2, 64), 4096, 15360, 1, 342.6,
            "DeepSeek-V3 report: PP16 EP64 ZeRO-1 on 2048 H800; 180K GPU hours / 1T tokens -> 342.6 TF (6N)",
            flops_kind="6n", activated=37e9, extra={"solver_time_limit": 120.0}),
-]
-
-# selected by name only (``--rows deepseek_v3_two_hop``): its forced plan is not right yet (plan.degrees shows
-# dp 8 where the layout has 128: the dense ops are not data-parallel over all three axes; bench/RESULTS.md §34g)
-EXTRA_ROWS = [
     MoeRow("deepseek_v3_two_hop", "deepseek_v3", DEEPSEEK_V3, "h800", 2048, (16, 2, 8, 8), 4096, 15360, 1, 342.6,
            "the deepseek_v3 row, its ep 64 as 8 nodes x 8 GPUs: a token crosses InfiniBand once per destination node "
            "(DeepSeek-V3 report 3.2), then fans out over NVLink", flops_kind="6n", activated=37e9,
            extra={"solver_time_limit": 120.0}, axis_names=("pp", "dp", "expert", "ep")),
 ]
+
+EXTRA_ROWS: list = []     # rows selected by name only (``--rows``): none at present
 
 
 def megatron_flops(cfg: dict, batch: int, seq: int) -> float:

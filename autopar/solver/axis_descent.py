@@ -15,6 +15,11 @@ communication). Block coordinate descent over the axes gives a good fitting assi
         with the same budget (its candidates are the per-axis ones: the reductions, elimination and
         enumeration solve it exactly or nearly); keep its answer when it fits and is faster.
 
+On a named mesh with several data axes the descent also runs from the data-parallel start of
+``data_start`` (every batch-carrying op split on every data axis), each start in half the share,
+and the faster result is kept: from the greedy hint alone it can stop where one data axis is
+gathered and another split by hidden, which no single-axis change leaves.
+
 Each restricted problem contains the current assignment, so the objective never rises. Its result
 is the budgeted CP-SAT run's hint and its floor: ``no_worse`` returns the start where a solve that
 was not proven optimal came back slower (or found nothing in time). A proven optimum is never
@@ -33,6 +38,7 @@ from autopar.core import search_memo
 from autopar.solver.intra_op import (InfeasibleError, IntraOpProblem, IntraOpSolution, SolverTimeoutError, evaluate,
                                      solve_intra_op, workspace_bytes)
 from autopar.solver.class_graph import allowed_mask
+from autopar.solver.data_start import data_start
 from autopar.solver.memory_floor import memory_floor
 
 ROUNDS = 2               # sweeps over the axes
@@ -175,11 +181,27 @@ def no_worse(sol, start: Start | None, began: float):
 
 def solve_with_start(p: IntraOpProblem, solve=solve_intra_op) -> IntraOpSolution:
     """``solve`` (``intra_op.solve_intra_op``) started from a fitting assignment (a big problem on several
-    axes: ``descend`` within ``SHARE`` of the time limit; the others: the greedy hint), and never slower
-    than that start unless proven optimal."""
+    axes: ``descend`` within ``SHARE`` of the time limit, from the greedy hint and from the data-parallel
+    start of ``data_start`` where the problem has one, the faster; the others: the greedy hint, with the
+    data-parallel start beside it as the floor), and never slower than that start unless proven optimal."""
     began = time.perf_counter()
     hopeless = p.memory_budget is not None and memory_floor(p) > p.memory_budget    # raises its explanation at once
-    seed = descend(p, solve, list(p.hint), began + SHARE * p.time_limit_s) \
-        if p.hint is not None and not hopeless and wants_descent(p) else None
+    if p.hint is None or hopeless or not wants_descent(p):
+        sol = solve(p)      # a smaller problem: solved as before; not proven, the data start is a floor too
+        floor = assess(p, p.hint, "greedy")
+        if sol.status != "OPTIMAL" and not hopeless:
+            floor = _fastest([floor, assess(p, data_start(p, solve), "data")])
+        return no_worse(sol, floor, began)
+    data = data_start(p, solve)
+    end = began + SHARE * p.time_limit_s
+    seeds = [descend(p, solve, list(p.hint), end if data is None else (began + end) / 2)]
+    if data is not None:
+        seeds.append(descend(p, solve, data, end))
+    seed = _fastest(seeds)
     q = p if seed is None else dataclasses.replace(p, hint=seed.choice, hint_fits=True)
     return no_worse(solve(q), seed or assess(p, p.hint, "greedy"), began)
+
+
+def _fastest(starts: list[Start | None]) -> Start | None:
+    found = [s for s in starts if s is not None]
+    return min(found, key=lambda s: s.objective) if found else None

@@ -101,6 +101,8 @@ class IntraOpProblem:
     axis_keys: list | None = None  # per node, [strategies, mesh axes] ids of its per-axis choices (``axis_descent``)
     hint_fits: bool = False        # the hint fits the budget: a budgeted CP-SAT run starts from it, not from
                                    # the unbudgeted optimum that does not fit (``axis_descent``)
+    data_allowed: list | None = None  # per node, its batch-split strategies on every data axis or None: a
+                                   # second start (``data_start``; ``axis_descent.solve_with_start``)
 
 
 @dataclass

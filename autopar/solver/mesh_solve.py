@@ -32,6 +32,7 @@ from autopar.solver.context_axes import fed_by_inputs, keep_sequence_split, sequ
 from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_collectives, output_specs
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.axis_descent import solve_with_start
+from autopar.solver.data_start import batch_split_allowed, data_allowed
 from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
 from autopar.solver.moe_axes import ROLE_EXPERT, expert_axis_choices, nodes_moe
 from autopar.solver.memory_terms import accumulated_grad_bytes, op_transients, transient_bytes, zero_layer_buffers
@@ -231,6 +232,7 @@ def solve_on_mesh(req: SolveRequest, microbatches: int = 1, cutoff: float | None
     ties = _ties(traced)
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
     built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
+    built.problem.data_allowed = data_allowed(built.names, batch_split_allowed(traced, cands, mesh, allowed))
     held = step_input_bytes(traced, microbatches)
     try:
         sol, gathered, transient = _solve_within(traced, cands, built, costing, budget - held, microbatches, cutoff,
