@@ -8,3 +8,15 @@ from __future__ import annotations
 import os
 
 ENABLED: bool = os.environ.get("AUTOPAR_SEARCH_MEMO", "1") != "0"
+
+
+def graph_cache(gm, name: str, **fields) -> dict:
+    """The dict ``gm.meta[name]`` for facts of one traced graph, emptied (and given ``fields``, each
+    a fresh copy of its value) when the graph changes: another graph object or another node count."""
+    cache = gm.meta.setdefault(name, {})
+    key = (id(gm.graph), len(gm.graph.nodes))
+    if cache.get("key") != key:
+        cache.clear()
+        cache["key"] = key
+        cache.update({k: type(v)(v) for k, v in fields.items()})
+    return cache

@@ -69,13 +69,13 @@ def check_optimizer(optimizer) -> None:
         raise TypeError(f"torch.optim.{name} cannot train an autopar module: {_REFUSED[name]}; {alternatives}")
     split = pmodel.split_parameters()
     why = {**_WHOLE_TENSOR, **_WHOLE_MODEL}[name]
+    if name in _WHOLE_MODEL and not pmodel.holds_every_parameter:     # first: whole parameters would not help
+        raise TypeError(f"torch.optim.{name} cannot train under this plan: {why}, but this rank holds only its "
+                        f"pipeline stage's parameters. Either {alternatives}, or plan without a pipeline "
+                        "(mode='data' with autopar.set_auto_parallel_context(zero=0))")
     if split:
         first, how = next(iter(split.items()))
         raise TypeError(f"torch.optim.{name} cannot train under this plan: {why}, but this rank holds only pieces "
                         f"of {len(split)} parameter(s) (e.g. {first}: {how}). Either {alternatives}, or plan so "
                         "that every parameter stays whole: mode='data' with "
                         "autopar.set_auto_parallel_context(zero=0)")
-    if name in _WHOLE_MODEL and not pmodel.holds_every_parameter:
-        raise TypeError(f"torch.optim.{name} cannot train under this plan: {why}, but this rank holds only its "
-                        f"pipeline stage's parameters. Either {alternatives}, or plan without a pipeline "
-                        "(mode='data' with autopar.set_auto_parallel_context(zero=0))")

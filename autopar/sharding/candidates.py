@@ -121,13 +121,7 @@ def _candidate_classes(gm: fx.GraphModule):
     their lists are the same function of the mesh shape (``placeholder_strategies`` of the shape and
     chunk hint; ``mesh_strategies`` of the options, the input and output shapes and the replicate-all
     strategy, its memo key less the mesh)."""
-    cache = gm.meta.setdefault("candidate_classes", {})
-    key = (id(gm.graph), len(gm.graph.nodes))
-    if cache.get("key") != key:
-        cache.clear()
-        cache["key"] = key
-        cache["by_node"] = {}
-        cache["ids"] = {}
+    cache = search_memo.graph_cache(gm, "candidate_classes", by_node={}, ids={})
     by_node, ids = cache["by_node"], cache["ids"]
     options = _options_once(gm)
 
@@ -162,13 +156,7 @@ def _options_once(gm: fx.GraphModule):
     node alone, and the search builds one graph's candidates on several meshes."""
     if not search_memo.ENABLED or not hasattr(gm, "meta"):
         return axis_options
-    cache = gm.meta.setdefault("axis_options", {})
-    key = (id(gm.graph), len(gm.graph.nodes))
-    if cache.get("key") != key:
-        cache.clear()
-        cache["key"] = key
-        cache["by_node"] = {}
-    by_node = cache["by_node"]
+    by_node = search_memo.graph_cache(gm, "axis_options", by_node={})["by_node"]
 
     def options(node: fx.Node):
         hint = node.meta.get("chunk_hint", 1)       # the one mark a rule reads that planning sets late

@@ -99,12 +99,7 @@ def _weights(gm: fx.GraphModule):
     graph weighs its nodes alike)."""
     if not search_memo.ENABLED or not hasattr(gm, "meta"):
         return _weight
-    cache = gm.meta.setdefault("axis_share_weights", {})
-    key = (id(gm.graph), len(gm.graph.nodes))
-    if cache.get("key") != key:
-        cache.clear()
-        cache["key"], cache["by_node"] = key, {}
-    by_node = cache["by_node"]
+    by_node = search_memo.graph_cache(gm, "axis_share_weights", by_node={})["by_node"]
 
     def weight(node: fx.Node) -> float:
         hit = by_node.get(node.name)
