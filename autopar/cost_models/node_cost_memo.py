@@ -16,14 +16,7 @@ def node_cost_table(graph: fx.Graph, device) -> dict:
     gm = graph.owning_module
     if not search_memo.ENABLED or gm is None or not hasattr(gm, "meta"):
         return {}
-    cache = gm.meta.setdefault("node_cost", {})
-    key = (id(graph), len(graph.nodes), repr(device))
-    table = cache.get(key)
-    if table is None:
-        if len(cache) > 64:
-            cache.clear()
-        table = cache[key] = {}
-    return table
+    return search_memo.graph_cache(gm, "node_cost").setdefault(repr(device), {})
 
 
 def cached_node_cost(table: dict, node: fx.Node, device) -> OpCost:

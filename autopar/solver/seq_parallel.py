@@ -132,8 +132,8 @@ def _saving_edges(graph_edges, params: set[str], need, mask, inside) -> list[tup
     gm = graph_edges[0][1].graph.owning_module if graph_edges else None
     cache = None
     if search_memo.ENABLED and gm is not None and hasattr(gm, "meta"):
-        cache = gm.meta.setdefault("saving_edges", {})
-        key = (id(gm.graph), len(gm.graph.nodes), len(graph_edges), mask, frozenset(inside), frozenset(params))
+        cache = search_memo.graph_cache(gm, "saving_edges")
+        key = (len(graph_edges), mask, frozenset(inside), frozenset(params))
         if key in cache:
             return cache[key]
     rows = []
@@ -145,7 +145,5 @@ def _saving_edges(graph_edges, params: set[str], need, mask, inside) -> list[tup
         nbytes = float(v.numel() * v.element_size()) if hasattr(v, "numel") else 0.0
         rows.append((pos, n, i, src.name, idx, nbytes, saving_consumers(a, mask)))
     if cache is not None:
-        if len(cache) > 32:
-            cache.clear()
         cache[key] = rows
     return rows
