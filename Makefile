@@ -3,7 +3,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast install bench clean
+.PHONY: demo test test-fast test-gpu install bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ test: $(STAMP)
 # The inner loop: the single-process tier (tests/unit), slow cases excluded.
 test-fast: $(STAMP)
 	$(VPY) -m pytest tests/unit -x -q -m "not slow"
+
+# The CUDA / NCCL path on one GPU (skipped where there is none).
+test-gpu: $(STAMP)
+	$(VPY) -m pytest tests/gpu -q -m gpu
 
 bench: $(STAMP)
 	$(VPY) bench/data_parallel.py
