@@ -20,15 +20,25 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m autopar.cli demo
 
-# What CI runs (.ci/run): every tier, slow cases excluded. The single-process tier runs beside the
-# multi-process one (its ranks wait on each other and on rank 0's planning, which leaves a core
-# free much of the time); its output is printed when both have ended, and either failing fails.
+# What CI runs (.ci/run): every tier, slow cases excluded, in two streams on the two cores. Stream 1: the
+# single-process tier, then the rank files that mostly wait (subprocesses, restarts, timeouts: RANKS_BESIDE);
+# stream 2: the other rank files. A rank test alone leaves part of a core idle (its ranks wait on each other
+# and on rank 0's planning), which the other stream fills. Stream 1's output is printed when both have
+# ended, and any failure fails.
+UNIT_TESTS := tests/unit
+RANK_TESTS := tests
+RANKS_BESIDE := tests/ranks/test_elastic.py tests/ranks/test_comm_timeouts.py tests/ranks/test_launch.py \
+	tests/ranks/test_launch_errors.py tests/ranks/test_calibrate.py tests/ranks/test_allocator.py
 test: $(STAMP)
-	@log=$$(mktemp); $(VPY) -m pytest tests/unit -q -m "not slow" -p no:cacheprovider > $$log 2>&1 & unit=$$!; \
-	$(VPY) -m pytest tests --ignore=tests/unit -x -q -m "not slow" --durations=15; ranks=$$?; \
-	wait $$unit; units=$$?; echo "== tests/unit (run beside the rest)"; \
-	if [ $$units -eq 0 ]; then tail -n 3 $$log; else cat $$log; fi; rm -f $$log; \
-	test $$ranks -eq 0 -a $$units -eq 0
+	@log=$$(mktemp); ( $(VPY) -m pytest $(UNIT_TESTS) -q -m "not slow" -p no:cacheprovider > $$log.unit 2>&1; \
+	echo $$? > $$log.unit.rc; $(VPY) -m pytest $(RANKS_BESIDE) -x -q -m "not slow" -p no:cacheprovider \
+	> $$log.beside 2>&1; echo $$? > $$log.beside.rc ) & first=$$!; \
+	$(VPY) -m pytest $(RANK_TESTS) --ignore=tests/unit $(RANKS_BESIDE:%=--ignore=%) -x -q -m "not slow" --durations=15; \
+	ranks=$$?; wait $$first; status=$$ranks; \
+	for part in unit beside; do rc=$$(cat $$log.$$part.rc 2>/dev/null || echo 1); \
+	echo "== $$part (stream 1: $(UNIT_TESTS), then $(words $(RANKS_BESIDE)) rank file(s) beside the rest)"; \
+	if [ "$$rc" -eq 0 ]; then tail -n 3 $$log.$$part; else cat $$log.$$part; status=1; fi; done; \
+	rm -f $$log $$log.unit $$log.unit.rc $$log.beside $$log.beside.rc; test $$status -eq 0
 
 # The inner loop: the single-process tier (tests/unit), slow cases excluded.
 test-fast: $(STAMP)
