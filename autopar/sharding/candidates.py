@@ -29,7 +29,7 @@ class Candidates:
 
 
 def placeholder_strategies(node: fx.Node, mesh_shape, allow_shard: bool = True) -> list[Strategy]:
-    """R everywhere first, then every even Shard(dim[, chunks]) per axis."""
+    """R everywhere first, then every even Shard(dim[, chunks]) per axis of size > 1."""
     v = node.meta.get("val")
     if not isinstance(v, torch.Tensor):
         return [Strategy((), tuple(R for _ in mesh_shape), tuple(None for _ in mesh_shape), "R")]
@@ -43,7 +43,7 @@ def placeholder_strategies(node: fx.Node, mesh_shape, allow_shard: bool = True) 
                 if hint > 1 and size % hint == 0:
                     per_axis.append(Shard(d, hint))
     out = []
-    for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
+    for combo in itertools.product(*[per_axis if size > 1 else [R] for size in mesh_shape]):
         if _even(shape, combo, mesh_shape):
             out.append(Strategy((), tuple(combo), tuple(None for _ in mesh_shape), "".join(str(p) for p in combo)))
     return out

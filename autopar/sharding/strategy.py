@@ -151,14 +151,16 @@ def mesh_strategies(node: fx.Node, axis_options: list[AxisStrategy], mesh_shape,
 
 
 def _combinations(node, base, axis_options, mesh_shape, in_shapes, outs, limit) -> list[Strategy]:
-    """The first ``limit`` valid combinations in product order (the first mesh axis varies slowest).
+    """The first ``limit`` valid combinations in product order (the first mesh axis varies slowest); an
+    axis of size 1 replicates (a split over one device is the whole tensor, and its collectives and local
+    forms, such as a loss summed per rank then divided, would only round differently).
     When that cuts some off, the last ``limit // 4`` places go to combinations that split the output
     on every mesh axis (``_fully_split``): product order alone keeps only the first options of the
     outer axes, so on three or more axes a view could not keep a batch x sequence x heads split its
     neighbours all use (its strategy came after the cut) and the plan gathered the value instead."""
     options = [base] + [o for o in axis_options if o != base]
     seen, result = set(), []
-    for combo in itertools.product(options, repeat=len(mesh_shape)):
+    for combo in itertools.product(*[options if size > 1 else options[:1] for size in mesh_shape]):
         st = _combine(node, combo, mesh_shape, in_shapes, outs)
         if st is None:
             continue

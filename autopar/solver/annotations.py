@@ -130,6 +130,9 @@ def restrict_op_strategies(traced, cands, mesh, allowed: dict, ann: Annotations 
             if ax not in mesh.axis_names:
                 raise ValueError(f"op_strategy({target!r}, {ax}=...): the mesh has no axis {ax!r}; its axes are "
                                  f"{list(mesh.axis_names)}. {LEFTOVER}")
+        axes = {ax: want for ax, want in axes.items() if mesh.shape[mesh.axis_index(ax)] > 1}   # size 1: whole
+        if not axes:
+            continue
         hits = 0
         for node in traced.gm.graph.nodes:
             strategies = cands.strategies.get(node.name)

@@ -104,8 +104,8 @@ def fed_by_inputs(traced) -> set[str]:
 
 
 def keep_sequence_split(traced, cands, mesh, input_ann: dict, allowed: dict, only) -> None:
-    """Inputs split along the sequence on the cp axes; their downstream ops keep it split."""
-    axes = context_axes(mesh)
+    """Inputs split along the sequence on the cp axes (of size > 1); their downstream ops keep it split."""
+    axes = [a for a in context_axes(mesh) if mesh.shape[a] > 1]
     if not axes:
         return
     cp = math.prod(mesh.shape[a] for a in axes)

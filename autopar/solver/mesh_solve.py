@@ -64,11 +64,11 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
             if shape[0] % mesh.size:
                 raise CandidateError(f"the global batch ({shape[0]}, dim 0 of input {ph!r}) is not divisible by the "
                                 f"data-parallel size {mesh.size}; use a batch that is a multiple of {mesh.size}")
-            split = _batch_split(shape)
-            only(ph, lambda spec: all(p == split for p in spec))
+            split, sizes = _batch_split(shape), tuple(mesh.shape)
+            only(ph, lambda spec: all(p == split for p, n in zip(spec, sizes) if n > 1))
         for ph in list(traced.params) + list(traced.buffers) + list(traced.constants):
             only(ph, lambda spec: all(isinstance(p, Replicate) for p in spec))
-        _keep_batch_split(traced, cands, allowed)
+        _keep_batch_split(traced, cands, allowed, tuple(mesh.shape))
     if mesh.named and mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO):
         _axis_roles(traced, cands, mesh, input_ann, only)
         expert_axis_choices(traced, cands, mesh, allowed)
@@ -84,10 +84,11 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
         if ph is None:
             raise PlanError(f"annotated parameter {pname!r} is not used by the traced model")
         _check_axes(pname, placements, mesh, tuple(traced.node(ph).meta["val"].shape))
-        idx = only(ph, lambda spec, pl=placements: all(spec[mesh.axis_index(a)] == p for a, p in pl.items()))
+        idx = only(ph, lambda spec, pl=_on_real_axes(placements, mesh): all(spec[mesh.axis_index(a)] == p
+                                                                          for a, p in pl.items()))
         if not idx:
             raise PlanError(f"no valid placement of {pname!r} satisfies {_fmt(placements)}")
-        annotated_axes[ph] = [mesh.axis_index(a) for a in placements]
+        annotated_axes[ph] = [mesh.axis_index(a) for a in _on_real_axes(placements, mesh)]
     if annotated_axes:
         _use_as_stored(traced, cands, allowed, set(annotated_axes), annotated_axes)
     for i, placements in input_ann.items():
@@ -95,13 +96,19 @@ def _allowed(traced, cands, mesh: Mesh, mode: ParallelMode, param_ann: dict, inp
             raise PlanError(f"shard_input({i}) but the model has {len(traced.inputs)} input(s)")
         ph = traced.inputs[i]
         _check_axes(f"input {i}", placements, mesh, tuple(traced.node(ph).meta["val"].shape))
-        only(ph, lambda spec, pl=placements: all(spec[mesh.axis_index(a)] == p for a, p in pl.items()))
+        only(ph, lambda spec, pl=_on_real_axes(placements, mesh): all(spec[mesh.axis_index(a)] == p
+                                                                      for a, p in pl.items()))
     if mode == ParallelMode.SEMI_AUTO:
         restrict_op_strategies(traced, cands, mesh, allowed)
     return allowed
 
 
 ROLE_DATA, ROLE_TENSOR = ("dp", "data", "batch"), ("tp", "tensor", "model", "mp")
+
+
+def _on_real_axes(placements: dict, mesh: Mesh) -> dict:
+    """An annotation's placements on the axes of size > 1 (on an axis of size 1 every tensor is whole)."""
+    return {a: p for a, p in placements.items() if mesh.shape[mesh.axis_index(a)] > 1}
 
 
 def _axis_roles(traced, cands, mesh: Mesh, input_ann: dict, only) -> None:
@@ -122,7 +129,7 @@ def _axis_roles(traced, cands, mesh: Mesh, input_ann: dict, only) -> None:
             raise CandidateError(f"the global batch ({shape[0]}, dim 0 of {ph!r}) is not divisible by the data-parallel "
                             f"size {dp} (mesh axes {[mesh.axis_names[a] for a in data]}); use a batch that is a "
                             f"multiple of {dp}")
-        only(ph, lambda spec, s=shape: all(spec[a] == _batch_split(s) for a in data)
+        only(ph, lambda spec, s=shape: all(spec[a] == _batch_split(s) for a in data if mesh.shape[a] > 1)
              and all(isinstance(spec[a], Replicate) for a in tensor))
 
 
@@ -132,15 +139,15 @@ def _batch_split(shape: tuple) -> Shard | Replicate:
     return Shard(0) if shape and shape[0] > 1 else R
 
 
-def _keep_batch_split(traced, cands, allowed: dict) -> None:
+def _keep_batch_split(traced, cands, allowed: dict, sizes: tuple) -> None:
     """DATA: every op downstream of the inputs runs on its rank's part of the batch (no output
-    Replicate on any axis); ops without such a strategy (no rule) keep their options."""
+    Replicate on any axis of size > 1); ops without such a strategy (no rule) keep their options."""
     for name in fed_by_inputs(traced):
         strategies = cands.strategies.get(name)
         if not strategies:
             continue
         keep = [i for i, st in enumerate(strategies)
-                if all(not isinstance(p, Replicate) for spec in _outs(st) for p in spec)]
+                if all(not isinstance(p, Replicate) for spec in _outs(st) for p, n in zip(spec, sizes) if n > 1)]
         if keep:
             allowed[name] = keep
     _use_as_stored(traced, cands, allowed, set(traced.params) | set(traced.buffers), None)
