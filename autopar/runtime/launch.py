@@ -90,7 +90,9 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
 
 
-def _launch_entry(rank, fn, world, init_method, timeout_s, args, err_dir):
+def _launch_entry(rank, fn, world, init_method, timeout_s, args, err_dir, env=None):
+    if env is not None:
+        rank_start.apply_env(env)
     rank_failure.dump_stack_on_request(err_dir, rank)
     try:
         try:
@@ -113,15 +115,18 @@ def launch(fn, nprocs: int = 4, args: tuple = (), timeout_s: float = DEFAULT_TIM
     group's timeout, which autopar's communication timeout follows unless ``comm_timeout_s`` is set."""
     name = f"autopar.launch({getattr(fn, '__name__', fn)})"
     if rank_failure.bootstrapping():    # a spawned rank re-running the script's top level: no main guard
-        sys.exit(rank_failure.NO_MAIN_GUARD_EXIT)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rank_failure.NO_MAIN_GUARD_EXIT)     # the code itself (a fork server's child exits 1 on SystemExit)
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"{name}: nprocs must be a whole number >= 1, got {nprocs!r}")
     if getattr(fn, "__module__", None) == "__main__" and not getattr(sys.modules["__main__"], "__file__", None):
         raise RankError(f"{name}: {getattr(fn, '__name__', fn)} is defined in an interactive session, which the "
                         "spawned processes cannot import; define it in a module file and import it")
     with tempfile.TemporaryDirectory(prefix="autopar_launch_") as err_dir:
-        ctx = mp.start_processes(_launch_entry, args=(fn, nprocs, rendezvous_file(), timeout_s, tuple(args), err_dir),
-                                 nprocs=nprocs, join=False, start_method="spawn")
+        ctx = mp.start_processes(_launch_entry, args=(fn, nprocs, rendezvous_file(), timeout_s, tuple(args), err_dir,
+                                                      dict(os.environ)),
+                                 nprocs=nprocs, join=False, start_method=rank_start.start_method())
         procs = ctx.processes
         try:
             if _wait_first_failure(procs, err_dir):

@@ -1,4 +1,4 @@
-"""How ``RankPool`` starts its ranks: from a fork server that imported torch (and autopar) once.
+"""How ``RankPool`` and ``launch`` start ranks: from a fork server that imported torch (and autopar) once.
 
 A spawned rank imports torch, ``torch.export`` and autopar itself (~2.5-4 CPU-s each); ranks forked from a
 server that preloaded them start in ~0.02 CPU-s and behave like spawned ones otherwise (the main module is
@@ -25,13 +25,18 @@ def _server_finds_this_autopar() -> bool:
     return False
 
 
-def pool_context():
-    """The multiprocessing context for a pool's ranks (the fork server is started once per process)."""
+def start_method() -> str:
+    """"forkserver" (its preloads set; the server is started once per process), else "spawn"."""
     if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(_PRELOAD) + (["autopar"] if _server_finds_this_autopar() else []))
-    return ctx
+        return "spawn"
+    mp.get_context("forkserver").set_forkserver_preload(
+        list(_PRELOAD) + (["autopar"] if _server_finds_this_autopar() else []))
+    return "forkserver"
+
+
+def pool_context():
+    """The multiprocessing context for the ranks of a pool or a launch."""
+    return mp.get_context(start_method())
 
 
 def apply_env(env: dict[str, str]) -> None:
