@@ -65,7 +65,7 @@ def _close_pools():
     _POOLS.clear()
     from multiprocessing import forkserver
 
-    forkserver._forkserver._stop()    # the pools' fork server (runtime/rank_start.py), reaped: its CPU is counted
+    forkserver._forkserver._stop()    # the pools' fork server (autopar/core/rank_start.py), reaped: its CPU is counted
 
 
 @pytest.fixture(autouse=True)

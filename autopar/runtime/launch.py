@@ -30,7 +30,8 @@ import torch.multiprocessing as mp
 from autopar.core.allocator import keep_freed_memory
 from autopar.collectives.watch import guard, note
 from autopar.core.comm_timeout import DEFAULT_TIMEOUT_S, comm_timeout_s
-from autopar.runtime import rank_failure, rank_start
+from autopar.core import rank_start
+from autopar.runtime import rank_failure
 _GRACE_S = 2.0      # after a rank fails, how long the others may take to fail on their own (and say why)
 _POLL_S = 0.05      # how often launch looks for a rank's recorded error while all are running
 _MIN_SETTLE_S = 0.5     # with no cause known, the least time before the one rank left running is called stalled
