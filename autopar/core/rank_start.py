@@ -1,8 +1,9 @@
 """How ``RankPool`` and ``launch`` start ranks: from a fork server that imported torch (and autopar) once.
 
-A spawned rank imports torch, ``torch.export`` and autopar itself (~2.5-4 CPU-s each); ranks forked from a
-server that preloaded them start in ~0.02 CPU-s and behave like spawned ones otherwise (the main module is
-prepared as under spawn, and the parent's environment at the pool's start is applied: ``apply_env``).
+A spawned rank imports torch, autopar and, on its first job, torch's tracing machinery itself (~5 CPU-s);
+ranks forked from a server that preloaded them (``rank_preload``) start in ~0.02 CPU-s and behave like spawned
+ones otherwise (the main module is prepared as under spawn, and the parent's environment at the pool's start is
+applied: ``apply_env``).
 autopar is preloaded only where the server (cwd first on its path, then ``PYTHONPATH``) finds the
 autopar this process runs; otherwise each rank imports it. Where no fork server exists: spawn.
 """
@@ -30,7 +31,7 @@ def start_method() -> str:
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
     mp.get_context("forkserver").set_forkserver_preload(
-        list(_PRELOAD) + (["autopar"] if _server_finds_this_autopar() else []))
+        list(_PRELOAD) + (["autopar.core.rank_preload"] if _server_finds_this_autopar() else []))
     return "forkserver"
 
 

@@ -43,4 +43,5 @@ def test_the_start_method_is_the_fork_server_with_torch_preloaded():
     from multiprocessing import forkserver
 
     assert rank_start.start_method() == "forkserver"
-    assert {"torch", "torch.distributed", "torch.export"} <= set(forkserver._forkserver._preload_modules)
+    assert {"torch", "torch.distributed", "torch.export", "autopar.core.rank_preload"} <= set(
+        forkserver._forkserver._preload_modules)
