@@ -9,12 +9,14 @@ autopar this process runs; otherwise each rank imports it. Where no fork server 
 """
 from __future__ import annotations
 
+import atexit
 import os
 from pathlib import Path
 
 import torch.multiprocessing as mp
 
 _PRELOAD = ("torch", "torch.distributed", "torch.export")
+_STOP_AT_EXIT: list = []
 
 
 def _server_finds_this_autopar() -> bool:
@@ -26,10 +28,23 @@ def _server_finds_this_autopar() -> bool:
     return False
 
 
+def _stop_server() -> None:
+    """At exit: stop the fork server and reap it (else it outlives this process briefly, unreaped)."""
+    from multiprocessing import forkserver
+
+    try:
+        forkserver._forkserver._stop()
+    except Exception:  # noqa: BLE001 - nothing to stop, or a Python without the helper
+        pass
+
+
 def start_method() -> str:
-    """"forkserver" (its preloads set; the server is started once per process), else "spawn"."""
+    """"forkserver" (its preloads set; the server is started once per process and stopped at its exit),
+    else "spawn"."""
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
+    if not _STOP_AT_EXIT:
+        _STOP_AT_EXIT.append(atexit.register(_stop_server))
     mp.get_context("forkserver").set_forkserver_preload(
         list(_PRELOAD) + (["autopar.core.rank_preload"] if _server_finds_this_autopar() else []))
     return "forkserver"
