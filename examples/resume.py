@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if os.environ.get("RANK", "0") == "0":
         log(f"attempt {attempt} imported")
-    init_from_env(timeout_s=args.timeout)
+    made_group = init_from_env(timeout_s=args.timeout)      # False inside a group that already exists
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if rank == 0:
         log(f"attempt {attempt} joined a group of {world} ranks")
@@ -125,7 +125,7 @@ def main(argv=None) -> None:
         if args.out:
             torch.save(final, args.out)
         log(f"attempt {attempt} finished {args.steps} steps" + (f", loss {loss.item():.6f}" if loss is not None else ""))
-    if dist.is_initialized():
+    if made_group:
         dist.destroy_process_group()
 
 

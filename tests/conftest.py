@@ -59,8 +59,13 @@ def run_ranks(n: int, fn, *args, **kwargs) -> list:
 def _close_pools():
     yield
     for pool in _POOLS.values():
+        pool.stop()
+    for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()    # the pools' fork server (autopar/core/rank_start.py), reaped: its CPU is counted
 
 
 @pytest.fixture(autouse=True)

@@ -3,8 +3,8 @@
 ``AUTOPAR_RANK_TIMES=PREFIX``: every rank appends, per test function it runs, its CPU seconds and those
 spent in ``trace``, ``make_plans`` and ``build_parallel_module`` to ``PREFIX.<rank>``; with
 ``AUTOPAR_TEST_TIMES`` set too, each test's line there gains the pytest process's own CPU seconds
-(``main=``) and its reaped subprocesses' (``kids=``: launch/torchrun tests; the pool ranks are reaped
-at the end). ``AUTOPAR_RANK_PROFILE=DIR``: a CPU-clock cProfile of every rank's call, one file each.
+(``main=``) and its reaped subprocesses' (``kids=``: torchrun and other subprocess tests; the pool's and
+``launch``'s ranks are forked from the fork server, which reaps them and is reaped at the session's end). ``AUTOPAR_RANK_PROFILE=DIR``: a CPU-clock cProfile of every rank's call, one file each.
 """
 from __future__ import annotations
 

@@ -41,9 +41,8 @@ def _pipe_plan(mesh, rc=None, microbatches=None, schedule=None):
 
 @functools.lru_cache(maxsize=None)
 def _pipe_cap_gb() -> float:
-    """The cap of ``_pipe_capped_mesh``: 8 plans, made once per process (the ranks are given it)."""
-    peak = {rc: min(max(_pipe_plan(autopar.Mesh((2,), axis_names=("pp",)), rc, m, sched).memory_per_device)
-                    for m in (4, 8) for sched in ("1f1b", "interleaved_1f1b"))
+    """The cap of ``_pipe_capped_mesh``: 2 plans, made once per process (the ranks are given it)."""
+    peak = {rc: max(_pipe_plan(autopar.Mesh((2,), axis_names=("pp",)), rc, 8, "1f1b").memory_per_device)
             for rc in ("none", "full")}
     assert peak["full"] < peak["none"]
     cap = peak["full"] + 0.75 * (peak["none"] - peak["full"])   # room for AUTO's own choice of m and schedule
@@ -51,7 +50,7 @@ def _pipe_cap_gb() -> float:
 
 
 def _pipe_capped_mesh(cap_gb: float | None = None) -> autopar.Mesh:
-    """A 2-stage pipeline mesh whose cap lies between the least peaks (over 4 and 8 microbatches,
-    1F1B and interleaved: an interleaved rank posts receive buffers for two stages) with and without
-    recomputation."""
+    """A 2-stage pipeline mesh whose cap lies between the least peaks with and without recomputation:
+    those of 8 microbatches under 1F1B (4 microbatches hold larger ones in flight, and an interleaved
+    rank posts receive buffers for two stages: both peak higher, with and without recomputation)."""
     return autopar.Mesh((2,), axis_names=("pp",), memory_gb=cap_gb if cap_gb is not None else _pipe_cap_gb())

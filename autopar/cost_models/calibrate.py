@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from autopar.core import rank_start
 from autopar.core.allocator import keep_freed_memory
 
 from .profile import PROFILE_VERSION, fingerprint, profile_path, save_profile
@@ -266,7 +267,7 @@ def measure_sharing(ranks: Sequence[int], seconds: float = 1.0) -> list[list[flo
     other processes count; the slowest process's mean is taken."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_start.pool_context()
     means = {}
     with tempfile.TemporaryDirectory() as tmp:
         for k in sorted({1, *ranks}):
@@ -329,7 +330,8 @@ def measure_all_reduce(world: int, sizes: Sequence[int], reps: int = 5) -> list[
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.spawn(_collective_worker, args=(world, free_port(), list(sizes), reps, out), nprocs=world, join=True)
+        mp.start_processes(_collective_worker, args=(world, free_port(), list(sizes), reps, out), nprocs=world,
+                           start_method=rank_start.start_method())
         return json.loads(Path(out).read_text(encoding="utf-8"))
 
 

@@ -115,7 +115,7 @@ def bootstrapping() -> bool:
 
 def no_main_guard_message(call: str) -> str:
     main = getattr(sys.modules.get("__main__"), "__file__", None) or "your script"
-    return (f"{call} ran again in every process it started: they import {main} (the 'spawn' start method), whose "
+    return (f"{call} ran again in every process it started: they import {main} (as under the 'spawn' start method), whose "
             "top level calls autopar.launch. Put the call, and what should run only once, under "
             "`if __name__ == \"__main__\":`")
 

@@ -30,11 +30,14 @@ def _faults(tune: str) -> tuple[str, float]:
 
 def test_kept_memory_removes_page_faults_of_a_training_step():
     # the tuned count is 0-10 faults per step in most runs and ~200 in about one of four (heap
-    # layout differs run to run, at any commit): the best of three runs
-    runs = [_faults("1") for _ in range(3)]
-    assert all(flag == "True True" for flag, _ in runs)
-    tuned = min(faults for _, faults in runs)
+    # layout differs run to run, at any commit): the best of three runs, which stop at the first run
+    # under the bound (later runs could only lower the best)
     off_flag, untuned = _faults("0")
     assert off_flag == "False False"
     assert untuned > 500, "the default allocator should fault on freed-and-reallocated gradients"
+    runs = []
+    while len(runs) < 3 and not any(faults < untuned / 10 for _, faults in runs):
+        runs.append(_faults("1"))
+    assert all(flag == "True True" for flag, _ in runs)
+    tuned = min(faults for _, faults in runs)
     assert tuned < untuned / 10

@@ -1,6 +1,7 @@
 """Elastic restart under torchrun (examples/resume.py): one rank SIGKILLed at a random step on the first
 attempt, torchrun restarts every rank, they resume from the newest complete checkpoint, and the job ends
-with the parameters of an uninterrupted run made in the test, bit for bit (torch.equal on every tensor).
+with the parameters of an uninterrupted run made in the test (the same script on the shared pool's ranks, no
+torchrun), bit for bit (torch.equal on every tensor).
 
 The kill step is drawn from a seed that is printed (``AUTOPAR_KILL_SEED=<seed>`` draws it again).
 2 ranks run in the suite; 4 ranks (where the order of a sum over ranks can change, which 2 cannot
@@ -8,6 +9,8 @@ show) are marked slow; tests/ranks/test_checkpoint.py checks that order on 4 ran
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import random
 import re
@@ -18,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import conftest
 
 from examples import resume as example
 
@@ -39,6 +44,14 @@ def _torchrun(nproc: int, ckpt: Path, out: Path, steps: int, every: int, *extra:
     return done.stdout, wall
 
 
+def _uninterrupted(rank: int, argv: list[str]) -> str:
+    """The example's run on a rank of the shared pool (its group already made): rank 0's stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        example.main(argv)
+    return out.getvalue()
+
+
 def _when(log: str, pattern: str) -> float:
     m = re.search(pattern + r".* t=([0-9.]+)", log)
     assert m, f"no line matching {pattern!r} in:\n{log}"
@@ -51,7 +64,11 @@ def _kill_and_compare(tmp_path, nproc: int, steps: int, every: int) -> None:
     rank, at = draw.randrange(nproc), draw.randint(1, steps)
     print(f"kill seed {seed}: rank {rank} at step {at} of {steps} (AUTOPAR_KILL_SEED={seed} draws it again)")
 
-    plain, plain_wall = _torchrun(nproc, tmp_path / "plain", tmp_path / "plain.pt", steps, every)
+    start = time.perf_counter()     # the uninterrupted run: the same script on the pool's ranks (no torchrun)
+    plain = conftest._pool(nproc).run(conftest._fresh_call, _uninterrupted, [
+        "--steps", str(steps), "--ckpt-dir", str(tmp_path / "plain"), "--save-every", str(every),
+        "--out", str(tmp_path / "plain.pt")], timeout_s=400)[0]
+    plain_wall = time.perf_counter() - start
     killed, killed_wall = _torchrun(nproc, tmp_path / "killed", tmp_path / "killed.pt", steps, every,
                                     "--kill-rank", str(rank), "--kill-at-step", str(at))
 
