@@ -28,7 +28,7 @@ from autopar.frontend.causal_sdpa import causal_sdpa_without_mask
 from autopar.frontend.latent_attention import latent_attention_groups
 from autopar.frontend.moe_experts import experts_as_ops
 from autopar.frontend.opaque_functions import opaque_functions
-from autopar.frontend.stack_traces import stack_traces
+from autopar.frontend.export_settings import export_settings
 from autopar.frontend.static_shapes import check_static_shapes, first_symbolic
 
 _WRAP = "model."
@@ -239,7 +239,7 @@ def _export(step: nn.Module, args, kwargs, model: nn.Module, example_target, rec
     """``torch.export`` of the step (non-strict), nodes' stack traces recorded only where ``record_stack``."""
     try:
         with opaque_functions(), experts_as_ops(model), latent_attention_groups(model), traceable_grouped_mm(), \
-                causal_sdpa_without_mask(), quiet_fake_tensor_logs(), stack_traces(record_stack):
+                causal_sdpa_without_mask(), quiet_fake_tensor_logs(), export_settings(record_stack):
             return torch.export.export(step, args, kwargs or None, strict=False)
     except TraceError:
         raise

@@ -1,6 +1,7 @@
 """The cheaper export and propagation of AUTO's traces give the graphs the costlier ones gave:
-an export without per-node stack traces (``frontend/stack_traces.py``), and a rescale's meta
+an export without per-node stack traces and with lazy graph modules (``frontend/export_settings.py``), and a rescale's meta
 propagation without autograd history, each repeated op signature computed once (``graph/meta_memo.py``)."""
+import contextlib
 import inspect
 
 import pytest
@@ -38,13 +39,12 @@ def _hf_llama_on_meta():
         return LogitsOnly(LlamaForCausalLM(llama_config(2, num_key_value_heads=2)))
 
 
-def test_a_trace_without_stack_traces_is_the_same_graph(monkeypatch):
+def test_the_cheaper_export_is_the_same_graph(monkeypatch):
     model = GPT(vocab=64, hidden=32, heads=4, layers=2, seq=8)
     x = torch.randint(0, 64, (4, 8))
     got = trace(model, (x,), _lm_loss, x)
-    real = trace_module.stack_traces
-    monkeypatch.setattr(trace_module, "stack_traces", lambda record: real(True))
-    recorded = trace(model, (x,), _lm_loss, x)
+    monkeypatch.setattr(trace_module, "export_settings", lambda record: contextlib.nullcontext())
+    recorded = trace(model, (x,), _lm_loss, x)          # torch.export's defaults: stack traces, eager modules
     assert not any(n.meta.get("stack_trace") for n in got.gm.graph.nodes)
     assert any(n.meta.get("stack_trace") for n in recorded.gm.graph.nodes)
     assert got.gm.code == recorded.gm.code and graph_fingerprint(got.gm) == graph_fingerprint(recorded.gm)
