@@ -33,11 +33,16 @@ def _where(node: fx.Node, prefix: str) -> str:
     return f"{module}{' (' + line + ')' if line else ''}"
 
 
+def first_symbolic(gm: fx.GraphModule) -> fx.Node | None:
+    """The first node whose value or shape depends on tensor values (None: every size is fixed)."""
+    return next((n for n in gm.graph.nodes if n.op != "placeholder" and _symbolic(n.meta.get("val"))), None)
+
+
 def check_static_shapes(gm: fx.GraphModule, prefix: str = "model.") -> None:
-    """Raise a TraceError at the first node whose value or shape depends on tensor values."""
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" or not _symbolic(node.meta.get("val")):
-            continue
+    """Raise a TraceError at the first node whose value or shape depends on tensor values (its source
+    line from ``meta["stack_trace"]`` where the export recorded one)."""
+    node = first_symbolic(gm)
+    if node is not None:
         raise TraceError(
             f"autopar could not trace the model {_where(node, prefix)}: {node.target} makes a size from a "
             f"tensor's values (.item()/.tolist(), or a shape that depends on data), and autopar plans fixed "

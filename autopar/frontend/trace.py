@@ -28,7 +28,8 @@ from autopar.frontend.causal_sdpa import causal_sdpa_without_mask
 from autopar.frontend.latent_attention import latent_attention_groups
 from autopar.frontend.moe_experts import experts_as_ops
 from autopar.frontend.opaque_functions import opaque_functions
-from autopar.frontend.static_shapes import check_static_shapes
+from autopar.frontend.export_settings import export_settings
+from autopar.frontend.static_shapes import check_static_shapes, first_symbolic
 
 _WRAP = "model."
 
@@ -216,15 +217,9 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
     if on_meta:
         args, kwargs = map_tensors(lambda a: a.to("meta"), args, kwargs)
     step = _Step(model, loss_fn, float_loss=mixed_precision == "fp16")
-    try:
-        with opaque_functions(), experts_as_ops(model), latent_attention_groups(model), traceable_grouped_mm(), \
-                causal_sdpa_without_mask(), quiet_fake_tensor_logs():
-            ep = torch.export.export(step, args, kwargs or None, strict=False)
-    except TraceError:
-        raise
-    except Exception as err:  # noqa: BLE001 - every failure is reported with its location
-        raise _explain_failure(err, model, example_target) from err
-    ep = functional(ep)
+    ep = functional(_export(step, args, kwargs, model, example_target, record_stack=False))
+    if first_symbolic(ep.graph_module) is not None:      # its error names the source line: export with them
+        ep = functional(_export(step, args, kwargs, model, example_target, record_stack=True))
     check_static_shapes(ep.graph_module, _WRAP)
     traced = _from_exported(ep, model, inputs, example_target, loss_fn is not None,
                             signature.num_positional_tensors)
@@ -236,7 +231,20 @@ def trace(model: nn.Module, example_inputs, loss_fn=None, example_target=None,
         traced.meta["stored_dtypes"] = stored      # the masters' dtypes (the graph sees the working copies')
     if dtype is not None or on_meta:
         _retarget_device(traced.gm, run_device() if device.type == "meta" else device)
+    traced.gm.recompile()          # once, after every edit above
     return traced
+
+
+def _export(step: nn.Module, args, kwargs, model: nn.Module, example_target, record_stack: bool):
+    """``torch.export`` of the step (non-strict), nodes' stack traces recorded only where ``record_stack``."""
+    try:
+        with opaque_functions(), experts_as_ops(model), latent_attention_groups(model), traceable_grouped_mm(), \
+                causal_sdpa_without_mask(), quiet_fake_tensor_logs(), export_settings(record_stack):
+            return torch.export.export(step, args, kwargs or None, strict=False)
+    except TraceError:
+        raise
+    except Exception as err:  # noqa: BLE001 - every failure is reported with its location
+        raise _explain_failure(err, model, example_target) from err
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -330,7 +338,8 @@ def run_device() -> torch.device:
 def _retarget_device(gm: fx.GraphModule, device: torch.device) -> None:
     """Tensors a graph makes itself (arange, full, ...) on ``device`` instead of the meta device the
     working copy was traced on. Export's ``_assert_tensor_metadata`` checks (of a cast in the model or
-    loss) are dropped: they name one device, and the graph runs on meta (pipeline split) and on ``device``."""
+    loss) are dropped: they name one device, and the graph runs on meta (pipeline split) and on ``device``.
+    ``trace`` recompiles ``gm`` after its edits (as after ``_drop_constant_inputs`` and ``_merge_tied``)."""
     if device.type == "meta":
         return
     meta = torch.device("meta")
@@ -343,7 +352,6 @@ def _retarget_device(gm: fx.GraphModule, device: torch.device) -> None:
             node.kwargs = {**node.kwargs, "device": device}
         if node.op == "call_function" and any(isinstance(a, torch.device) and a == meta for a in node.args):
             node.args = tuple(device if isinstance(a, torch.device) and a == meta else a for a in node.args)
-    gm.recompile()
 
 
 def _drop_constant_inputs(gm: fx.GraphModule, names: list[str]) -> None:
@@ -352,8 +360,6 @@ def _drop_constant_inputs(gm: fx.GraphModule, names: list[str]) -> None:
         if node.users:
             raise TraceError(f"the graph reads the constant input {node.name!r}; pass it as a tensor")
         gm.graph.erase_node(node)
-    if names:
-        gm.recompile()
 
 
 def _merge_tied(gm: fx.GraphModule, params: dict[str, str]) -> None:
@@ -369,7 +375,6 @@ def _merge_tied(gm: fx.GraphModule, params: dict[str, str]) -> None:
             del params[node.name]
         else:
             first[canon] = node
-    gm.recompile()
 
 
 def _output_vals(gm: fx.GraphModule) -> list:

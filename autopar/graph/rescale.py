@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.core.quiet_logs import quiet_fake_tensor_logs
+from autopar.graph.meta_memo import MetaMemo
 
 
 class _Differs(Exception):
@@ -98,10 +99,10 @@ def _moved(x, y, step: Fraction):
             raise _Differs
         return {k: _moved(x[k], y[k], step) for k in x}
     if isinstance(x, int) and not isinstance(x, bool) and type(y) is type(x) and x != y:
-        v = x + (x - y) * step
-        if v.denominator != 1:
+        v, rest = divmod(x * step.denominator + (x - y) * step.numerator, step.denominator)
+        if rest:                # not integral (integer arithmetic: a Fraction per integer is slow)
             raise _Differs
-        return int(v)
+        return v
     if type(x) is not type(y) or not _same(x, y):
         raise _Differs
     return x
@@ -122,7 +123,8 @@ def _subgraphs(gm: fx.GraphModule) -> list[str]:
 def _propagate(gm: fx.GraphModule, traced, batch: int) -> None:
     """Every node's value at ``batch`` rows (placeholders: inputs and target cut to ``batch``). A step
     traced on the meta device runs on plain meta tensors first (shapes, dtypes, strides and views as
-    the fake tensors give them, without fake-tensor dispatch: several times faster); where an op has
+    the fake tensors give them, without fake-tensor dispatch: several times faster; without autograd
+    history, and each repeated call's output made from the first's, ``meta_memo.py``); where an op has
     no meta kernel, on fake tensors as any other step."""
     rows = set(traced.inputs) | ({traced.target} if traced.target else set())
     old_vals = {n.name: n.meta.get("val") for n in traced.gm.graph.nodes if n.op == "placeholder"}
@@ -142,8 +144,8 @@ def _propagate(gm: fx.GraphModule, traced, batch: int) -> None:
     tensors = [v for v in old_vals.values() if isinstance(v, torch.Tensor)]
     if tensors and all(v.is_meta for v in tensors):
         try:
-            with quiet_fake_tensor_logs():
-                _Values(gm, torch.device("meta")).run(*inputs())
+            with quiet_fake_tensor_logs(), torch.no_grad():
+                _Values(gm, torch.device("meta"), MetaMemo()).run(*inputs())
             return
         except (RuntimeError, TypeError, ValueError, IndexError):
             pass                        # an op without a meta kernel: fake tensors below
@@ -162,13 +164,16 @@ class _Values(fx.Interpreter):
     (arange, zeros, ``.to``) on the device it runs on (``trace._retarget_device``), while export made
     them on meta; they are made on ``device`` here, as export did (else meta and cpu tensors meet)."""
 
-    def __init__(self, gm: fx.GraphModule, device: torch.device | None = None):
+    def __init__(self, gm: fx.GraphModule, device: torch.device | None = None, memo: MetaMemo | None = None):
         super().__init__(gm)
         self.device = device
+        self.memo = memo
 
     def call_function(self, target, args, kwargs):
         if self.device is not None:
             args, kwargs = _on_device(args, self.device), _on_device(kwargs, self.device)
+        if self.memo is not None:
+            return self.memo.call(target, args, kwargs, super().call_function)
         return super().call_function(target, args, kwargs)
 
     def run_node(self, n: fx.Node):
