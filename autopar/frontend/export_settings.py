@@ -20,10 +20,13 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 def export_settings(record_stack: bool):
     """Within: fx tracers record ``meta["stack_trace"]`` only where ``record_stack``; graph modules
     recompile lazily."""
-    before = fx.config.do_not_emit_stack_traces
-    fx.config.do_not_emit_stack_traces = not record_stack
+    switch = hasattr(fx.config, "do_not_emit_stack_traces")     # torch >= 2.13; older ones record them always
+    before = fx.config.do_not_emit_stack_traces if switch else None
+    if switch:
+        fx.config.do_not_emit_stack_traces = not record_stack
     try:
         with _use_lazy_graph_module(True):
             yield
     finally:
-        fx.config.do_not_emit_stack_traces = before
+        if switch:
+            fx.config.do_not_emit_stack_traces = before

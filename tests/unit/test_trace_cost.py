@@ -56,6 +56,22 @@ def test_the_cheaper_export_is_the_same_graph(monkeypatch):
             (b.meta.get("nn_module_stack"), b.meta.get("module_path")), a.name
 
 
+def test_a_torch_without_the_stack_trace_switch_exports_as_before(monkeypatch):
+    """torch 2.11 (the GPU machines' build) has no ``fx.config.do_not_emit_stack_traces``: the export
+    records stack traces as torch's default does, and the graph is the same."""
+    model = GPT(vocab=64, hidden=32, heads=4, layers=2, seq=8)
+    x = torch.randint(0, 64, (4, 8))
+    want = trace(model, (x,), _lm_loss, x)
+    import types
+
+    from autopar.frontend import export_settings
+
+    monkeypatch.setattr(export_settings, "fx", types.SimpleNamespace(config=types.SimpleNamespace()))
+    got = trace(model, (x,), _lm_loss, x)
+    assert any(n.meta.get("stack_trace") for n in got.gm.graph.nodes)
+    assert got.gm.code == want.gm.code and _vals(got.gm) == _vals(want.gm)
+
+
 class _CountsFromValues(nn.Module):
     def __init__(self):
         super().__init__()
