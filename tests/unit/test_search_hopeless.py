@@ -61,6 +61,7 @@ def _mesh_solve(cutoff: float):
     return solve_on_mesh(SolveRequest(traced, model, mesh, ParallelMode.AUTO, opts), cutoff=cutoff)
 
 
+@pytest.mark.slow
 def test_a_mesh_that_cannot_fit_or_win_is_dropped_at_every_accumulation(monkeypatch):
     """On and off on the same mesh: on, the solve's DominatedError ends the mesh's frontier from this
     accumulation on (``_mark_done``); off, its InfeasibleError leaves it to be solved at the next k."""
