@@ -79,3 +79,41 @@ def test_a_mesh_that_cannot_fit_or_win_is_dropped_at_every_accumulation(monkeypa
     assert key not in done_off and done_on[key] == 0
     with pytest.raises(InfeasibleError):            # a cutoff it beats: the memory explanation, as before
         _mesh_solve(cutoff=1e6)
+
+
+def _frontier_solves(monkeypatch, on: bool, cap_gb: float = 2**-16) -> tuple[int, list]:
+    """``search._frontier`` at ZeRO-0, no recomputation, over accumulations 1, 2, 4, 8 of the 2-layer GPT
+    on 2 H100s under ``cap_gb``, with a best plan so far (the cutoff) no layout beats: how many flat-mesh
+    solves it makes and its failures."""
+    from autopar.graph.retrace import Retracer
+    from autopar.solver import search
+    from autopar.solver.progress import SearchProgress
+
+    monkeypatch.setattr(intra_op, "HOPELESS_BOUND", on)
+    model, inputs, loss, target = factories.gpt(hidden=32, layers=2, heads=2, seq=32, batch=8, vocab=256)
+    traced = trace(model, inputs, loss, target)
+    progress = SearchProgress()
+    progress.kept_times = [1e-9]        # a best plan so far that no layout of this job beats
+    opts = PlanOptions(memory_budget_gb=cap_gb, time_limit_s=60.0, zero=0, recompute="none", progress=progress)
+    req = SolveRequest(traced, model, autopar.Mesh(2, device="h100", memory_gb=cap_gb), ParallelMode.AUTO, opts,
+                       retracer=Retracer(model, inputs, loss, target))
+    calls, real = [], search.solve_on_mesh
+    monkeypatch.setattr(search, "solve_on_mesh", lambda r, *a, **k: calls.append(r.mesh.shape) or real(r, *a, **k))
+    plans, failures, _ = search._frontier(req, [1, 2, 4, 8], ["none"], "none", {}, search.FrontierState())
+    assert not plans
+    return len(calls), failures
+
+
+@pytest.mark.slow
+def test_the_frontier_solves_a_mesh_that_cannot_fit_or_win_once(monkeypatch):
+    """Off: the mesh's InfeasibleError at k = 1 sends it to the k its least memory allows, where it is
+    solved again; on: dominated at k = 1 (no layout beats the cutoff), it is not solved at any other k.
+    The cap: two thirds of the least memory at k = 1, so that k = 2 is not ruled out by it."""
+    _, hopeless = _frontier_solves(monkeypatch, False)
+    least = min(f.error.least_memory for f in hopeless if getattr(f.error, "least_memory", None))
+    cap = least / 1.5 / 2**30
+    on, failures_on = _frontier_solves(monkeypatch, True, cap)
+    off, failures_off = _frontier_solves(monkeypatch, False, cap)
+    assert any(isinstance(f.error, InfeasibleError) for f in failures_off)
+    assert not any(isinstance(f.error, InfeasibleError) for f in failures_on)
+    assert on < off, (on, off)
