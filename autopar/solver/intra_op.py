@@ -14,7 +14,10 @@ so a reported solution always fits. A strategy or pair costing >= HUGE_COST (or 
 variable. Ties are substituted: a tie group is one class with its members' costs summed.
 
 Solve (``solve_intra_op``), exact unless marked:
-  1. a budget under ``memory_floor`` raises the memory explanation without a time solve;
+  1. a budget under ``memory_floor`` raises the memory explanation without a budgeted solve; under a
+     ``cutoff`` the unbudgeted optimum is solved first and, when it reaches the cutoff, raises
+     ``DominatedError`` (unbudgeted: a bound for any budget, so the search drops the mesh at every
+     larger accumulation and recomputation instead of solving it again there; ``HOPELESS_BOUND``);
   2. reductions (``class_graph.reduce_graph``): dominated strategies, folds, min-plus elimination
      of classes of degree <= 2;
   3. unbudgeted (free and priced solves): variable elimination (``elimination``) under its LIMIT,
@@ -31,6 +34,7 @@ The derivations and the measured cases behind each step: docs/solver.md.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, replace
 
@@ -51,6 +55,9 @@ GIB = float(1 << 30)
 DUAL_SHARE = 0.7             # the bound's solves end by this share of the time limit (the rest: the budgeted solve)
 GAP = 0.01                   # a budgeted solution within this share of the proven lower bound ends the search
 LAGRANGIAN_PAIRS = 200_000   # a budgeted model with more edge-pair variables is solved by ``_lagrangian``
+# a budget under the memory floor with a cutoff: the unbudgeted bound first (``_hopeless``); off
+# (``AUTOPAR_HOPELESS_BOUND=0``) for the test that compares the search's plans with and without it
+HOPELESS_BOUND: bool = os.environ.get("AUTOPAR_HOPELESS_BOUND", "1") != "0"
 
 
 class SolverTimeoutError(RuntimeError):
@@ -332,6 +339,7 @@ def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
     if p.memory_budget is None:
         return _solve(p, start + p.time_limit_s, p.hint, start)
     if memory_floor(p) > p.memory_budget:
+        _hopeless(p, start)         # raises DominatedError when the unbudgeted bound reaches the cutoff
         raise _memory_error(p)      # no assignment can fit: nothing to solve for time
     try:
         free = _solve(replace(p, memory_budget=None), start + p.time_limit_s / 2, p.hint, start)
@@ -366,6 +374,23 @@ def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
             return found        # the dual bound's fitting choice
         raise
     return free if fits and free.objective < budgeted.objective else replace(budgeted, bound=not fits)
+
+
+def _hopeless(p: IntraOpProblem, start: float) -> None:
+    """For a budget under the memory floor and a ``cutoff``: raise ``DominatedError`` (unbudgeted) when
+    the unbudgeted problem's proven lower bound reaches the cutoff. The bound holds for any budget, and
+    the search's unbudgeted bounds only grow with accumulation and recomputation, so the mesh is then
+    dropped for good (``search._stops_mesh``) where an ``InfeasibleError`` would have it solved again at
+    every larger accumulation and with more recomputation. Within half the time limit; a timeout
+    leaves the memory explanation to be raised."""
+    if not HOPELESS_BOUND or p.cutoff is None:
+        return
+    try:
+        free = _solve(replace(p, memory_budget=None), start + p.time_limit_s / 2, p.hint, start)
+    except (SolverTimeoutError, InfeasibleError):
+        return
+    if free.lower_bound >= p.cutoff:
+        raise DominatedError(free.lower_bound, p.cutoff, unbudgeted=True)
 
 
 def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: float,
