@@ -7,7 +7,8 @@ import pytest
 
 from autopar.solver import elimination, exhaustive
 from autopar.solver.brute_force import brute_force
-from autopar.solver.intra_op import EdgeCost, InfeasibleError, IntraOpProblem, NodeChoices, evaluate, solve_intra_op
+from autopar.solver.intra_op import (DominatedError, EdgeCost, InfeasibleError, IntraOpProblem, NodeChoices, evaluate,
+                                     solve_intra_op)
 
 
 def random_problem(rng: np.random.Generator) -> IntraOpProblem:
@@ -357,7 +358,9 @@ def test_cutoff_prunes_only_what_cannot_win(seed):
 @pytest.mark.parametrize("seed", range(30))
 def test_memory_floor_is_a_lower_bound_and_short_cuts_hopeless_budgets(seed, monkeypatch):
     """``memory_floor`` never exceeds any assignment's memory; a budget under it is refused with the
-    memory explanation and no time solve, with or without a cutoff."""
+    memory explanation and no budgeted time solve. With a cutoff the unbudgeted optimum is solved first
+    (``intra_op._hopeless``): one that cannot get under the cutoff is ``DominatedError`` (the search then
+    drops the mesh at every accumulation and recomputation), one that could is the memory explanation."""
     from autopar.solver import intra_op
     from autopar.solver.intra_op import replace
     from autopar.solver.memory_floor import memory_floor
@@ -377,12 +380,18 @@ def test_memory_floor_is_a_lower_bound_and_short_cuts_hopeless_budgets(seed, mon
     solve = intra_op._solve
     monkeypatch.setattr(intra_op, "_solve", lambda q, *a, **k: (solved.append(q), solve(q, *a, **k))[1])
     free = brute_force(replace(p, memory_budget=None))
-    for cutoff in (None, free.objective - 1e-9):
+    for cutoff in (None, free.objective - 1e-9, free.objective + 1.0):
         solved.clear()
-        with pytest.raises(InfeasibleError, match="no strategy assignment fits the memory budget"):
-            solve_intra_op(replace(hopeless, cutoff=cutoff))
-        assert not [q for q in solved if any(n.compute is c for n, c in zip(q.nodes, times))], \
-            "a time solve ran under a budget no assignment fits"
+        if cutoff is not None and cutoff <= free.objective and intra_op.HOPELESS_BOUND:
+            with pytest.raises(DominatedError, match="without a memory budget"):
+                solve_intra_op(replace(hopeless, cutoff=cutoff))
+        else:
+            with pytest.raises(InfeasibleError, match="no strategy assignment fits the memory budget"):
+                solve_intra_op(replace(hopeless, cutoff=cutoff))
+        timed = [q for q in solved if any(n.compute is c for n, c in zip(q.nodes, times))]
+        assert not [q for q in timed if q.memory_budget is not None], \
+            "a budgeted time solve ran under a budget no assignment fits"
+        assert cutoff is not None or not timed, "a time solve ran without a cutoff to beat"
 
 
 def test_a_solve_out_of_time_says_which_setting_to_raise(monkeypatch):
