@@ -29,11 +29,15 @@ def _faults(tune: str) -> tuple[str, float]:
 
 
 def test_kept_memory_removes_page_faults_of_a_training_step():
-    # the tuned count is 0-10 faults per step in most runs and ~200 in about one of four (heap
-    # layout differs run to run, at any commit): the best of three runs, which stop at the first run
-    # under the bound (later runs could only lower the best)
-    off_flag, untuned = _faults("0")
-    assert off_flag == "False False"
+    # the heap layout differs run to run, at any commit: the tuned count is 0-10 faults per step in most runs
+    # and ~200 in about one of four; the default allocator's ~2000-2800 here and 77 once (glibc's
+    # dynamic mmap threshold rose early; seen once with two suites at once). So each side is the best of up to
+    # three runs, which stop at the first run past its bound (later runs could only improve that side's best)
+    untuned_runs = []
+    while len(untuned_runs) < 3 and not any(faults > 500 for _, faults in untuned_runs):
+        untuned_runs.append(_faults("0"))
+    assert all(flag == "False False" for flag, _ in untuned_runs)
+    untuned = max(faults for _, faults in untuned_runs)
     assert untuned > 500, "the default allocator should fault on freed-and-reallocated gradients"
     runs = []
     while len(runs) < 3 and not any(faults < untuned / 10 for _, faults in runs):
