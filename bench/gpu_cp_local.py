@@ -9,7 +9,11 @@ the keys at or before its last position: ``(r + 1) L`` keys, causal with the dia
 * ``lower_right``: ``torch.nn.attention.bias.causal_lower_right`` (the offset as a bias object
   the fused kernels understand);
 * ``split``: the visible prefix without a mask plus the diagonal block with ``is_causal`` (two
-  fused calls; the log-sum-exp merge not included).
+  fused calls; the log-sum-exp merge not included);
+* ``tiled``: what ``collectives/attention_cp.py``'s all-gather form runs now without a user mask:
+  ``_TiledAttention``, the same two fused calls merged by log-sum-exp, with its own backward;
+* ``tiled_zigzag``: the same on rank ``r``'s zig-zag share (chunks ``r`` and ``2n-1-r`` of ``2n``
+  against all ``S`` gathered keys), the placement the planner uses under a causal mask.
 
 Beside them: ``ideal``, the whole sequence's causal attention divided by ``n`` (a balanced split's
 share). Prints one JSON line per (S, n, r, form) with the time and its ratio to ``ideal``.
@@ -27,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from autopar.collectives.attention_cp import _TiledAttention  # noqa: E402
+from autopar.collectives.cp_positions import held  # noqa: E402
 from bench.gpu_calibration import timed  # noqa: E402
 
 
@@ -60,9 +66,17 @@ def run(device: str, seq: int, n: int, heads: int, dim: int) -> None:
                 out = out + F.scaled_dot_product_attention(q, k[:, :, :r * L], v[:, :, :r * L])
             out.backward(g)
 
+        def tiled(q=q, k=k, v=v, g=g, qpos=pos_q, kpos=torch.arange(lk, device=device)):
+            _TiledAttention.apply(q, k, v, qpos, kpos, dim ** -0.5).backward(g)
+
+        zq, zk, zv = qkv(L, seq)
+        zpos_q = held(seq, [n], [r], True, device=device)
+        zpos_k = held(seq, [n], [r], True, (0,), device)
+
         forms = {"mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(g),
                  "lower_right": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias).backward(g),
-                 "split": split}
+                 "split": split, "tiled": tiled,
+                 "tiled_zigzag": lambda: tiled(zq, zk, zv, g, zpos_q, zpos_k)}
         for name, fn in forms.items():
             try:
                 t = timed(fn, device)
@@ -70,7 +84,7 @@ def run(device: str, seq: int, n: int, heads: int, dim: int) -> None:
             except Exception as err:  # noqa: BLE001 - a form this build cannot run is a finding
                 row = {"seq": seq, "n": n, "rank": r, "form": name, "error": f"{type(err).__name__}: {str(err)[:160]}"}
             print(json.dumps(row), flush=True)
-        del q, k, v, g
+        del q, k, v, g, zq, zk, zv
 
 
 def main(argv=None) -> int:

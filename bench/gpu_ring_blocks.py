@@ -3,10 +3,9 @@
 One rank's share of causal ring attention, without the ring: the queries of the last of ``n``
 contiguous pieces against every piece's keys, block by block as ``collectives/attention_cp.py``'s
 ``_RingAttention`` computes them (blocks merged by log-sum-exp forward; backward per block from
-the merged output and log-sum-exp), once with the fused kernels (``_fused_forward`` /
-``_fused_backward``: the CPU flash kernel) and once with the
-explicit scores path (``_block_forward`` / ``_block_backward``). On CUDA the fused path is off
-(``_fused_kind`` returns None there), so both rows run the explicit path. Checks both against
+the merged output and log-sum-exp), once with the fused kernels (``fused_blocks``: the flash
+kernel of the device; on CUDA in fp16 / bf16) and once with the explicit scores path
+(``_block_forward`` / ``_block_backward``). Checks both against
 ``scaled_dot_product_attention`` of the same queries on the whole keys (forward and the three
 gradients) and times forward + backward of each.
 
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from autopar.collectives import attention_cp as cp  # noqa: E402
+from autopar.collectives import attention_cp as cp, fused_blocks  # noqa: E402
 from bench.gpu_calibration import timed  # noqa: E402
 
 
@@ -40,19 +39,21 @@ def ring_share(q, k, v, n: int, fused: bool):
         kpos = torch.arange(src * L, (src + 1) * L, device=q.device)
         kb, vb = k[..., src * L:(src + 1) * L, :], v[..., src * L:(src + 1) * L, :]
         args = cp._block_args(None, qpos, kpos, True)
-        kind = cp._fused_kind(q, None, qpos, kpos, True) if fused else None
-        o_b, lse_b = cp._block_forward(q, kb, vb, scale, *args) if kind is None else \
-            cp._fused_forward(q, kb, vb, scale, kind == "causal")
+        kind = fused_blocks.kind(q, None, qpos, kpos, True) if fused else None
+        if kind is None:
+            (o_b, lse_b), aux = cp._block_forward(q, kb, vb, scale, *args), None
+        else:
+            o_b, lse_b, aux = fused_blocks.forward(q, kb, vb, scale, kind == "causal")
         out, lse = cp._merge(out, lse, o_b.to(acc), lse_b)
-        blocks.append((kb, vb, args, kind))
+        blocks.append((kb, vb, args, kind, aux))
     out = out.to(q.dtype)
     g = torch.ones_like(out)
     delta = (g.to(acc) * out.to(acc)).sum(-1)
     dq = torch.zeros_like(q, dtype=acc)
     dks, dvs = [], []
-    for kb, vb, args, kind in blocks:
+    for kb, vb, args, kind, aux in blocks:
         dq_b, dk_b, dv_b = cp._block_backward(q, kb, vb, g, lse, delta, scale, *args) if kind is None else \
-            cp._fused_backward(q, kb, vb, g, out, lse, scale, kind == "causal")
+            fused_blocks.backward(q, kb, vb, g, out, lse, scale, kind == "causal", aux)
         dq += dq_b
         dks.append(dk_b)
         dvs.append(dv_b)

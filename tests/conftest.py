@@ -63,9 +63,9 @@ def _close_pools():
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
-    from multiprocessing import forkserver
+    from autopar.core.rank_start import stop_server
 
-    forkserver._forkserver._stop()    # the pools' fork server (autopar/core/rank_start.py), reaped: its CPU is counted
+    stop_server()    # the pools' fork server, reaped: its CPU is counted
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,8 @@ the unsplit op), and mask columns are picked by the keys' positions.
   hop brings the gradients home). Further cp axes are all-gathered first as in the gather form.
   Each block is cut into tiles at its runs of consecutive positions (``cp_positions.tiles``):
   tiles entirely above the causal diagonal are skipped (the block is still forwarded), wholly
-  visible ones and the diagonal squares run on the CPU's fused kernel, the rest explicitly.
+  visible ones and the diagonal squares run on the device's fused flash kernel where it has one
+  (``fused_blocks.py``: the CPU; CUDA in fp16 / bf16), the rest explicitly.
 
 Load balance under a causal mask: with contiguous pieces rank ``r`` of ``n`` attends to ``r+1``
 blocks, so the last rank does about ``(2n-1)/n`` times the mean work. In the zig-zag order every
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.ops import aten
 
-from autopar.collectives import comm
+from autopar.collectives import comm, fused_blocks
 from autopar.collectives.cp_positions import held, tiles
 from autopar.collectives.groups import axis as _axis
 
@@ -117,7 +118,7 @@ def attention_gather(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         total = key.shape[-2]
         rows = held(total, sizes, coords, _zigzag, device=query.device)
         keys = held(total, sizes, coords, _zigzag, tuple(reversed(range(len(axes)))), query.device)
-        if attn_mask is None and not dropout_p and query.device.type == "cpu":
+        if attn_mask is None and not dropout_p and fused_blocks.runs_fused(query):
             scale = query.shape[-1] ** -0.5 if scale is None else scale
             return _TiledAttention.apply(query, key, value, rows, keys, scale)
         visible = keys <= rows.unsqueeze(-1)
@@ -166,23 +167,26 @@ class _Ring:
         return got
 
 
-def _attend(q, kb, vb, mask, qpos, kpos, causal, scale, out, lse) -> None:
+def _attend(q, kb, vb, mask, qpos, kpos, causal, scale, out, lse, aux: dict) -> None:
     """Merge the attention of ``q`` to one block of keys (at ``kpos``) into ``out`` and ``lse``,
-    tile by tile (``cp_positions.tiles``)."""
+    tile by tile (``cp_positions.tiles``); ``aux`` keeps a fused forward's auxiliary outputs for the
+    backward (``fused_blocks``)."""
     heads = q.shape[-3]
     kb, vb = _expand(kb, heads), _expand(vb, heads)
     for qs, ks, _ in tiles(qpos, kpos, causal):
         qt, qp, kp = _rows(q, qs), qpos[qs], kpos[ks]
         kt, vt, mt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs)
-        fused = _fused_kind(qt, mt, qp, kp, causal)
-        o_b, lse_b = (_block_forward(qt, kt, vt, scale, *_block_args(mt, qp, kp, causal)) if fused is None
-                      else _fused_forward(qt, kt, vt, scale, fused == "causal"))
+        fused = fused_blocks.kind(qt, mt, qp, kp, causal)
+        if fused is None:
+            o_b, lse_b = _block_forward(qt, kt, vt, scale, *_block_args(mt, qp, kp, causal))
+        else:
+            o_b, lse_b, aux["fused"] = fused_blocks.forward(qt, kt, vt, scale, fused == "causal")
         o_m, lse_m = _merge(_rows(out, qs), _rows(lse, qs, -1), o_b.to(_acc(q)), lse_b)
         _put(out, qs, o_m)
         _put(lse, qs, lse_m, -1)
 
 
-def _attend_grad(q, kb, vb, mask, qpos, kpos, causal, scale, g, out, lse, delta, dq, dk, dv) -> None:
+def _attend_grad(q, kb, vb, mask, qpos, kpos, causal, scale, g, out, lse, delta, dq, dk, dv, aux: dict) -> None:
     """Add one block's gradients (from the merged ``out`` and ``lse``) into ``dq`` and the block's
     ``dk``, ``dv`` accumulators, tile by tile."""
     heads = q.shape[-3]
@@ -190,13 +194,13 @@ def _attend_grad(q, kb, vb, mask, qpos, kpos, causal, scale, g, out, lse, delta,
     for qs, ks, _ in tiles(qpos, kpos, causal):
         qt, qp, kp = _rows(q, qs), qpos[qs], kpos[ks]
         kt, vt, mt, gt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs), _rows(g, qs)
-        fused = _fused_kind(qt, mt, qp, kp, causal)
+        fused = fused_blocks.kind(qt, mt, qp, kp, causal)
         if fused is None:
             dq_b, dk_b, dv_b = _block_backward(qt, kt, vt, gt, _rows(lse, qs, -1), _rows(delta, qs, -1), scale,
                                                *_block_args(mt, qp, kp, causal))
         else:
-            dq_b, dk_b, dv_b = _fused_backward(qt, kt, vt, gt, _rows(out, qs), _rows(lse, qs, -1), scale,
-                                               fused == "causal")
+            dq_b, dk_b, dv_b = fused_blocks.backward(qt, kt, vt, gt, _rows(out, qs), _rows(lse, qs, -1), scale,
+                                                     fused == "causal", aux.get("fused"))
         _add(dq, qs, dq_b)
         _add(dk, ks, _fold(dk_b, dk.shape[-3]))
         _add(dv, ks, _fold(dv_b, dv.shape[-3]))
@@ -217,15 +221,15 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(_axis(name), "fwd")
         n, r = ring.ax.size, ring.ax.rank
         out, lse = _start(q, v)
-        blk = [k, v]
+        blk, aux = [k, v], {}
         for step in range(n):
             pending = ring.start(blk) if step < n - 1 else None
-            _attend(q, blk[0], blk[1], mask, qpos, kpos[(r - step) % n], causal, scale, out, lse)
+            _attend(q, blk[0], blk[1], mask, qpos, kpos[(r - step) % n], causal, scale, out, lse, aux)
             if pending is not None:
                 blk = _Ring.finish(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, qpos, kpos, out, lse)
-        ctx.causal, ctx.scale, ctx.ax = causal, scale, ring.ax      # backward runs outside the bound axes
+        ctx.causal, ctx.scale, ctx.ax, ctx.aux = causal, scale, ring.ax, aux  # backward runs outside the bound axes
         return out
 
     @staticmethod
@@ -240,7 +244,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             pending = ring.start(blk[:2]) if step < n - 1 else None
             _attend_grad(q, blk[0], blk[1], mask, qpos, kpos[(r - step) % n], ctx.causal, ctx.scale, g, out, lse,
-                         delta, dq, blk[2], blk[3])
+                         delta, dq, blk[2], blk[3], ctx.aux)
             grads = _Ring.finish(ring.start(blk[2:]))     # the accumulators move on with their block
             if pending is not None:
                 blk[:2] = _Ring.finish(pending)
@@ -251,17 +255,19 @@ class _RingAttention(torch.autograd.Function):
 class _TiledAttention(torch.autograd.Function):
     """Causal attention of local queries (at ``qpos``) to the gathered keys (at ``kpos``) as fused
     calls, one per tile (what precedes a query run, without a mask; its diagonal square,
-    ``is_causal``), merged by log-sum-exp: the gather form on the CPU without a mask tensor, which
-    would send SDPA to its math kernel (it saves the attention weights). Saves q, K, V, the output
-    and the log-sum-exp."""
+    ``is_causal``), merged by log-sum-exp: the gather form without a mask tensor where the device has
+    the fused kernel (``fused_blocks.runs_fused``). A mask tensor would send SDPA to its math kernel
+    on the CPU (it saves the attention weights) and to a masked kernel at about half the causal one's
+    rate on CUDA. Saves q, K, V, the output and the log-sum-exp."""
 
     @staticmethod
     def forward(ctx, q, k, v, qpos, kpos, scale):
         out, lse = _start(q, v)
-        _attend(q, k, v, None, qpos, kpos, True, scale, out, lse)
+        aux = {}
+        _attend(q, k, v, None, qpos, kpos, True, scale, out, lse, aux)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, qpos, kpos, out, lse)
-        ctx.scale = scale
+        ctx.scale, ctx.aux = scale, aux
         return out
 
     @staticmethod
@@ -270,7 +276,7 @@ class _TiledAttention(torch.autograd.Function):
         g = g.contiguous()
         delta = (g.to(_acc(q)) * out.to(_acc(q))).sum(-1)
         dq, dk, dv = (torch.zeros_like(t, dtype=_acc(q)) for t in (q, k, v))
-        _attend_grad(q, k, v, None, qpos, kpos, True, ctx.scale, g, out, lse, delta, dq, dk, dv)
+        _attend_grad(q, k, v, None, qpos, kpos, True, ctx.scale, g, out, lse, delta, dq, dk, dv, ctx.aux)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -317,33 +323,6 @@ def _block_args(mask, qpos, kpos, causal):
     cols = mask if cols is None else cols
     visible = kpos <= qpos.unsqueeze(-1) if causal else None
     return cols, visible
-
-
-def _fused_kind(q, mask, qpos, kpos, causal) -> str | None:
-    """How torch's fused (flash) kernel can run a block: ``"full"`` (every key visible, no mask),
-    ``"causal"`` (the square block on the diagonal: ``is_causal`` as torch aligns it) or None (a
-    mask, a partly visible block of another shape, or a CUDA tensor: the explicit path below).
-    CUDA's fused kernels are not used yet: their backward, called per block with the merged
-    output and log-sum-exp, gave wrong query gradients on an H100 (bench/RESULTS.md §GPU3)."""
-    if mask is not None or q.device.type != "cpu":
-        return None
-    if not causal or int(kpos.max()) <= int(qpos.min()):
-        return "full"
-    if kpos.shape == qpos.shape and bool(torch.equal(kpos, qpos)):
-        return "causal"
-    return None
-
-
-def _fused_forward(q, kb, vb, scale, causal: bool):
-    """(out, log-sum-exp over the block's keys) of one block by the CPU flash kernel."""
-    return aten._scaled_dot_product_flash_attention_for_cpu.default(q, kb, vb, 0.0, causal, scale=scale)
-
-
-def _fused_backward(q, kb, vb, g, out, lse, scale, causal: bool):
-    """The block's (dq, dk, dv) from the whole output and log-sum-exp (the ring's merged ones: the
-    kernel's softmax of the block against all keys is then the global one, as in the explicit path)."""
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
-        g.to(q.dtype), q, kb, vb, out, lse, 0.0, causal, scale=scale)
 
 
 def _scores(q, kb, scale, cols, visible):

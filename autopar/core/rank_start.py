@@ -28,7 +28,7 @@ def _server_finds_this_autopar() -> bool:
     return False
 
 
-def _stop_server() -> None:
+def stop_server() -> None:
     """At exit: stop the fork server and reap it (else it outlives this process briefly, unreaped)."""
     from multiprocessing import forkserver
 
@@ -44,7 +44,7 @@ def start_method() -> str:
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
     if not _STOP_AT_EXIT:
-        _STOP_AT_EXIT.append(atexit.register(_stop_server))
+        _STOP_AT_EXIT.append(atexit.register(stop_server))
     mp.get_context("forkserver").set_forkserver_preload(
         list(_PRELOAD) + (["autopar.core.rank_preload"] if _server_finds_this_autopar() else []))
     return "forkserver"

@@ -1,4 +1,4 @@
-"""Ring attention's blocks on the fused CPU kernel (``collectives/attention_cp._fused_*``): the
+"""Ring attention's blocks on the fused CPU kernel (``collectives/fused_blocks``): the
 last piece's queries against every key block, merged by log-sum-exp, equal one
 ``scaled_dot_product_attention`` call in forward and in all three gradients."""
 from __future__ import annotations
@@ -6,19 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.collectives import attention_cp as cp
+from autopar.collectives import fused_blocks
 from bench.gpu_ring_blocks import ring_share
 
 
 def test_which_blocks_run_fused():
     q = torch.zeros(1, 1, 4, 2)
     qpos, before, same, after = torch.arange(4, 8), torch.arange(0, 4), torch.arange(4, 8), torch.arange(8, 12)
-    assert cp._fused_kind(q, None, qpos, before, True) == "full"
-    assert cp._fused_kind(q, None, qpos, same, True) == "causal"
-    assert cp._fused_kind(q, None, qpos, torch.arange(2, 6), True) is None        # partly visible, offset
-    assert cp._fused_kind(q, torch.ones(4, 4, dtype=torch.bool), qpos, before, True) is None   # a mask
-    assert cp._fused_kind(q, None, qpos, after, False) == "full"
-    assert cp._fused_kind(q.to("meta"), None, qpos, before, True) is None          # not the CPU
+    assert fused_blocks.kind(q, None, qpos, before, True) == "full"
+    assert fused_blocks.kind(q, None, qpos, same, True) == "causal"
+    assert fused_blocks.kind(q, None, qpos, torch.arange(2, 6), True) is None        # partly visible, offset
+    assert fused_blocks.kind(q, torch.ones(4, 4, dtype=torch.bool), qpos, before, True) is None   # a mask
+    assert fused_blocks.kind(q, None, qpos, after, False) == "full"
+    assert fused_blocks.kind(q.to("meta"), None, qpos, before, True) is None          # not the CPU
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
