@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from autopar.collectives import attention_cp as cp, fused_blocks  # noqa: E402
+from autopar.collectives.cp_positions import tiles  # noqa: E402
 from bench.gpu_calibration import timed  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def ring_share(q, k, v, n: int, fused: bool):
         kpos = torch.arange(src * L, (src + 1) * L, device=q.device)
         kb, vb = k[..., src * L:(src + 1) * L, :], v[..., src * L:(src + 1) * L, :]
         args = cp._block_args(None, qpos, kpos, True)
-        kind = fused_blocks.kind(q, None, qpos, kpos, True) if fused else None
+        kind = fused_blocks.kind(q, None, tiles(qpos, kpos, True)[0][2]) if fused else None
         if kind is None:
             (o_b, lse_b), aux = cp._block_forward(q, kb, vb, scale, *args), None
         else:

@@ -173,10 +173,10 @@ def _attend(q, kb, vb, mask, qpos, kpos, causal, scale, out, lse, aux: dict) -> 
     backward (``fused_blocks``)."""
     heads = q.shape[-3]
     kb, vb = _expand(kb, heads), _expand(vb, heads)
-    for qs, ks, _ in tiles(qpos, kpos, causal):
+    for qs, ks, tile in tiles(qpos, kpos, causal):
         qt, qp, kp = _rows(q, qs), qpos[qs], kpos[ks]
         kt, vt, mt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs)
-        fused = fused_blocks.kind(qt, mt, qp, kp, causal)
+        fused = fused_blocks.kind(qt, mt, tile)
         if fused is None:
             o_b, lse_b = _block_forward(qt, kt, vt, scale, *_block_args(mt, qp, kp, causal))
         else:
@@ -191,10 +191,10 @@ def _attend_grad(q, kb, vb, mask, qpos, kpos, causal, scale, g, out, lse, delta,
     ``dk``, ``dv`` accumulators, tile by tile."""
     heads = q.shape[-3]
     kb, vb = _expand(kb, heads), _expand(vb, heads)
-    for qs, ks, _ in tiles(qpos, kpos, causal):
+    for qs, ks, tile in tiles(qpos, kpos, causal):
         qt, qp, kp = _rows(q, qs), qpos[qs], kpos[ks]
         kt, vt, mt, gt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs), _rows(g, qs)
-        fused = fused_blocks.kind(qt, mt, qp, kp, causal)
+        fused = fused_blocks.kind(qt, mt, tile)
         if fused is None:
             dq_b, dk_b, dv_b = _block_backward(qt, kt, vt, gt, _rows(lse, qs, -1), _rows(delta, qs, -1), scale,
                                                *_block_args(mt, qp, kp, causal))

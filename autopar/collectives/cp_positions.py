@@ -43,13 +43,10 @@ def held(total: int, sizes: list[int], coords: list[int], zigzag: bool, gathered
 
 def runs(pos: torch.Tensor) -> list[slice]:
     """Maximal runs of consecutive increasing positions, as slices of ``pos``."""
-    p = pos.tolist()
-    out, start = [], 0
-    for i in range(1, len(p) + 1):
-        if i == len(p) or p[i] != p[i - 1] + 1:
-            out.append(slice(start, i))
-            start = i
-    return out
+    if pos.numel() == 0:
+        return []
+    at = [0] + (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist() + [len(pos)]
+    return [slice(a, b) for a, b in zip(at, at[1:])]
 
 
 def _cut(kpos: torch.Tensor, run: slice, cuts: set[int]) -> list[slice]:
@@ -65,6 +62,7 @@ def tiles(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> list[tuple[sl
     before it (one ``"full"`` tile where they are adjacent) and its own ``"causal"`` square."""
     if not causal:
         return [(slice(0, len(qpos)), slice(0, len(kpos)), "full")]
+    qpos, kpos = qpos.cpu(), kpos.cpu()     # bookkeeping: no device syncs per position
     qruns = runs(qpos)
     cuts = {int(qpos[s.start]) for s in qruns} | {int(qpos[s.stop - 1]) + 1 for s in qruns}
     kruns = [piece for r in runs(kpos) for piece in _cut(kpos, r, cuts)]

@@ -34,17 +34,14 @@ def runs_fused(q: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
-def kind(q, mask, qpos, kpos, causal) -> str | None:
-    """How the fused kernel can run a block: ``"full"`` (every key visible, no mask), ``"causal"``
-    (the square block on the diagonal: ``is_causal`` as torch aligns it) or None (a mask, a partly
-    visible block of another shape, or a device / dtype without the kernel: the explicit path)."""
-    if mask is not None or not runs_fused(q):
+def kind(q, mask, tile: str) -> str | None:
+    """How the fused kernel can run a tile of kind ``tile`` (``cp_positions.tiles``): ``"full"`` (every
+    key visible, no mask), ``"causal"`` (the square block on the diagonal: ``is_causal`` as torch aligns
+    it) or None (a mask, a partly visible tile, or a device / dtype without the kernel: the explicit
+    path)."""
+    if mask is not None or tile not in ("full", "causal") or not runs_fused(q):
         return None
-    if not causal or int(kpos.max()) <= int(qpos.min()):
-        return "full"
-    if kpos.shape == qpos.shape and bool(torch.equal(kpos, qpos)):
-        return "causal"
-    return None
+    return tile
 
 
 def forward(q, kb, vb, scale: float, causal: bool):

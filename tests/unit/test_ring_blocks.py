@@ -7,18 +7,32 @@ import pytest
 import torch
 
 from autopar.collectives import fused_blocks
+from autopar.collectives.cp_positions import runs, tiles
 from bench.gpu_ring_blocks import ring_share
 
 
 def test_which_blocks_run_fused():
     q = torch.zeros(1, 1, 4, 2)
     qpos, before, same, after = torch.arange(4, 8), torch.arange(0, 4), torch.arange(4, 8), torch.arange(8, 12)
-    assert fused_blocks.kind(q, None, qpos, before, True) == "full"
-    assert fused_blocks.kind(q, None, qpos, same, True) == "causal"
-    assert fused_blocks.kind(q, None, qpos, torch.arange(2, 6), True) is None        # partly visible, offset
-    assert fused_blocks.kind(q, torch.ones(4, 4, dtype=torch.bool), qpos, before, True) is None   # a mask
-    assert fused_blocks.kind(q, None, qpos, after, False) == "full"
-    assert fused_blocks.kind(q.to("meta"), None, qpos, before, True) is None          # not the CPU
+    kinds = {name: [t[2] for t in tiles(qpos, k, True)] for name, k in
+             (("before", before), ("same", same), ("offset", torch.arange(2, 6)), ("after", after))}
+    assert kinds == {"before": ["full"], "same": ["causal"], "offset": ["full", "partial"], "after": []}
+    assert fused_blocks.kind(q, None, "full") == "full"
+    assert fused_blocks.kind(q, None, "causal") == "causal"
+    assert fused_blocks.kind(q, None, "partial") is None                               # partly visible
+    assert fused_blocks.kind(q, torch.ones(4, 4, dtype=torch.bool), "full") is None   # a mask
+    assert fused_blocks.kind(q.to("meta"), None, "full") is None                       # no fused kernel there
+    assert fused_blocks.kind(q.to(torch.float64), None, "causal") == "causal"          # the CPU kernel: any float
+
+
+def test_runs_and_tiles_of_a_zigzag_rank():
+    pos = torch.tensor([2, 3, 4, 9, 10, 0])
+    assert runs(pos) == [slice(0, 3), slice(3, 5), slice(5, 6)]
+    assert runs(torch.tensor([], dtype=torch.long)) == []
+    qpos, kpos = torch.tensor([2, 3, 12, 13]), torch.arange(16)
+    got = [(t[0], t[1], t[2]) for t in tiles(qpos, kpos, True)]
+    assert got == [(slice(0, 2), slice(0, 2), "full"), (slice(0, 2), slice(2, 4), "causal"),
+                   (slice(2, 4), slice(0, 12), "full"), (slice(2, 4), slice(12, 14), "causal")]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
