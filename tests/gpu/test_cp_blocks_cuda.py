@@ -24,6 +24,19 @@ DEV = os.environ.get("AUTOPAR_GPU_TESTS_ON", "cuda")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(),
                                                   reason="needs a CUDA device")]
 LOW = [torch.bfloat16, torch.float16] if DEV == "cuda" else [torch.float32]
+KERNELS = ["preferred", "flash"] if DEV == "cuda" else ["preferred"]     # "flash": with cuDNN's SDPA off
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    """The fused kernel the blocks run on: the one SDPA prefers here (cuDNN on compute capability 9.0+),
+    or flash with cuDNN's SDPA switched off."""
+    was = torch.backends.cuda.cudnn_sdp_enabled() if DEV == "cuda" else None
+    if request.param == "flash":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    yield request.param
+    if was is not None:
+        torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 def _inputs(lq: int, lk: int, dtype, heads: int = 4, dim: int = 64):
@@ -48,21 +61,23 @@ def _no_fused(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", LOW)
-def test_ring_blocks_on_the_fused_kernel_land_where_the_explicit_blocks_do(dtype, monkeypatch):
+def test_ring_blocks_on_the_fused_kernel_land_where_the_explicit_blocks_do(dtype, kernel):
     n, L = 4, 256
     q, k, v = _inputs(L, n * L, dtype)
     assert fused_blocks.kind(q, None, "causal") == "causal"      # the fused kernel runs on this device
+    if kernel == "flash":
+        assert fused_blocks.backend(q) == "flash"
     g = torch.ones(q.shape, device=DEV, dtype=dtype)
     want = _reference(q, k, v, torch.arange((n - 1) * L, n * L, device=DEV), torch.arange(n * L, device=DEV), g)
     with torch.no_grad():
         fused = _err(ring_share(q, k, v, n, fused=True), want)
         explicit = _err(ring_share(q, k, v, n, fused=False), want)
     for what, a, b in zip(("out", "dq", "dk", "dv"), fused, explicit):
-        assert a <= 2 * b + 1e-2, f"{dtype} {what}: fused {a:.3g}, explicit {b:.3g}"
+        assert a <= 2 * b + 1e-2, f"{dtype} {fused_blocks.backend(q)} {what}: fused {a:.3g}, explicit {b:.3g}"
 
 
 @pytest.mark.parametrize("dtype", LOW)
-def test_the_gather_forms_tiles_on_a_zigzag_rank_equal_one_attention_call(dtype, monkeypatch):
+def test_the_gather_forms_tiles_on_a_zigzag_rank_equal_one_attention_call(dtype, kernel, monkeypatch):
     n, seq = 4, 1024
     got_err = {}
     for fused in (True, False):
@@ -80,4 +95,4 @@ def test_the_gather_forms_tiles_on_a_zigzag_rank_equal_one_attention_call(dtype,
             got_err[(fused, r)] = _err([out.detach(), q.grad, k.grad, v.grad], want)
     for r in (0, n - 1):
         for what, a, b in zip(("out", "dq", "dk", "dv"), got_err[(True, r)], got_err[(False, r)]):
-            assert a <= 2 * b + 1e-2, f"{dtype} rank {r} {what}: fused {a:.3g}, explicit {b:.3g}"
+            assert a <= 2 * b + 1e-2, f"{dtype} {kernel} rank {r} {what}: fused {a:.3g}, explicit {b:.3g}"
