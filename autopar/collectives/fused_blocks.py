@@ -14,7 +14,8 @@ log-sum-exp, so the kernel's softmax of the block is the one over all keys and t
   on its log-sum-exp. The backward gets what autograd would give it after the forward: no cumulative
   sequence tensors (a dense batch), the block's query and key lengths, the forward's random-state
   tensors (unread without dropout), and contiguous rows of the merged output, its log-sum-exp and the
-  output's gradient (a strided log-sum-exp view is read as if contiguous: wrong query gradients).
+  output's gradient (a strided log-sum-exp view is read as if contiguous: wrong query gradients). Query,
+  key and value rows go as sliced (the kernels take strided heads and rows, as SDPA's own calls do).
 * Elsewhere (fp32 on CUDA, other devices) ``kind`` returns None and the caller computes the block
   explicitly.
 """
@@ -60,7 +61,6 @@ def forward(q, kb, vb, scale: float, causal: bool):
     if how == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, kb, vb, 0.0, causal, scale=scale)
         return out, lse, None
-    q, kb, vb = q.contiguous(), kb.contiguous(), vb.contiguous()
     if how == "cudnn":
         out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention.default(
             q, kb, vb, None, True, 0.0, causal, False, scale=scale)
@@ -78,7 +78,6 @@ def backward(q, kb, vb, g, out, lse, scale: float, causal: bool, aux):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             g, q, kb, vb, out, lse.contiguous(), 0.0, causal, scale=scale)
     how, seed, offset, lse_shape = aux
-    q, kb, vb = q.contiguous(), kb.contiguous(), vb.contiguous()
     lq, lk = q.shape[-2], kb.shape[-2]
     if how == "cudnn":
         lse = lse.reshape(q.shape[:-1] + lse_shape[len(q.shape) - 1:]).contiguous()
