@@ -23,6 +23,7 @@ class _Model:
     offset: float = 0.0     # seconds every assignment pays (each class's and edge's least)
     terms: int = 0          # objective terms one assignment sets: one per active class and per edge
     hinted: dict = None     # class -> its hinted position in ``cands``
+    hints: tuple = None     # (variable indices, values): the complete hint, written to the model at once
 
 
 def _scale(g: ClassGraph, active: list[int]) -> float:
@@ -38,23 +39,26 @@ def _add_edge_vars(mdl: _Model, a: int, b: int, matrix: np.ndarray, scale: float
     appends (var, bytes) to ``kept_terms`` where the pair keeps bytes (``kept``). Each pair is
     hinted 1 where both ends' hinted positions meet, else 0 (``build_model``: a complete hint)."""
     finite = np.isfinite(matrix)
-    hi, hj = mdl.hinted.get(a), mdl.hinted.get(b)
+    ri, ci = np.nonzero(finite)
     low = matrix[finite].min()
+    hinted = np.zeros(len(ri), dtype=np.int64)
+    if a in mdl.hinted and b in mdl.hinted:
+        hinted[(ri == mdl.hinted[a]) & (ci == mdl.hinted[b])] = 1
+    pairs = [mdl.model.NewBoolVar(f"e{a}_{b}_{i}_{j}") for i, j in zip(ri.tolist(), ci.tolist())]
+    mdl.hints[0].extend(var.Index() for var in pairs)
+    mdl.hints[1].extend(hinted.tolist())
     rows: list[list] = [[] for _ in range(matrix.shape[0])]
     cols: list[list] = [[] for _ in range(matrix.shape[1])]
-    terms = []
-    for i, j in zip(*np.nonzero(finite)):
-        var = mdl.model.NewBoolVar(f"e{a}_{b}_{i}_{j}")
-        mdl.model.AddHint(var, int(i == hi and j == hj))
+    for i, j, var in zip(ri.tolist(), ci.tolist(), pairs):
         rows[i].append(var)
         cols[j].append(var)
-        terms.append((var, int(round((matrix[i, j] - low) * scale))))
-        if kept is not None and kept_terms is not None:
-            kept_terms.append((var, float(kept[i, j])))
+    terms = list(zip(pairs, np.rint((matrix[ri, ci] - low) * scale).astype(np.int64).tolist()))
+    if kept is not None and kept_terms is not None:
+        kept_terms.extend(zip(pairs, np.asarray(kept, dtype=float)[ri, ci].tolist()))
     for i, vars_ in enumerate(rows):
-        mdl.model.Add(sum(vars_) == mdl.x[a][i])
+        mdl.model.Add(cp_model.LinearExpr.Sum(vars_) == mdl.x[a][i])
     for j, vars_ in enumerate(cols):
-        mdl.model.Add(sum(vars_) == mdl.x[b][j])
+        mdl.model.Add(cp_model.LinearExpr.Sum(vars_) == mdl.x[b][j])
     mdl.num_vars += len(terms)
     return terms
 
@@ -83,7 +87,7 @@ def _add_memory(mdl: _Model, g: ClassGraph, active: list[int], budget: float, ke
     terms = [(x, math.ceil((m - g.memory[a].min()) / unit)) for a in active for x, m in zip(mdl.x[a], g.memory[a])]
     terms += [(e, math.ceil((b - low[key]) / unit)) for key, pairs in kept.items() for e, b in pairs]
     terms += [(x, math.floor(b / unit)) for a, t in added.items() for x, b in zip(mdl.x[a], t)]
-    row = sum(c * x for x, c in terms if c)
+    row = _weighted(terms)
     if peak or least > 0:
         lo, hi = min(math.floor(least / unit), max(room, 0)), max(room, 0)
         w = mdl.model.NewIntVar(lo, hi, "workspace")
@@ -93,6 +97,12 @@ def _add_memory(mdl: _Model, g: ClassGraph, active: list[int], budget: float, ke
                                              if t[mdl.hinted[a]] >= unit]), hi))
         row = row + w
     mdl.model.Add(row <= room - math.ceil(work.fixed / unit))
+
+
+def _weighted(terms: list[tuple]):
+    """sum c x over the terms with c != 0 (0 when none)."""
+    kept = [(x, c) for x, c in terms if c]
+    return cp_model.LinearExpr.WeightedSum([x for x, _ in kept], [c for _, c in kept]) if kept else 0
 
 
 class OverBudget(Exception):
@@ -127,14 +137,14 @@ def build_model(g: ClassGraph, budget: float | None, hint: dict[int, int] | None
     ``work``: the workspace beside the memory row (budgeted only); ``ceiling`` (seconds): only
     assignments that may be faster are kept (``_add_ceiling``), so INFEASIBLE proves none is."""
     active = active_classes(g)
-    mdl = _Model(cp_model.CpModel(), {}, 0, hinted={})
+    mdl = _Model(cp_model.CpModel(), {}, 0, hinted={}, hints=([], []))
     for a in active:
         mdl.x[a] = [mdl.model.NewBoolVar(f"x{a}_{s}") for s in g.cands[a]]
         mdl.model.AddExactlyOne(mdl.x[a])
         hinted = np.flatnonzero(g.cands[a] == hint[a]) if hint is not None else []
         mdl.hinted[a] = int(hinted[0]) if len(hinted) else int(np.argmin(g.compute[a]))
-        for s, x in enumerate(mdl.x[a]):
-            mdl.model.AddHint(x, int(s == mdl.hinted[a]))
+        mdl.hints[0].extend(x.Index() for x in mdl.x[a])
+        mdl.hints[1].extend(int(s == mdl.hinted[a]) for s in range(len(mdl.x[a])))
         mdl.num_vars += len(mdl.x[a])
     scale = _scale(g, active)
     terms = [(x, int(round((c - g.compute[a].min()) * scale))) for a in active for x, c in zip(mdl.x[a], g.compute[a])]
@@ -144,7 +154,9 @@ def build_model(g: ClassGraph, budget: float | None, hint: dict[int, int] | None
         terms += _add_edge_vars(mdl, a, b, m, scale, mem, kept.setdefault((a, b), []) if mem is not None else None)
     if budget is not None:
         _add_memory(mdl, g, active, budget, kept, work)
-    objective = sum(c * x for x, c in terms if c)
+    mdl.model.Proto().solution_hint.vars.extend(mdl.hints[0])
+    mdl.model.Proto().solution_hint.values.extend(mdl.hints[1])
+    objective = _weighted(terms)
     mdl.model.Minimize(objective)
     mdl.scale, mdl.terms = scale, len(active) + len(g.edges)
     mdl.offset = sum(float(g.compute[a].min()) for a in g.alive) + sum(float(m[np.isfinite(m)].min())
