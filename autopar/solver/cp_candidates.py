@@ -11,17 +11,20 @@ axis >= 2, tp innermost (Megatron's order: tp on the fastest links, then cp, the
 ``(dp, cp)``, ``(cp, tp)``, ``(dp, cp, tp)``. They are solved after the others, so the best plan so
 far bounds them as it bounds the others (``search._candidates``'s cutoff).
 
-The batch rule (``batch_merged``): on a microbatch of b rows, a cp mesh whose dp x cp divides b is
-not solved. The mesh with the cp axis merged into the data axis, (dp · cp, tp) (the 1-D mesh when
-tp = 1), is a candidate too; it runs the same devices in the same order, splits the rows where the
-cp mesh splits the sequence (the same tokens on each rank, so the same work and activations for
-every token-wise op), and sums the same gradients over the same ranks; the cp mesh adds attention's
-K/V exchange and keeps its K/V buffers. So the cp mesh cannot beat it, and the search gives up no
-plan by skipping it (a rule of this cost model, not a proof over every term: a gradient sum over
-the two axes pays two ring latencies where the merged axis pays one longer ring, up to
-(dp - 1)(cp - 1) link latencies less per sum, far under one K/V exchange). Context parallelism
-wins only where the rows run out: b < dp x cp (a long sequence of few rows, or a high
-accumulation), and there the cp mesh is solved. ``AUTOPAR_CP_BATCH_RULE=0`` solves every cp mesh.
+The batch rule (``batch_merged``; ``search._merged_wins``): on a microbatch of b rows, a cp mesh
+whose dp x cp divides b is not solved when the mesh with its cp axis merged into the data axis,
+(dp · cp, tp) (the free 1-D mesh when tp = 1), solved just before it on the same microbatch, gave a
+plan that wastes no axis, or could not fit or beat the best plan. That mesh runs the same devices in
+the same order, can split the rows where the cp mesh splits the sequence (the same tokens on each
+rank, so the same work and activations for every token-wise op), and sums the same gradients over
+the same ranks; the cp mesh adds attention's K/V exchange and keeps its K/V buffers. So the cp mesh
+cannot beat it (a rule of this cost model, not a proof over every term: a gradient sum over the two
+axes pays two ring latencies where the merged axis pays one longer ring, up to (dp - 1)(cp - 1) link
+latencies less per sum, far under one K/V exchange). Where the merged mesh's plan wastes an axis (a
+tiny model replicated), timed out, or was not solved at this size, the cp mesh is solved: its forced
+sequence split may be the plan AUTO ranks first. Context parallelism wins where the rows run out:
+b < dp x cp (a long sequence of few rows, or a high accumulation), and there the cp mesh is always
+solved. ``AUTOPAR_CP_BATCH_RULE=0`` solves every cp mesh.
 """
 from __future__ import annotations
 
@@ -88,14 +91,14 @@ def cp_meshes(traced, mesh: Mesh) -> list[Mesh]:
 
 class MergedAxisWins(DominatedError):
     """A cp mesh the batch rule skips at one microbatch size: its mesh with the cp axis merged into
-    the data axis (``merged``: shape, axis names) splits the rows instead and cannot do worse. Not a
-    bound across accumulations (fewer rows may need the cp axis), so the mesh is dropped at this
-    size only, unless the merged mesh is dropped for good (``search._mark_done``)."""
+    the data axis (``merged``: shape, axis names) splits the rows instead and did no worse (module
+    docstring). Not a bound across accumulations (fewer rows may need the cp axis), so the mesh is
+    dropped at this size only, unless the merged mesh is dropped for good (``search._mark_done``)."""
 
     def __init__(self, mesh: Mesh, merged: Mesh, rows: int):
         Exception.__init__(self, f"not solved: {rows} rows split over dp x cp = {mesh.size // _tp(mesh)} devices, so "
                            f"mesh {merged.shape} {merged.axis_names} (the cp axis merged into the data axis) does the "
-                           "same without attention's K/V exchange")
+                           "same or better without attention's K/V exchange")
         self.lower_bound, self.cutoff, self.unbudgeted = float("nan"), float("nan"), False
         self.merged = (merged.shape, merged.axis_names)
 

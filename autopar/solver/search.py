@@ -132,7 +132,8 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
     if plans and zero1_applies(request, tried) and not progress.out_of_time():   # ZeRO-1 shards the optimizer step
         plans += zero1_plans(request, min(plans, key=rank_key), traces, _candidates)
     if not plans:
-        err = no_plan_error(mesh, failures, pipe_failures, _cap(mesh, opts), traced.batch_size, opts.time_limit_s)
+        told = [(n, e) for n, e in pipe_failures if not isinstance(e, MergedAxisWins)]   # not solved: no reason
+        err = no_plan_error(mesh, failures, told, _cap(mesh, opts), traced.batch_size, opts.time_limit_s)
         if whole_batch:
             err.args = (err.args[0] + " " + NO_ACCUMULATION,)
         raise err from None
@@ -369,7 +370,7 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
     annotated = annotated_axes(param_ann, input_ann)
     pipeline_only = pipelines and pipeline_requested(traced, req.model, mesh, mode)
     meshes = [] if pipeline_only else candidate_meshes(mesh, annotated, traced) if mode == ParallelMode.AUTO else [mesh]
-    plans, failures, pipe_failures = [], [], []
+    plans, failures, pipe_failures, outcomes = [], [], [], {}     # outcomes: mesh key -> its plan or error
     first = pipelines and pipelines_first and not pipeline_only and not progress.out_of_time()
     if first:
         plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip)
@@ -378,16 +379,19 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
             break
         if (m.shape, m.axis_names) in skip:
             continue
-        if not annotated and (merged := batch_merged(traced, m)) is not None:
+        merged = None if annotated else batch_merged(traced, m)
+        if merged is not None and _merged_wins(outcomes.get((merged.shape, merged.axis_names))):
             failures.append((m, MergedAxisWins(m, merged, traced.batch_size)))    # the batch rule: not solved
             continue
         try:
             plans.append(solve_on_mesh(req.replace(mesh=m, opts=_within_budget(opts, progress)),
                                        microbatches=microbatches, cutoff=progress.cutoff()))
             progress.record(plans[-1:], 0, step_time)
+            outcomes[(m.shape, m.axis_names)] = plans[-1]
         except (InfeasibleError, DominatedError, SolverTimeoutError) as err:
             failures.append((m, err))
             progress.record([], 1, step_time)
+            outcomes[(m.shape, m.axis_names)] = err
         except CandidateError as err:
             if mode != ParallelMode.AUTO:
                 raise               # the user's own mesh: the error is theirs to fix
@@ -405,6 +409,17 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
         pipe_plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip)
         plans = list(pipe_plans) + plans
     return plans, failures, pipe_failures
+
+
+def _merged_wins(outcome) -> bool:
+    """Whether a cp mesh's merged mesh (``cp_candidates.batch_merged``), solved just before it on the
+    same microbatch, leaves it nothing to win: a plan that wastes no axis (the cp mesh's step is no
+    faster, and ``rank_key`` would rank it no better), or a proof that it cannot fit or beat the best
+    plan (the cp mesh holds the same tokens per rank and its K/V buffers besides). A plan that wastes
+    an axis, a timeout or no solve at this size (``None``): the cp mesh is solved."""
+    if isinstance(outcome, Plan):
+        return not outcome.redundant_axes()
+    return isinstance(outcome, (InfeasibleError, DominatedError))
 
 
 def _within_budget(opts: PlanOptions, progress: SearchProgress) -> PlanOptions:
