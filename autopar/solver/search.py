@@ -300,7 +300,8 @@ def _mark_done(done: dict, got: list, failed: list, i: int, n: int, floors: dict
         if _stops_mesh(e) or isinstance(e, MergedAxisWins) and done.get(e.merged, n) <= i:
             done[(m.shape, m.axis_names)] = min(done.get((m.shape, m.axis_names), n), i)
     if floors is not None:          # each solve's floor at any budget (``_floored``)
-        for m, floor in [(p.mesh, p.step_floor) for p in got] + [(m, getattr(e, "step_floor", 0.0)) for m, e in failed]:
+        for m, floor in [(p.mesh, p.step_floor) for p in got if p.pipeline is None] + [
+                (m, getattr(e, "step_floor", 0.0)) for m, e in failed]:
             if floor > 0:
                 floors.setdefault((m.shape, m.axis_names), []).append((i, floor))
 
