@@ -247,6 +247,8 @@ class Plan:
     solver_status: str = ""
     alternatives: list[Alternative] = field(default_factory=list)
     memory_bound: bool = False   # the memory cap shaped the layout (without it a faster one was found)
+    step_floor: float = 0.0      # proven: no layout of this mesh and step is faster at any memory budget
+                                 # (the solve's unbudgeted bound; 0 where none was proven)
     unknown_ops: dict[str, str] = field(default_factory=dict)
     fingerprint: str = ""
     collective_list: list[Collective] = field(default_factory=list)

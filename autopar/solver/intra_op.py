@@ -122,6 +122,8 @@ class IntraOpSolution:
     num_vars: int
     bound: bool = False     # the memory budget shaped it: the unbudgeted optimum does not fit
     lower_bound: float = -math.inf  # proven: no assignment of an unbudgeted problem is faster
+    free_bound: float = -math.inf   # proven for the problem without its budget (``_solve_budgeted``'s
+                                    # free solve; also on its InfeasibleError / DominatedError as ``free_bound``)
 
 
 # ---------------------------------------------------------------- problem -> class graph
@@ -339,12 +341,23 @@ def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
     if p.memory_budget is None:
         return _solve(p, start + p.time_limit_s, p.hint, start)
     if memory_floor(p) > p.memory_budget:
-        _hopeless(p, start)         # raises DominatedError when the unbudgeted bound reaches the cutoff
-        raise _memory_error(p)      # no assignment can fit: nothing to solve for time
+        bound = _hopeless(p, start)     # raises DominatedError when the unbudgeted bound reaches the cutoff
+        err = _memory_error(p)          # no assignment can fit: nothing to solve for time
+        err.free_bound = bound
+        raise err
     try:
         free = _solve(replace(p, memory_budget=None), start + p.time_limit_s / 2, p.hint, start)
     except SolverTimeoutError:
         return _solve(p, start + p.time_limit_s, p.hint, start)
+    try:
+        return replace(_after_free(p, start, free), free_bound=free.lower_bound)
+    except (InfeasibleError, DominatedError, SolverTimeoutError) as err:
+        err.free_bound = free.lower_bound   # the search's bound for this mesh at any budget
+        raise
+
+
+def _after_free(p: IntraOpProblem, start: float, free: IntraOpSolution) -> IntraOpSolution:
+    """The budgeted solve once the unbudgeted optimum ``free`` is known (module docstring, step 4)."""
     fits = free.memory <= p.memory_budget
     hint = free.choice if p.hint is None or not (fits or p.hint_fits) else p.hint
     if fits and free.status == "OPTIMAL":
@@ -382,15 +395,16 @@ def _hopeless(p: IntraOpProblem, start: float) -> None:
     the search's unbudgeted bounds only grow with accumulation and recomputation, so the mesh is then
     dropped for good (``search._stops_mesh``) where an ``InfeasibleError`` would have it solved again at
     every larger accumulation and with more recomputation. Within half the time limit; a timeout
-    leaves the memory explanation to be raised."""
+    leaves the memory explanation to be raised. Returns the bound (-inf when not solved)."""
     if not HOPELESS_BOUND or p.cutoff is None:
-        return
+        return -math.inf
     try:
         free = _solve(replace(p, memory_budget=None), start + p.time_limit_s / 2, p.hint, start)
     except (SolverTimeoutError, InfeasibleError):
-        return
+        return -math.inf
     if free.lower_bound >= p.cutoff:
         raise DominatedError(free.lower_bound, p.cutoff, unbudgeted=True)
+    return free.lower_bound
 
 
 def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: float,

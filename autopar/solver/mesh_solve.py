@@ -33,7 +33,8 @@ from autopar.solver.decode import ChosenSpecs, decode, loss_output, loss_report_
 from autopar.solver.degrees import axis_shares, degrees_of, role
 from autopar.solver.axis_descent import solve_with_start
 from autopar.solver.data_start import batch_split_allowed, data_allowed
-from autopar.solver.intra_op import InfeasibleError, edge_memory, evaluate, solve_intra_op
+from autopar.solver.intra_op import (DominatedError, InfeasibleError, SolverTimeoutError, edge_memory, evaluate,
+                                     solve_intra_op)
 from autopar.solver.moe_axes import ROLE_EXPERT, expert_axis_choices, nodes_moe
 from autopar.solver.memory_terms import accumulated_grad_bytes, op_transients, transient_bytes, zero_layer_buffers
 from autopar.solver.request import PlanOptions, SolveRequest
@@ -262,6 +263,7 @@ def solve_on_mesh(req: SolveRequest, microbatches: int = 1, cutoff: float | None
                 nodes=nodes, params=params,
                 inputs=inputs, outputs=outputs, step_time=sol.objective + last_bucket, flops=total_flops(traced.gm),
                 memory_per_device=[float(sol.memory) + gathered + transient + held] * mesh.size, memory_bound=sol.bound,
+                step_floor=max(0.0, sol.free_bound),
                 memory_breakdown=_breakdown(built, sol, traced, MemoryExtras(
                     (gathered - layers) / activation_weight - copies, transient, layers, costing.zero, held,
                     zero_unsynced_bytes(traced, cands, built, sol.choice, costing),
@@ -366,17 +368,24 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
     budget binds, so that it usually fits; where that room makes it infeasible (the row charges a
     gathered parameter per edge, the total once, so row + room can exceed the budget when the
     total does not), it is solved without. The lowered re-solves keep no such room: their limit
-    already leaves the last solution's transients out."""
+    already leaves the last solution's transients out. The solution's ``free_bound`` (and an error's
+    ``step_floor``) is the whole step's: ``microbatches`` x the per-step problem's unbudgeted bound,
+    a floor of this mesh's step at any budget (``Plan.step_floor``; -inf where none was proven)."""
     params = set(traced.params)
     whole = activation_weighted(built.per_step(microbatches), built.names, params, activation_weight)
     limit = budget
     problem = dataclasses.replace(whole, cutoff=None if cutoff is None else cutoff / microbatches,
                                   transient=op_transients(traced.gm, cands, built, costing, traced.params))
     smallest = None                 # (total bytes, choice) of the smallest assignment tried
+    floor = -math.inf               # the whole step's proven floor at any budget (``Plan.step_floor``)
     for _ in range(SOLVE_TRIES):
         try:
             sol = solve_with_start(problem, solve_intra_op)
-        except InfeasibleError as err:
+            floor = max(floor, microbatches * sol.free_bound)
+        except (InfeasibleError, DominatedError, SolverTimeoutError) as err:
+            floor = err.step_floor = max(floor, microbatches * getattr(err, "free_bound", -math.inf))
+            if not isinstance(err, InfeasibleError):
+                raise
             if problem.transient is not None and getattr(err, "least_memory", None) is None:
                 problem = dataclasses.replace(problem, transient=None)   # not proven by the row alone:
                 continue                # the row charges gathered copies per edge, the total once
@@ -409,9 +418,10 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
             f"and {transient:.4g} B of backward transients. Use more devices, pipeline parallelism, activation "
             "checkpointing or optimizer-state sharding, or raise the budget")
         err.choice = smallest[1]
+        err.step_floor = floor
         raise err
     objective = evaluate(built.problem, sol.choice)[0] if microbatches > 1 else sol.objective
-    return dataclasses.replace(sol, memory=node_bytes, objective=objective), gathered, transient
+    return dataclasses.replace(sol, memory=node_bytes, objective=objective, free_bound=floor), gathered, transient
 
 
 def zero_unsynced_bytes(traced, cands, built, choice: list[int], costing: Costing) -> float:

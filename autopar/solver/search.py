@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 
 from autopar.core.context import ParallelMode
@@ -22,7 +23,7 @@ from autopar.sharding.placements import R
 from autopar.solver.accumulation import (accumulated, accumulated_time, memory_choices, microbatch_traced,
                                         pipeline_zero_ladder, zero_ladder)
 from autopar.cost_models.zero import PIPELINE_ZERO
-from autopar.solver.cp_candidates import cp_meshes
+from autopar.solver.cp_candidates import MergedAxisWins, batch_merged, cp_meshes
 from autopar.solver.fit_error import Failure, no_plan_error, smallest_of
 from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
@@ -34,6 +35,11 @@ from autopar.solver.zero_upgrade import applies as zero1_applies, zero1_plans
 from autopar.cost_models.devices import mesh_device
 
 
+# each solve's unbudgeted floor drops its mesh at later accumulations and recomputation once the best
+# plan beats it (``_floored``); off (``AUTOPAR_STEP_FLOORS=0``) for the tests that compare plans
+STEP_FLOORS: bool = os.environ.get("AUTOPAR_STEP_FLOORS", "1") != "0"
+
+
 @dataclasses.dataclass
 class FrontierState:
     """One ZeRO stage's branch-and-bound facts, kept across recompute choices (``_frontier``)."""
@@ -41,6 +47,7 @@ class FrontierState:
     pipe_fit: set = dataclasses.field(default_factory=set)  # pipeline candidates (full mesh key) that fit
     early: set = dataclasses.field(default_factory=set)     # recompute choices whose pipelines ran before the ladder
     fitting: bool = False                                   # a plan of this stage fits (at any choice so far)
+    floors: dict = dataclasses.field(default_factory=dict)  # mesh key -> [(k index, whole-step floor proven there)]
 
 
 def candidate_meshes(mesh: Mesh, annotated: frozenset = frozenset(), traced=None) -> list[Mesh]:
@@ -125,7 +132,8 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
     if plans and zero1_applies(request, tried) and not progress.out_of_time():   # ZeRO-1 shards the optimizer step
         plans += zero1_plans(request, min(plans, key=rank_key), traces, _candidates)
     if not plans:
-        err = no_plan_error(mesh, failures, pipe_failures, _cap(mesh, opts), traced.batch_size, opts.time_limit_s)
+        told = [(n, e) for n, e in pipe_failures if not isinstance(e, MergedAxisWins)]   # not solved: no reason
+        err = no_plan_error(mesh, failures, told, _cap(mesh, opts), traced.batch_size, opts.time_limit_s)
         if whole_batch:
             err.args = (err.args[0] + " " + NO_ACCUMULATION,)
         raise err from None
@@ -202,6 +210,7 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
             traces[k] = microbatch_traced(traced, k, req.retracer)
         mb = traces[k]
         note = _levers_note(opts.zero, k, rc)
+        pipe_failures += _floored(state, i, progress.cutoff(), note)
         skip = {key for key, j in done.items() if j <= i} | {key for key, need in below.items() if k < need}
         try:
             got, failed, pipe_failed = _candidates(req.replace(traced=mb).with_options(recompute=rc),
@@ -219,7 +228,7 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
         plans += [accumulated(p, k, traced, mb) for p in got]
         state.fitting |= bool(got)
         pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None and not p.memory_bound}
-        _mark_done(done, got, failed, i, len(ks))
+        _mark_done(done, got, failed, i, len(ks), state.floors)
         for m, e in failed:
             if not _stops_mesh(e) and isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
                 below[(m.shape, m.axis_names)] = k * e.least_memory / cap
@@ -257,17 +266,44 @@ def _stops_mesh(e: Exception) -> bool:
     return isinstance(e, DominatedError) and e.unbudgeted or isinstance(e, PlanError)
 
 
-def _mark_done(done: dict, got: list, failed: list, i: int, n: int) -> None:
+def _floored(state: FrontierState, i: int, cutoff: float | None, note: str) -> list:
+    """Marks done (from k index ``i``) every mesh whose floor proven at an index <= ``i`` (this recompute
+    choice or an earlier one: ``state.floors``) reaches ``cutoff``, the best whole-step time so far;
+    returns their (note, DominatedError) for the plan's alternatives. The floor is a solve's unbudgeted
+    bound (``Plan.step_floor``): no layout of the mesh beats it at any budget, and the unbudgeted bound
+    only grows with k and with recomputation (``_frontier``), so the mesh cannot win at index ``i`` or
+    later, even where its last plan was shaped by the cap or it did not fit. A mesh whose floor is under
+    the cutoff is still solved: a larger k may let a faster layout fit."""
+    out = []
+    if cutoff is None or not STEP_FLOORS:
+        return out
+    for key, proven in state.floors.items():
+        floor = max((f for j, f in proven if j <= i), default=-math.inf)
+        if floor >= cutoff and state.done.get(key, math.inf) > i:
+            state.done[key] = i
+            out.append((f"mesh {key[0]} ({note or 'no memory options'})", DominatedError(floor, cutoff, True)))
+    return out
+
+
+def _mark_done(done: dict, got: list, failed: list, i: int, n: int, floors: dict | None = None) -> None:
     """``_frontier``'s ``done`` (mesh key -> from which k index on it is not tried) at k index ``i`` of
     ``n``: a mesh whose plan fits without the cap shaping it (nothing at this k with more recomputation
-    or at a larger k beats it), and one whose failure ends it (``_stops_mesh``)."""
+    or at a larger k beats it), one whose failure ends it (``_stops_mesh``), and a cp mesh the batch rule
+    skipped at this k whose merged mesh is done (``cp_candidates.MergedAxisWins``: its optimum at any
+    larger k or recomputation is at least its own at this k, at least the merged mesh's here, which
+    is a plan already or reaches the cutoff). ``floors``: each solve's ``step_floor`` recorded at ``i``."""
     for p in got:
         if not p.memory_bound:
             key = (p.mesh.shape, p.mesh.axis_names)
             done[key] = min(done.get(key, n), i)
     for m, e in failed:
-        if _stops_mesh(e):
+        if _stops_mesh(e) or isinstance(e, MergedAxisWins) and done.get(e.merged, n) <= i:
             done[(m.shape, m.axis_names)] = min(done.get((m.shape, m.axis_names), n), i)
+    if floors is not None:          # each solve's floor at any budget (``_floored``)
+        for m, floor in [(p.mesh, p.step_floor) for p in got if p.pipeline is None] + [
+                (m, getattr(e, "step_floor", 0.0)) for m, e in failed]:
+            if floor > 0:
+                floors.setdefault((m.shape, m.axis_names), []).append((i, floor))
 
 
 def _pipelines_first(req: SolveRequest, more_choices: list, skip: set, state: FrontierState) -> tuple[list, list]:
@@ -335,7 +371,7 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
     annotated = annotated_axes(param_ann, input_ann)
     pipeline_only = pipelines and pipeline_requested(traced, req.model, mesh, mode)
     meshes = [] if pipeline_only else candidate_meshes(mesh, annotated, traced) if mode == ParallelMode.AUTO else [mesh]
-    plans, failures, pipe_failures = [], [], []
+    plans, failures, pipe_failures, outcomes = [], [], [], {}     # outcomes: mesh key -> its plan or error
     first = pipelines and pipelines_first and not pipeline_only and not progress.out_of_time()
     if first:
         plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip)
@@ -344,13 +380,19 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
             break
         if (m.shape, m.axis_names) in skip:
             continue
+        merged = None if annotated else batch_merged(traced, m)
+        if merged is not None and _merged_wins(outcomes.get((merged.shape, merged.axis_names))):
+            failures.append((m, MergedAxisWins(m, merged, traced.batch_size)))    # the batch rule: not solved
+            continue
         try:
             plans.append(solve_on_mesh(req.replace(mesh=m, opts=_within_budget(opts, progress)),
                                        microbatches=microbatches, cutoff=progress.cutoff()))
             progress.record(plans[-1:], 0, step_time)
+            outcomes[(m.shape, m.axis_names)] = plans[-1]
         except (InfeasibleError, DominatedError, SolverTimeoutError) as err:
             failures.append((m, err))
             progress.record([], 1, step_time)
+            outcomes[(m.shape, m.axis_names)] = err
         except CandidateError as err:
             if mode != ParallelMode.AUTO:
                 raise               # the user's own mesh: the error is theirs to fix
@@ -368,6 +410,17 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
         pipe_plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip)
         plans = list(pipe_plans) + plans
     return plans, failures, pipe_failures
+
+
+def _merged_wins(outcome) -> bool:
+    """Whether a cp mesh's merged mesh (``cp_candidates.batch_merged``), solved just before it on the
+    same microbatch, leaves it nothing to win: a plan that wastes no axis (the cp mesh's step is no
+    faster, and ``rank_key`` would rank it no better), or a proof that it cannot fit or beat the best
+    plan (the cp mesh holds the same tokens per rank and its K/V buffers besides). A plan that wastes
+    an axis, a timeout or no solve at this size (``None``): the cp mesh is solved."""
+    if isinstance(outcome, Plan):
+        return not outcome.redundant_axes()
+    return isinstance(outcome, (InfeasibleError, DominatedError))
 
 
 def _within_budget(opts: PlanOptions, progress: SearchProgress) -> PlanOptions:

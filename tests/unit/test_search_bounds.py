@@ -106,7 +106,6 @@ def test_a_mesh_that_cannot_fit_skips_the_accumulations_its_least_memory_rules_o
     memory is concave in the microbatch share); the plan is the one found without the jump."""
     from autopar.solver import search
 
-    jumped, _, with_jump = _bounded()
     solved = []
     real = search.solve_on_mesh
 
@@ -115,6 +114,13 @@ def test_a_mesh_that_cannot_fit_skips_the_accumulations_its_least_memory_rules_o
         return real(req, *args, **kwargs)
 
     monkeypatch.setattr(search, "solve_on_mesh", spy)
+    # the floors (test_search_floors.py) and the cp batch rule (test_cp_search.py) skip some of the same
+    from autopar.solver import cp_candidates
+    monkeypatch.setattr(search, "STEP_FLOORS", False)
+    monkeypatch.setattr(cp_candidates, "CP_BATCH_RULE", False)
+    jumped = _plan(CAP)
+    with_jump = len(solved)
+    solved.clear()
     made = intra_op._memory_error
 
     def unproven(*args, **kwargs):
