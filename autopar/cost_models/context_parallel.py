@@ -39,18 +39,25 @@ two blocks of gradient accumulators.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
 def _entries(q0: int, q1: int, k0: int, k1: int, causal: bool) -> int:
     """Visible (query, key) pairs of queries ``[q0, q1)`` against keys ``[k0, k1)``: all of them,
-    or under the top-left causal mask those with key <= query."""
+    or under the top-left causal mask those with key <= query (``_causal_prefix``)."""
     if not causal:
         return (q1 - q0) * (k1 - k0)
-    total = 0
-    for i in range(q0, q1):
-        total += max(0, min(k1, i + 1) - k0)
-    return total
+    return _causal_prefix(q1, k0, k1) - _causal_prefix(q0, k0, k1)
+
+
+def _causal_prefix(m: int, k0: int, k1: int) -> int:
+    """Visible pairs of queries ``[0, m)`` against keys ``[k0, k1)`` under the causal mask, in closed
+    form: query ``i`` sees ``clamp(i + 1 - k0, 0, L)`` keys (``L = k1 - k0``), so the queries
+    ``k0 .. k0 + p - 1`` (``p = clamp(m - k0, 0, L)``) add ``1 + ... + p`` and every later one ``L``."""
+    span = k1 - k0
+    p = min(max(m - k0, 0), span)
+    return p * (p + 1) // 2 + span * max(0, m - k0 - span)
 
 
 def _pieces(r: int, n: int, seq: int, zigzag: bool) -> list[tuple[int, int]]:
@@ -62,18 +69,63 @@ def _pieces(r: int, n: int, seq: int, zigzag: bool) -> list[tuple[int, int]]:
     return [(c * size, (c + 1) * size) for c in (r, 2 * n - 1 - r)]
 
 
+@functools.lru_cache(maxsize=256)
+def _block_table(n: int, seq: int, causal: bool, zigzag: bool) -> tuple[tuple[float, ...], ...]:
+    total = _entries(0, seq, 0, seq, causal)
+    pieces = [_pieces(r, n, seq, zigzag) for r in range(n)]
+    return tuple(tuple(sum(_entries(q0, q1, k0, k1, causal) for q0, q1 in pieces[r] for k0, k1 in pieces[j]) / total
+                       for j in range(n)) for r in range(n))
+
+
 def block_shares(n: int, seq: int, causal: bool, zigzag: bool = False) -> list[list[float]]:
     """``share[r][j]``: the fraction of the op's visible (query, key) pairs in the block of the
     queries of rank ``r`` against the keys of rank ``j`` (``n`` ranks over ``seq``; contiguous
-    pieces, or the zig-zag order)."""
+    pieces, or the zig-zag order). O(n^2) closed-form counts, memoised per (n, seq, mask, order)."""
+    return [list(row) for row in _block_table(n, seq, causal, zigzag)]
+
+
+def ring_steps(n: int, seq: int, causal: bool, zigzag: bool = False) -> list[float]:
+    """``M[s]``: the largest share of the op's visible pairs any rank computes at ring step ``s``
+    (its queries against the keys of rank ``(r - s) mod n``, ``block_shares``), what a lock-step ring
+    waits for. When the pieces are equal chunks of ``c`` positions (``seq`` divisible by ``n``, or by
+    ``2n`` in the zig-zag order) a chunk sees an earlier chunk whole (``c^2`` pairs), itself as a
+    triangle (``c(c+1)/2``) and a later one not at all under the causal mask, so in closed form
+
+    * not causal: every block ``(seq/n)^2``;
+    * contiguous: step 0 the diagonal triangle, every later step some rank's whole earlier block;
+    * zig-zag (rank ``r`` holds chunks ``r`` and ``2n-1-r``): step 0 two triangles and the second
+      chunk's whole view of the first, every later step two whole chunks (``j < r``: chunk ``r`` and
+      chunk ``2n-1-r`` see chunk ``j``; ``j > r``: chunk ``2n-1-r`` sees both of ``j``'s).
+
+    Otherwise the maxima of ``block_shares``' columns (O(n^2))."""
     total = _entries(0, seq, 0, seq, causal)
-    return [[sum(_entries(q0, q1, k0, k1, causal) for q0, q1 in _pieces(r, n, seq, zigzag)
-                 for k0, k1 in _pieces(j, n, seq, zigzag)) / total for j in range(n)] for r in range(n)]
+    chunks = 2 * n if zigzag else n
+    if n > 1 and seq % chunks == 0:
+        c = seq // chunks
+        full, tri = c * c, c * (c + 1) // 2
+        if not causal:
+            first = later = (seq // n) ** 2
+        elif zigzag:
+            first, later = full + 2 * tri, 2 * full
+        else:
+            first, later = tri, full
+        return [first / total] + [later / total] * (n - 1)
+    share = _block_table(n, seq, causal, zigzag)
+    return [max(share[r][(r - s) % n] for r in range(n)) for s in range(n)]
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_table(n: int, seq: int, causal: bool, zigzag: bool) -> tuple[float, ...]:
+    total = _entries(0, seq, 0, seq, causal)
+    keys = (2 * n) * (seq // (2 * n)) if zigzag else n * (seq // n)     # the positions the pieces cover
+    return tuple(sum(_entries(q0, q1, 0, keys, causal) for q0, q1 in _pieces(r, n, seq, zigzag)) / total
+                 for r in range(n))
 
 
 def rank_shares(n: int, seq: int, causal: bool, zigzag: bool = False) -> list[float]:
-    """Each rank's fraction of the op's work (its queries' row of ``block_shares``)."""
-    return [sum(row) for row in block_shares(n, seq, causal, zigzag)]
+    """Each rank's fraction of the op's work (its queries' row of ``block_shares``: its pieces'
+    queries against every key the pieces hold, O(n))."""
+    return list(_rank_table(n, seq, causal, zigzag))
 
 
 def imbalance(n: int, seq: int, causal: bool, zigzag: bool = False) -> float:
@@ -117,21 +169,18 @@ def ring_time(fwd: float, bwd: float, n: int, seq: int, causal: bool, hop_kv: fl
     ``zigzag`` the sequence in the zig-zag order."""
     pieces = n * outer
     if outer > 1:           # blocks hold keys of several pieces: the slowest rank's work, spread evenly
-        w = imbalance(pieces, seq, causal, zigzag) / n
-        steps = [[w] * n]
-    else:
-        share = block_shares(n, seq, causal, zigzag)
-        steps = [[n * share[r][(r - s) % n] for r in range(n)] for s in range(n)]
-        steps = [list(col) for col in zip(*steps)]      # steps[r][s]
+        widest = [imbalance(pieces, seq, causal, zigzag) / n] * n
+    else:                   # each step waits for its busiest rank (``ring_steps``)
+        widest = [n * m for m in ring_steps(n, seq, causal, zigzag)]
     t_f = t_b = c_f = c_b = 0.0
     for s in range(n):
-        work = [row[s] for row in steps]
+        w = widest[s]
         kv = hop_kv if s < n - 1 else 0.0
-        cf, cb = fwd * max(work), bwd * max(work)
+        cf, cb = fwd * w, bwd * w
         c_f, c_b = c_f + cf, c_b + cb
         if overlap:
-            t_f += max(max(fwd * w, kv) for w in work)
-            t_b += max(max(kv, bwd * w + hop_grad) for w in work) if bwd or hop_grad else 0.0
+            t_f += max(cf, kv)
+            t_b += max(kv, cb + hop_grad) if bwd or hop_grad else 0.0
         else:
             t_f += cf + kv
             t_b += cb + kv + hop_grad if bwd or hop_grad else 0.0

@@ -150,3 +150,46 @@ def test_replicated_input_is_not_cp():
     node = _sdpa(1, 4, 4, 64, 8)
     st = Strategy(((R,), (R,), (R,)), (R,), (None,), "replicate")
     assert cp_saved_bytes(node, st, c) == 0 and cp_transient_bytes(st, c, [(1, 1.0)]) == 0
+
+
+# ---- closed forms against counts made position by position -----------------------------------
+
+def _pairs(q0, q1, k0, k1, causal):
+    """Visible (query, key) pairs counted one query at a time."""
+    return sum(max(0, min(k1, i + 1) - k0) if causal else k1 - k0 for i in range(q0, q1))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_entries_closed_form_counts_every_range(causal):
+    from autopar.cost_models.context_parallel import _entries
+    for q0 in range(0, 12, 3):
+        for q1 in range(q0, 14, 2):
+            for k0 in range(0, 12, 2):
+                for k1 in range(k0, 15, 3):
+                    assert _entries(q0, q1, k0, k1, causal) == _pairs(q0, q1, k0, k1, causal), (q0, q1, k0, k1)
+
+
+@pytest.mark.parametrize("n,seq", [(2, 8), (3, 12), (4, 16), (4, 18), (5, 40), (8, 64), (8, 70)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_ring_steps_are_the_busiest_rank_of_each_step(n, seq, causal, zigzag):
+    """``ring_steps`` (closed form where the pieces are equal chunks) = the largest block any rank
+    computes at each step, counted pair by pair; the rank shares sum its rows."""
+    from autopar.cost_models.context_parallel import _pieces, ring_steps
+    total = _pairs(0, seq, 0, seq, causal)
+    pieces = [_pieces(r, n, seq, zigzag) for r in range(n)]
+    block = [[sum(_pairs(a, b, c, d, causal) for a, b in pieces[r] for c, d in pieces[j]) / total
+              for j in range(n)] for r in range(n)]
+    assert ring_steps(n, seq, causal, zigzag) == pytest.approx([max(block[r][(r - s) % n] for r in range(n))
+                                                               for s in range(n)])
+    assert rank_shares(n, seq, causal, zigzag) == pytest.approx([sum(row) for row in block])
+
+
+def test_ring_costs_of_a_wide_axis_are_quick():
+    """A ring over thousands of ranks (AUTO offers cp on any axis of a large mesh) costs in closed form."""
+    import time
+    t0 = time.process_time()
+    t = ring_time(1.0, 2.0, 4096, 8192, True, 1e-4, 1e-4, True, zigzag=True)
+    assert time.process_time() - t0 < 5.0       # the O(n^2) count took minutes here
+    # zig-zag chunks of one position: step 0 sees 1 + 2 x 1 pairs, every later step 2; x n ranks' even split
+    assert t.compute_fwd == pytest.approx(4096 * (3 + 2 * 4095) / (8192 * 8193 / 2))
