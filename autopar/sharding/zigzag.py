@@ -61,15 +61,25 @@ def zigzag_candidates(gm: fx.GraphModule, cands: Candidates, axes: set[int], mes
     longer divide evenly (a dim needs ``2n`` pieces) or depend on positions are left out."""
     by_name = {n.name: n for n in gm.graph.nodes}
     out = Candidates(unknown_ops=dict(cands.unknown_ops))
+    done: dict[int, list] = {}      # id of a shared list (``candidates._shared_candidates``) -> its zig-zag form
     for name, strategies in cands.strategies.items():
-        node, seen, kept = by_name[name], set(), []
-        for st in strategies:
-            z = zigzag_strategy(st, axes)
-            if z is None or not _valid(node, z, mesh_shape):
-                continue
-            key = (z.inputs, z.output, z.local)
-            if key not in seen:
-                seen.add(key)
-                kept.append(z)
-        out.strategies[name] = kept or strategies[:1]
+        hit = done.get(id(strategies))
+        if hit is None:
+            hit = done[id(strategies)] = _zigzag_list(by_name[name], strategies, axes, mesh_shape)
+        out.strategies[name] = hit
     return out
+
+
+def _zigzag_list(node: fx.Node, strategies: list, axes: set[int], mesh_shape) -> list[Strategy]:
+    """One node's list in the zig-zag order. Nodes holding the same list object are of one candidate
+    class (equal input and output shapes), so they share the result."""
+    seen, kept = set(), []
+    for st in strategies:
+        z = zigzag_strategy(st, axes)
+        if z is None or not _valid(node, z, mesh_shape):
+            continue
+        key = (z.inputs, z.output, z.local)
+        if key not in seen:
+            seen.add(key)
+            kept.append(z)
+    return kept or strategies[:1]
