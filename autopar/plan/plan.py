@@ -139,6 +139,7 @@ class PipelineInfo:
     bubble_fraction: float = 0.0
     pipeline_time: float = 0.0       # predicted schedule critical path (seconds), before grad sync + optimizer
     sub_mesh: list[int] = field(default_factory=list)   # the mesh inside one stage (the full mesh minus pp)
+    free_step: float = 0.0           # the step with the stage cut by time alone (no memory cap), same unit costs
 
 
 _RECOMPUTE = ("none", "selective", "full")

@@ -317,8 +317,13 @@ class _CandidateSearch:
                 "other microbatch sizes)")
         if not ranked:
             msg = "no pipeline partition fits: " + "; ".join(reasons[:3])
-            raise stage_fit_error(msg, errors, ref_plan.memory_breakdown, cand.full, budget, opts) or \
+            err = stage_fit_error(msg, errors, ref_plan.memory_breakdown, cand.full, budget, opts) or \
                 PipelineRequestError(msg)
+            states = [e.state for e in errors if isinstance(e, StageMemoryError)]
+            if states and min(states) < budget - _extra(ref_plan):     # the state fits: less activation might
+                err.free_step = _free_estimate(costs, self.batch, cand, self.counts, self.kinds, self.link,
+                                               self.rules) + ref_plan.grad_sync_overhead
+            raise err
         ranked.sort(key=lambda r: r[0])
         return self.finish(ranked, solved, errors)
 
@@ -362,28 +367,43 @@ class _CandidateSearch:
             raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts) or \
                 PipelineRequestError(msg)
         _check_tags(part, cand, units_m, mb.gm)
-        bound = _cut_by_memory(costs_m, batch // m, cand, m, part.schedule, self.link,
-                               replace(self.rules, virtual_stages=part.virtual_stages if part.virtual_stages > 1
-                                       else None), step)
+        free = _free_step(costs_m, batch // m, cand, m, part.schedule, self.link,
+                          replace(self.rules, virtual_stages=part.virtual_stages if part.virtual_stages > 1 else None))
         step += sub_plan.grad_sync_overhead
         plan = _assemble(self.traced, mb, sub_plan, cand, part, step, units_m, budget)
-        plan.memory_bound = bound
+        plan.memory_bound = free < (step - sub_plan.grad_sync_overhead) * (1 - 1e-9)   # the cap shaped the cut
+        plan.pipeline.free_step = min(free + sub_plan.grad_sync_overhead, step)
         plan.collective_list = pipeline_collectives(mb.gm, plan, self.link)
         _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
         plan.optimizer_time = opt
         return plan
 
 
-def _cut_by_memory(costs: UnitCosts, batch: int, cand: PipelineCandidate, m: int, schedule: str, link,
-                   rules: CutRules, step: float) -> bool:
-    """Whether the cap shaped the stage cut (``Plan.memory_bound``): the cut without it is faster than
-    ``step``. The search then tries the candidate with more recomputation or ZeRO too, which may
-    balance the stages that memory skewed."""
+def _free_step(costs: UnitCosts, batch: int, cand: PipelineCandidate, m: int, schedule: str, link,
+               rules: CutRules) -> float:
+    """The step of the stage cut without the memory cap (inf where no cut exists). When it is under
+    the plan's step the cap shaped the cut (``Plan.memory_bound``): the search then tries the
+    candidate with more recomputation too (``search._frontier``'s retries), which may balance the
+    stages that memory skewed."""
     try:
         _, free, _ = _partition(costs, batch, cand.pp, m, schedule, math.inf, link, rules)
     except ValueError:
-        return False
-    return free < step * (1 - 1e-9)
+        return math.inf
+    return free
+
+
+def _free_estimate(costs: UnitCosts, batch: int, cand: PipelineCandidate, counts, kinds, link, rules: CutRules) -> float:
+    """The best step over the schedules and microbatch counts with every stage cut by time alone
+    (no memory cap), by one solve's unit costs: what the candidate could reach if recomputation
+    made room (recomputation only adds time). An estimate: the costs are those of a layout solved
+    under this recompute choice's budget."""
+    best = math.inf
+    for schedule in kinds:
+        for m in counts:
+            if schedule == "interleaved_1f1b" and m % cand.pp:
+                continue
+            best = min(best, _free_step(costs, batch // m, cand, m, schedule, link, rules))
+    return best
 
 
 def _extra_at(ref_plan: Plan, ref: int, m: int) -> float:
@@ -520,10 +540,11 @@ def pipeline_requested(traced, model, mesh: Mesh, mode: ParallelMode) -> bool:
         return True
 
 
-def pipeline_plans(req: SolveRequest, skip: set | None = None):
+def pipeline_plans(req: SolveRequest, skip: set | None = None, only: set | None = None):
     """(plans, failures [(note, error)], forced) for every pipeline candidate of the request; its
     ``retracer`` re-traces the step at a microbatch shape. ``skip``: (shape, axis names) of the full
-    meshes of candidates not to try."""
+    meshes of candidates not to try; ``only``: when given, the only ones to try. A failure's error
+    carries its candidate's full mesh key as ``full_key``."""
     from autopar.solver.annotations import ANNOTATIONS, resolve_stages
 
     traced, model, mesh, mode, opts = req.traced, req.model, req.mesh, req.mode, req.opts
@@ -564,7 +585,8 @@ def pipeline_plans(req: SolveRequest, skip: set | None = None):
     for cand in cands:
         if progress is not None and progress.out_of_time():
             break
-        if skip and (cand.full.shape, cand.full.axis_names) in skip:
+        key = (cand.full.shape, cand.full.axis_names)
+        if skip and key in skip or only is not None and key not in only:
             continue
         note = f"pp={cand.pp} sub-mesh {dict(zip(cand.sub.axis_names, cand.sub.shape))}"
         if cand.pp > num_units and not forced:
@@ -581,6 +603,8 @@ def pipeline_plans(req: SolveRequest, skip: set | None = None):
         except (PipelineRequestError, ValueError, SolverTimeoutError) as err:   # one candidate's: the search goes on
             if forced and len(cands) == 1 and not isinstance(err, PipelineDominatedError):
                 raise pipeline_nothing_fits(mesh, [(note, err)], batch) or PlanError(str(err)) from None
+            if isinstance(err, Exception):
+                err.full_key = key
             failures.append((note, err))
             if progress is not None:
                 progress.record([], 1)

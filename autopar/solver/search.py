@@ -27,6 +27,7 @@ from autopar.solver.cp_candidates import MergedAxisWins, batch_merged, cp_meshes
 from autopar.solver.fit_error import Failure, no_plan_error, smallest_of
 from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
+from autopar.solver.pipeline_fit import PipelineDominatedError
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, pipeline_requested
 from autopar.solver.partial_recompute import applies as partial_applies, partial_plans, resolve_recompute_layers
 from autopar.solver.progress import SearchProgress
@@ -48,6 +49,8 @@ class FrontierState:
     early: set = dataclasses.field(default_factory=set)     # recompute choices whose pipelines ran before the ladder
     fitting: bool = False                                   # a plan of this stage fits (at any choice so far)
     floors: dict = dataclasses.field(default_factory=dict)  # mesh key -> [(k index, whole-step floor proven there)]
+    retry: dict = dataclasses.field(default_factory=dict)   # pipeline (full mesh key) -> its step without the cap
+                                                            # (``_retries``): to try again with more recomputation
 
 
 def candidate_meshes(mesh: Mesh, annotated: frozenset = frozenset(), traced=None) -> list[Mesh]:
@@ -180,7 +183,9 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
     Pipelines run their own microbatches (k = 1 only). With recomputation they are tried while
     no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits
-    with a stage cut the cap did not shape (``Plan.memory_bound``), and right after k = 1 when
+    with a stage cut the cap did not shape (``Plan.memory_bound``); once a plan fits, only the
+    candidates the cap shaped or refused whose step without the cap beats the best plan (``_retries``);
+    and right after k = 1 when
     ``state_needs_pipeline`` (``_pipelines_first``): heuristics, not bounds (docs/solver.md). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
     which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls;
@@ -197,12 +202,16 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
     cap = _cap(mesh, opts)
     i = 0
     below: dict = {}            # mesh key -> the k under which it cannot fit (this recompute choice)
-    while i < len(ks) and any(done.get(key, len(ks)) > i for key in keys):
+    while i < len(ks) and (any(done.get(key, len(ks)) > i for key in keys)
+                           or ks[i] == 1 and state.fitting and bool(_retries(state, progress.cutoff()))):
         k = ks[i]
         if progress.out_of_time():
             return plans, failures, pipe_failures
+        again = _retries(state, progress.cutoff()) if k == 1 and state.fitting else set()
         pipelines = k == 1 and (opts.zero or 0) in PIPELINE_ZERO and not (isinstance(rc, str) and rc in early) and (
-            rc == "none" or opts.recompute is not None or pipeline_request or not state.fitting)
+            rc == "none" or opts.recompute is not None or pipeline_request or not state.fitting or bool(again))
+        pipe_only = again if pipelines and state.fitting and rc != "none" and opts.recompute is None \
+            and not pipeline_request else None
         if pipeline_request and not pipelines:
             break               # only pipelines were asked for
         progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
@@ -216,7 +225,8 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
             got, failed, pipe_failed = _candidates(req.replace(traced=mb).with_options(recompute=rc),
                                                    pipelines=pipelines, microbatches=k, skip=skip, pipe_skip=pipe_fit,
                                                    pipelines_first=k == 1 and state_needs_pipeline(traced, mesh,
-                                                                                                   opts, cap))
+                                                                                                   opts, cap),
+                                                   pipe_only=pipe_only)
         except PlanError as err:
             if k == 1 and pipeline_request and rc != choices[-1]:
                 pipe_failures.append((f"pipeline ({note or 'no memory options'})", err))
@@ -228,6 +238,8 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
         plans += [accumulated(p, k, traced, mb) for p in got]
         state.fitting |= bool(got)
         pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None and not p.memory_bound}
+        if k == 1:
+            _note_retries(state, got, pipe_failed)
         _mark_done(done, got, failed, i, len(ks), state.floors)
         for m, e in failed:
             if not _stops_mesh(e) and isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
@@ -242,6 +254,41 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
             pipe_failures += pipe_failed
         i += 1
     return plans, failures, pipe_failures
+
+
+def _note_retries(state: FrontierState, got: list, pipe_failed: list) -> None:
+    """Records the pipelines to try again with more recomputation (``_retries``): those whose stage cut
+    the cap shaped (``Plan.memory_bound``) and those refused for memory whose state fits (their error's
+    ``free_step``), each with its step without the cap; one that fits freely leaves the list."""
+    for p in got:
+        if p.pipeline is None:
+            continue
+        key = (p.mesh.shape, p.mesh.axis_names)
+        if p.memory_bound:
+            state.retry[key] = p.pipeline.free_step
+        else:
+            state.retry.pop(key, None)
+    for _, e in pipe_failed:
+        key, free = getattr(e, "full_key", None), getattr(e, "free_step", None)
+        if key is None:
+            continue
+        if free is None or isinstance(e, PipelineDominatedError):
+            state.retry.pop(key, None)      # no room for its state, or slower than the best plan
+        else:
+            state.retry[key] = free
+
+
+def _retries(state: FrontierState, cutoff: float | None) -> set:
+    """The pipeline candidates (full mesh keys) worth another try with more recomputation once a plan of
+    this ZeRO stage fits: the cap shaped or refused them at a lighter choice, and their step without
+    the cap (``pipeline_search._free_step``, by that choice's unit costs) beats the best plan so far.
+    Recomputation only adds time and frees activations, so a pipeline with fewer stages (a smaller
+    bubble, fewer hops) can then beat the deeper one that fitted without it: Llama 3 405B's 16
+    stages against the 32 that fit without recomputation. A heuristic filter (the estimate's layout
+    was solved under the lighter choice's budget), not a bound."""
+    if cutoff is None:
+        return set(state.retry)
+    return {key for key, free in state.retry.items() if free < cutoff}
 
 
 def _mesh_keys(traced, mesh: Mesh, mode: ParallelMode, param_ann: dict, input_ann: dict) -> list[tuple]:
@@ -351,7 +398,7 @@ def state_needs_pipeline(traced, mesh: Mesh, opts: PlanOptions, cap: float) -> b
 
 
 def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1, skip: set | None = None,
-                pipe_skip: set | None = None, pipelines_first: bool = False):
+                pipe_skip: set | None = None, pipelines_first: bool = False, pipe_only: set | None = None):
     """(plans, failures [(mesh, error)], pipeline failures [(note, error)]) of every candidate layout
     of one traced step, a microbatch of a step that accumulates ``microbatches``: each mesh
     factorisation, DDP's layout, then the pipeline candidates (only these when the request names a
@@ -362,7 +409,8 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
     lower bound reaches the best whole-step time so far is not solved under the budget: its
     failure is a ``DominatedError`` (``solve_on_mesh``'s ``cutoff``). ``skip``: (shape, axis names)
     of meshes not to try (DDP's layout is the 1-D "dp" mesh); ``pipe_skip``: the same for pipeline
-    candidates (their full meshes, pp first)."""
+    candidates (their full meshes, pp first); ``pipe_only``: when given, the only pipeline candidates
+    to try."""
     traced, mesh, mode, opts = req.traced, req.mesh, req.mode, req.opts
     param_ann, input_ann = req.param_ann, req.input_ann
     skip = skip or set()
@@ -374,7 +422,7 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
     plans, failures, pipe_failures, outcomes = [], [], [], {}     # outcomes: mesh key -> its plan or error
     first = pipelines and pipelines_first and not pipeline_only and not progress.out_of_time()
     if first:
-        plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip)
+        plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip, pipe_only)
     for m in meshes:
         if progress.out_of_time():
             break
@@ -407,7 +455,7 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
         progress.record(got, 1 - len(got), step_time)
         plans += got
     if pipelines and not first and not progress.out_of_time():   # after the meshes: their best bounds the pipelines'
-        pipe_plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip)
+        pipe_plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip, pipe_only)
         plans = list(pipe_plans) + plans
     return plans, failures, pipe_failures
 
