@@ -14,7 +14,7 @@ What the model assumes:
   pattern unknown when planning), divides evenly. In the zig-zag order (``zigzag=True``: rank
   ``r`` holds chunks ``r`` and ``2n-1-r`` of ``2n``, the placement ``Z(dim)``) every rank has the
   same visible pairs, so the imbalance is 1; in the ring each block is then cut at its pieces'
-  borders and only the visible tiles run (``collectives/cp_positions.tiles``), half a block per
+  borders and only the visible tiles run (``sharding/cp_positions.tiles``), half a block per
   step after the first.
 * **Gather form** (``attn_gather``): the K/V all-gathers in forward and their gradients'
   reduce-scatters in backward run before / after the op, not overlapped; then the slowest rank's
