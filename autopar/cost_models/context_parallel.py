@@ -136,3 +136,26 @@ def ring_time(fwd: float, bwd: float, n: int, seq: int, causal: bool, hop_kv: fl
             t_f += cf + kv
             t_b += cb + kv + hop_grad if bwd or hop_grad else 0.0
     return CpTime(c_f, c_b, t_f - c_f + gathers, t_b - c_b + scatters)
+
+
+def lockstep_time(widest_fwd: list[float], widest_bwd: list[float], hop_kv: float, hop_grad: float,
+                  overlap: bool, fixed_fwd: float = 0.0, fixed_bwd: float = 0.0, gathers: float = 0.0,
+                  scatters: float = 0.0) -> CpTime:
+    """The ring's lock-step (module docstring) given the busiest rank's compute at each of the ``n``
+    steps (``widest_fwd[s]``, ``widest_bwd[s]`` seconds; hops after all but the last step) and the
+    once-per-op compute before and after the steps (``fixed_fwd``, ``fixed_bwd``): a step lasts
+    its busiest rank's compute, or the hop where that is longer and overlapped."""
+    n = len(widest_fwd)
+    has_bwd = any(widest_bwd) or hop_grad > 0
+    t_f = t_b = 0.0
+    for s in range(n):
+        kv = hop_kv if s < n - 1 else 0.0
+        cf, cb = widest_fwd[s], widest_bwd[s]
+        if overlap:
+            t_f += max(cf, kv)
+            t_b += max(kv, cb + hop_grad) if has_bwd else 0.0
+        else:
+            t_f += cf + kv
+            t_b += cb + kv + hop_grad if has_bwd else 0.0
+    c_f, c_b = sum(widest_fwd), sum(widest_bwd)
+    return CpTime(c_f + fixed_fwd, c_b + fixed_bwd, t_f - c_f + gathers, t_b - c_b + scatters)

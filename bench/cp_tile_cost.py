@@ -1,0 +1,99 @@
+"""The cost model's charge for one context-parallel rank's attention against bench/RESULTS.md §GPU6.
+
+For the cases ``bench/gpu_cp_local.py`` ran on one H200 (bf16, head dim 128, batch 1; 32768 tokens
+over 8 ranks with 32 heads, 131072 over 16 with 8 heads), one rank's attention compute as the
+gather form runs it (``_TiledAttention``: the rank's queries against all keys, no collectives),
+forward + backward:
+
+X
+  ``compute.node_cost`` over the ranks, times the placement's imbalance: 1 in the zig-zag order);
+* ``new``: ``cp_tiles.gather_compute`` for that rank (its tiles, merges and accumulators);
+* ``measured``: §GPU6's ratios to the measured balanced share (the whole causal SDPA / n on the
+  H200), times that share. They are a comparison of record, copied from RESULTS.md, not a test.
+
+Then, not measured: the ring form's compute (``ring_compute``) beside the gather form's.
+
+    PYTHONPATH=. python bench/cp_tile_cost.py [--preset h100]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.fx as fx
+from torch.ops import aten
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from autopar.cost_models.compute import node_cost  # noqa: E402
+from autopar.cost_models.context_parallel import gather_time  # noqa: E402
+from autopar.cost_models.cp_tiles import AttnShape, gather_tiles, ring_compute, tiles_time, per_op  # noqa: E402
+from autopar.cost_models.devices import get_device  # noqa: E402
+
+# §GPU6 (one H200, torch 2.11.0+cu130, 2026-11-27): the whole causal SDPA's fwd + bwd / n ("ideal", ms),
+# and each rank's time over it. Zig-zag: the last run (after commit f6ddf78, the code this model prices).
+# Contiguous: the section's table (the run before it), and the last run's last rank (2.17).
+IDEAL_MS = {(32768, 8): 7.02, (131072, 16): 231.0 / 16}
+MEASURED = {
+    ("zigzag", 32768, 8): {0: 1.85, 4: 1.92, 7: 1.54},
+    ("zigzag", 131072, 16): {0: 1.35, 8: 1.36, 15: 1.22},
+    ("contiguous", 32768, 8): {0: 0.42, 4: 1.62, 7: 2.56},
+    ("contiguous", 131072, 16): {0: 0.18, 8: 1.26, 15: 2.17},
+}
+HEADS = {32768: 32, 131072: 8}
+
+
+def _sdpa(heads: int, seq: int, dim: int = 128) -> fx.Node:
+    g = fx.Graph()
+    ins = []
+    for name in "qkv":
+        p = g.placeholder(name)
+        p.meta["val"] = torch.empty((1, heads, seq, dim), device="meta", dtype=torch.bfloat16, requires_grad=True)
+        ins.append(p)
+    node = g.call_function(aten.scaled_dot_product_attention.default, tuple(ins), {"is_causal": True})
+    node.meta["val"] = torch.empty((1, heads, seq, dim), device="meta", dtype=torch.bfloat16)
+    g.output(node)
+    return node
+
+
+def charges(seq: int, n: int, rank: int, zigzag: bool, device) -> tuple[float, float]:
+    """(old, new) seconds of one rank's gather-form attention compute, forward + backward."""
+    heads = HEADS[seq]
+    base = node_cost(_sdpa(heads, seq), device).scaled(n)
+    old = gather_time(base.time_fwd, base.time_bwd, n, seq, True, 0.0, 0.0, zigzag)
+    shape = AttnShape(heads, heads, seq, 128, 128, torch.bfloat16, True, True)
+    new = tiles_time(shape, gather_tiles(seq, n, rank, zigzag, True), device).total
+    new += per_op(shape, seq // n, seq, [seq], device).total * device.compute_scale
+    return old.compute_fwd + old.compute_bwd, new
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="h100")
+    args = ap.parse_args(argv)
+    device = get_device(args.preset)
+    print(f"gather form, one rank's attention fwd + bwd; old / new: the {args.preset} preset; "
+          "measured on the H200 in §GPU6")
+    print("| placement | S, n | rank | old, the op (ms) | new, the rank (ms) | measured (ms) | new / measured |")
+    print("|---|---|---|---|---|---|---|")
+    for (order, seq, n), ranks in MEASURED.items():
+        for rank, ratio in ranks.items():
+            old, new = charges(seq, n, rank, order == "zigzag", device)
+            measured = ratio * IDEAL_MS[(seq, n)]
+            print(f"| {order} | {seq}, {n} | {rank} | {old * 1e3:.2f} | {new * 1e3:.2f} | {measured:.1f} "
+                  f"({ratio} x {IDEAL_MS[(seq, n)]:.2f}) | {new * 1e3 / measured:.2f} |")
+    print()
+    print(f"ring form, zig-zag, the busiest rank per step summed ({args.preset}; not measured)")
+    print("| S, n | gather, slowest rank (ms) | ring (ms) |")
+    print("|---|---|---|")
+    for seq, n in IDEAL_MS:
+        shape = AttnShape(HEADS[seq], HEADS[seq], seq, 128, 128, torch.bfloat16, True, True)
+        gather = max(charges(seq, n, r, True, device)[1] for r in range(n))
+        fwd, bwd, fixed = ring_compute(shape, (n,), True, device)
+        print(f"| {seq}, {n} | {gather * 1e3:.2f} | {(sum(fwd) + sum(bwd) + fixed.total) * 1e3:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
