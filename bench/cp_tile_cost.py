@@ -5,9 +5,10 @@ over 8 ranks with 32 heads, 131072 over 16 with 8 heads), one rank's attention c
 gather form runs it (``_TiledAttention``: the rank's queries against all keys, no collectives),
 forward + backward:
 
-X
-  ``compute.node_cost`` over the ranks, times the placement's imbalance: 1 in the zig-zag order);
-* ``new``: ``cp_tiles.gather_compute`` for that rank (its tiles, merges and accumulators);
+* ``old``: what the model charged the op before ``cost_models/cp_tiles.py``, whichever the rank (the
+  whole op's ``compute.node_cost`` over the ranks times the placement's imbalance: 1 in the zig-zag
+  order, the last rank's ``(2n-1)/n`` contiguous);
+* ``new``: ``cp_tiles.gather_tiles`` of that rank priced (its tiles, merges and accumulators);
 * ``measured``: §GPU6's ratios to the measured balanced share (the whole causal SDPA / n on the
   H200), times that share. They are a comparison of record, copied from RESULTS.md, not a test.
 
@@ -28,7 +29,7 @@ from torch.ops import aten
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from autopar.cost_models.compute import node_cost  # noqa: E402
 from autopar.cost_models.context_parallel import gather_time  # noqa: E402
-from autopar.cost_models.cp_tiles import AttnShape, gather_tiles, ring_compute, tiles_time, per_op  # noqa: E402
+from autopar.cost_models.cp_tiles import AttnShape, gather_rank_time, gather_tiles, ring_compute  # noqa: E402
 from autopar.cost_models.devices import get_device  # noqa: E402
 
 # §GPU6 (one H200, torch 2.11.0+cu130, 2026-11-27): the whole causal SDPA's fwd + bwd / n ("ideal", ms),
@@ -63,9 +64,8 @@ def charges(seq: int, n: int, rank: int, zigzag: bool, device) -> tuple[float, f
     base = node_cost(_sdpa(heads, seq), device).scaled(n)
     old = gather_time(base.time_fwd, base.time_bwd, n, seq, True, 0.0, 0.0, zigzag)
     shape = AttnShape(heads, heads, seq, 128, 128, torch.bfloat16, True, True)
-    new = tiles_time(shape, gather_tiles(seq, n, rank, zigzag, True), device).total
-    new += per_op(shape, seq // n, seq, [seq], device).total * device.compute_scale
-    return old.compute_fwd + old.compute_bwd, new
+    new = gather_rank_time(shape, gather_tiles(seq, n, rank, zigzag, True), n, device)
+    return old.compute_fwd + old.compute_bwd, new.total
 
 
 def main(argv=None) -> int:

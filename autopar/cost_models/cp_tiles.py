@@ -150,6 +150,15 @@ def cut_block_tiles(seq: int, sizes: tuple[int, ...], coords: tuple[int, ...], s
     return _cut(q, k, causal, seq // units)
 
 
+def _chunk(seq: int, chunks: int) -> int:
+    """The length of one of ``chunks`` equal chunks of ``seq`` positions."""
+    if seq % chunks:
+        raise ValueError(f"cp_tiles: a sequence of {seq} positions does not split into {chunks} equal chunks "
+                         f"(a cp axis of n ranks needs a multiple of n, of 2n in the zig-zag order): pick a "
+                         f"sequence length or a cp size that divides it")
+    return seq // chunks
+
+
 def gather_tiles(seq: int, n: int, r: int, zigzag: bool, causal: bool) -> tuple[Tile, ...]:
     """The gather form's tiles of rank ``r`` of one cp axis of ``n`` (what ``cut_gather_tiles``
     cuts, in closed form). Contiguous pieces of ``L``: the keys before the piece (``r L``) and its
@@ -158,9 +167,9 @@ def gather_tiles(seq: int, n: int, r: int, zigzag: bool, causal: bool) -> tuple[
     if n == 1:
         return (Tile(seq, seq, causal, True, True),)
     if not zigzag:
-        size = seq // n
+        size = _chunk(seq, n)
         return ((Tile(size, r * size, False, True, False),) if r else ()) + (Tile(size, size, True, True, False),)
-    c = seq // (2 * n)
+    c = _chunk(seq, 2 * n)
     if r == n - 1:
         return Tile(2 * c, (n - 1) * c, False, True, False), Tile(2 * c, 2 * c, True, True, False)
     head = (Tile(c, r * c, False, False, False),) if r else ()
@@ -175,14 +184,14 @@ def block_tiles(seq: int, n: int, r: int, j: int, zigzag: bool, causal: bool) ->
     ``r``, ``2n-1-r`` of ``c``): the own block two squares and the tail's view of the head (rank
     ``n-1``: one square of ``2c``); an earlier rank's head chunk seen by both chunks (rank ``n-1``:
     by its one run); a later rank's both chunks seen by the tail."""
-    size = seq // n
+    size = _chunk(seq, n)
     if not causal:
         return (Tile(size, size, False, True, True),)
     if not zigzag:
         if j > r:
             return ()
         return (Tile(size, size, j == r, True, True),)
-    c = seq // (2 * n)
+    c = _chunk(seq, 2 * n)
     if j == r:
         if r == n - 1:
             return (Tile(2 * c, 2 * c, True, True, True),)
@@ -291,8 +300,14 @@ def gather_compute(shape: AttnShape, sizes: tuple[int, ...], zigzag: bool, devic
     else:
         rank_tiles = [cut_gather_tiles(shape.seq, sizes, coords, zigzag, shape.causal)
                       for coords in product(*(range(n) for n in sizes))]
-    fixed = _scaled(per_op(shape, shape.seq // pieces, shape.seq, [shape.seq], device), device)
-    return max((tiles_time(shape, ts, device) for ts in set(rank_tiles)), key=lambda t: t.total) + fixed
+    return max((gather_rank_time(shape, ts, pieces, device) for ts in set(rank_tiles)), key=lambda t: t.total)
+
+
+def gather_rank_time(shape: AttnShape, rank_tiles, pieces: int, device) -> Seconds:
+    """One gather-form rank's compute: its tiles and the once-per-op work (its ``seq / pieces``
+    queries, the gathered keys' accumulators)."""
+    fixed = per_op(shape, shape.seq // pieces, shape.seq, [shape.seq], device)
+    return tiles_time(shape, rank_tiles, device) + _scaled(fixed, device)
 
 
 def ring_compute(shape: AttnShape, sizes: tuple[int, ...], zigzag: bool,
