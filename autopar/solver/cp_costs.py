@@ -1,5 +1,5 @@
 """Context-parallel attention in the intra-op problem: its node time and memory under a ``"cp"``
-strategy (the model: ``cost_models/context_parallel.py``). ``strategy_prices.node_costs`` calls
+strategy (the model: ``cost_models/context_parallel.py``; the compute of fused tiles: ``cost_models/cp_tiles.py``). ``strategy_prices.node_costs`` calls
 ``cp_node_time`` and ``cp_saved_bytes``; ``memory_terms`` calls ``cp_transient_bytes``.
 """
 from __future__ import annotations
