@@ -14,7 +14,11 @@ forward + backward:
 
 Then, not measured: the ring form's compute (``ring_compute``) beside the gather form's.
 
-    PYTHONPATH=. python bench/cp_tile_cost.py [--preset h100]
+``--cpu``: instead, measures on this CPU (one thread, fp32) a zig-zag rank's ``_TiledAttention``
+forward + backward against the whole causal SDPA's over the ranks, beside the ``cpu`` preset's
+balanced share (what it keeps) and what the tile formulas would charge.
+
+    PYTHONPATH=. python bench/cp_tile_cost.py [--preset h100] [--cpu]
 """
 from __future__ import annotations
 
@@ -45,15 +49,15 @@ MEASURED = {
 HEADS = {32768: 32, 131072: 8}
 
 
-def _sdpa(heads: int, seq: int, dim: int = 128) -> fx.Node:
+def _sdpa(heads: int, seq: int, dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> fx.Node:
     g = fx.Graph()
     ins = []
     for name in "qkv":
         p = g.placeholder(name)
-        p.meta["val"] = torch.empty((1, heads, seq, dim), device="meta", dtype=torch.bfloat16, requires_grad=True)
+        p.meta["val"] = torch.empty((1, heads, seq, dim), device="meta", dtype=dtype, requires_grad=True)
         ins.append(p)
     node = g.call_function(aten.scaled_dot_product_attention.default, tuple(ins), {"is_causal": True})
-    node.meta["val"] = torch.empty((1, heads, seq, dim), device="meta", dtype=torch.bfloat16)
+    node.meta["val"] = torch.empty((1, heads, seq, dim), device="meta", dtype=dtype)
     g.output(node)
     return node
 
@@ -68,10 +72,45 @@ def charges(seq: int, n: int, rank: int, zigzag: bool, device) -> tuple[float, f
     return old.compute_fwd + old.compute_bwd, new.total
 
 
+def cpu_check() -> None:
+    """Measured CPU tiles against the ``cpu`` preset's share and the tile formulas (``--cpu``)."""
+    import torch.nn.functional as F
+
+    from autopar.collectives.attention_cp import _TiledAttention
+    from autopar.sharding.cp_positions import held
+    from bench.gpu_calibration import timed
+
+    torch.set_num_threads(1)
+    cpu = get_device("cpu")
+    print("| S, n, heads x dim | rank | measured tiles (ms) | measured whole / n (ms) | ratio | "
+          "cpu preset: share (ms) | tile formulas (ms) | formulas / share |")
+    print("|---|---|---|---|---|---|---|---|")
+    for seq, n, heads, dim in ((1024, 4, 4, 32), (4096, 4, 8, 64), (8192, 8, 8, 64)):
+        q, k, v = (torch.randn(1, heads, seq, dim, requires_grad=True) for _ in range(3))
+        g = torch.randn_like(q)
+        whole = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g), "cpu", 5, 2) / n
+        node = _sdpa(heads, seq, dim, torch.float32)
+        share = node_cost(node, cpu).scaled(n).time_total
+        shape = AttnShape(heads, heads, seq, dim, dim, torch.float32, True, True)
+        for r in (0, n - 1):
+            zq = torch.randn(1, heads, seq // n, dim, requires_grad=True)
+            zk, zv = (torch.randn(1, heads, seq, dim, requires_grad=True) for _ in range(2))
+            zg = torch.randn_like(zq)
+            qpos, kpos = held(seq, [n], [r], True), held(seq, [n], [r], True, (0,))
+            t = timed(lambda: _TiledAttention.apply(zq, zk, zv, qpos, kpos, dim ** -0.5).backward(zg), "cpu", 5, 2)
+            formulas = gather_rank_time(shape, gather_tiles(seq, n, r, True, True), n, cpu).total
+            print(f"| {seq}, {n}, {heads} x {dim} | {r} | {t * 1e3:.2f} | {whole * 1e3:.2f} | {t / whole:.2f} | "
+                  f"{share * 1e3:.2f} | {formulas * 1e3:.2f} | {formulas / share:.2f} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="h100")
+    ap.add_argument("--cpu", action="store_true")
     args = ap.parse_args(argv)
+    if args.cpu:
+        cpu_check()
+        return 0
     device = get_device(args.preset)
     print(f"gather form, one rank's attention fwd + bwd; old / new: the {args.preset} preset; "
           "measured on the H200 in §GPU6")

@@ -31,12 +31,12 @@ What the model assumes:
   outer ones are gathered first, as in the gather form, and the ring spreads the slowest rank's
   work evenly over its steps.
 * **Fused tiles** (``cost_models/cp_tiles.py``, chosen by ``solver/cp_costs.tiled_shape``): where
-  the runtime runs a form's attention as fused tiles (no mask tensor, no dropout, a fused kernel
-  for the device and dtype: the CPU in any dtype, a GPU in fp16 / bf16; the gather form only under
-  the causal flag) the compute is not the share above but the rank's tiles: each tile's kernel at
-  the efficiency of its own keys, its launch, the log-sum-exp merge and the fp32 accumulators
-  (``lockstep_time`` takes the ring's busiest rank per step). Elsewhere (an explicit mask, fp32 on
-  a GPU: the explicit path) the share above stands.
+  an accelerator runs a form's attention as fused tiles (no mask tensor, no dropout, fp16 / bf16;
+  the gather form only under the causal flag) the compute is not the share above but the rank's
+  tiles: each tile's kernel at the efficiency of its own keys, its launch, the log-sum-exp merge
+  and the fp32 accumulators (``lockstep_time`` takes the ring's busiest rank per step). Elsewhere
+  the share above stands: an explicit mask or fp32 on a GPU (the explicit path), and the CPU, whose
+  tiles measured within 12 % of the share (``cp_tiles.py``).
 
 Memory (``solver/cp_costs.py``): activations are the sequence shard (the placements divide
 them); the gather form saves the gathered K/V of every layer for backward (``n`` shards each),

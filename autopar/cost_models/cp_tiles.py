@@ -28,9 +28,11 @@ traffic at ``memory_bandwidth * memory_efficiency`` and one ``kernel_overhead`` 
   fewer heads, each block's K/V repeated to the query heads (forward and backward). The gather form's
   K/V accumulators are the gathered length, the ring's its block's.
 
-Everything times ``device.compute_scale``. On the CPU the same tiles run (the flash kernel for the CPU,
-any dtype), so they are priced alike: the CPU preset's attention efficiency is flat, and in fp32 the
-accumulators are the dtype (no widening), so there only the launches and the merges' traffic add.
+Everything times ``device.compute_scale``. The CPU runs the same tiles (the flash kernel for the CPU,
+any dtype) but keeps the balanced share: there a zig-zag rank's tiles measured 0.88-1.12x of the
+whole op's time over the ranks (this 2-core VM, one thread, 1K-8K tokens, two runs: bench/RESULTS.md
+§35w; the CPU kernel's rate does not fall with shorter keys and its merges are small beside its
+attention), while these formulas, with the CPU preset's 20 us per kernel, charged 1.07-1.95x it.
 
 Which tiles: on one cp axis in closed form (``gather_tiles``, ``block_tiles``; tests check them
 against the runtime's cut), so a ring step's distinct blocks are three ranks' and pricing is O(n);
@@ -116,10 +118,12 @@ ZERO = Seconds(0.0, 0.0)
 
 
 def runs_fused(device, dtype: torch.dtype, d: int) -> bool:
-    """Whether the runtime runs this op's tiles on a fused kernel (``fused_blocks.backend``): the CPU
-    in any dtype; an accelerator in fp16 / bf16 with a head dim that is a multiple of 8 up to 256."""
-    if getattr(device, "name", "cpu") == "cpu":
-        return True
+    """Whether this model prices the op's cp tiles on ``device``: an accelerator running them on its
+    fused kernel (``fused_blocks.backend``: fp16 / bf16, a head dim that is a multiple of 8 up to
+    256). The CPU runs the same tiles (its flash kernel, any dtype) but keeps the balanced share
+    (module docstring)."""
+    if getattr(device, "name", "cpu") == "cpu" or getattr(device, "cores", None):
+        return False
     return dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
 
 

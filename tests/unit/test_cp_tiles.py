@@ -190,7 +190,8 @@ def _cp(form, zigzag=True):
 @pytest.mark.parametrize("form", ["attn_gather", "attn_ring"])
 def test_cp_time_prices_tiles_where_the_runtime_runs_them(form):
     """bf16 on an H100: the tiles' compute (memoised per shape, axes, order, device). fp32 on an H100
-    (no fused kernel: the explicit path) and an explicit mask: the balanced-share model as before."""
+    (no fused kernel: the explicit path), an explicit mask, and the CPU (its tiles measured within
+    12 % of the share): the balanced-share model as before."""
     n = 4
     c = Costing((n,), H100)
     node = _sdpa(8, 8, 16384)
@@ -203,9 +204,11 @@ def test_cp_time_prices_tiles_where_the_runtime_runs_them(form):
     else:
         assert t.compute_fwd == pytest.approx(sum(tiles[0]) + tiles[2].fwd)
     assert t.compute_fwd + t.compute_bwd > cost.time_total
-    for other in (_sdpa(8, 8, 16384, dtype=torch.float32), _sdpa(8, 8, 16384, causal=False, mask=True)):
-        cost = split_cost(other, node_cost(other, H100), st, list(other.all_input_nodes)[:3], c)
-        t = cp_time(other, st, cost, c)
+    cpu = Costing((n,), get_device("cpu"))
+    for other, cc in ((_sdpa(8, 8, 16384, dtype=torch.float32), c), (_sdpa(8, 8, 16384, causal=False, mask=True), c),
+                      (_sdpa(8, 8, 16384, dtype=torch.float32), cpu), (node, cpu)):
+        cost = split_cost(other, node_cost(other, cc.device), st, list(other.all_input_nodes)[:3], cc)
+        t = cp_time(other, st, cost, cc)
         assert t.compute_fwd + t.compute_bwd == pytest.approx(cost.time_total)
 
 
