@@ -12,7 +12,10 @@ forward + backward:
 * ``measured``: §GPU6's ratios to the measured balanced share (the whole causal SDPA / n on the
   H200), times that share. They are a comparison of record, copied from RESULTS.md, not a test.
 
-Then, not measured: the ring form's compute (``ring_compute``) beside the gather form's.
+Then, not measured: the ring form's compute (``ring_compute``) beside the gather form's; and what
+the planner charges one attention node per form (``solver/cp_costs.cp_time``: compute and the
+collectives it does not hide), old and new, for Llama 3 405B's 128K attention (128 query heads, 8 K/V
+heads, bf16, batch 1) on cp 16 x tp 8 (the heads split on tp, cp across nodes) and the GPU6 shapes.
 
 ``--cpu``: instead, measures on this CPU (one thread, fp32) a zig-zag rank's ``_TiledAttention``
 forward + backward against the whole causal SDPA's over the ranks, beside the ``cpu`` preset's
@@ -35,6 +38,10 @@ from autopar.cost_models.compute import node_cost  # noqa: E402
 from autopar.cost_models.context_parallel import gather_time  # noqa: E402
 from autopar.cost_models.cp_tiles import AttnShape, gather_rank_time, gather_tiles, ring_compute  # noqa: E402
 from autopar.cost_models.devices import get_device  # noqa: E402
+from autopar.sharding.placements import Shard  # noqa: E402
+from autopar.sharding.strategy import Strategy  # noqa: E402
+from autopar.solver import cp_costs  # noqa: E402
+from autopar.solver.strategy_prices import Costing, split_cost  # noqa: E402
 
 # §GPU6 (one H200, torch 2.11.0+cu130, 2026-11-27): the whole causal SDPA's fwd + bwd / n ("ideal", ms),
 # and each rank's time over it. Zig-zag: the last run (after commit f6ddf78, the code this model prices).
@@ -49,14 +56,15 @@ MEASURED = {
 HEADS = {32768: 32, 131072: 8}
 
 
-def _sdpa(heads: int, seq: int, dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> fx.Node:
+def _sdpa(heads: int, seq: int, dim: int = 128, dtype: torch.dtype = torch.bfloat16, kv_heads: int = 0) -> fx.Node:
     g = fx.Graph()
     ins = []
-    for name in "qkv":
+    for name, h in zip("qkv", (heads, kv_heads or heads, kv_heads or heads)):
         p = g.placeholder(name)
-        p.meta["val"] = torch.empty((1, heads, seq, dim), device="meta", dtype=dtype, requires_grad=True)
+        p.meta["val"] = torch.empty((1, h, seq, dim), device="meta", dtype=dtype, requires_grad=True)
         ins.append(p)
-    node = g.call_function(aten.scaled_dot_product_attention.default, tuple(ins), {"is_causal": True})
+    node = g.call_function(aten.scaled_dot_product_attention.default, tuple(ins),
+                           {"is_causal": True, "enable_gqa": bool(kv_heads) and kv_heads != heads})
     node.meta["val"] = torch.empty((1, heads, seq, dim), device="meta", dtype=dtype)
     g.output(node)
     return node
@@ -131,7 +139,41 @@ def main(argv=None) -> int:
         gather = max(charges(seq, n, r, True, device)[1] for r in range(n))
         fwd, bwd, fixed = ring_compute(shape, (n,), True, device)
         print(f"| {seq}, {n} | {gather * 1e3:.2f} | {(sum(fwd) + sum(bwd) + fixed.total) * 1e3:.2f} |")
+    print()
+    print(f"the planner's charge of one attention node per form, zig-zag ({args.preset}; ms: total = compute + "
+          "unhidden collectives)")
+    print("| rank's op | S, n | gather old | gather new | ring old | ring new | picked old / new |")
+    print("|---|---|---|---|---|---|---|")
+    for name, heads, kv, seq, n, tp in (("Llama 3 405B: 128 heads, 8 K/V, cp 16 x tp 8", 128, 8, 131072, 16, 8),
+                                        ("GPU6: 8 heads, cp 16", 8, 8, 131072, 16, 1),
+                                        ("GPU6: 32 heads, cp 8", 32, 32, 32768, 8, 1)):
+        row = {form: node_charges(heads, kv, seq, n, tp, form, device) for form in ("attn_gather", "attn_ring")}
+        picks = ["gather" if row["attn_gather"][i] <= row["attn_ring"][i] else "ring" for i in (0, 1)]
+        print(f"| {name} | {seq}, {n} | {row['attn_gather'][0] * 1e3:.2f} | "
+              f"{row['attn_gather'][1] * 1e3:.2f} | {row['attn_ring'][0] * 1e3:.2f} | {row['attn_ring'][1] * 1e3:.2f} | "
+              f"{picks[0]} / {picks[1]} |")
     return 0
+
+
+def node_charges(heads: int, kv: int, seq: int, n: int, tp: int, form: str, device) -> tuple[float, float]:
+    """(old, new) ``cp_time`` totals of one zig-zag attention node on a cp axis of ``n`` (and, when
+    ``tp > 1``, its heads split on a tp axis inside it)."""
+    node = _sdpa(heads, seq, kv_heads=kv)
+    z = Shard(2, 2, True)
+    if tp > 1:
+        st = Strategy(((z, Shard(1)),) * 3, (z, Shard(1)), (f"{form}:cp", None), "cp")
+        c = Costing((n, tp), device)
+    else:
+        st = Strategy(((z,),) * 3, (z,), (f"{form}:cp",), "cp")
+        c = Costing((n,), device)
+    cost = split_cost(node, node_cost(node, device), st, list(node.all_input_nodes), c)
+    new = cp_costs.cp_time(node, st, cost, c).total
+    tiled, cp_costs.tiled_shape = cp_costs.tiled_shape, lambda *a: None      # the balanced share, as before
+    try:
+        old = cp_costs.cp_time(node, st, cost, c).total
+    finally:
+        cp_costs.tiled_shape = tiled
+    return old, new
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from autopar.cost_models.compute import OpCost
 from autopar.cost_models.context_parallel import CpTime, gather_time, lockstep_time, ring_time
 from autopar.cost_models.cp_tiles import AttnShape, cp_compute, runs_fused, tiled
 from autopar.sharding.local_impls import family, local_collectives
-from autopar.sharding.placements import shard_factor
+from autopar.sharding.placements import local_shape, shard_factor
 from autopar.sharding.strategy import Strategy, tensor_inputs
 
 CP_FAMILIES = ("attn_gather", "attn_ring")
@@ -43,8 +43,9 @@ def tiled_shape(node: fx.Node, st: Strategy, c, grads: bool) -> AttnShape | None
     prices them (``tiled``: one cp axis, or a few pieces over several): no mask tensor, no dropout,
     a fused kernel for the device (``c.device``), dtype and head dim, and under the
     gather form a causal mask (without one the gather form calls SDPA once on the gathered keys:
-    the even split is what it costs); ``grads``: a backward runs. None otherwise: the balanced-share
-    model."""
+    the even split is what it costs); ``grads``: a backward runs. The batch and heads are one rank's (a
+    heads or batch split on other axes divides them), the sequence the whole. None otherwise: the
+    balanced-share model."""
     ins = tensor_inputs(node)
     args = list(node.args) + [None] * 8
     dropout = node.kwargs.get("dropout_p", args[4]) or 0.0
@@ -53,9 +54,9 @@ def tiled_shape(node: fx.Node, st: Strategy, c, grads: bool) -> AttnShape | None
     q, k, v = (a.meta["val"] for a in ins)
     if not runs_fused(c.device, q.dtype, int(q.shape[-1])) or (family(st) == "attn_gather" and not causal(node)):
         return None
-    return AttnShape(q.numel() // (q.shape[-2] * q.shape[-1]), k.numel() // (k.shape[-2] * k.shape[-1]),
-                     int(q.shape[-2]), int(q.shape[-1]), int(v.shape[-1]), q.dtype, grads,
-                     causal(node))
+    lq, lk = (local_shape(t.shape, spec, c.mesh_shape) for t, spec in ((q, st.inputs[0]), (k, st.inputs[1])))
+    return AttnShape(math.prod(lq[:-2]), math.prod(lk[:-2]), int(q.shape[-2]), int(q.shape[-1]), int(v.shape[-1]),
+                     q.dtype, grads, causal(node))
 
 
 def cp_time(node: fx.Node, st: Strategy, cost: OpCost, c) -> CpTime:

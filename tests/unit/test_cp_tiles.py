@@ -221,3 +221,17 @@ def test_pricing_a_wide_axis_is_quick():
     fwd, _, _ = ring_compute(shape, (4096,), True, H100)
     assert time.process_time() - t0 < 1.0 and len(fwd) == 4096
     assert math.isfinite(sum(fwd))
+
+
+def test_a_heads_split_on_another_axis_divides_the_tiles_batch():
+    """cp 4 x tp 2 with the heads split on tp: the rank's tiles are those of half the heads, as on a
+    cp-only mesh for an op of half the heads (Llama 3's 128K row splits heads on tp 8 beside cp 16)."""
+    node, half = _sdpa(16, 8, 16384), _sdpa(8, 4, 16384)
+    z = Shard(2, 2, True)
+    both = Strategy(((z, Shard(1)),) * 3, (z, Shard(1)), ("attn_gather:cp", None), "cp")
+    c2 = Costing((4, 2), H100)
+    t2 = cp_time(node, both, split_cost(node, node_cost(node, H100), both, list(node.all_input_nodes), c2), c2)
+    c1 = Costing((4,), H100)
+    one = _cp("attn_gather")
+    t1 = cp_time(half, one, split_cost(half, node_cost(half, H100), one, list(half.all_input_nodes), c1), c1)
+    assert (t2.compute_fwd, t2.compute_bwd) == pytest.approx((t1.compute_fwd, t1.compute_bwd))
