@@ -149,9 +149,9 @@ def main(argv=None) -> int:
                                         ("GPU6: 32 heads, cp 8", 32, 32, 32768, 8, 1)):
         row = {form: node_charges(heads, kv, seq, n, tp, form, device) for form in ("attn_gather", "attn_ring")}
         picks = ["gather" if row["attn_gather"][i] <= row["attn_ring"][i] else "ring" for i in (0, 1)]
-        print(f"| {name} | {seq}, {n} | {row['attn_gather'][0] * 1e3:.2f} | "
-              f"{row['attn_gather'][1] * 1e3:.2f} | {row['attn_ring'][0] * 1e3:.2f} | {row['attn_ring'][1] * 1e3:.2f} | "
-              f"{picks[0]} / {picks[1]} |")
+        gather, ring = row["attn_gather"], row["attn_ring"]
+        print(f"| {name} | {seq}, {n} | {gather[0] * 1e3:.2f} | {gather[1] * 1e3:.2f} | {ring[0] * 1e3:.2f} | "
+              f"{ring[1] * 1e3:.2f} | {picks[0]} / {picks[1]} |")
     return 0
 
 

@@ -61,6 +61,8 @@ from .compute import roofline_time
 
 _LSE_BYTES = 22           # accumulator-sized reads and writes per log-sum-exp row of one merge
 _MERGE_KERNELS = 13       # logaddexp, isinf, zeros, where, 2 x (sub, exp), 2 muls, add, 2 puts
+MAX_CUT_PIECES = 16       # several cp axes: priced as tiles up to this many pieces (``tiled``)
+MAX_EXACT_RANKS = 256     # a wider gather axis prices the ranks at its ends and a spread between them
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ class Tile:
 
 @dataclass(frozen=True)
 class Seconds:
+    """Forward and backward seconds."""
+
     fwd: float
     bwd: float
 
@@ -117,7 +121,7 @@ class Seconds:
 ZERO = Seconds(0.0, 0.0)
 
 
-def runs_fused(device, dtype: torch.dtype, d: int) -> bool:
+def prices_tiles(device, dtype: torch.dtype, d: int) -> bool:
     """Whether this model prices the op's cp tiles on ``device``: an accelerator running them on its
     fused kernel (``fused_blocks.backend``: fp16 / bf16, a head dim that is a multiple of 8 up to
     256). The CPU runs the same tiles (its flash kernel, any dtype) but keeps the balanced share
@@ -290,10 +294,6 @@ def tiled(sizes: tuple[int, ...]) -> bool:
     """Whether ``cp_compute`` prices this many cp axes as tiles: one axis (closed forms), or several
     with at most ``MAX_CUT_PIECES`` pieces (each rank's tiles cut from its positions)."""
     return len(sizes) == 1 or math.prod(sizes) <= MAX_CUT_PIECES
-
-
-MAX_CUT_PIECES = 16
-MAX_EXACT_RANKS = 256     # a wider axis prices the ranks at its ends and a spread between them
 
 
 def _ranks(n: int) -> list[int]:

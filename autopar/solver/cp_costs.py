@@ -1,6 +1,7 @@
 """Context-parallel attention in the intra-op problem: its node time and memory under a ``"cp"``
-strategy (the model: ``cost_models/context_parallel.py``; the compute of fused tiles: ``cost_models/cp_tiles.py``). ``strategy_prices.node_costs`` calls
-``cp_node_time`` and ``cp_saved_bytes``; ``memory_terms`` calls ``cp_transient_bytes``.
+strategy (the model: ``cost_models/context_parallel.py``; the compute of fused tiles:
+``cost_models/cp_tiles.py``). ``strategy_prices.node_costs`` calls ``cp_node_time`` and
+``cp_saved_bytes``; ``memory_terms`` calls ``cp_transient_bytes``.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.fx as fx
 from autopar.cost_models.causal_attention import is_causal
 from autopar.cost_models.compute import OpCost
 from autopar.cost_models.context_parallel import CpTime, gather_time, lockstep_time, ring_time
-from autopar.cost_models.cp_tiles import AttnShape, cp_compute, runs_fused, tiled
+from autopar.cost_models.cp_tiles import AttnShape, cp_compute, prices_tiles, tiled
 from autopar.sharding.local_impls import family, local_collectives
 from autopar.sharding.placements import local_shape, shard_factor
 from autopar.sharding.strategy import Strategy, tensor_inputs
@@ -52,7 +53,7 @@ def tiled_shape(node: fx.Node, st: Strategy, c, grads: bool) -> AttnShape | None
     if len(ins) != 3 or dropout or not tiled(tuple(c.mesh_shape[a] for a in cp_axes(st, c.mesh_shape))):
         return None
     q, k, v = (a.meta["val"] for a in ins)
-    if not runs_fused(c.device, q.dtype, int(q.shape[-1])) or (family(st) == "attn_gather" and not causal(node)):
+    if not prices_tiles(c.device, q.dtype, int(q.shape[-1])) or (family(st) == "attn_gather" and not causal(node)):
         return None
     lq, lk = (local_shape(t.shape, spec, c.mesh_shape) for t, spec in ((q, st.inputs[0]), (k, st.inputs[1])))
     return AttnShape(math.prod(lq[:-2]), math.prod(lk[:-2]), int(q.shape[-2]), int(q.shape[-1]), int(v.shape[-1]),
