@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from autopar.collectives.attention_cp import _TiledAttention  # noqa: E402
-from autopar.collectives.cp_positions import held  # noqa: E402
+from autopar.sharding.cp_positions import held  # noqa: E402
 from bench.gpu_calibration import timed  # noqa: E402
 
 

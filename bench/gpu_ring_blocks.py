@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from autopar.collectives import attention_cp as cp, fused_blocks  # noqa: E402
-from autopar.collectives.cp_positions import tiles  # noqa: E402
+from autopar.sharding.cp_positions import tiles  # noqa: E402
 from bench.gpu_calibration import timed  # noqa: E402
 
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.ops import aten
 
 from autopar.collectives import comm, fused_blocks
-from autopar.collectives.cp_positions import held, tiles
+from autopar.sharding.cp_positions import held, tiles
 from autopar.collectives.groups import axis as _axis
 
 

@@ -14,7 +14,7 @@ What the model assumes:
   pattern unknown when planning), divides evenly. In the zig-zag order (``zigzag=True``: rank
   ``r`` holds chunks ``r`` and ``2n-1-r`` of ``2n``, the placement ``Z(dim)``) every rank has the
   same visible pairs, so the imbalance is 1; in the ring each block is then cut at its pieces'
-  borders and only the visible tiles run (``collectives/cp_positions.tiles``), half a block per
+  borders and only the visible tiles run (``sharding/cp_positions.tiles``), half a block per
   step after the first.
 * **Gather form** (``attn_gather``): the K/V all-gathers in forward and their gradients'
   reduce-scatters in backward run before / after the op, not overlapped; then the slowest rank's
@@ -30,6 +30,13 @@ What the model assumes:
   causal mask hides entirely are skipped (their step is the hop alone). With several cp axes the
   outer ones are gathered first, as in the gather form, and the ring spreads the slowest rank's
   work evenly over its steps.
+* **Fused tiles** (``cost_models/cp_tiles.py``, chosen by ``solver/cp_costs.tiled_shape``): where
+  an accelerator runs a form's attention as fused tiles (no mask tensor, no dropout, fp16 / bf16;
+  the gather form only under the causal flag) the compute is not the share above but the rank's
+  tiles: each tile's kernel at the efficiency of its own keys, its launch, the log-sum-exp merge
+  and the fp32 accumulators (``lockstep_time`` takes the ring's busiest rank per step). Elsewhere
+  the share above stands: an explicit mask or fp32 on a GPU (the explicit path), and the CPU, whose
+  tiles measured within 12 % of the share (``cp_tiles.py``).
 
 Memory (``solver/cp_costs.py``): activations are the sequence shard (the placements divide
 them); the gather form saves the gathered K/V of every layer for backward (``n`` shards each),
@@ -185,3 +192,26 @@ def ring_time(fwd: float, bwd: float, n: int, seq: int, causal: bool, hop_kv: fl
             t_f += cf + kv
             t_b += cb + kv + hop_grad if bwd or hop_grad else 0.0
     return CpTime(c_f, c_b, t_f - c_f + gathers, t_b - c_b + scatters)
+
+
+def lockstep_time(widest_fwd: list[float], widest_bwd: list[float], hop_kv: float, hop_grad: float,
+                  overlap: bool, fixed_fwd: float = 0.0, fixed_bwd: float = 0.0, gathers: float = 0.0,
+                  scatters: float = 0.0) -> CpTime:
+    """The ring's lock-step (module docstring) given the busiest rank's compute at each of the ``n``
+    steps (``widest_fwd[s]``, ``widest_bwd[s]`` seconds; hops after all but the last step) and the
+    once-per-op compute before and after the steps (``fixed_fwd``, ``fixed_bwd``): a step lasts
+    its busiest rank's compute, or the hop where that is longer and overlapped."""
+    n = len(widest_fwd)
+    has_bwd = any(widest_bwd) or hop_grad > 0
+    t_f = t_b = 0.0
+    for s in range(n):
+        kv = hop_kv if s < n - 1 else 0.0
+        cf, cb = widest_fwd[s], widest_bwd[s]
+        if overlap:
+            t_f += max(cf, kv)
+            t_b += max(kv, cb + hop_grad) if has_bwd else 0.0
+        else:
+            t_f += cf + kv
+            t_b += cb + kv + hop_grad if has_bwd else 0.0
+    c_f, c_b = sum(widest_fwd), sum(widest_bwd)
+    return CpTime(c_f + fixed_fwd, c_b + fixed_bwd, t_f - c_f + gathers, t_b - c_b + scatters)

@@ -12,7 +12,7 @@ index subset that its inputs and outputs share (elementwise ops, norms over othe
 batched dims of matmuls, embedding lookups, views whose blocks line up: ``[B, T] -> [B*T]`` with
 ``Z(1)`` is ``Z(0, 2B)``, each row halved) or that it sums over (a contraction or reduction over
 the split dim gives ``Partial``). What depends on where a piece lies is excluded: positions
-inside attention come from the placement (``collectives/cp_positions.py``), and the local
+inside attention come from the placement (``sharding/cp_positions.py``), and the local
 implementations that index by their piece (vocab-parallel embedding and loss, expert dispatch)
 are dropped on these axes (``POSITION_FREE`` lists the ones that stay).
 """

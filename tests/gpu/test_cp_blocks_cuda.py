@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from autopar.collectives import fused_blocks
 from autopar.collectives.attention_cp import _TiledAttention
-from autopar.collectives.cp_positions import held
+from autopar.sharding.cp_positions import held
 from bench.gpu_ring_blocks import ring_share
 
 DEV = os.environ.get("AUTOPAR_GPU_TESTS_ON", "cuda")

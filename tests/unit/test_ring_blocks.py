@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autopar.collectives import fused_blocks
-from autopar.collectives.cp_positions import runs, tiles
+from autopar.sharding.cp_positions import runs, tiles
 from bench.gpu_ring_blocks import ring_share
 
 

@@ -13,7 +13,7 @@ import torch
 import autopar
 from autopar import Shard
 from autopar.collectives.attention_cp import causal_flops_per_rank, zigzag_chunks
-from autopar.collectives.cp_positions import held, tile_work, tiles
+from autopar.sharding.cp_positions import held, tile_work, tiles
 from autopar.cost_models.context_parallel import block_shares, imbalance, rank_shares, ring_time
 from autopar.sharding.boxes import runs
 from autopar.sharding.placements import R, parse_placement, piece_of, zigzag_of

@@ -13,6 +13,9 @@ query), ``"causal"`` (queries and keys the same run: the top-left causal square)
 (anything else, run with an explicit mask). The contiguous split gives one tile per block; the
 zig-zag split four, of which the hidden ones and the half-visible blocks' halves are what balance
 the ranks' work (``tile_work``).
+
+It sits below both of its users: ``collectives/attention_cp.py`` runs these tiles and
+``cost_models/cp_tiles.py`` prices the same tiles.
 """
 from __future__ import annotations
 
