@@ -123,6 +123,7 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
                 break
             tried.add(z)
             got, failed, pipe_failed = _frontier(request.with_options(zero=z), ks, choices, rc, traces, state)
+            _share_floors(z, state, frontiers)
             plans += got
             failures += failed
             pipe_failures += pipe_failed
@@ -158,6 +159,23 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
         best.solve_time = elapsed
         best.search_note = progress.stopped_note()
     return chosen[:max(1, top_k)]
+
+
+def _share_floors(z: int, state: FrontierState, frontiers: dict) -> None:
+    """Hands the floors ZeRO stage ``z`` >= 1 proved (``FrontierState.floors``) to the higher stages.
+    A layout's time under ZeRO-2 equals its time under ZeRO-1 at one microbatch (the same
+    reduce-scatter of its gradients, one all-gather of its weights after the sharded optimizer step;
+    the stages differ in memory only) and ZeRO-3 adds a second all-gather; with k microbatches
+    stages 2 and 3 reduce-scatter in each (``strategy_prices._param_state_cost``, ``node_costs``).
+    So a floor of stage ``z`` at any budget is one of every higher stage. Not from ZeRO-0: ZeRO-1
+    shards the optimizer step and may gather less than the all-reduce it replaces."""
+    if z < 1:
+        return
+    for y, other in frontiers.items():
+        if y > z:
+            for key, proven in state.floors.items():
+                have = other.floors.setdefault(key, [])
+                have += [f for f in proven if f not in have]
 
 
 def _cap(mesh: Mesh, opts: PlanOptions) -> float:

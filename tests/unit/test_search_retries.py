@@ -54,3 +54,36 @@ def test_a_meshes_plan_is_not_a_pipeline_retry():
     flat = types.SimpleNamespace(mesh=Mesh((4, 2), ("dp", "tp")), memory_bound=True, pipeline=None)
     _note_retries(state, [flat], [("mesh (4, 2)", ValueError("x"))])
     assert state.retry == {}
+
+
+# ---- floors handed from ZeRO-1 to the higher stages (``search._share_floors``) ----------------
+
+def test_zero1_floors_reach_the_higher_stages_but_zero0_floors_do_not():
+    from autopar.solver.search import _share_floors
+    key = ((8, 1024), ("dp", "tp"))
+    frontiers = {z: FrontierState() for z in (0, 1, 2, 3)}
+    frontiers[0].floors[key] = [(0, 30.0)]
+    _share_floors(0, frontiers[0], frontiers)
+    assert all(not frontiers[z].floors for z in (1, 2, 3))     # ZeRO-1 may be faster than ZeRO-0
+    frontiers[1].floors[key] = [(0, 25.0)]
+    _share_floors(1, frontiers[1], frontiers)
+    _share_floors(1, frontiers[1], frontiers)                   # idempotent
+    assert frontiers[2].floors[key] == [(0, 25.0)] and frontiers[3].floors[key] == [(0, 25.0)]
+    assert frontiers[0].floors[key] == [(0, 30.0)]
+
+
+def test_zero2_and_zero1_cost_a_layout_the_same_and_zero3_more():
+    """The premise of the hand-over, on the cost model itself: one parameter's step terms at one
+    microbatch under ZeRO-1, -2 and -3."""
+    import torch
+    from autopar.cost_models.devices import get_device
+    from autopar.sharding.placements import R
+    from autopar.sharding.strategy import Strategy
+    from autopar.solver.strategy_prices import Costing, _param_state_cost
+    st = Strategy((), (R, R), (None, None), "replicate")
+    times = {}
+    for z in (1, 2, 3):
+        c = Costing((4, 2), get_device("h100"), "adamw", "bf16", zero=z)
+        _, seconds, _ = _param_state_cost(1 << 20, [2.0 * (1 << 20), 4.0 * (1 << 20), 12.0 * (1 << 20)], st, c)
+        times[z] = seconds
+    assert times[2] == times[1] and times[3] > times[2]
