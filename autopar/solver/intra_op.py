@@ -74,6 +74,8 @@ class DominatedError(Exception):
         self.lower_bound = lower_bound
         self.cutoff = cutoff
         self.unbudgeted = unbudgeted    # the bound ignores memory (lam = 0): it holds for any budget
+        if unbudgeted:                  # then it is the problem's bound at any budget (the search's floor)
+            self.free_bound = lower_bound
 
 
 @dataclass

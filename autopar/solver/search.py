@@ -238,13 +238,14 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
         mb = traces[k]
         note = _levers_note(opts.zero, k, rc)
         pipe_failures += _floored(state, i, progress.cutoff(), note)
+        beaten = _beaten(state, i, progress.cutoff())
         skip = {key for key, j in done.items() if j <= i} | {key for key, need in below.items() if k < need}
         try:
             got, failed, pipe_failed = _candidates(req.replace(traced=mb).with_options(recompute=rc),
                                                    pipelines=pipelines, microbatches=k, skip=skip, pipe_skip=pipe_fit,
                                                    pipelines_first=k == 1 and state_needs_pipeline(traced, mesh,
                                                                                                    opts, cap),
-                                                   pipe_only=pipe_only)
+                                                   pipe_only=pipe_only, beaten=beaten)
         except PlanError as err:
             if k == 1 and pipeline_request and rc != choices[-1]:
                 pipe_failures.append((f"pipeline ({note or 'no memory options'})", err))
@@ -350,6 +351,20 @@ def _floored(state: FrontierState, i: int, cutoff: float | None, note: str) -> l
     return out
 
 
+def _beaten(state: FrontierState, i: int, cutoff: float | None) -> dict:
+    """Mesh key -> ``DominatedError`` for every mesh whose floor proven at an index <= ``i`` reaches
+    ``cutoff`` (``_floored``'s test, done or not): the batch rule's outcome for a merged mesh that is not
+    solved again (``_candidates``; a floor handed over from ZeRO-1, ``_share_floors``)."""
+    if cutoff is None or not STEP_FLOORS:
+        return {}
+    out = {}
+    for key, proven in state.floors.items():
+        floor = max((f for j, f in proven if j <= i), default=-math.inf)
+        if floor >= cutoff:
+            out[key] = DominatedError(floor, cutoff, True)
+    return out
+
+
 def _mark_done(done: dict, got: list, failed: list, i: int, n: int, floors: dict | None = None) -> None:
     """``_frontier``'s ``done`` (mesh key -> from which k index on it is not tried) at k index ``i`` of
     ``n``: a mesh whose plan fits without the cap shaping it (nothing at this k with more recomputation
@@ -416,7 +431,8 @@ def state_needs_pipeline(traced, mesh: Mesh, opts: PlanOptions, cap: float) -> b
 
 
 def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1, skip: set | None = None,
-                pipe_skip: set | None = None, pipelines_first: bool = False, pipe_only: set | None = None):
+                pipe_skip: set | None = None, pipelines_first: bool = False, pipe_only: set | None = None,
+                beaten: dict | None = None):
     """(plans, failures [(mesh, error)], pipeline failures [(note, error)]) of every candidate layout
     of one traced step, a microbatch of a step that accumulates ``microbatches``: each mesh
     factorisation, DDP's layout, then the pipeline candidates (only these when the request names a
@@ -428,7 +444,9 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
     failure is a ``DominatedError`` (``solve_on_mesh``'s ``cutoff``). ``skip``: (shape, axis names)
     of meshes not to try (DDP's layout is the 1-D "dp" mesh); ``pipe_skip``: the same for pipeline
     candidates (their full meshes, pp first); ``pipe_only``: when given, the only pipeline candidates
-    to try."""
+    to try; ``beaten``: mesh key -> the ``DominatedError`` of a mesh whose floor reaches the best plan
+    (``_floored``), for the batch rule when that mesh is not solved again."""
+    beaten = beaten or {}
     traced, mesh, mode, opts = req.traced, req.mesh, req.mode, req.opts
     param_ann, input_ann = req.param_ann, req.input_ann
     skip = skip or set()
@@ -447,7 +465,8 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
         if (m.shape, m.axis_names) in skip:
             continue
         merged = None if annotated else batch_merged(traced, m)
-        if merged is not None and _merged_wins(outcomes.get((merged.shape, merged.axis_names))):
+        if merged is not None and _merged_wins(outcomes.get((merged.shape, merged.axis_names),
+                                                            beaten.get((merged.shape, merged.axis_names)))):
             failures.append((m, MergedAxisWins(m, merged, traced.batch_size)))    # the batch rule: not solved
             continue
         try:

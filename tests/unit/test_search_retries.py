@@ -87,3 +87,16 @@ def test_zero2_and_zero1_cost_a_layout_the_same_and_zero3_more():
         _, seconds, _ = _param_state_cost(1 << 20, [2.0 * (1 << 20), 4.0 * (1 << 20), 12.0 * (1 << 20)], st, c)
         times[z] = seconds
     assert times[2] == times[1] and times[3] > times[2]
+
+
+def test_beaten_lists_every_mesh_whose_floor_reaches_the_best_plan_done_or_not():
+    """The batch rule reads a merged mesh that is not solved again (its floor handed over from ZeRO-1)
+    as beaten: its cp mesh is then not solved either."""
+    from autopar.solver.intra_op import DominatedError
+    from autopar.solver.search import _beaten
+    merged, other = ((1024, 8), ("dp", "tp")), ((2, 4096), ("dp", "tp"))
+    state = FrontierState(floors={merged: [(0, 25.0)], other: [(0, 12.0), (1, 19.0)]}, done={merged: 0})
+    got = _beaten(state, 0, 18.49)
+    assert set(got) == {merged} and isinstance(got[merged], DominatedError) and got[merged].unbudgeted
+    assert set(_beaten(state, 1, 18.49)) == {merged, other}     # a floor proven at a later index counts there
+    assert _beaten(state, 0, None) == {}
