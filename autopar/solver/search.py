@@ -51,6 +51,7 @@ class FrontierState:
     floors: dict = dataclasses.field(default_factory=dict)  # mesh key -> [(k index, whole-step floor proven there)]
     retry: dict = dataclasses.field(default_factory=dict)   # pipeline (full mesh key) -> its step without the cap
                                                             # (``_retries``): to try again with more recomputation
+    pipes: set = dataclasses.field(default_factory=set)     # (full mesh key, recompute choice) of pipelines tried
 
 
 def candidate_meshes(mesh: Mesh, annotated: frozenset = frozenset(), traced=None) -> list[Mesh]:
@@ -131,10 +132,11 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
                    for p in got):
                 frontiers = {y: s for y, s in frontiers.items() if y <= z}
                 break               # fits freely: a higher stage only adds all-gathers
+    if plans and zero1_applies(request, tried, _pipeline_tried(min(plans, key=rank_key), frontiers.get(1))) \
+            and not progress.out_of_time():   # ZeRO-1 shards the optimizer step (before the bisection: its room)
+        plans += zero1_plans(request, min(plans, key=rank_key), traces, _candidates)
     if plans and partial_applies(request) and not progress.out_of_time():   # "full" on fewer layers
         plans += partial_plans(request, min(plans, key=rank_key), traces, _candidates)
-    if plans and zero1_applies(request, tried) and not progress.out_of_time():   # ZeRO-1 shards the optimizer step
-        plans += zero1_plans(request, min(plans, key=rank_key), traces, _candidates)
     if not plans:
         told = [(n, e) for n, e in pipe_failures if not isinstance(e, MergedAxisWins)]   # not solved: no reason
         err = no_plan_error(mesh, failures, told, _cap(mesh, opts), traced.batch_size, opts.time_limit_s)
@@ -259,6 +261,8 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
         pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None and not p.memory_bound}
         if k == 1:
             _note_retries(state, got, pipe_failed)
+            state.pipes |= {((p.mesh.shape, p.mesh.axis_names), str(rc)) for p in got if p.pipeline is not None}
+            state.pipes |= {(e.full_key, str(rc)) for _, e in pipe_failed if getattr(e, "full_key", None)}
         _mark_done(done, got, failed, i, len(ks), state.floors)
         for m, e in failed:
             if not _stops_mesh(e) and isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
@@ -273,6 +277,14 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
             pipe_failures += pipe_failed
         i += 1
     return plans, failures, pipe_failures
+
+
+def _pipeline_tried(best: Plan, state: FrontierState | None) -> bool:
+    """Whether ``best``'s pipeline candidate was tried at its recompute choice by the ZeRO stage whose
+    frontier is ``state`` (``FrontierState.pipes``; False for a plan that is not a pipeline)."""
+    if best.pipeline is None or state is None:
+        return False
+    return ((best.mesh.shape, best.mesh.axis_names), str(best.memory_options.recompute)) in state.pipes
 
 
 def _note_retries(state: FrontierState, got: list, pipe_failed: list) -> None:

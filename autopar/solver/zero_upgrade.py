@@ -23,11 +23,14 @@ from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeo
 from autopar.solver.request import SolveRequest
 
 
-def applies(req: SolveRequest, tried: set[int]) -> bool:
+def applies(req: SolveRequest, tried: set[int], best_tried: bool = True) -> bool:
     """Whether the search may add the ZeRO-1 probe: AUTO/SEMI_AUTO, the stage left to the search,
-    more than one device, and stage 1 not already searched (``tried``: the stages whose frontier ran)."""
+    more than one device, and stage 1 not already searched (``tried``: the stages whose frontier ran)
+    or its frontier not having tried the best plan's pipeline at its recomputation (``best_tried``
+    false: a pipeline retried with more recomputation at ZeRO-0 after the ZeRO-1 frontier had dropped it
+    at a lighter choice, ``search._retries``)."""
     return (req.opts.zero is None and req.mode in (ParallelMode.AUTO, ParallelMode.SEMI_AUTO)
-            and req.mesh.size > 1 and 1 not in tried)
+            and req.mesh.size > 1 and (1 not in tried or not best_tried))
 
 
 def zero1_plans(req: SolveRequest, best: Plan, traces: dict, candidates) -> list[Plan]:

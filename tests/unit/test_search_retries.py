@@ -100,3 +100,22 @@ def test_beaten_lists_every_mesh_whose_floor_reaches_the_best_plan_done_or_not()
     assert set(got) == {merged} and isinstance(got[merged], DominatedError) and got[merged].unbudgeted
     assert set(_beaten(state, 1, 18.49)) == {merged, other}     # a floor proven at a later index counts there
     assert _beaten(state, 0, None) == {}
+
+
+# ---- the ZeRO-1 probe on a pipeline the ZeRO-1 frontier did not try (``zero_upgrade.applies``) --------
+
+def test_zero1_probe_runs_for_a_pipeline_the_zero1_frontier_did_not_try():
+    from autopar.core.context import ParallelMode
+    from autopar.plan.plan import MemoryOptions
+    from autopar.solver.mesh_solve import PlanOptions
+    from autopar.solver.search import _pipeline_tried
+    from autopar.solver.zero_upgrade import applies
+    best = _plan(SHALLOW, False, 7.6)
+    best.memory_options = MemoryOptions(recompute="full")
+    zero1 = FrontierState(pipes={(SHALLOW, "none"), (DEEP, "full")})
+    assert not _pipeline_tried(best, zero1) and not _pipeline_tried(best, None)
+    zero1.pipes.add((SHALLOW, "full"))
+    assert _pipeline_tried(best, zero1)
+    req = types.SimpleNamespace(opts=PlanOptions(), mode=ParallelMode.AUTO, mesh=Mesh((16, 128, 8)))
+    assert applies(req, {0}) and applies(req, {0, 1}, best_tried=False)
+    assert not applies(req, {0, 1}, best_tried=True)
