@@ -201,11 +201,9 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
     each layout's memory is S + A/k (state and gathered weights, activations of B/k rows, both
     >= 0), so the least over layouts is concave in 1/k and M(k') >= (k / k') · M(k). A bound under the budget
     (``DominatedError`` otherwise) drops the mesh at that k only: a larger k frees memory.
-    Pipelines run their own microbatches (k = 1 only). With recomputation they are tried while
-    no plan of this stage fits yet (or when a pipeline was asked for), a candidate only until it fits
-    with a stage cut the cap did not shape (``Plan.memory_bound``); once a plan fits, only the
-    candidates the cap shaped or refused whose step without the cap beats the best plan (``_retries``);
-    and right after k = 1 when
+    Pipelines run their own microbatches (k = 1 only); with recomputation (``_pipeline_choice``) while no
+    plan of this stage fits yet (or when a pipeline was asked for), a candidate until it fits with a stage
+    cut the cap did not shape (``Plan.memory_bound``), after that only ``_retries``; and right after k = 1 when
     ``state_needs_pipeline`` (``_pipelines_first``): heuristics, not bounds (docs/solver.md). Every k
     is visited (a jump to the k one failed assignment's memory breakdown needs once skipped the k at
     which a faster layout fitted). ``traces``: k -> the step traced at B/k, shared across calls;
@@ -217,7 +215,7 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
     traced, mesh, opts = req.traced, req.mesh, req.opts
     progress = opts.progress
     keys = _mesh_keys(traced, mesh, req.mode, req.param_ann, req.input_ann)
-    done, pipe_fit, early = state.done, state.pipe_fit, state.early
+    done, pipe_fit = state.done, state.pipe_fit
     pipeline_request = "pp" in mesh.axis_names or bool(opts.microbatches or opts.schedule)
     cap = _cap(mesh, opts)
     i = 0
@@ -227,17 +225,11 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
         k = ks[i]
         if progress.out_of_time():
             return plans, failures, pipe_failures
-        again = _retries(state, progress.cutoff()) if k == 1 and state.fitting else set()
-        pipelines = k == 1 and (opts.zero or 0) in PIPELINE_ZERO and not (isinstance(rc, str) and rc in early) and (
-            rc == "none" or opts.recompute is not None or pipeline_request or not state.fitting or bool(again))
-        pipe_only = again if pipelines and state.fitting and rc != "none" and opts.recompute is None \
-            and not pipeline_request else None
+        pipelines, pipe_only = _pipeline_choice(state, k, rc, opts, pipeline_request, progress.cutoff())
         if pipeline_request and not pipelines:
             break               # only pipelines were asked for
         progress.enter(", ".join([f"ZeRO-{opts.zero or 0}", f"recompute {rc}", f"accumulation {k}"]))
-        if k not in traces:
-            traces[k] = microbatch_traced(traced, k, req.retracer)
-        mb = traces[k]
+        mb = traces[k] = traces[k] if k in traces else microbatch_traced(traced, k, req.retracer)
         note = _levers_note(opts.zero, k, rc)
         pipe_failures += _floored(state, i, progress.cutoff(), note)
         beaten = _beaten(state, i, progress.cutoff())
@@ -258,15 +250,9 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
             break
         plans += [accumulated(p, k, traced, mb) for p in got]
         state.fitting |= bool(got)
-        pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None and not p.memory_bound}
-        if k == 1:
-            _note_retries(state, got, pipe_failed)
-            state.pipes |= {((p.mesh.shape, p.mesh.axis_names), str(rc)) for p in got if p.pipeline is not None}
-            state.pipes |= {(e.full_key, str(rc)) for _, e in pipe_failed if getattr(e, "full_key", None)}
+        _note_pipelines(state, got, pipe_failed, rc, k)
         _mark_done(done, got, failed, i, len(ks), state.floors)
-        for m, e in failed:
-            if not _stops_mesh(e) and isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
-                below[(m.shape, m.axis_names)] = k * e.least_memory / cap
+        _note_below(below, failed, k, cap)
         failures += [Failure(m, note, e) for m, e in failed if not isinstance(e, DominatedError)]
         pipe_failures += pipe_failed + [(f"mesh {m.shape} ({note or 'no memory options'})", e)
                                         for m, e in failed if isinstance(e, DominatedError)]
@@ -277,6 +263,39 @@ def _frontier(req: SolveRequest, ks: list[int], choices: list, rc, traces: dict,
             pipe_failures += pipe_failed
         i += 1
     return plans, failures, pipe_failures
+
+
+def _note_below(below: dict, failed: list, k: int, cap: float) -> None:
+    """``_frontier``'s ``below``: a mesh that cannot fit at ``k``, its least memory proven, is not tried at
+    k' < k x least memory / cap (``_frontier``'s docstring)."""
+    for m, e in failed:
+        if not _stops_mesh(e) and isinstance(e, InfeasibleError) and getattr(e, "least_memory", None):
+            below[(m.shape, m.axis_names)] = k * e.least_memory / cap
+
+
+def _pipeline_choice(state: FrontierState, k: int, rc, opts: PlanOptions, pipeline_request: bool,
+                     cutoff: float | None) -> tuple[bool, set | None]:
+    """(whether ``_frontier`` tries pipelines at accumulation ``k`` and recompute choice ``rc``, the only
+    pipeline candidates to try or None for all): at k = 1, ZeRO-0 or 1, a choice ``_pipelines_first`` did
+    not run; at no recomputation, a fixed choice or a requested pipeline every candidate, with more
+    recomputation every candidate while no plan fits, after that only the retries (``_retries``)."""
+    again = _retries(state, cutoff) if k == 1 and state.fitting else set()
+    pipelines = k == 1 and (opts.zero or 0) in PIPELINE_ZERO and not (isinstance(rc, str) and rc in state.early) and (
+        rc == "none" or opts.recompute is not None or pipeline_request or not state.fitting or bool(again))
+    only = again if pipelines and state.fitting and rc != "none" and opts.recompute is None \
+        and not pipeline_request else None
+    return pipelines, only
+
+
+def _note_pipelines(state: FrontierState, got: list, pipe_failed: list, rc, k: int) -> None:
+    """Records what the pipeline candidates gave at ``rc``: those that fit freely (``pipe_fit``: not tried
+    again), the retries (``_note_retries``) and the (candidate, recompute choice) pairs tried (``pipes``)."""
+    state.pipe_fit |= {(p.mesh.shape, p.mesh.axis_names) for p in got if p.pipeline is not None and not p.memory_bound}
+    if k != 1:
+        return
+    _note_retries(state, got, pipe_failed)
+    state.pipes |= {((p.mesh.shape, p.mesh.axis_names), str(rc)) for p in got if p.pipeline is not None}
+    state.pipes |= {(e.full_key, str(rc)) for _, e in pipe_failed if getattr(e, "full_key", None)}
 
 
 def _pipeline_tried(best: Plan, state: FrontierState | None) -> bool:
