@@ -119,3 +119,15 @@ def test_zero1_probe_runs_for_a_pipeline_the_zero1_frontier_did_not_try():
     req = types.SimpleNamespace(opts=PlanOptions(), mode=ParallelMode.AUTO, mesh=Mesh((16, 128, 8)))
     assert applies(req, {0}) and applies(req, {0, 1}, best_tried=False)
     assert not applies(req, {0, 1}, best_tried=True)
+
+
+# ---- a pipeline's partial-recomputation probes keep its layout (``partial_recompute._pinned``) --------
+
+def test_pipeline_probes_pin_the_best_layouts_parameters_off_the_pp_axis():
+    from autopar.plan.plan import ParamDecision
+    from autopar.sharding.placements import R, Shard, Spec
+    from autopar.solver.partial_recompute import _pinned
+    best = types.SimpleNamespace(mesh=Mesh((4, 2, 2), ("pp", "dp", "tp")), params={
+        "w": ParamDecision(Spec((R, R, Shard(0))), [8, 8], "float32", "p_w"),
+        "running_mean": ParamDecision(Spec((R, R, R)), [8], "float32", "b_rm", kind="buffer")})
+    assert _pinned(best) == {"w": {"dp": R, "tp": Shard(0)}}
