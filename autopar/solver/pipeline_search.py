@@ -56,9 +56,9 @@ from autopar.solver.pipeline_steer import _next_share, _tighter, in_flight_weigh
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_collectives import pipeline_collectives
 from autopar.solver.stage_tags import check_stage_tags
-from autopar.solver.virtual_stages import best_over_virtual_stages, virtual_stage_choices
-from autopar.solver.end_units import rules_at, stage_layer_names
+from autopar.solver.end_units import stage_layer_names
 from autopar.solver.unit_costs import UnitCosts, unit_profiles
+from autopar.solver.stage_cut import free_estimate, free_step, partition_at as _partition
 from autopar.solver.request import SolveRequest
 from autopar.cost_models.devices import mesh_device
 
@@ -163,25 +163,6 @@ def _fixed_boundaries(cand: PipelineCandidate, units, gm) -> list[int]:
         if k > 0:
             cuts.append(u)
     return sorted(set(cuts))
-
-
-def _partition(costs: UnitCosts, batch: int, pp: int, m: int, schedule: str, budget, link, rules: CutRules):
-    """(partition, step, optimizer seconds) at m microbatches; interleaved: the best over the v values
-    ``virtual_stage_choices`` names (``rules.virtual_stages``: the one the user fixed)."""
-    profiles = costs.at(batch, m)
-
-    def cut(v):
-        part = partition_stages(profiles, pp, m, schedule, memory_budget=budget, p2p_link=link,
-                                rules=rules_at(rules, schedule, pp, v, len(profiles)), virtual_stages=v)
-        sync, opt = [0.0] * pp, [0.0] * pp
-        for s in part.stages:                       # a rank runs every stage it holds (interleaved: v of them)
-            a, b = s.layers
-            sync[s.rank] += sum(costs.sync[a:b])
-            opt[s.rank] += sum(costs.optimizer[a:b])
-        return part, part.step_time + max(a + b for a, b in zip(sync, opt)), max(opt)
-    if schedule != "interleaved_1f1b":
-        return cut(None)
-    return best_over_virtual_stages(cut, virtual_stage_choices(pp, m, len(profiles), rules.virtual_stages))
 
 
 def _check_tags(part: PipelinePartition, cand: PipelineCandidate, units, gm) -> None:
@@ -321,7 +302,7 @@ class _CandidateSearch:
                 PipelineRequestError(msg)
             states = [e.state for e in errors if isinstance(e, StageMemoryError)]
             if states and min(states) < budget - _extra(ref_plan):     # the state fits: less activation might
-                err.free_step = _free_estimate(costs, self.batch, cand, self.counts, self.kinds, self.link,
+                err.free_step = free_estimate(costs, self.batch, cand.pp, self.counts, self.kinds, self.link,
                                                self.rules) + ref_plan.grad_sync_overhead
             raise err
         ranked.sort(key=lambda r: r[0])
@@ -367,7 +348,7 @@ class _CandidateSearch:
             raise stage_fit_error(msg, errors, sub_plan.memory_breakdown, cand.full, budget, opts) or \
                 PipelineRequestError(msg)
         _check_tags(part, cand, units_m, mb.gm)
-        free = _free_step(costs_m, batch // m, cand, m, part.schedule, self.link,
+        free = free_step(costs_m, batch // m, cand.pp, m, part.schedule, self.link,
                           replace(self.rules, virtual_stages=part.virtual_stages if part.virtual_stages > 1 else None))
         step += sub_plan.grad_sync_overhead
         plan = _assemble(self.traced, mb, sub_plan, cand, part, step, units_m, budget)
@@ -377,33 +358,6 @@ class _CandidateSearch:
         _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
         plan.optimizer_time = opt
         return plan
-
-
-def _free_step(costs: UnitCosts, batch: int, cand: PipelineCandidate, m: int, schedule: str, link,
-               rules: CutRules) -> float:
-    """The step of the stage cut without the memory cap (inf where no cut exists). When it is under
-    the plan's step the cap shaped the cut (``Plan.memory_bound``): the search then tries the
-    candidate with more recomputation too (``search._frontier``'s retries), which may balance the
-    stages that memory skewed."""
-    try:
-        _, free, _ = _partition(costs, batch, cand.pp, m, schedule, math.inf, link, rules)
-    except ValueError:
-        return math.inf
-    return free
-
-
-def _free_estimate(costs: UnitCosts, batch: int, cand: PipelineCandidate, counts, kinds, link, rules: CutRules) -> float:
-    """The best step over the schedules and microbatch counts with every stage cut by time alone
-    (no memory cap), by one solve's unit costs: what the candidate could reach if recomputation
-    made room (recomputation only adds time). An estimate: the costs are those of a layout solved
-    under this recompute choice's budget."""
-    best = math.inf
-    for schedule in kinds:
-        for m in counts:
-            if schedule == "interleaved_1f1b" and m % cand.pp:
-                continue
-            best = min(best, _free_step(costs, batch // m, cand, m, schedule, link, rules))
-    return best
 
 
 def _extra_at(ref_plan: Plan, ref: int, m: int) -> float:

@@ -331,7 +331,7 @@ def _note_retries(state: FrontierState, got: list, pipe_failed: list) -> None:
 def _retries(state: FrontierState, cutoff: float | None) -> set:
     """The pipeline candidates (full mesh keys) worth another try with more recomputation once a plan of
     this ZeRO stage fits: the cap shaped or refused them at a lighter choice, and their step without
-    the cap (``pipeline_search._free_step``, by that choice's unit costs) beats the best plan so far.
+    the cap (``stage_cut.free_step``, by that choice's unit costs) beats the best plan so far.
     Recomputation only adds time and frees activations, so a pipeline with fewer stages (a smaller
     bubble, fewer hops) can then beat the deeper one that fitted without it: Llama 3 405B's 16
     stages against the 32 that fit without recomputation. A heuristic filter (the estimate's layout
