@@ -557,8 +557,7 @@ def pipeline_plans(req: SolveRequest, skip: set | None = None, only: set | None 
         except (PipelineRequestError, ValueError, SolverTimeoutError) as err:   # one candidate's: the search goes on
             if forced and len(cands) == 1 and not isinstance(err, PipelineDominatedError):
                 raise pipeline_nothing_fits(mesh, [(note, err)], batch) or PlanError(str(err)) from None
-            if isinstance(err, Exception):
-                err.full_key = key
+            err.full_key = key
             failures.append((note, err))
             if progress is not None:
                 progress.record([], 1)

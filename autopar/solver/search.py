@@ -333,9 +333,8 @@ def _retries(state: FrontierState, cutoff: float | None) -> set:
     this ZeRO stage fits: the cap shaped or refused them at a lighter choice, and their step without
     the cap (``stage_cut.free_step``, by that choice's unit costs) beats the best plan so far.
     Recomputation only adds time and frees activations, so a pipeline with fewer stages (a smaller
-    bubble, fewer hops) can then beat the deeper one that fitted without it: Llama 3 405B's 16
-    stages against the 32 that fit without recomputation. A heuristic filter (the estimate's layout
-    was solved under the lighter choice's budget), not a bound."""
+    bubble, fewer hops) can then beat the deeper one that fitted without it. A heuristic filter (the
+    estimate's layout was solved under the lighter choice's budget), not a bound."""
     if cutoff is None:
         return set(state.retry)
     return {key for key, free in state.retry.items() if free < cutoff}
