@@ -371,13 +371,10 @@ def _floored(state: FrontierState, i: int, cutoff: float | None, note: str) -> l
     later, even where its last plan was shaped by the cap or it did not fit. A mesh whose floor is under
     the cutoff is still solved: a larger k may let a faster layout fit."""
     out = []
-    if cutoff is None or not STEP_FLOORS:
-        return out
-    for key, proven in state.floors.items():
-        floor = max((f for j, f in proven if j <= i), default=-math.inf)
-        if floor >= cutoff and state.done.get(key, math.inf) > i:
+    for key, err in _beaten(state, i, cutoff).items():
+        if state.done.get(key, math.inf) > i:
             state.done[key] = i
-            out.append((f"mesh {key[0]} ({note or 'no memory options'})", DominatedError(floor, cutoff, True)))
+            out.append((f"mesh {key[0]} ({note or 'no memory options'})", err))
     return out
 
 
