@@ -89,6 +89,37 @@ def cp_meshes(traced, mesh: Mesh) -> list[Mesh]:
     return sorted(out, key=lambda m: len(m.shape))
 
 
+def pipeline_cp_shapes(traced, n: int, pp: int, in_node) -> list[tuple[int, int, int]]:
+    """(dp, cp, tp) sub-meshes of ``n`` devices with a cp axis for AUTO's pipelines of ``pp`` stages,
+    where the rows run out: for each tensor-parallel degree (``in_node(tp)``), the most data
+    parallelism that still gives every stage ``pp`` microbatches of one row per data-parallel rank
+    (``B / dp >= pp``), the rest of the devices on cp, offered only when the sub-mesh with that cp
+    axis merged into dp could not run ``pp`` microbatches (``B / (dp · cp) < pp``; otherwise it splits
+    the rows where cp splits the sequence, without the K/V exchange: the batch rule's argument, here a
+    rule that keeps one cp candidate per (pp, tp)). Llama 3's 128K layout is such a sub-mesh: 128
+    sequences, pp 16, so dp 8 and cp 16 at tp 8. Empty without attention or where cp divides no
+    sequence and input."""
+    seqs = sequence_lengths(traced)
+    if not seqs:
+        return []
+    dims, batches = _input_dims(traced), _batches(traced)
+    batch = min(batches) if batches else 1
+    out = []
+    for tp in range(1, n + 1):
+        if n % tp or not in_node(tp):
+            continue
+        rest = n // tp
+        dps = [d for d in range(1, rest) if rest % d == 0 and all(b % d == 0 for b in batches) and batch // d >= pp]
+        if not dps:
+            continue
+        dp = max(dps)
+        cp = rest // dp
+        if cp < 2 or batch // (dp * cp) >= pp or any(x % cp for x in seqs + dims):
+            continue
+        out.append((dp, cp, tp))
+    return out
+
+
 class MergedAxisWins(DominatedError):
     """A cp mesh the batch rule skips at one microbatch size: its mesh with the cp axis merged into
     the data axis (``merged``: shape, axis names) splits the rows instead and did no worse (module

@@ -49,7 +49,8 @@ from autopar.graph.cut_points import assign_units
 from autopar.plan.plan import PlanError
 from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import solve_on_mesh
-from autopar.solver.pipeline_fit import PipelineDominatedError, PipelineRequestError, budget_bytes, microbatch_counts
+from autopar.solver.pipeline_fit import (PipelineDominatedError, PipelineRequestError, budget_bytes, microbatch_counts,
+                                         model_parallel_size)
 from autopar.solver.request import SolveRequest
 from autopar.solver.virtual_stages import virtual_stage_choices
 
@@ -134,8 +135,7 @@ def by_floor(traced, cands: list, floors: dict[int, float], opts) -> list:
                                  opts.precision) if params else 0.0
 
     def spills(cand) -> bool:
-        dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
-        return state / (cand.pp * cand.sub.size // dp) > budget_bytes(cand, opts)
+        return state / (cand.pp * model_parallel_size(cand.sub)) > budget_bytes(cand, opts)
     return sorted(cands, key=lambda c: (spills(c), floors.get(id(c), 0.0)))
 
 

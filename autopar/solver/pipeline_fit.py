@@ -92,9 +92,16 @@ def budget_bytes(cand, opts) -> float:
     return opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else mesh_device(cand.sub).memory_bytes
 
 
+def model_parallel_size(sub) -> int:
+    """The devices of a sub-mesh that split the weights: all but its "dp" and "cp" axes (a cp rank holds
+    the whole layer, as a dp rank does)."""
+    named = dict(zip(sub.axis_names, sub.shape))
+    return sub.size // (named.get("dp", 1) * named.get("cp", 1))
+
+
 def model_parallel_first(traced, cands: list, opts) -> list:
     """AUTO's pipeline candidates, those whose training state fits the cap split over their
-    model-parallel devices (pp x the sub-mesh's non-"dp" axes) first, each part in its given order
+    model-parallel devices (pp x ``model_parallel_size``) first, each part in its given order
     (Narayanan et al., SC'21, takeaway 2: a model-parallel size t · p at which the model fits,
     data parallelism for the rest). The others fit only by sharding weights over "dp" as well,
     gathered again for every microbatch, slow plans that a time budget could otherwise end the
@@ -105,8 +112,7 @@ def model_parallel_first(traced, cands: list, opts) -> list:
     state = training_state_bytes(param_numel(traced.gm), params[0].meta["val"].dtype, opts.optimizer, opts.precision)
 
     def spills(cand) -> bool:
-        dp = cand.sub.shape[cand.sub.axis_names.index("dp")] if "dp" in cand.sub.axis_names else 1
-        return state / (cand.pp * cand.sub.size // dp) > budget_bytes(cand, opts)
+        return state / (cand.pp * model_parallel_size(cand.sub)) > budget_bytes(cand, opts)
     return sorted(cands, key=spills)
 
 

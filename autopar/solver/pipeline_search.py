@@ -27,12 +27,13 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
 ``pipeline_plans`` enumerates the candidates for a request: a named mesh with a ``pp`` axis
 fixes pp and the sub-mesh; ``pipeline_stage`` tags fix pp = max tag + 1 and the cuts they name;
 AUTO on an unnamed mesh tries every pp >= 2 dividing the devices (at most the number of layers)
-times every (dp, tp) factorisation of the rest, tp inside a node when ``gpus_per_node`` is set.
+times every (dp, tp) factorisation of the rest, tp inside a node when ``gpus_per_node`` is set, and,
+for a model with attention whose rows run out, one (dp, cp, tp) per tp (``_cp_sub_meshes``).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from autopar.core.context import ParallelMode
 from autopar.cost_models.compute import total_flops
@@ -47,6 +48,8 @@ from autopar.plan.plan import PipelineInfo, Plan, PlanError, Stage
 from autopar.schedules.receive_window import schedule_receive_buffers
 from autopar.sharding.placements import R, Spec, shard_factor
 from autopar.solver.inter_op import CutRules, PipelinePartition, StageMemoryError, partition_stages
+from autopar.solver.candidate_order import by_flat_steps
+from autopar.solver.pipeline_candidates import PipelineCandidate, pipeline_candidates
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
 from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
 from autopar.solver.pipeline_fit import (PipelineDominatedError, PipelineRequestError, budget_bytes, fit_refusal, held, holds_more,
@@ -61,80 +64,6 @@ from autopar.solver.unit_costs import UnitCosts, unit_profiles
 from autopar.solver.stage_cut import free_estimate, free_step, partition_at as _partition
 from autopar.solver.request import SolveRequest
 from autopar.cost_models.devices import mesh_device
-
-# ---- candidates -------------------------------------------------------------------------
-
-@dataclass
-class PipelineCandidate:
-    pp: int
-    sub: Mesh                 # the (dp, tp) sub-mesh every stage is solved on
-    full: Mesh                # the plan's mesh, pp axis first
-    fixed: dict               # module name -> stage index (pipeline_stage tags)
-    allow_idle: bool = False  # a requested pipeline may leave a stage without parameters when no cut avoids it
-
-
-def _sub_meshes(mesh: Mesh, n: int) -> list[Mesh]:
-    make = lambda shape, names: Mesh(shape, names, mesh.device, mesh.gpus_per_node, mesh.memory_gb)  # noqa: E731
-    out = [make((n,), ("dp",) if n > 1 else ("tp",))]
-    in_node = lambda tp: mesh.gpus_per_node is None or mesh.gpus_per_node % tp == 0  # noqa: E731
-    for dp in range(2, n):
-        if n % dp == 0 and in_node(n // dp):
-            out.append(make((dp, n // dp), ("dp", "tp")))
-    if n > 1 and in_node(n):
-        out.append(make((n,), ("tp",)))
-    return out
-
-
-def _full_mesh(mesh: Mesh, pp: int, sub: Mesh) -> Mesh:
-    return Mesh((pp,) + sub.shape, ("pp",) + sub.axis_names, mesh.device, mesh.gpus_per_node, mesh.memory_gb)
-
-
-def pipeline_candidates(traced, mesh: Mesh, mode: ParallelMode, tags: dict) -> tuple[list[PipelineCandidate], bool]:
-    """(candidates, forced): forced means the request names a pipeline (pp axis or stage tags)."""
-    if mode in (ParallelMode.DATA, ParallelMode.STAND_ALONE, ParallelMode.HYBRID):
-        return [], False
-    named_pp = mesh.named and "pp" in mesh.axis_names
-    if named_pp:
-        if mesh.axis_names[0] != "pp":
-            raise PipelineRequestError(f"the 'pp' axis must be the first mesh axis (got {mesh.axis_names}): stages "
-                                       "are the outermost split, e.g. Mesh((2, 2), axis_names=('pp', 'tp'))")
-        pp = mesh.shape[0]
-        need = max(tags.values(), default=0) + 1
-        if tags and need != pp:
-            raise PipelineRequestError(f"pipeline_stage tags name {need} stages but the mesh's pp axis has {pp}")
-        rest = mesh.shape[1:] or (1,)
-        names = mesh.axis_names[1:] or ("tp",)
-        sub = Mesh(rest, names, mesh.device, mesh.gpus_per_node, mesh.memory_gb)
-        full = mesh if mesh.shape[1:] else _full_mesh(mesh, pp, sub)
-        return ([PipelineCandidate(pp, sub, full, tags, True)] if pp > 1 else []), pp > 1
-    if tags:
-        pp = max(tags.values()) + 1
-        if pp == 1:
-            return [], False
-        if mesh.size % pp:
-            raise PipelineRequestError(f"pipeline_stage tags name {pp} stages but {mesh.size} devices do not split "
-                                       f"into {pp} equal stages")
-        subs = _sub_meshes(mesh, mesh.size // pp)
-        return [PipelineCandidate(pp, s, _full_mesh(mesh, pp, s), tags, True) for s in subs], True
-    if mode != ParallelMode.AUTO or mesh.named or mesh.size == 1:
-        return [], False
-    out = []
-    for pp in range(2, mesh.size + 1):
-        if mesh.size % pp == 0:
-            out += [PipelineCandidate(pp, s, _full_mesh(mesh, pp, s), {}) for s in _sub_meshes(mesh, mesh.size // pp)]
-    if mesh.gpus_per_node:              # the widest tensor parallelism inside a node first (``node_first``)
-        out.sort(key=node_first)
-    return out, False
-
-
-def node_first(cand: PipelineCandidate) -> tuple[int, int]:
-    """The order AUTO tries a clustered mesh's pipeline candidates in: tensor parallelism as wide as a
-    node first, then fewer stages (Narayanan et al., SC'21, takeaway 1: on g-GPU servers tensor
-    parallelism up to degree g, pipeline parallelism across servers). Every candidate is still
-    tried; the order decides what a time budget has reached when it ends."""
-    tp = cand.sub.shape[cand.sub.axis_names.index("tp")] if "tp" in cand.sub.axis_names else 1
-    return -tp, cand.pp
-
 
 BUFFER_UPDATES = ("the model updates buffers in forward (e.g. BatchNorm running statistics): a pipeline runs it as "
                   "one microbatch, since microbatches would be normalised with their own statistics")
@@ -277,7 +206,7 @@ class _CandidateSearch:
 
     def run(self) -> Plan:
         cand, opts, budget = self.cand, self.opts, self.budget
-        ref = max([m for m in self.counts if m <= 2 * cand.pp] or [min(self.counts)])
+        ref = reference_count(self.counts, cand.pp)
         solved = {ref: self.solve(ref)}
         mb, ref_plan, units_ref, _, costs = solved[ref]
         self.rules = CutRules(tuple(_fixed_boundaries(cand, units_ref, mb.gm)), cand.allow_idle, opts.virtual_stages,
@@ -358,6 +287,16 @@ class _CandidateSearch:
         _stage_memory(plan, part, costs_m, sub_plan, _buffers(costs_m, batch // m, m, part.schedule, cand.pp))
         plan.optimizer_time = opt
         return plan
+
+
+def reference_count(counts: list[int], pp: int) -> int:
+    """The microbatch count a candidate is solved at first, whose costs rank every (schedule, m)
+    (``_CandidateSearch.rank``): the most microbatches, the smallest microbatch. Where the best count
+    is the most microbatches, as on Megatron's large models, it is then the only count solved. A count
+    of fewer, larger microbatches is estimated by the reference's launches plus its other work scaled
+    by the rows, at the smaller rows' efficiency (a larger microbatch's matmuls run no slower: the
+    estimate errs high), and is re-solved at its own shape when it ranks first."""
+    return max(counts)
 
 
 def _extra_at(ref_plan: Plan, ref: int, m: int) -> float:
@@ -494,11 +433,27 @@ def pipeline_requested(traced, model, mesh: Mesh, mode: ParallelMode) -> bool:
         return True
 
 
-def pipeline_plans(req: SolveRequest, skip: set | None = None, only: set | None = None):
+def _refusals(traced, opts):
+    """``refusal(cand)``: ``fit_refusal``, or the request's own error for that candidate (a dp that splits
+    no microbatch), computed once per candidate."""
+    memo: dict = {}
+
+    def refusal(c):
+        if id(c) not in memo:
+            try:
+                memo[id(c)] = fit_refusal(traced, c, opts)
+            except PipelineRequestError as err:
+                memo[id(c)] = err
+        return memo[id(c)]
+    return refusal
+
+
+def pipeline_plans(req: SolveRequest, skip: set | None = None, only: set | None = None, flat: dict | None = None):
     """(plans, failures [(note, error)], forced) for every pipeline candidate of the request; its
     ``retracer`` re-traces the step at a microbatch shape. ``skip``: (shape, axis names) of the full
-    meshes of candidates not to try; ``only``: when given, the only ones to try. A failure's error
-    carries its candidate's full mesh key as ``full_key``."""
+    meshes of candidates not to try; ``only``: when given, the only ones to try; ``flat``: tp -> the
+    step of the flat meshes solved (``candidate_order.flat_steps``), the order AUTO tries them in. A
+    failure's error carries its candidate's full mesh key as ``full_key``."""
     from autopar.solver.annotations import ANNOTATIONS, resolve_stages
 
     traced, model, mesh, mode, opts = req.traced, req.model, req.mesh, req.mode, req.opts
@@ -527,13 +482,14 @@ def pipeline_plans(req: SolveRequest, skip: set | None = None, only: set | None 
         opts = replace(opts, microbatches=1)
     num_units, batch = len(assign_units(traced.gm)[0]), traced.batch_size
     if not forced:
-        cands = model_parallel_first(traced, cands, opts)
+        cands = model_parallel_first(traced, by_flat_steps(cands, flat), opts)
     plans, failures = [], []
     progress = opts.progress
+    refusal = _refusals(traced, opts)
     floors = {} if forced or not bounds_enabled() or (progress is not None and progress.out_of_time()) else \
         candidate_floors(traced, cands, mode, opts, req.param_ann, req.input_ann,
                          lambda c: c.pp <= num_units and not (skip and (c.full.shape, c.full.axis_names) in skip)
-                         and fit_refusal(traced, c, opts) is None)
+                         and refusal(c) is None)
     if floors:
         cands = by_floor(traced, cands, floors, opts)    # the likeliest best first: its plan bounds the rest
     for cand in cands:
@@ -549,7 +505,7 @@ def pipeline_plans(req: SolveRequest, skip: set | None = None, only: set | None 
         within = opts if progress is None else replace(
             opts, time_limit_s=progress.time_limit(opts.time_limit_s))
         try:
-            if not forced and (refused := fit_refusal(traced, cand, opts)) is not None:
+            if not forced and (refused := refusal(cand)) is not None:
                 raise refused
             if (dominated := floor_dominated(floors.get(id(cand)), progress and progress.cutoff())) is not None:
                 raise dominated

@@ -28,6 +28,7 @@ from autopar.solver.fit_error import Failure, no_plan_error, smallest_of
 from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
 from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_fit import PipelineDominatedError
+from autopar.solver.candidate_order import flat_steps, node_order
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, pipeline_requested
 from autopar.solver.partial_recompute import applies as partial_applies, partial_plans, resolve_recompute_layers
 from autopar.solver.progress import SearchProgress
@@ -65,10 +66,10 @@ def candidate_meshes(mesh: Mesh, annotated: frozenset = frozenset(), traced=None
         return [mesh]
     n = mesh.size
     out = [mesh.reshape((n,), ("d0",))]
-    for dp in range(2, n):
-        if n % dp == 0:
-            out.append(mesh.reshape((dp, n // dp), ("dp", "tp")))
-    out += cp_meshes(traced, mesh)
+    two_d = [mesh.reshape((dp, n // dp), ("dp", "tp")) for dp in range(2, n) if n % dp == 0]
+    if mesh.gpus_per_node:
+        two_d.sort(key=lambda m: node_order(m.shape[1], mesh.gpus_per_node))
+    out += two_d + cp_meshes(traced, mesh)
     if not annotated:
         return out
     out = [m for m in out if annotated <= set(m.axis_names)]
@@ -519,7 +520,8 @@ def _candidates(req: SolveRequest, pipelines: bool = True, microbatches: int = 1
         progress.record(got, 1 - len(got), step_time)
         plans += got
     if pipelines and not first and not progress.out_of_time():   # after the meshes: their best bounds the pipelines'
-        pipe_plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip, pipe_only)
+        pipe_plans, pipe_failures, _ = pipeline_plans(req.with_options(progress=progress), pipe_skip, pipe_only,
+                                                      flat_steps(outcomes, step_time))
         plans = list(pipe_plans) + plans
     return plans, failures, pipe_failures
 

@@ -305,7 +305,8 @@ def test_the_whole_model_layout_weighs_activations_by_the_microbatches_in_flight
 
 def test_candidates_whose_state_fits_their_model_parallel_devices_come_first():
     """``model_parallel_first`` (Megatron takeaway 2): the candidates whose training state over pp x
-    the non-"dp" axes is under the cap keep their order ahead of the others, which keep theirs."""
+    the axes but "dp" and "cp" (a cp rank holds whole layers) is under the cap keep their order ahead of
+    the others, which keep theirs."""
     from autopar.cost_models.memory import param_numel, training_state_bytes
     from autopar.solver.pipeline_fit import model_parallel_first
 
@@ -314,7 +315,7 @@ def test_candidates_whose_state_fits_their_model_parallel_devices_come_first():
     state = training_state_bytes(param_numel(traced.gm), None, "adamw", "fp32")
 
     def model_parallel(c):
-        return c.pp * math.prod(n for a, n in zip(c.sub.axis_names, c.sub.shape) if a != "dp")
+        return c.pp * math.prod(n for a, n in zip(c.sub.axis_names, c.sub.shape) if a not in ("dp", "cp"))
     sizes = sorted({model_parallel(c) for c in cands})
     assert len(sizes) >= 3
     cap = state / sizes[1] * 1.001      # fits on the second-smallest model-parallel size and up
@@ -433,7 +434,7 @@ def test_auto_lists_a_refused_pipeline_with_its_reason(monkeypatch):
 def test_a_clustered_mesh_tries_tensor_parallelism_across_a_node_first():
     """``node_first``: on a mesh with nodes, the pipeline candidates come widest in-node tensor
     parallelism first, then fewer stages; every candidate is still there."""
-    from autopar.solver.pipeline_search import node_first
+    from autopar.solver.pipeline_candidates import node_first
 
     traced = trace(GPT(qkv_bias=False, layers=4, hidden=32), (X,), lm_loss, Y)
     clustered, _ = pipeline_candidates(traced, autopar.Mesh(16, gpus_per_node=4), ParallelMode.AUTO, {})
@@ -453,6 +454,27 @@ def test_a_candidate_whose_data_parallel_size_splits_no_microbatch_is_listed_not
     def solved(*a, **k):
         raise ps.PipelineRequestError("solved")
 
+    monkeypatch.setattr(ps, "plan_pipeline", solved)
+    model = GPT(qkv_bias=False, layers=2, hidden=32)
+    traced = trace(model, (X,), lm_loss, Y)             # batch 8
+    plans, failures, _ = ps.pipeline_plans(SolveRequest(traced, model, autopar.Mesh(6), ParallelMode.AUTO,
+                                                        PlanOptions(), {}, {}))
+    reasons = dict((note, str(err)) for note, err in failures)
+    assert reasons["pp=2 sub-mesh {'dp': 3}"].startswith("the global batch 8 is not divisible by the data-parallel "
+                                                         "size 3 of the stages")
+    assert reasons["pp=2 sub-mesh {'tp': 3}"] == "solved"
+
+
+def test_the_floors_path_lists_that_candidate_too(monkeypatch):
+    """The same request with the step floors on (``AUTOPAR_PIPELINE_BOUND=1``): the candidate whose dp
+    splits no microbatch gets no floor and is listed with its reason, not raised out of the search."""
+    import autopar.solver.pipeline_search as ps
+    from autopar.solver.pipeline_bound import BOUND_ENV
+
+    def solved(*a, **k):
+        raise ps.PipelineRequestError("solved")
+
+    monkeypatch.setenv(BOUND_ENV, "1")
     monkeypatch.setattr(ps, "plan_pipeline", solved)
     model = GPT(qkv_bias=False, layers=2, hidden=32)
     traced = trace(model, (X,), lm_loss, Y)             # batch 8

@@ -42,6 +42,7 @@ def _plan_recording(monkeypatch, steer: bool):
     monkeypatch.setattr(ps, "_next_share", lambda share, tighter, whole, total: 1e-3)
     if not steer:
         monkeypatch.setattr(ps, "between_shares", lambda *a: [])
+    monkeypatch.setattr(ps, "reference_count", lambda counts, pp: 4)   # solved first at 4 microbatches of 2 rows
     autopar.set_auto_parallel_context(recompute="none")
     mesh = autopar.Mesh((2, 2), axis_names=("pp", "tp"), memory_gb=0.017)
     try:
