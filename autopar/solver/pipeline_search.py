@@ -291,12 +291,15 @@ class _CandidateSearch:
 
 def reference_count(counts: list[int], pp: int) -> int:
     """The microbatch count a candidate is solved at first, whose costs rank every (schedule, m)
-    (``_CandidateSearch.rank``): the most microbatches, the smallest microbatch. Where the best count
-    is the most microbatches, as on Megatron's large models, it is then the only count solved. A count
-    of fewer, larger microbatches is estimated by the reference's launches plus its other work scaled
-    by the rows, at the smaller rows' efficiency (a larger microbatch's matmuls run no slower: the
-    estimate errs high), and is re-solved at its own shape when it ranks first."""
-    return max(counts)
+    (``_CandidateSearch.rank``) and drop a candidate whose best estimate is over ``REFERENCE_MARGIN`` x
+    the best plan: the most microbatches up to 2 pp (else the fewest). Each count's estimate scales the
+    reference's work, less its launches, by the rows: a count of more, smaller microbatches than the
+    reference is estimated at the reference's better matmul efficiency, so the estimates err low there
+    and the drop stays cautious. The most microbatches as the reference (every other count larger,
+    estimated high) saves the re-solve where that count wins, Megatron's large models, but dropped
+    Mixtral 8x7B's best pipeline (pp 4 x dp 2 x tp 8: 3.12 s solved, over 4.57 s estimated from 128
+    microbatches of 2 rows; docs/solver.md)."""
+    return max([m for m in counts if m <= 2 * pp] or [min(counts)])
 
 
 def _extra_at(ref_plan: Plan, ref: int, m: int) -> float:
