@@ -30,10 +30,10 @@ from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_fit import PipelineDominatedError
 from autopar.solver.candidate_order import flat_steps, node_order
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, pipeline_requested
-from autopar.solver.partial_recompute import resolve_recompute_layers
+from autopar.solver.partial_recompute import applies as partial_applies, partial_plans, resolve_recompute_layers
 from autopar.solver.progress import SearchProgress
 from autopar.solver.request import SolveRequest
-from autopar.solver.refine import refined
+from autopar.solver.zero_upgrade import applies as zero1_applies, zero1_plans
 from autopar.cost_models.devices import mesh_device
 
 
@@ -133,9 +133,11 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
                    for p in got):
                 frontiers = {y: s for y, s in frontiers.items() if y <= z}
                 break               # fits freely: a higher stage only adds all-gathers
-    if plans:       # ZeRO-1 and partial recomputation on the best plan and the runner-up pipeline
-        plans += refined(request, plans, tried, lambda p: _pipeline_tried(p, frontiers.get(1)), _candidates, traces,
-                         rank_key)
+    if plans and zero1_applies(request, tried, _pipeline_tried(min(plans, key=rank_key), frontiers.get(1))) \
+            and not progress.out_of_time():   # ZeRO-1 shards the optimizer step (before the bisection: its room)
+        plans += zero1_plans(request, min(plans, key=rank_key), traces, _candidates)
+    if plans and partial_applies(request) and not progress.out_of_time():   # "full" on fewer layers
+        plans += partial_plans(request, min(plans, key=rank_key), traces, _candidates)
     if not plans:
         told = [(n, e) for n, e in pipe_failures if not isinstance(e, MergedAxisWins)]   # not solved: no reason
         err = no_plan_error(mesh, failures, told, _cap(mesh, opts), traced.batch_size, opts.time_limit_s)
