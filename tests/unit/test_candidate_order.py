@@ -79,3 +79,13 @@ def test_auto_pipeline_candidates_include_the_cp_sub_meshes():
     cp = [(c.pp, c.sub.shape, c.sub.axis_names) for c in cands if "cp" in c.sub.axis_names]
     assert (2, (2, 4), ("dp", "cp")) in cp and (2, (2, 2, 2), ("dp", "cp", "tp")) in cp and (4, (4,), ("cp",)) in cp
     assert all(c.full.axis_names[0] == "pp" and c.full.size == 16 for c in cands)
+
+
+def test_on_a_mesh_with_nodes_cp_pipelines_come_only_at_the_widest_in_node_tp():
+    """Megatron's order: tp fills a node first, cp goes across nodes."""
+    model, inputs, loss, target = factories.gpt(hidden=64, layers=4, heads=4, seq=64, batch=4, vocab=512)
+    traced = trace(model, inputs, loss, target)
+    cands, _ = pipeline_candidates(traced, autopar.Mesh(32, gpus_per_node=4), ParallelMode.AUTO, {})
+    cp = [c for c in cands if "cp" in c.sub.axis_names]
+    assert cp and all(dict(zip(c.sub.axis_names, c.sub.shape))["tp"] == 4 for c in cp)
+    assert (2, (2, 2, 4)) in [(c.pp, c.sub.shape) for c in cp]
