@@ -23,9 +23,9 @@ def node_order(tp: int, per_node: int) -> tuple[bool, int]:
     return not inside, -tp if inside else tp
 
 
-def tp_of(mesh) -> int:
-    """The tensor-parallel degree of a candidate mesh: its "tp" axis, 1 without one."""
-    return mesh.shape[mesh.axis_names.index("tp")] if "tp" in mesh.axis_names else 1
+def tp_of(shape: tuple, names: tuple) -> int:
+    """The tensor-parallel degree of a candidate mesh (its shape and axis names): its "tp" axis, 1 without one."""
+    return shape[names.index("tp")] if "tp" in names else 1
 
 
 def flat_steps(outcomes: dict, step_time) -> dict[int, float]:
@@ -36,7 +36,7 @@ def flat_steps(outcomes: dict, step_time) -> dict[int, float]:
     for (shape, names), got in outcomes.items():
         if "cp" in names:
             continue
-        tp = shape[names.index("tp")] if "tp" in names else 1
+        tp = tp_of(shape, names)
         step = step_time(got) if isinstance(got, Plan) else got.lower_bound if isinstance(got, DominatedError) \
             else None
         if step is not None:
@@ -51,4 +51,4 @@ def by_flat_steps(cands: list, flat: dict[int, float] | None) -> list:
     traffic: the flat meshes, solved first, rank the tensor-parallel degrees for it."""
     if not flat:
         return cands
-    return sorted(cands, key=lambda c: flat.get(tp_of(c.sub), math.inf))
+    return sorted(cands, key=lambda c: flat.get(tp_of(c.sub.shape, c.sub.axis_names), math.inf))

@@ -89,9 +89,9 @@ def cp_meshes(traced, mesh: Mesh) -> list[Mesh]:
     return sorted(out, key=lambda m: len(m.shape))
 
 
-def pipeline_cp_shapes(traced, n: int, pp: int, in_node) -> list[tuple[int, int, int]]:
+def pipeline_cp_shapes(traced, n: int, pp: int, allowed_tp) -> list[tuple[int, int, int]]:
     """(dp, cp, tp) sub-meshes of ``n`` devices with a cp axis for AUTO's pipelines of ``pp`` stages,
-    where the rows run out: for each tensor-parallel degree (``in_node(tp)``), the most data
+    where the rows run out: for each tensor-parallel degree ``allowed_tp(tp)`` admits, the most data
     parallelism that still gives every stage ``pp`` microbatches of one row per data-parallel rank
     (``B / dp >= pp``), the rest of the devices on cp, offered only when the sub-mesh with that cp
     axis merged into dp could not run ``pp`` microbatches (``B / (dp · cp) < pp``; otherwise it splits
@@ -106,7 +106,7 @@ def pipeline_cp_shapes(traced, n: int, pp: int, in_node) -> list[tuple[int, int,
     batch = min(batches) if batches else 1
     out = []
     for tp in range(1, n + 1):
-        if n % tp or not in_node(tp):
+        if n % tp or not allowed_tp(tp):
             continue
         rest = n // tp
         dps = [d for d in range(1, rest) if rest % d == 0 and all(b % d == 0 for b in batches) and batch // d >= pp]

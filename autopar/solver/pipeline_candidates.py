@@ -16,7 +16,7 @@ from autopar.solver.pipeline_fit import PipelineRequestError
 @dataclass
 class PipelineCandidate:
     pp: int
-    sub: Mesh                 # the (dp, tp) sub-mesh every stage is solved on
+    sub: Mesh                 # the (dp, [cp,] tp) sub-mesh every stage is solved on
     full: Mesh                # the plan's mesh, pp axis first
     fixed: dict               # module name -> stage index (pipeline_stage tags)
     allow_idle: bool = False  # a requested pipeline may leave a stage without parameters when no cut avoids it
@@ -38,8 +38,7 @@ def _cp_sub_meshes(traced, mesh: Mesh, n: int, pp: int) -> list[Mesh]:
     """AUTO's sub-meshes with a cp axis (``cp_candidates.pipeline_cp_shapes``), axes of size 1 left out. On a
     mesh with nodes only at the widest tensor parallelism a node holds (Megatron's order: tp fills the
     node's links first, cp goes across nodes, as in Llama 3's 128K layout, tp 8 x cp 16): a narrower tp
-    with cp is one more candidate per depth, solved at every ZeRO stage and recompute choice (Table 4's
-    8K rows: 401.6 s of planning instead of 244-260 s, the same plan)."""
+    with cp would be one more candidate per depth, solved at every ZeRO stage and recompute choice."""
     widest = max(t for t in range(1, n + 1) if n % t == 0 and (mesh.gpus_per_node or n) % t == 0)
     at_node = lambda tp: mesh.gpus_per_node is None or tp == widest  # noqa: E731
     out = []

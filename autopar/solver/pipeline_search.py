@@ -295,10 +295,8 @@ def reference_count(counts: list[int], pp: int) -> int:
     the best plan: the most microbatches up to 2 pp (else the fewest). Each count's estimate scales the
     reference's work, less its launches, by the rows: a count of more, smaller microbatches than the
     reference is estimated at the reference's better matmul efficiency, so the estimates err low there
-    and the drop stays cautious. The most microbatches as the reference (every other count larger,
-    estimated high) saves the re-solve where that count wins, Megatron's large models, but dropped
-    Mixtral 8x7B's best pipeline (pp 4 x dp 2 x tp 8: 3.12 s solved, over 4.57 s estimated from 128
-    microbatches of 2 rows; docs/solver.md)."""
+    and the drop stays cautious. The most microbatches as the reference would make every other count's
+    microbatch larger and its estimate high, so the drop could lose the best count (docs/solver.md)."""
     return max([m for m in counts if m <= 2 * pp] or [min(counts)])
 
 
