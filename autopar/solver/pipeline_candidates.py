@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from autopar.core.context import ParallelMode
 from autopar.core.mesh import Mesh
+from autopar.solver.candidate_order import tp_of
 from autopar.solver.cp_candidates import pipeline_cp_shapes
 from autopar.solver.pipeline_fit import PipelineRequestError
 
@@ -97,5 +98,4 @@ def node_first(cand: PipelineCandidate) -> tuple[int, int]:
     node first, then fewer stages (Narayanan et al., SC'21, takeaway 1: on g-GPU servers tensor
     parallelism up to degree g, pipeline parallelism across servers). Every candidate is still
     tried; the order decides what a time budget has reached when it ends."""
-    tp = cand.sub.shape[cand.sub.axis_names.index("tp")] if "tp" in cand.sub.axis_names else 1
-    return -tp, cand.pp
+    return -tp_of(cand.sub.shape, cand.sub.axis_names), cand.pp
