@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core import search_memo
-from autopar.solver.intra_op import (InfeasibleError, IntraOpProblem, IntraOpSolution, SolverTimeoutError, evaluate,
+from autopar.solver.intra_op import (DominatedError, InfeasibleError, IntraOpProblem, IntraOpSolution, SolverTimeoutError, evaluate,
                                      solve_intra_op, workspace_bytes)
 from autopar.solver.class_graph import allowed_mask
 from autopar.solver.data_start import data_start
@@ -44,6 +44,7 @@ from autopar.solver.memory_floor import memory_floor
 ROUNDS = 2               # sweeps over the axes
 DESCENT_PAIRS = 100_000  # the descent runs when the problem has more (src, dst) strategy pairs than this
 SHARE = 0.4              # of the time limit the descent may use
+FREE_SHARE = 0.25        # of the time limit the unbudgeted solve before it may use (``free_first``)
 
 
 @dataclass
@@ -192,6 +193,8 @@ def solve_with_start(p: IntraOpProblem, solve=solve_intra_op) -> IntraOpSolution
         if sol.status != "OPTIMAL" and not hopeless:
             floor = _fastest([floor, assess(p, data_start(p, solve), "data")])
         return no_worse(sol, floor, began)
+    if (free := free_first(p, solve)) is not None:
+        return free
     data = data_start(p, solve)
     end = began + SHARE * p.time_limit_s
     seeds = [descend(p, solve, list(p.hint), end if data is None else (began + end) / 2)]
@@ -200,6 +203,26 @@ def solve_with_start(p: IntraOpProblem, solve=solve_intra_op) -> IntraOpSolution
     seed = _fastest(seeds)
     q = p if seed is None else dataclasses.replace(p, hint=seed.choice, hint_fits=True)
     return no_worse(solve(q), seed or assess(p, p.hint, "greedy"), began)
+
+
+def free_first(p: IntraOpProblem, solve) -> IntraOpSolution | None:
+    """What ``intra_op._after_free`` decides from the unbudgeted optimum, decided before the descent
+    (which only seeds the budgeted solve): that optimum, solved exactly within ``FREE_SHARE`` of the
+    time limit, when it fits the budget (then it is the budgeted optimum too); ``DominatedError``
+    (unbudgeted) when its proven bound reaches ``p.cutoff``. None otherwise: the descent and the
+    budgeted solve follow, which solves the free problem again (the descent's restricted problems
+    must not carry it)."""
+    try:
+        free = solve(dataclasses.replace(p, memory_budget=None, cutoff=None, time_limit_s=FREE_SHARE * p.time_limit_s))
+    except (InfeasibleError, SolverTimeoutError):
+        return None
+    if free.status == "OPTIMAL" and (p.memory_budget is None or free.memory <= p.memory_budget):
+        return dataclasses.replace(free, free_bound=free.lower_bound)
+    if p.cutoff is not None and free.lower_bound >= p.cutoff:
+        err = DominatedError(free.lower_bound, p.cutoff, unbudgeted=True)
+        err.free_bound = free.lower_bound
+        raise err
+    return None
 
 
 def _fastest(starts: list[Start | None]) -> Start | None:

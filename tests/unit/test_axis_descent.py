@@ -10,7 +10,7 @@ from autopar.solver import axis_descent
 from autopar.solver.axis_descent import assess, axis_keys, descend, solve_with_start
 from autopar.solver.brute_force import brute_force
 from autopar.solver.greedy import feasible_hint
-from autopar.solver.intra_op import EdgeCost, IntraOpProblem, NodeChoices, evaluate, solve_intra_op
+from autopar.solver.intra_op import DominatedError, EdgeCost, IntraOpProblem, NodeChoices, evaluate, solve_intra_op
 from autopar.sharding.placements import R, Shard, Spec
 from autopar.sharding.strategy import Strategy
 
@@ -165,3 +165,48 @@ def test_deepseek_stand_in_plans_near_its_proven_optimum_where_the_limit_stops_c
     greedy = evaluate(p, p.hint)[0]
     assert greedy > 1.5 * best.objective                     # the case discriminates
     assert sol.objective <= 1.02 * best.objective
+
+
+def _tight(p: IntraOpProblem) -> tuple[IntraOpProblem, float]:
+    """``p`` under a budget its unbudgeted optimum does not fit (above the memory floor), and that optimum."""
+    free = solve_intra_op(dataclasses.replace(p, memory_budget=None))
+    floor = sum(float(nd.memory.min()) for nd in p.nodes)
+    assert floor < free.memory
+    q = dataclasses.replace(p, memory_budget=(floor + free.memory) / 2)
+    q.hint = feasible_hint(q)
+    return q, free.objective
+
+
+def _no_descent(*a, **k):
+    raise AssertionError("the descent ran")
+
+
+def test_a_free_optimum_that_fits_is_returned_without_the_descent(monkeypatch):
+    monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
+    monkeypatch.setattr(axis_descent, "descend", _no_descent)
+    monkeypatch.setattr(axis_descent, "data_start", _no_descent)
+    p = two_axis_problem(np.random.default_rng(7), n=5, per_axis=2, budget_share=1.0)
+    got = solve_with_start(p)
+    assert got.status == "OPTIMAL" and got.free_bound == pytest.approx(got.objective)
+    assert got.objective == pytest.approx(evaluate(p, brute_force(p).choice)[0], rel=1e-9)
+
+
+def test_a_problem_that_cannot_beat_the_cutoff_is_dropped_before_the_descent(monkeypatch):
+    monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
+    monkeypatch.setattr(axis_descent, "descend", _no_descent)
+    monkeypatch.setattr(axis_descent, "data_start", _no_descent)
+    p, free = _tight(two_axis_problem(np.random.default_rng(8)))
+    with pytest.raises(DominatedError, match="cannot beat the best plan so far") as err:
+        solve_with_start(dataclasses.replace(p, cutoff=free))
+    assert err.value.unbudgeted and err.value.free_bound == pytest.approx(free)
+
+
+def test_a_problem_under_the_cutoff_whose_optimum_does_not_fit_still_descends(monkeypatch):
+    monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
+    calls = []
+    real = axis_descent.descend
+    monkeypatch.setattr(axis_descent, "descend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    p, free = _tight(two_axis_problem(np.random.default_rng(8)))
+    got = solve_with_start(dataclasses.replace(p, cutoff=10 * free))
+    assert calls and got.memory <= p.memory_budget
+    assert got.objective >= free - 1e-9 and got.free_bound == pytest.approx(free)
