@@ -14,8 +14,13 @@ and replace them by one factor on the union U of their scopes without v,
 
 until no class is left (the sum of the scalar factors is the optimum); then the picks are read
 back in reverse order, each from its ``arg`` table at the picks of its scope (which were
-eliminated later, so are known). The next class is the one whose new table (the product of the
-candidate counts of U and v) is smallest; a step of more than ``LIMIT`` sums or a table over
+eliminated later, so are known). The order: each rule of ``ORDERS`` (the step of fewest sums
+next, |U|·|v|; the smallest new table next, |U|, min-weight) is simulated on the scopes alone and
+the one of fewest sums in all is run. On a transformer layer's core (12 classes of up to 63
+candidates, 18 edges) fewest-sums-next eliminates the small classes first, fill-in then joins the
+large ones into 4-way tables: 1.5e8 sums where the smallest-table order does 1.1e7 (the fewest
+over every order, by a DP over the subsets eliminated, on the Llama-3 8B search's problems). The
+optimum is the same under any order; equal minima may be picked differently. A step of more than ``LIMIT`` sums or a table over
 ``TABLE`` entries returns None and the caller uses CP-SAT. The sums of one step are done one
 candidate of v at a time, so the working set is one table over U, each partial sum of the factors as
 small as its scopes allow (``_sum_into``). No rounding: the result is optimal (inf = forbidden, propagated; an infinite
@@ -52,16 +57,44 @@ def _aligned(factor: Factor, scope: tuple[int, ...], sizes: dict[int, int]) -> n
     return values.reshape(shape)
 
 
-def _next_class(nbrs: dict[int, set[int]], sizes: dict[int, int]) -> tuple[int, tuple[int, ...], int]:
-    """The class whose elimination builds the smallest table: (class, its neighbours, entries).
-    ``nbrs``: each class left and the classes it shares a factor with."""
-    best = None
-    for v, around in nbrs.items():
-        entries = math.prod(sizes[c] for c in around) * sizes[v]
-        if best is None or (entries, len(around), v) < (best[2], len(best[1]), best[0]):
-            best = (v, tuple(sorted(around)), entries)
-    assert best is not None
-    return best
+def _by_sums(v: int, around: set[int], sizes: dict[int, int]) -> tuple:
+    """The step's sums first (its new table times v's candidates)."""
+    table = math.prod(sizes[c] for c in around)
+    return table * sizes[v], len(around), v
+
+
+def _by_table(v: int, around: set[int], sizes: dict[int, int]) -> tuple:
+    """The new table's entries first (min-weight): a class of many candidates is summed out while
+    its neighbours are few, before fill-in joins them to more."""
+    table = math.prod(sizes[c] for c in around)
+    return table, table * sizes[v], v
+
+
+ORDERS = (_by_sums, _by_table)   # the elimination orders tried; the one of fewest sums in all is run
+
+
+def _order(nbrs: dict[int, set[int]], sizes: dict[int, int], key) -> tuple[list[tuple[int, tuple[int, ...], int]], int]:
+    """The steps (class, its neighbours, sums) of eliminating every class, each time the one ``key``
+    ranks first, and their sums in all. ``nbrs``: each class and the classes it shares a factor with
+    (not changed)."""
+    nbrs = {v: set(a) for v, a in nbrs.items()}
+    steps, total = [], 0
+    while nbrs:
+        v = min(nbrs, key=lambda c: key(c, nbrs[c], sizes))
+        scope = tuple(sorted(nbrs[v]))
+        entries = math.prod(sizes[c] for c in scope) * sizes[v]
+        for u in scope:                 # the new factor joins v's neighbours to each other
+            nbrs[u] |= set(scope)
+            nbrs[u] -= {u, v}
+        del nbrs[v]
+        steps.append((v, scope, entries))
+        total += entries
+    return steps, total
+
+
+def elimination_order(nbrs: dict[int, set[int]], sizes: dict[int, int]) -> list[tuple[int, tuple[int, ...], int]]:
+    """The steps of the order in ``ORDERS`` that does the fewest sums in all (the first on a tie)."""
+    return min((_order(nbrs, sizes, key) for key in ORDERS), key=lambda o: o[1])[0]
 
 
 def _min_over_last(parts: list[np.ndarray], shape: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -128,14 +161,9 @@ def eliminate_best(g: ClassGraph, active: list[int], limit: int | None = None) -
     for (a, b) in g.edges:
         nbrs[a].add(b)
         nbrs[b].add(a)
-    while nbrs:
-        v, scope, entries = _next_class(nbrs, sizes)
+    for v, scope, entries in elimination_order(nbrs, sizes):
         if entries > limit or entries // sizes[v] > TABLE:
             return None
-        for u in scope:                 # the new factor joins v's neighbours to each other
-            nbrs[u] |= set(scope)
-            nbrs[u] -= {u, v}
-        del nbrs[v]
         full = scope + (v,)
         touching = [f for f in factors if v in f[0]]
         factors = [f for f in factors if v not in f[0]]

@@ -93,6 +93,7 @@ def test_auto_plans_the_same_with_the_descent_on_every_solve(monkeypatch):
     returns the same plan, field for field (degrees, microbatches, schedule, every node's strategy and
     options, predicted step and memory, the alternatives), with the shortcuts on and off."""
     monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
+    monkeypatch.setattr(axis_descent, "free_first", lambda p, solve: None)    # every such solve descends
     calls = []
     real = axis_descent.descend
     monkeypatch.setattr(axis_descent, "descend", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -106,6 +107,23 @@ def test_auto_plans_the_same_with_the_descent_on_every_solve(monkeypatch):
     assert any("pp=" in a["note"] for a in on["alternatives"]), "no pipeline candidate was solved"
 
 
+def test_auto_plans_the_same_with_the_free_optimum_decided_first(monkeypatch):
+    """The same job and descent: where the unbudgeted optimum fits or cannot beat the best plan,
+    ``axis_descent.free_first`` decides before the descent; the plan is the same, field for field
+    (the alternatives' dominated meshes included), as with every such solve descending first."""
+    monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
+    decided = []
+    real = axis_descent.free_first
+    monkeypatch.setattr(axis_descent, "free_first", lambda p, solve: (r := real(p, solve)) is not None and
+                        decided.append(1) or r)
+    job = lambda: factories.gpt(hidden=32, layers=2, heads=2, seq=32, batch=8, vocab=256)  # noqa: E731
+    mesh = autopar.Mesh(4, device="h100", gpus_per_node=2)
+    first = _plan(monkeypatch, True, job, mesh)
+    assert decided, "no solve was decided by the free optimum: the test compares nothing"
+    monkeypatch.setattr(axis_descent, "free_first", lambda p, solve: None)
+    assert _plan(monkeypatch, True, job, mesh) == first
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("job,mesh", [
     (lambda: factories.gpt(hidden=64, layers=4, heads=4, seq=64, batch=16, vocab=2048), (8, 4)),
@@ -113,6 +131,7 @@ def test_auto_plans_the_same_with_the_descent_on_every_solve(monkeypatch):
 ], ids=["gpt4-on-8", "gpt4-on-16"])
 def test_auto_plans_the_same_with_the_descent_on_bigger_jobs(job, mesh, monkeypatch):
     monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
+    monkeypatch.setattr(axis_descent, "free_first", lambda p, solve: None)
     m = autopar.Mesh(mesh[0], device="h100", gpus_per_node=mesh[1])
     on, off = _plan(monkeypatch, True, job, m), _plan(monkeypatch, False, job, m)
     assert on == off
