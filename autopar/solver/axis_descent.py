@@ -195,9 +195,10 @@ def solve_with_start(p: IntraOpProblem, solve=solve_intra_op) -> IntraOpSolution
         return no_worse(sol, floor, began)
     if (free := free_first(p, solve)) is not None:
         return free
+    after = time.perf_counter()         # the descent's share counts from here: the free solve does not shorten it
     data = data_start(p, solve)
-    end = began + SHARE * p.time_limit_s
-    seeds = [descend(p, solve, list(p.hint), end if data is None else (began + end) / 2)]
+    end = after + SHARE * p.time_limit_s
+    seeds = [descend(p, solve, list(p.hint), end if data is None else (after + end) / 2)]
     if data is not None:
         seeds.append(descend(p, solve, data, end))
     seed = _fastest(seeds)
