@@ -44,7 +44,8 @@ from autopar.solver.memory_floor import memory_floor
 ROUNDS = 2               # sweeps over the axes
 DESCENT_PAIRS = 100_000  # the descent runs when the problem has more (src, dst) strategy pairs than this
 SHARE = 0.4              # of the time limit the descent may use
-FREE_SHARE = 0.25        # of the time limit the unbudgeted solve before it may use (``free_first``)
+FREE_SHARE = 0.5         # of the time limit the unbudgeted solve before it may use (``free_first``), as in
+                         # ``intra_op._solve_budgeted``
 
 
 @dataclass
@@ -193,8 +194,9 @@ def solve_with_start(p: IntraOpProblem, solve=solve_intra_op) -> IntraOpSolution
         if sol.status != "OPTIMAL" and not hopeless:
             floor = _fastest([floor, assess(p, data_start(p, solve), "data")])
         return no_worse(sol, floor, began)
-    if (free := free_first(p, solve)) is not None:
-        return free
+    answer, free = free_first(p, solve)
+    if answer is not None:
+        return answer
     after = time.perf_counter()         # the descent's share counts from here: the free solve does not shorten it
     data = data_start(p, solve)
     end = after + SHARE * p.time_limit_s
@@ -202,28 +204,32 @@ def solve_with_start(p: IntraOpProblem, solve=solve_intra_op) -> IntraOpSolution
     if data is not None:
         seeds.append(descend(p, solve, data, end))
     seed = _fastest(seeds)
-    q = p if seed is None else dataclasses.replace(p, hint=seed.choice, hint_fits=True)
+    q = dataclasses.replace(p, free=free) if seed is None else \
+        dataclasses.replace(p, hint=seed.choice, hint_fits=True, free=free)
     return no_worse(solve(q), seed or assess(p, p.hint, "greedy"), began)
 
 
-def free_first(p: IntraOpProblem, solve) -> IntraOpSolution | None:
-    """What ``intra_op._after_free`` decides from the unbudgeted optimum, decided before the descent
-    (which only seeds the budgeted solve): that optimum, solved exactly within ``FREE_SHARE`` of the
-    time limit, when it fits the budget (then it is the budgeted optimum too); ``DominatedError``
-    (unbudgeted) when its proven bound reaches ``p.cutoff``. None otherwise: the descent and the
-    budgeted solve follow, which solves the free problem again (the descent's restricted problems
-    must not carry it)."""
+def free_first(p: IntraOpProblem, solve) -> tuple[IntraOpSolution | None, object]:
+    """(answer, free). What ``intra_op._after_free`` decides from the unbudgeted optimum, decided before
+    the descent (which only seeds the budgeted solve). The free problem is solved as the budgeted solve
+    would solve it (within ``FREE_SHARE`` of the time limit); the answer is its optimum when proven and
+    within the budget (then it is the budgeted optimum too), and ``DominatedError`` (unbudgeted) is
+    raised when its proven bound reaches ``p.cutoff``. Else no answer, and ``free`` is what the budgeted
+    solve after the descent takes as its own free solve (``IntraOpProblem.free``: the solution, or the
+    ``SolverTimeoutError`` when none was found in time), so it is not solved twice."""
     try:
         free = solve(dataclasses.replace(p, memory_budget=None, cutoff=None, time_limit_s=FREE_SHARE * p.time_limit_s))
-    except (InfeasibleError, SolverTimeoutError):
-        return None
+    except SolverTimeoutError as err:
+        return None, err
+    if free.status == "FEASIBLE(hint)":     # ``solve_intra_op``'s answer to its own time limit
+        return None, SolverTimeoutError("the unbudgeted problem was not solved within its share of the time limit")
     if free.status == "OPTIMAL" and (p.memory_budget is None or free.memory <= p.memory_budget):
-        return dataclasses.replace(free, free_bound=free.lower_bound)
+        return dataclasses.replace(free, free_bound=free.lower_bound), None
     if p.cutoff is not None and free.lower_bound >= p.cutoff:
         err = DominatedError(free.lower_bound, p.cutoff, unbudgeted=True)
         err.free_bound = free.lower_bound
         raise err
-    return None
+    return None, free
 
 
 def _fastest(starts: list[Start | None]) -> Start | None:

@@ -112,6 +112,8 @@ class IntraOpProblem:
                                    # the unbudgeted optimum that does not fit (``axis_descent``)
     data_allowed: list | None = None  # per node, its batch-split strategies on every data axis or None: a
                                    # second start (``data_start``; ``axis_descent.solve_with_start``)
+    free: object = None            # the unbudgeted problem's solution (or its SolverTimeoutError), already solved
+                                   # (``axis_descent.free_first``)
 
 
 @dataclass
@@ -348,7 +350,10 @@ def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
         err.free_bound = bound
         raise err
     try:
-        free = _solve(replace(p, memory_budget=None), start + p.time_limit_s / 2, p.hint, start)
+        if isinstance(p.free, SolverTimeoutError):
+            raise p.free            # solved before (``axis_descent.free_first``): not in time
+        free = p.free if p.free is not None else \
+            _solve(replace(p, memory_budget=None), start + p.time_limit_s / 2, p.hint, start)
     except SolverTimeoutError:
         return _solve(p, start + p.time_limit_s, p.hint, start)
     try:

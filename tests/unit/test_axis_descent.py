@@ -210,3 +210,20 @@ def test_a_problem_under_the_cutoff_whose_optimum_does_not_fit_still_descends(mo
     got = solve_with_start(dataclasses.replace(p, cutoff=10 * free))
     assert calls and got.memory <= p.memory_budget
     assert got.objective >= free - 1e-9 and got.free_bound == pytest.approx(free)
+
+
+def test_the_budgeted_solve_after_the_descent_reuses_the_free_optimum(monkeypatch):
+    """``free_first``'s proven optimum reaches the budgeted solve (``IntraOpProblem.free``): the whole
+    problem is solved without its budget once, not again after the descent."""
+    from autopar.solver import intra_op
+
+    monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
+    whole = []
+    real = intra_op._solve
+    p, free = _tight(two_axis_problem(np.random.default_rng(8)))
+    monkeypatch.setattr(intra_op, "_solve", lambda q, *a, **k: (   # the free problem shares p's nodes
+        whole.append(1) if q.memory_budget is None and q.nodes[0] is p.nodes[0] else None) or real(q, *a, **k))
+    got = solve_with_start(dataclasses.replace(p, cutoff=10 * free))
+    assert len(whole) == 1 and got.free_bound == pytest.approx(free)
+    plain = solve_intra_op(dataclasses.replace(p, axis_keys=None))
+    assert got.objective == pytest.approx(plain.objective, rel=1e-9) or got.objective < plain.objective
