@@ -92,9 +92,14 @@ def _order(nbrs: dict[int, set[int]], sizes: dict[int, int], key) -> tuple[list[
     return steps, total
 
 
-def elimination_order(nbrs: dict[int, set[int]], sizes: dict[int, int]) -> list[tuple[int, tuple[int, ...], int]]:
-    """The steps of the order in ``ORDERS`` that does the fewest sums in all (the first on a tie)."""
-    return min((_order(nbrs, sizes, key) for key in ORDERS), key=lambda o: o[1])[0]
+def elimination_order(nbrs: dict[int, set[int]], sizes: dict[int, int],
+                      limit: int = LIMIT) -> list[tuple[int, tuple[int, ...], int]]:
+    """The steps of the order in ``ORDERS`` that does the fewest sums in all among those whose every
+    step is within ``limit`` sums and ``TABLE`` entries (the first on a tie; the first order when
+    none is: ``eliminate_best`` then hands the problem to CP-SAT)."""
+    orders = [_order(nbrs, sizes, key) for key in ORDERS]
+    within = [o for o in orders if all(e <= limit and e // sizes[v] <= TABLE for v, _, e in o[0])]
+    return min(within or orders[:1], key=lambda o: o[1])[0]
 
 
 def _min_over_last(parts: list[np.ndarray], shape: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -161,7 +166,7 @@ def eliminate_best(g: ClassGraph, active: list[int], limit: int | None = None) -
     for (a, b) in g.edges:
         nbrs[a].add(b)
         nbrs[b].add(a)
-    for v, scope, entries in elimination_order(nbrs, sizes):
+    for v, scope, entries in elimination_order(nbrs, sizes, limit):
         if entries > limit or entries // sizes[v] > TABLE:
             return None
         full = scope + (v,)

@@ -349,9 +349,11 @@ def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
         err = _memory_error(p)          # no assignment can fit: nothing to solve for time
         err.free_bound = bound
         raise err
+    if p.free is not None:          # solved before (``axis_descent.free_first``): its time counts as here
+        start -= p.free.solve_time if isinstance(p.free, IntraOpSolution) else p.time_limit_s / 2
     try:
         if isinstance(p.free, SolverTimeoutError):
-            raise p.free            # solved before (``axis_descent.free_first``): not in time
+            raise p.free            # not solved in time
         free = p.free if p.free is not None else \
             _solve(replace(p, memory_budget=None), start + p.time_limit_s / 2, p.hint, start)
     except SolverTimeoutError:

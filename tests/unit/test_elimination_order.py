@@ -45,3 +45,16 @@ def test_every_order_gives_the_optimum(seed, monkeypatch):
         score = sum(g.compute[a][picked[a]] for a in sorted(g.alive)) + \
             sum(m[picked[a], picked[b]] for (a, b), m in g.edges.items())
         assert score == pytest.approx(best, abs=1e-9)
+
+
+def test_an_order_over_the_limits_is_not_chosen_for_its_fewer_sums(monkeypatch):
+    """Of two orders, the one of fewer sums with a step over ``limit`` loses to one within it (else the
+    problem would go to CP-SAT although an order exists that eliminates it)."""
+    sizes = {0: 10, 1: 2, 2: 3}
+    few = ([(0, (1, 2), 60), (1, (2,), 6), (2, (), 3)], 69)         # one step of 60 sums
+    many = ([(1, (0,), 20), (2, (0,), 30), (0, (), 10)], 60 + 25)    # every step within 30
+    fake = {elimination._by_sums: few, elimination._by_table: many}
+    monkeypatch.setattr(elimination, "_order", lambda nbrs, sz, key: fake[key])
+    assert elimination.elimination_order({}, sizes, limit=1000) == few[0]
+    assert elimination.elimination_order({}, sizes, limit=40) == many[0]
+    assert elimination.elimination_order({}, sizes, limit=5) == few[0]    # none within: the first order
