@@ -36,6 +36,7 @@ import numpy as np
 
 from autopar.core import search_memo
 from autopar.solver.intra_op import (DominatedError, InfeasibleError, IntraOpProblem, IntraOpSolution, SolverTimeoutError, evaluate,
+                                     solve_free_exact,
                                      solve_intra_op, workspace_bytes)
 from autopar.solver.class_graph import allowed_mask
 from autopar.solver.data_start import data_start
@@ -44,8 +45,6 @@ from autopar.solver.memory_floor import memory_floor
 ROUNDS = 2               # sweeps over the axes
 DESCENT_PAIRS = 100_000  # the descent runs when the problem has more (src, dst) strategy pairs than this
 SHARE = 0.4              # of the time limit the descent may use
-FREE_SHARE = 0.5         # of the time limit the unbudgeted solve before it may use (``free_first``), as in
-                         # ``intra_op._solve_budgeted``
 
 
 @dataclass
@@ -209,21 +208,19 @@ def solve_with_start(p: IntraOpProblem, solve=solve_intra_op) -> IntraOpSolution
     return no_worse(solve(q), seed or assess(p, p.hint, "greedy"), began)
 
 
-def free_first(p: IntraOpProblem, solve) -> tuple[IntraOpSolution | None, object]:
+def free_first(p: IntraOpProblem, solve) -> tuple[IntraOpSolution | None, IntraOpSolution | None]:
     """(answer, free). What ``intra_op._after_free`` decides from the unbudgeted optimum, decided before
-    the descent (which only seeds the budgeted solve). The free problem is solved as the budgeted solve
-    would solve it (within ``FREE_SHARE`` of the time limit); the answer is its optimum when proven and
-    within the budget (then it is the budgeted optimum too), and ``DominatedError`` (unbudgeted) is
-    raised when its proven bound reaches ``p.cutoff``. Else no answer, and ``free`` is what the budgeted
-    solve after the descent takes as its own free solve (``IntraOpProblem.free``: the solution, or the
-    ``SolverTimeoutError`` when none was found in time), so it is not solved twice."""
-    try:
-        free = solve(dataclasses.replace(p, memory_budget=None, cutoff=None, time_limit_s=FREE_SHARE * p.time_limit_s))
-    except SolverTimeoutError as err:
-        return None, err
-    if free.status == "FEASIBLE(hint)":     # ``solve_intra_op``'s answer to its own time limit
-        return None, SolverTimeoutError("the unbudgeted problem was not solved within its share of the time limit")
-    if free.status == "OPTIMAL" and (p.memory_budget is None or free.memory <= p.memory_budget):
+    the descent (which only seeds the budgeted solve), where that optimum comes from the reductions and
+    elimination alone (``solve_free_exact``; where it needs CP-SAT, nothing is decided here: the
+    budgeted solve solves it after the descent, hinted by the descent's result). The answer is the
+    optimum when it fits the budget (then it is the budgeted optimum too); ``DominatedError``
+    (unbudgeted) is raised when it reaches ``p.cutoff``. Else no answer, and ``free`` is that optimum
+    for the budgeted solve (``IntraOpProblem.free``), which then does not solve it again. ``solve``:
+    unused (the descent's solver; the exact path has no time limit to stub)."""
+    free = solve_free_exact(p)
+    if free is None:
+        return None, None
+    if p.memory_budget is None or free.memory <= p.memory_budget:
         return dataclasses.replace(free, free_bound=free.lower_bound), None
     if p.cutoff is not None and free.lower_bound >= p.cutoff:
         err = DominatedError(free.lower_bound, p.cutoff, unbudgeted=True)

@@ -112,8 +112,7 @@ class IntraOpProblem:
                                    # the unbudgeted optimum that does not fit (``axis_descent``)
     data_allowed: list | None = None  # per node, its batch-split strategies on every data axis or None: a
                                    # second start (``data_start``; ``axis_descent.solve_with_start``)
-    free: object = None            # the unbudgeted problem's solution (or its SolverTimeoutError), already solved
-                                   # (``axis_descent.free_first``)
+    free: object = None            # the unbudgeted problem's exact solution, already solved (``axis_descent.free_first``)
 
 
 @dataclass
@@ -350,10 +349,8 @@ def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
         err.free_bound = bound
         raise err
     if p.free is not None:          # solved before (``axis_descent.free_first``): its time counts as here
-        start -= p.free.solve_time if isinstance(p.free, IntraOpSolution) else p.time_limit_s / 2
+        start -= p.free.solve_time
     try:
-        if isinstance(p.free, SolverTimeoutError):
-            raise p.free            # not solved in time
         free = p.free if p.free is not None else \
             _solve(replace(p, memory_budget=None), start + p.time_limit_s / 2, p.hint, start)
     except SolverTimeoutError:
@@ -416,8 +413,24 @@ def _hopeless(p: IntraOpProblem, start: float) -> None:
     return free.lower_bound
 
 
+class NeedsSearch(Exception):
+    """``solve_free_exact``: what the reductions leave needs CP-SAT (or the Lagrangian), not elimination."""
+
+
+def solve_free_exact(p: IntraOpProblem) -> IntraOpSolution | None:
+    """The problem without its budget solved exactly by the reductions, elimination or enumeration
+    (``_solve``'s free path), as ``_solve_budgeted`` would solve it; None where that needs CP-SAT."""
+    _validate(p)
+    start = time.perf_counter()
+    try:
+        return _solve(replace(p, memory_budget=None), math.inf, p.hint, start, exact_only=True)
+    except NeedsSearch:
+        return None
+
+
 def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: float,
-           relax: bool = False, good_enough: float | None = None, ceiling: float | None = None) -> IntraOpSolution:
+           relax: bool = False, good_enough: float | None = None, ceiling: float | None = None,
+           exact_only: bool = False) -> IntraOpSolution:
     """Reduce, then eliminate (no budget, ``elimination``) or enumerate (a small remainder,
     ``exhaustive``), or price the budget (``_lagrangian``, when ``relax``: the unbudgeted problem
     solved to optimality, so priced ones will too, and the budgeted model is large), or build and
@@ -444,6 +457,8 @@ def _solve(p: IntraOpProblem, deadline: float, hint: list[int] | None, start: fl
                                                           work=workspace_of(g) if p.memory_budget is not None else None)
         if picked is None:
             raise _no_assignment(p)
+    elif exact_only:
+        raise NeedsSearch()
     elif relax and p.memory_budget is not None and _pair_vars(g) > LAGRANGIAN_PAIRS and \
             (relaxed := _lagrangian(p, deadline, start)) is not None:
         return relaxed
@@ -544,4 +559,4 @@ def _class_hint(class_of: list[int], choice: list[int] | None) -> dict[int, int]
 
 
 __all__ = ["HUGE_COST", "DominatedError", "EdgeCost", "InfeasibleError", "IntraOpProblem", "IntraOpSolution", "NodeChoices",
-           "SolverTimeoutError", "evaluate", "solve_intra_op"]
+           "SolverTimeoutError", "evaluate", "solve_free_exact", "solve_intra_op"]
