@@ -55,8 +55,15 @@ def _stopped_early(q):
                                objective=objective, memory=memory, status="FEASIBLE")
 
 
-def test_the_data_start_leaves_the_local_optimum_the_descent_stays_in(monkeypatch):
+def _needs_search(monkeypatch):
+    """The whole problem as one whose free solve needs CP-SAT (``_stopped_early`` stands for it): the
+    elimination decides nothing before the descent (``axis_descent.free_first``)."""
     monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
+    monkeypatch.setattr(axis_descent, "free_first", lambda p, solve: (None, None))
+
+
+def test_the_data_start_leaves_the_local_optimum_the_descent_stays_in(monkeypatch):
+    _needs_search(monkeypatch)
     p = stuck_problem()
     optimum = solve_intra_op(dataclasses.replace(p, axis_keys=None))
     assert optimum.status == "OPTIMAL" and optimum.objective == pytest.approx(2.0)
@@ -83,7 +90,7 @@ def test_on_a_smaller_problem_the_data_start_is_the_floor_of_an_unproven_answer(
 
 
 def test_without_a_data_start_nothing_changes(monkeypatch):
-    monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
+    _needs_search(monkeypatch)
     p = stuck_problem()
     assert data_allowed([n.name for n in p.nodes], {}) is None and p.data_allowed is None
     assert solve_with_start(p, _stopped_early).choice == p.hint
