@@ -193,7 +193,7 @@ def solve_with_start(p: IntraOpProblem, solve=solve_intra_op) -> IntraOpSolution
         if sol.status != "OPTIMAL" and not hopeless:
             floor = _fastest([floor, assess(p, data_start(p, solve), "data")])
         return no_worse(sol, floor, began)
-    answer, free = free_first(p, solve)
+    answer, free = free_first(p)
     if answer is not None:
         return answer
     after = time.perf_counter()         # the descent's share counts from here: the free solve does not shorten it
@@ -208,15 +208,14 @@ def solve_with_start(p: IntraOpProblem, solve=solve_intra_op) -> IntraOpSolution
     return no_worse(solve(q), seed or assess(p, p.hint, "greedy"), began)
 
 
-def free_first(p: IntraOpProblem, solve) -> tuple[IntraOpSolution | None, IntraOpSolution | None]:
+def free_first(p: IntraOpProblem) -> tuple[IntraOpSolution | None, IntraOpSolution | None]:
     """(answer, free). What ``intra_op._after_free`` decides from the unbudgeted optimum, decided before
     the descent (which only seeds the budgeted solve), where that optimum comes from the reductions and
     elimination alone (``solve_free_exact``; where it needs CP-SAT, nothing is decided here: the
     budgeted solve solves it after the descent, hinted by the descent's result). The answer is the
     optimum when it fits the budget (then it is the budgeted optimum too); ``DominatedError``
     (unbudgeted) is raised when it reaches ``p.cutoff``. Else no answer, and ``free`` is that optimum
-    for the budgeted solve (``IntraOpProblem.free``), which then does not solve it again. ``solve``:
-    unused (the descent's solver; the exact path has no time limit to stub)."""
+    for the budgeted solve (``IntraOpProblem.free``), which then does not solve it again."""
     free = solve_free_exact(p)
     if free is None:
         return None, None

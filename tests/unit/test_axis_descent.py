@@ -86,7 +86,7 @@ def _slow_answer(p: IntraOpProblem, status: str):
 
 def test_a_time_limited_answer_is_never_slower_than_the_start(monkeypatch):
     monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
-    monkeypatch.setattr(axis_descent, "free_first", lambda p, solve: (None, None))   # the stub's answers count
+    monkeypatch.setattr(axis_descent, "free_first", lambda p: (None, None))   # the stub's answers count
     p = two_axis_problem(np.random.default_rng(3), budget_share=None)
     slow = evaluate(p, [0] * len(p.nodes))[0]
     greedy = evaluate(p, p.hint)[0]
@@ -103,7 +103,7 @@ def test_a_time_limited_answer_is_never_slower_than_the_start(monkeypatch):
 
 def test_a_proven_optimum_is_kept(monkeypatch):
     monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
-    monkeypatch.setattr(axis_descent, "free_first", lambda p, solve: (None, None))
+    monkeypatch.setattr(axis_descent, "free_first", lambda p: (None, None))
     p = two_axis_problem(np.random.default_rng(4))
     got = solve_with_start(p, _slow_answer(p, "OPTIMAL"))     # (claimed) proven: not replaced
     assert got.choice == [0] * len(p.nodes) and got.status == "OPTIMAL"

@@ -59,7 +59,7 @@ def _needs_search(monkeypatch):
     """The whole problem as one whose free solve needs CP-SAT (``_stopped_early`` stands for it): the
     elimination decides nothing before the descent (``axis_descent.free_first``)."""
     monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
-    monkeypatch.setattr(axis_descent, "free_first", lambda p, solve: (None, None))
+    monkeypatch.setattr(axis_descent, "free_first", lambda p: (None, None))
 
 
 def test_the_data_start_leaves_the_local_optimum_the_descent_stays_in(monkeypatch):

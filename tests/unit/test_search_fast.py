@@ -93,7 +93,7 @@ def test_auto_plans_the_same_with_the_descent_on_every_solve(monkeypatch):
     returns the same plan, field for field (degrees, microbatches, schedule, every node's strategy and
     options, predicted step and memory, the alternatives), with the shortcuts on and off."""
     monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
-    monkeypatch.setattr(axis_descent, "free_first", lambda p, solve: (None, None))    # every such solve descends
+    monkeypatch.setattr(axis_descent, "free_first", lambda p: (None, None))    # every such solve descends
     calls = []
     real = axis_descent.descend
     monkeypatch.setattr(axis_descent, "descend", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -114,13 +114,13 @@ def test_auto_plans_the_same_with_the_free_optimum_decided_first(monkeypatch):
     monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
     decided = []
     real = axis_descent.free_first
-    monkeypatch.setattr(axis_descent, "free_first", lambda p, solve: (r := real(p, solve))[0] is not None and
+    monkeypatch.setattr(axis_descent, "free_first", lambda p: (r := real(p))[0] is not None and
                         decided.append(1) or r)
     job = lambda: factories.gpt(hidden=32, layers=2, heads=2, seq=32, batch=8, vocab=256)  # noqa: E731
     mesh = autopar.Mesh(4, device="h100", gpus_per_node=2)
     first = _plan(monkeypatch, True, job, mesh)
     assert decided, "no solve was decided by the free optimum: the test compares nothing"
-    monkeypatch.setattr(axis_descent, "free_first", lambda p, solve: (None, None))
+    monkeypatch.setattr(axis_descent, "free_first", lambda p: (None, None))
     assert _plan(monkeypatch, True, job, mesh) == first
 
 
@@ -131,7 +131,7 @@ def test_auto_plans_the_same_with_the_free_optimum_decided_first(monkeypatch):
 ], ids=["gpt4-on-8", "gpt4-on-16"])
 def test_auto_plans_the_same_with_the_descent_on_bigger_jobs(job, mesh, monkeypatch):
     monkeypatch.setattr(axis_descent, "DESCENT_PAIRS", 0)
-    monkeypatch.setattr(axis_descent, "free_first", lambda p, solve: (None, None))
+    monkeypatch.setattr(axis_descent, "free_first", lambda p: (None, None))
     m = autopar.Mesh(mesh[0], device="h100", gpus_per_node=mesh[1])
     on, off = _plan(monkeypatch, True, job, m), _plan(monkeypatch, False, job, m)
     assert on == off
