@@ -53,7 +53,8 @@ _DEFAULTS: dict[str, Any] = {
     "memory_budget_gb": None,
     "microbatches": None,
     "recompute": None,             # None (AUTO/SEMI_AUTO pick when memory needs it), "none", "selective"
-                                   # (attention core), "full" (each layer) or {layer name: one of those}
+                                   # (attention core), "except_attention" (each layer but its attention
+                                   # core), "full" (each layer) or {layer name: one of those}
     "recompute_layers": None,      # None, or k: "full" on k of the repeated layers only, spread evenly (each
                                    # pipeline stage its first k/pp: Megatron's --recompute-num-layers)
     "zero": None,                  # None (AUTO/SEMI_AUTO pick when memory needs it) or a ZeRO stage 0-3 over the
@@ -124,9 +125,10 @@ def set_auto_parallel_context(**kwargs) -> None:
             value = ParallelMode.parse(value)
         if key == "recompute" and value is not None:
             bad = [v for v in (value.values() if isinstance(value, dict) else [value])
-                   if v not in ("none", "selective", "full")]
+                   if v not in ("none", "selective", "except_attention", "full")]
             if bad:
-                raise ValueError(f"recompute must be None, 'none', 'selective', 'full' or a {{layer: one of those}} "
+                raise ValueError(f"recompute must be None, 'none', 'selective', 'except_attention', 'full' or a "
+                                 f"{{layer: one of those}} "
                                  f"mapping, got {bad[0]!r}")
         if key == "recompute_layers" and value is not None and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 0):

@@ -16,6 +16,14 @@ Choices per layer (``plan.memory_options.recompute_for(layer)``):
   path from ``Q @ K^T`` (the nearest matmul above a softmax) to ``P @ V`` (the nearest matmul
   below it), masking, scaling and dropout included. Its saved tensors (the ``B*heads*T^2``
   softmax output, dropout mask and dropped probabilities) are dropped.
+* ``"except_attention"``: the whole layer except its attention cores (torchtitan's op-level
+  selective checkpointing keeps the attention output the same way): the nodes of "full" minus the
+  cores of "selective", as one region per part (the nodes before the first core, those between two,
+  those after the last). The cores run once: their saved tensors (with SDPA: q, k, v, output and
+  logsumexp; with context parallelism also the gathered K/V) stay, and the core's forward is not
+  replayed in backward. At long sequences, where attention is most of a layer's forward, this keeps
+  most of "full"'s memory saving for a fraction of its time. A layer without an attention core
+  recomputes as "full".
 
 A region is made *convex* (every node on a path between two of its nodes is added) so it can run
 as one call, and a multi-output node brings its ``getitem`` users with it.
@@ -32,7 +40,7 @@ from .layers import layer_of
 
 aten = torch.ops.aten
 
-CHOICES = ("none", "selective", "full")
+CHOICES = ("none", "selective", "except_attention", "full")
 
 SDPA_OPS = frozenset({
     aten.scaled_dot_product_attention.default,
@@ -40,6 +48,9 @@ SDPA_OPS = frozenset({
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_flash_attention.default,
 })
+# per-rank graphs: an attention node under context parallelism runs as one of these functions
+# (``collectives/local_ops.IMPLS``); they are cores as the op they replace
+CP_ATTENTION = frozenset({"attention_gather", "attention_ring"})
 _SOFTMAX = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
 _MATMUL = frozenset({aten.matmul.default, aten.bmm.default, aten.mm.default, aten.baddbmm.default,
                      aten.einsum.default})
@@ -51,7 +62,7 @@ class Region:
 
     name: str
     layer: str
-    kind: str                                        # "full" | "selective"
+    kind: str                                        # "full" | "selective" | "except_attention"
     nodes: list[str] = field(default_factory=list)   # graph order
 
 
@@ -145,7 +156,7 @@ def _attention_cores(nodes: list[fx.Node], pos: dict, layer_nodes: list[fx.Node]
     for n in layer_nodes:
         if n in covered or n.op != "call_function":
             continue
-        if n.target in SDPA_OPS:
+        if n.target in SDPA_OPS or getattr(n.target, "__name__", None) in CP_ATTENTION:
             core = _convex(nodes, pos, {n})
         elif n.target in _SOFTMAX:
             qk = _nearest(n, _MATMUL, True, allowed)
@@ -158,6 +169,32 @@ def _attention_cores(nodes: list[fx.Node], pos: dict, layer_nodes: list[fx.Node]
         cores.append(core)
         covered |= core
     return cores
+
+
+def _around_cores(nodes: list[fx.Node], pos: dict, span: list[fx.Node], members: set[fx.Node]) -> list[set[fx.Node]]:
+    """``members`` (a layer's convex "full" region) without its attention cores, grouped by the set
+    of cores each node descends from: the part before the first core, between cores, after the last.
+    Each part is convex: along a path the set of cores above a node only grows, so a path between two
+    nodes of one part neither passes through a core (its own set would then hold that core) nor leaves
+    the part. No core: the whole region, one part."""
+    cores = [c & members for c in _attention_cores(nodes, pos, span)]
+    cores = [c for c in cores if c]
+    if not cores:
+        return [members] if members else []
+    core_of = {n: i for i, c in enumerate(cores) for n in c}
+    above: dict[fx.Node, frozenset] = {}
+    for n in sorted(members, key=pos.__getitem__):
+        mine: set[int] = set()
+        for a in n.all_input_nodes:
+            if a in core_of:
+                mine.add(core_of[a])
+            mine |= above.get(a, frozenset())
+        above[n] = frozenset(mine)
+    parts: dict[frozenset, set[fx.Node]] = {}
+    for n, key in above.items():
+        if n not in core_of:
+            parts.setdefault(key, set()).add(n)
+    return sorted(parts.values(), key=lambda p: min(pos[n] for n in p))
 
 
 def _layer_spans(nodes: list[fx.Node]) -> dict[str, list[fx.Node]]:
@@ -198,6 +235,11 @@ def find_regions(gm, choices: dict[str, str]) -> list[Region]:
             if members:
                 regions.append(Region(base, layer, kind, _ordered(pos, members)))
                 taken |= members
+        elif kind == "except_attention":
+            members = _convex(nodes, pos, set(span)) - taken
+            for i, part in enumerate(_around_cores(nodes, pos, span, members)):
+                regions.append(Region(f"{base}_part_{i}", layer, kind, _ordered(pos, part)))
+                taken |= part
         elif kind == "selective":
             cores = [c - taken for c in _attention_cores(nodes, pos, span)]
             cores = [c for c in cores if c]

@@ -142,7 +142,7 @@ class PipelineInfo:
     free_step: float = 0.0           # the step with the stage cut by time alone (no memory cap), same unit costs
 
 
-_RECOMPUTE = ("none", "selective", "full")
+_RECOMPUTE = ("none", "selective", "except_attention", "full")
 
 
 @dataclass
@@ -155,7 +155,8 @@ class MemoryOptions:
     after another, gradients summed locally and synced once (1: none; not with a pipeline).
     ``zero``: 0-3, ZeRO stage on the data-parallel axes (1 optimizer state sharded, 2 + gradients
     reduce-scattered, 3 + parameters gathered before use). ``recompute``: "none", "selective"
-    (attention core), "full", or {layer name: one of those} for a per-layer choice."""
+    (attention core), "except_attention" (the layer but its attention core), "full", or {layer name: one
+    of those} for a per-layer choice."""
 
     mixed_precision: str | None = None
     reduce_dtype: str = "fp32"

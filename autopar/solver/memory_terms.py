@@ -18,7 +18,7 @@ from autopar.graph.recompute_regions import choices_for, find_regions
 from autopar.sharding.candidates import Candidates
 from autopar.sharding.placements import shard_factor
 from autopar.sharding.strategy import Strategy, tensor_inputs
-from autopar.solver.cp_costs import cp_transient_bytes
+from autopar.solver.cp_costs import cp_saved_bytes, cp_transient_bytes
 from autopar.solver.problem import BuiltProblem, resharded_param_bytes, saved_bytes_once
 from autopar.solver.strategy_prices import Costing, local_saved, saved_pair, strategy_outputs, tensor_bytes
 
@@ -105,8 +105,10 @@ def transient_bytes(gm: fx.GraphModule, cands: Candidates, built: BuiltProblem, 
     inside = {n for r in regions for n in r.nodes}
     peak = max((g for n, g in grads.items() if n not in inside), default=0.0)
     for r in regions:
-        remat = sum(local_saved(by_name[n], cands.strategies[n][choice[built.index[n]]], saved, c)
-                    for n in r.nodes if n in built.index)
+        # the region's forward again holds what its nodes save (the gather form's gathered K/V too)
+        remat = sum(local_saved(by_name[n], st, saved, c) + cp_saved_bytes(by_name[n], st, c)
+                    for n in r.nodes if n in built.index
+                    for st in (cands.strategies[n][choice[built.index[n]]],))
         peak = max(peak, remat + max((grads.get(n, 0.0) for n in r.nodes), default=0.0))
     if c.zero == 1:
         freed = sum(float(built.problem.nodes[i].memory[choice[i]]) for i, n in enumerate(built.names) if n not in params)

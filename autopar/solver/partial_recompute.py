@@ -108,37 +108,58 @@ def partial_plans(req: SolveRequest, best: Plan, traces: dict, candidates) -> li
     names = layer_names(req.traced.gm)
     if len(names) < 2:
         return []
-    progress = req.opts.progress
-    k = best.memory_options.accumulation
-    pipeline = best.pipeline is not None
-    if k not in traces:
-        traces[k] = microbatch_traced(req.traced, k, req.retracer)
-    mb = traces[k]
-    step = best.mesh.shape[best.mesh.axis_names.index("pp")] if pipeline else 1
-    pinned = {**_pinned(best), **req.param_ann} if pipeline and req.mode == ParallelMode.AUTO else req.param_ann
-    top = -(-len(names) // step)
+    probe = Probe(req, best, traces, candidates)
+    top = -(-len(names) // probe.step)
     lo, hi, out = 0, top, []
     for _ in range(math.ceil(math.log2(top))):
-        if hi - lo <= 1 or (progress is not None and progress.out_of_time()):
+        if hi - lo <= 1 or probe.out_of_time():
             break
         mid = (lo + hi) // 2
-        r = min(len(names), mid * step)
-        if progress is not None:
-            progress.enter(f"ZeRO-{best.memory_options.zero}, recompute full on {r} of {len(names)} layers"
-                           + (f" ({mid} per stage)" if pipeline else "") + f", accumulation {k}")
-        got = []
-        for choice in _choices(mb.gm, best, mid, r):
-            probe = req.replace(traced=mb, mesh=best.mesh, param_ann=pinned).with_options(
-                recompute=choice, zero=best.memory_options.zero)
-            try:
-                with _unbounded(progress):
-                    found, _, _ = candidates(probe, pipelines=pipeline, microbatches=k)
-            except PlanError:
-                found = []
-            got += [accumulated(p, k, req.traced, mb) for p in found if (p.pipeline is not None) == pipeline]
+        r = min(len(names), mid * probe.step)
+        got = probe.plans(_choices(probe.mb.gm, best, mid, r), f"recompute full on {r} of {len(names)} layers"
+                          + (f" ({mid} per stage)" if probe.pipeline else ""))
         out += got
         if any(not p.memory_bound for p in got):
             hi = mid
         else:
             lo = mid
     return out
+
+
+class Probe:
+    """Re-plans of ``best``'s candidate (its mesh, a pipeline's named ``pp`` mesh, its ZeRO stage and
+    accumulation; a pipeline's parameter layout pinned under AUTO, ``_pinned``) with another recompute
+    choice, solved without the best-plan-so-far cutoff (``_unbounded``)."""
+
+    def __init__(self, req: SolveRequest, best: Plan, traces: dict, candidates):
+        self.req, self.best, self.candidates = req, best, candidates
+        self.k = best.memory_options.accumulation
+        self.pipeline = best.pipeline is not None
+        if self.k not in traces:
+            traces[self.k] = microbatch_traced(req.traced, self.k, req.retracer)
+        self.mb = traces[self.k]
+        self.step = best.mesh.shape[best.mesh.axis_names.index("pp")] if self.pipeline else 1
+        self.pinned = ({**_pinned(best), **req.param_ann} if self.pipeline and req.mode == ParallelMode.AUTO
+                       else req.param_ann)
+
+    def out_of_time(self) -> bool:
+        progress = self.req.opts.progress
+        return progress is not None and progress.out_of_time()
+
+    def plans(self, choices: list, label: str) -> list[Plan]:
+        """The plans of each recompute choice in ``choices`` (``label`` for the progress line)."""
+        progress, k = self.req.opts.progress, self.k
+        if progress is not None:
+            progress.enter(f"ZeRO-{self.best.memory_options.zero}, {label}, accumulation {k}")
+        got = []
+        for choice in choices:
+            probe = self.req.replace(traced=self.mb, mesh=self.best.mesh, param_ann=self.pinned).with_options(
+                recompute=choice, zero=self.best.memory_options.zero)
+            try:
+                with _unbounded(progress):
+                    found, _, _ = self.candidates(probe, pipelines=self.pipeline, microbatches=k)
+            except PlanError:
+                found = []
+            got += [accumulated(p, k, self.req.traced, self.mb) for p in found
+                    if (p.pipeline is not None) == self.pipeline]
+        return got

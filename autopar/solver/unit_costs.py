@@ -29,6 +29,7 @@ from autopar.cost_models.param_step import optimizer_step_time, working_copy_tim
 from autopar.graph.grads import grad_nodes
 from autopar.cost_models.memory import dropout_mask_bytes_for, saves_input, training_state_parts
 from autopar.cost_models.recompute import saved_storages
+from autopar.solver.cp_costs import cp_saved_bytes
 from autopar.cost_models.zero import sharded_state, zero_axes
 from autopar.graph.cut_points import crossing_values
 from autopar.plan.plan import Plan
@@ -238,6 +239,8 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
                     # tp-split input, not its partial output)
                     act += nbytes / (max(out_shard, in_shard) if internal else _split(specs, by_name[tensor], shape))
             params |= {i.name for i in tensor_inputs(node) if i.op == "placeholder" and i.name in traced.params}
+            if name not in recomputed:  # the gather form's gathered K/V, saved where the attention runs once
+                act += cp_saved_bytes(node, d, costing)
             param_copies, region_copies = copied.of(node, unit.index)
             held += param_copies
             act += region_copies

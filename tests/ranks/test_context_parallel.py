@@ -283,3 +283,40 @@ def test_a_sequence_the_cp_axis_does_not_divide_is_a_clear_error():
     with pytest.raises(Exception, match=r"sequence \(62, dim 1 of .*context-parallel size 4.*multiple of 4"):
         autopar.plan(TinyGPT(), autopar.Mesh(4, axis_names=("cp",)), example_inputs=(x,), loss_fn=token_loss,
                      example_target=y, mode="semi_auto")
+
+
+def _kept_job(rank, form):
+    """cp 4 with recompute="except_attention": each layer recomputes around its attention, whose local form
+    (``form``) runs once, outside both checkpointed parts."""
+    x, y = tokens(BATCH)
+    mesh = autopar.Mesh((4,), axis_names=("cp",))
+    torch.manual_seed(0)
+    _cp_input(None)
+    autopar.set_auto_parallel_context(recompute="except_attention")
+    try:
+        plan = autopar.plan(TinyGPT(), mesh, example_inputs=(x,), loss_fn=token_loss, example_target=y,
+                            mode="semi_auto")
+    finally:
+        autopar.clear_annotations()
+        autopar.reset_auto_parallel_context()
+    for n in _attention(plan):
+        n.local = [form if loc and loc.endswith(":cp") else loc for loc in n.local]
+
+    def regions(pm):
+        gm = pm.program.gm
+        return pm.code, [gm.get_submodule(f"recompute_blocks_0_part_{i}").body.code for i in (0, 1)]
+
+    return parallel_run(rank, TinyGPT, token_loss, x, y, mesh, "hybrid", plan=plan, inspect=regions)
+
+
+@pytest.mark.parametrize("form", ["attn_gather:cp", "attn_ring:cp"])
+def test_cp4_recompute_except_attention_trains_like_one_device(form):
+    x, y = tokens(BATCH)
+    ref = reference_run(TinyGPT, token_loss, x, y)
+    results = run_ranks(4, _kept_job, form)
+    fn = "attention_gather(" if form.startswith("attn_gather") else "attention_ring("
+    for r in results:
+        assert_same_training(ref, r, what=f"cp 4 {form} except_attention")
+        code, parts = r["inspect"]
+        assert "self.recompute_blocks_0_part_0(" in code and fn in code, code
+        assert all(fn not in body and "linear" in body for body in parts)

@@ -62,17 +62,24 @@ def _oracle_job(rank, plan_json, mesh, runs):
     out["collectives"] = [(kind, axis, phase) for kind, _, axis, phase in counter.calls]
     if hasattr(pm.program, "gm"):
         out["region_code"] = pm.program.gm.get_submodule("recompute_blocks_0").body.code
+    torch.manual_seed(0)
+    pm = autopar.parallelize(gpt(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y,
+                             plan=_with(plan, KEPT))
+    out["kept_code"] = pm.code
+    if hasattr(pm.program, "gm"):
+        out["kept_regions"] = [pm.program.gm.get_submodule(f"recompute_blocks_0_part_{i}").body.code for i in (0, 1)]
     return out
 
 
 MIXED = {"blocks.0": "full", "blocks.1": "selective"}
+KEPT = {"blocks.0": "except_attention", "blocks.1": "full"}     # the attention core kept in blocks.0
 
 
 @pytest.mark.parametrize("kind", ["data", "tp", "pipeline"])
 def test_recompute_trains_like_one_device(kind):
-    """dropout 0: "full" and a per-layer mapping (full and selective) train like the single-device run.
-    dropout 0.1: the mapping (dropout inside a full region) trains exactly like the same plan without
-    recomputation: the masks are replayed in backward."""
+    """dropout 0: "full" and per-layer mappings (full and selective; except_attention and full) train like
+    the single-device run. dropout 0.1: the mappings (dropout inside a full or except_attention region)
+    train exactly like the same plan without recomputation: the masks are replayed in backward."""
     x, y = _tokens()
     plan, mesh = _plan(kind, gpt)
     if kind == "tp":
@@ -80,14 +87,19 @@ def test_recompute_trains_like_one_device(kind):
     if kind == "pipeline":
         assert plan.degrees["pp"] == 2
     ref = reference_run(gpt, lm_loss, x, y, steps=2)
-    runs = [(0.0, "full"), (0.0, MIXED), (0.1, "none"), (0.1, MIXED)]
+    runs = [(0.0, "full"), (0.0, MIXED), (0.0, KEPT), (0.1, "none"), (0.1, MIXED), (0.1, KEPT)]
     results = run_ranks(2, _oracle_job, plan.to_json(), mesh, runs)
     for r in results:
-        for choice in ("full", MIXED):
+        for choice in ("full", MIXED, KEPT):
             assert_same_training(ref, r[(0.0, str(choice))], what=f"{kind} recompute={choice}")
-        assert_same_training(r[(0.1, "none")], r[(0.1, str(MIXED))], rtol=1e-6, what=f"{kind} dropout recompute")
+        for choice in (MIXED, KEPT):
+            assert_same_training(r[(0.1, "none")], r[(0.1, str(choice))], rtol=1e-6, what=f"{kind} dropout {choice}")
         assert r[(0.1, "none")]["losses"] != r[(0.0, "full")]["losses"]    # dropout did act
     assert "self.recompute_blocks_0(" in results[0]["code"]
+    assert "self.recompute_blocks_0_part_0(" in results[0]["kept_code"]
+    assert "self.recompute_blocks_0_part_1(" in results[0]["kept_code"]
+    for body in results[0].get("kept_regions", []):      # the attention core runs outside both parts
+        assert "scaled_dot_product_attention.default(" not in body and "linear" in body
     if kind == "tp":    # the layer's all-reduces run inside the checkpointed region, again in backward
         assert "all_reduce" in results[0]["region_code"]
         calls = results[0]["collectives"]

@@ -193,3 +193,15 @@ def test_ring_costs_of_a_wide_axis_are_quick():
     assert time.process_time() - t0 < 5.0       # the O(n^2) count took minutes here
     # zig-zag chunks of one position: step 0 sees 1 + 2 x 1 pairs, every later step 2; x n ranks' even split
     assert t.compute_fwd == pytest.approx(4096 * (3 + 2 * 4095) / (8192 * 8193 / 2))
+
+
+def test_a_recomputed_gather_form_keeps_no_gathered_kv():
+    """Under recomputation the attention node saves nothing (its region re-runs it in backward): its memory
+    is not the gathered K/V the gather form saves when it runs once (``strategy_prices.node_costs``)."""
+    from autopar.solver.strategy_prices import node_costs
+    node = _sdpa(1, 32, 32, 16384, 128)
+    c = Costing((4,), get_device("h100"))
+    kept = node_costs(node, [_cp("attn_gather")], c, {}, set(), recomputed=False)[1][0]
+    again = node_costs(node, [_cp("attn_gather")], c, {}, set(), recomputed=True)[1][0]
+    assert kept == pytest.approx(cp_saved_bytes(node, _cp("attn_gather"), c)) and kept > 0
+    assert again == 0

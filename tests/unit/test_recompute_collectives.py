@@ -85,3 +85,29 @@ def test_local_implementation_collectives_count_once_in_unit_times():
                 and c.node in plan.nodes)
     assert units <= nodes + edges + 1e-12
     assert sum(c.time for c in own) > 0.1 * units      # large enough that counting them twice would show
+
+
+def _with_form(plan, form: str):
+    out = autopar.Plan.from_json(plan.to_json())
+    for d in out.nodes.values():
+        if "scaled_dot_product_attention" in d.op:
+            d.local = [form if loc and loc.endswith(":cp") else loc for loc in d.local]
+    return out
+
+
+@pytest.mark.parametrize("recompute", ["none", "except_attention", "full"])
+def test_a_stage_holds_the_gather_forms_gathered_kv_unless_attention_is_recomputed(recompute):
+    """The gather form saves the whole sequence's K/V for backward (``cp_costs.cp_saved_bytes``: 3 more
+    shards on cp 4), the ring only its own: a pipeline unit's activations differ by exactly that where
+    the attention runs once ("none", "except_attention"), and not at all where it is recomputed."""
+    mesh = autopar.Mesh(4, axis_names=("cp",), device="h100")
+    plan = _plan(mesh, recompute)
+    gather, _ = _profiles(_with_form(plan, "attn_gather:cp"), mesh)
+    ring, unit_of = _profiles(_with_form(plan, "attn_ring:cp"), mesh)
+    # K and V of one layer: batch 2 x 4 heads x 64 / 4 positions x head dim 8, fp32, each; 3 more shards each
+    kv = 2 * (2 * 4 * 16 * 8 * 4)
+    extra = 0 if recompute == "full" else 3 * kv
+    attention = {unit_of[n] for n, d in plan.nodes.items() if "scaled_dot_product_attention" in d.op}
+    assert len(attention) == 2
+    for u, (g, r) in enumerate(zip(gather, ring)):
+        assert g.activation_bytes - r.activation_bytes == pytest.approx(extra if u in attention else 0.0)

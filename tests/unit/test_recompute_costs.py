@@ -80,6 +80,38 @@ def test_selective_on_sdpa_drops_its_logsumexp():
     assert 0 < cost.saved_bytes_removed < recompute_cost(gm, "full", get_device(DEVICE)).saved_bytes_removed
 
 
+def test_except_attention_recomputes_the_layer_but_its_attention_core():
+    """"except_attention": the nodes of "full" minus the SDPA call, as two convex regions per layer (before
+    and after the core); the core's forward is not replayed, and it saves what it saved before."""
+    gm = _gpt_graph(2)
+    dev = get_device(DEVICE)
+    regions = find_regions(gm, choices_for(gm, "except_attention"))
+    assert [r.name for r in regions] == ["recompute_blocks_0_part_0", "recompute_blocks_0_part_1",
+                                         "recompute_blocks_1_part_0", "recompute_blocks_1_part_1"]
+    by_name = {n.name: n for n in gm.graph.nodes}
+    inside = {n for r in regions for n in r.nodes}
+    full = {n for r in find_regions(gm, choices_for(gm, "full")) for n in r.nodes}
+    selective = find_regions(gm, choices_for(gm, "selective"))
+    cores = {n for r in selective for n in r.nodes}
+    assert cores and not cores & inside and inside == full - cores
+    assert sum("scaled_dot_product" in str(by_name[n].target) for n in cores) == 2
+    options = layer_options(gm, dev)
+    for layer in ("blocks.0", "blocks.1"):
+        kept, whole = options[layer]["except_attention"], options[layer]["full"]
+        core = sum(node_cost(by_name[n], dev).time_fwd for r in selective if r.layer == layer for n in r.nodes)
+        assert core > 0 and kept.extra_seconds == pytest.approx(whole.extra_seconds - core, rel=1e-9)
+        assert 0 < kept.saved_bytes_removed < whole.saved_bytes_removed
+
+
+def test_except_attention_without_an_attention_core_is_full():
+    """A layer with no attention core (an MLP block) recomputes as one "full" region."""
+    gm = trace(torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2)]),
+               (torch.randn(4, 8),)).gm
+    full = find_regions(gm, choices_for(gm, "full"))
+    kept = find_regions(gm, choices_for(gm, "except_attention"))
+    assert full and [r.nodes for r in kept] == [r.nodes for r in full]
+
+
 def _measured_saved(pmodel, *args, **kw) -> int:
     """Bytes autograd keeps for backward during one step, each storage once, parameters out."""
     return saved_bytes(lambda: pmodel.step(*args, **kw), pmodel.parameters())
@@ -99,11 +131,11 @@ def test_saved_bytes_drop_as_predicted(name):
     gm = trace(model_fn(), *trace_args).gm
     plan = autopar.plan(model_fn(), autopar.Mesh(1), example_inputs=args, mode="stand_alone", **kw)
     measured = {}
-    for choice in ("none", "full", "selective"):
+    for choice in ("none", "full", "selective", "except_attention"):
         torch.manual_seed(0)
         pm = autopar.parallelize(model_fn(), autopar.Mesh(1), example_inputs=args, plan=_with(plan, choice), **kw)
         measured[choice] = _measured_saved(pm, *args, **step_kw)
-    for choice in ("full", "selective"):
+    for choice in ("full", "selective", "except_attention"):
         predicted = recompute_cost(gm, choice, dropout_mask_bytes=None, node_seconds=lambda n: 0.0).saved_bytes_removed
         drop = measured["none"] - measured[choice]
         assert predicted > 0 and drop == pytest.approx(predicted, rel=0.10), (choice, drop, predicted)

@@ -44,7 +44,7 @@ def test_user_fixed_recompute_is_planned_in_every_mode():
 
 @pytest.mark.parametrize("value", ["some", {"blocks.0": "all"}, 1])
 def test_bad_recompute_setting_is_refused(value):
-    with pytest.raises(ValueError, match=r"recompute must be None, 'none', 'selective', 'full' or a \{layer"):
+    with pytest.raises(ValueError, match=r"recompute must be None, 'none', 'selective', 'except_attention', 'full' or a \{layer"):
         autopar.set_auto_parallel_context(recompute=value)
 
 
@@ -169,3 +169,32 @@ def test_every_zero_stage_is_searched_before_more_recomputation():
         autopar.set_auto_parallel_context(zero=z)
         forced = autopar.plan(MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="auto")
         assert forced.step_time >= plan.step_time, (z, forced.memory_options, plan.memory_options)
+
+
+KEPT_MODEL = functools.partial(GPT, qkv_bias=False, layers=4, hidden=32)
+
+
+def _kept_plan(mesh, **kw):
+    x, y = make_batch("tokens", BATCH)
+    autopar.set_auto_parallel_context(accumulation=1, zero=0, **kw)
+    try:
+        return autopar.plan(KEPT_MODEL(), mesh, example_inputs=(x,), loss_fn=lm_loss, example_target=y, mode="auto")
+    finally:
+        autopar.reset_auto_parallel_context()
+
+
+def test_auto_keeps_the_attention_core_when_that_fits():
+    """Under a cap that "except_attention" fits and "selective" does not, the search's probe after "full"
+    (``solver/attention_kept.py``) recomputes every layer around its attention core: faster than "full"."""
+    dp = autopar.Mesh(2, axis_names=("dp",))
+    fixed = {rc: _kept_plan(dp, recompute=rc) for rc in ("selective", "except_attention", "full")}
+    peak = {rc: max(p.memory_per_device) for rc, p in fixed.items()}
+    assert peak["full"] < peak["except_attention"] < peak["selective"]
+    assert fixed["full"].step_time > fixed["except_attention"].step_time
+    cap = peak["except_attention"] * 1.02
+    plan = _kept_plan(autopar.Mesh(2, axis_names=("dp",), memory_gb=cap / 2**30))
+    assert plan.memory_options.recompute == {f"blocks.{i}": "except_attention" for i in range(4)}
+    assert max(plan.memory_per_device) <= cap
+    assert plan.step_time == pytest.approx(fixed["except_attention"].step_time)
+    assert any(a.memory_options == "recompute full" for a in plan.alternatives)
+    assert "recompute except_attention on 4 layers" in plan.report()
