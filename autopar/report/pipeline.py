@@ -22,6 +22,25 @@ def _layers(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
 
 
+def rank_list(ranks: list[int]) -> str:
+    """Ranks for the stage table: runs of consecutive ranks as ``a-b`` ("0-1023"), an evenly strided list
+    of more than 4 as ``a,b,..,z (n ranks)``, and more than 4 runs as the first 3, ``..``, the last and
+    the count."""
+    rs = sorted(ranks)
+    if len(rs) > 4 and rs[1] - rs[0] > 1 and all(b - a == rs[1] - rs[0] for a, b in zip(rs, rs[1:])):
+        return f"{rs[0]},{rs[1]},..,{rs[-1]} ({len(rs)} ranks)"
+    runs: list[list[int]] = []
+    for r in rs:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
+    if len(text) > 4:
+        return ",".join(text[:3]) + f",..,{text[-1]} ({len(rs)} ranks)"
+    return ",".join(text)
+
+
 def render_pipeline(plan) -> list[str]:
     """Report lines: per-stage table, bubble fraction and the step × rank schedule grid."""
     if not plan.stages:
@@ -35,7 +54,7 @@ def render_pipeline(plan) -> list[str]:
              f"{_ms(info.pipeline_time if info else 0.0)} (+ gradient sync + optimizer = step {_ms(plan.step_time)})",
              f"  {'stage':<6} {'ranks':<14} {'layers':<28} {'fwd/mb':>11} {'bwd/mb':>11} {'p2p':>11} {'memory':>12}"]
     for s in plan.stages:
-        ranks = ",".join(str(r) for r in s.ranks)
+        ranks = rank_list(s.ranks)
         lines.append(f"  {s.index:<6} {ranks:<14} {_layers(s.layers):<28} {_ms(s.fwd):>11} {_ms(s.bwd):>11} "
                      f"{_ms(s.send_time):>11} {_mib(s.memory):>12}")
     lines.append("schedule (step × pipeline rank; 1F0 = stage 1 forward of microbatch 0, "
