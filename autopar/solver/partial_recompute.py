@@ -131,15 +131,17 @@ class Probe:
     accumulation; a pipeline's parameter layout pinned under AUTO, ``_pinned``) with another recompute
     choice, solved without the best-plan-so-far cutoff (``_unbounded``)."""
 
-    def __init__(self, req: SolveRequest, best: Plan, traces: dict, candidates):
+    def __init__(self, req: SolveRequest, best: Plan, traces: dict, candidates, pin: bool = True,
+                 zero: int | None = None):
         self.req, self.best, self.candidates = req, best, candidates
+        self.zero = best.memory_options.zero if zero is None else zero
         self.k = best.memory_options.accumulation
         self.pipeline = best.pipeline is not None
         if self.k not in traces:
             traces[self.k] = microbatch_traced(req.traced, self.k, req.retracer)
         self.mb = traces[self.k]
         self.step = best.mesh.shape[best.mesh.axis_names.index("pp")] if self.pipeline else 1
-        self.pinned = ({**_pinned(best), **req.param_ann} if self.pipeline and req.mode == ParallelMode.AUTO
+        self.pinned = ({**_pinned(best), **req.param_ann} if pin and self.pipeline and req.mode == ParallelMode.AUTO
                        else req.param_ann)
 
     def out_of_time(self) -> bool:
@@ -150,11 +152,11 @@ class Probe:
         """The plans of each recompute choice in ``choices`` (``label`` for the progress line)."""
         progress, k = self.req.opts.progress, self.k
         if progress is not None:
-            progress.enter(f"ZeRO-{self.best.memory_options.zero}, {label}, accumulation {k}")
+            progress.enter(f"ZeRO-{self.zero}, {label}, accumulation {k}")
         got = []
         for choice in choices:
             probe = self.req.replace(traced=self.mb, mesh=self.best.mesh, param_ann=self.pinned).with_options(
-                recompute=choice, zero=self.best.memory_options.zero)
+                recompute=choice, zero=self.zero)
             try:
                 with _unbounded(progress):
                     found, _, _ = self.candidates(probe, pipelines=self.pipeline, microbatches=k)

@@ -30,7 +30,7 @@ from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_fit import PipelineDominatedError
 from autopar.solver.candidate_order import flat_steps, node_order
 from autopar.solver.pipeline_search import optimizer_time, pipeline_plans, pipeline_requested
-from autopar.solver.attention_kept import kept_plans
+from autopar.solver.attention_kept import kept_probes
 from autopar.solver.partial_recompute import applies as partial_applies, partial_plans, resolve_recompute_layers
 from autopar.solver.progress import SearchProgress
 from autopar.solver.request import SolveRequest
@@ -140,7 +140,7 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
     if plans and partial_applies(request) and not progress.out_of_time():   # "full" on fewer layers
         plans += partial_plans(request, min(plans, key=rank_key), traces, _candidates)
     if plans and partial_applies(request) and not progress.out_of_time():   # the attention core kept
-        plans += kept_plans(request, min(plans, key=rank_key), traces, _candidates)
+        plans += kept_probes(request, plans, traces, _candidates, rank_key)
     if not plans:
         told = [(n, e) for n, e in pipe_failures if not isinstance(e, MergedAxisWins)]   # not solved: no reason
         err = no_plan_error(mesh, failures, told, _cap(mesh, opts), traced.batch_size, opts.time_limit_s)
