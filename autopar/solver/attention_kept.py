@@ -62,11 +62,14 @@ def worth_probing(plans: list[Plan], rank_key, cores: frozenset[str]) -> list[Pl
     first: dict = {}
     for p in sorted(plans, key=rank_key):
         key = (p.mesh.shape, p.mesh.axis_names, p.pipeline is not None)
-        rec = p.memory_options.recompute
-        some_full = rec == "full" or isinstance(rec, dict) and "full" in rec.values()
-        if key not in first and some_full and p.candidate != "DDP layout":
+        if key not in first and _some_full(p.memory_options.recompute) and p.candidate != "DDP layout":
             first[key] = p
     return list(first.values())[:LIMIT]
+
+
+def _some_full(recompute) -> bool:
+    """Whether a recompute choice recomputes some layer "full"."""
+    return recompute == "full" or isinstance(recompute, dict) and "full" in recompute.values()
 
 
 def _full_layers(recompute, names: list[str]) -> list[str]:
@@ -123,6 +126,8 @@ def kept_probes(req: SolveRequest, plans: list[Plan], traces: dict, candidates, 
     """``kept_plans`` of the plans ``worth_probing`` names (the best with its bisection, the others the
     all-turned probe only), each while its estimate (module docstring) beats the best plan so far;
     ``rank_key``: the search's ranking."""
+    if not any(_some_full(p.memory_options.recompute) for p in plans):
+        return []           # nothing recomputes "full": no probe (and no need to find the cores)
     cores = attention_cores(req.traced.gm)
     out: list[Plan] = []
     for p in worth_probing(plans, rank_key, cores):
