@@ -2,9 +2,9 @@
 
 ``kept_plans`` (AUTO/SEMI_AUTO, recomputation left to the search) runs after ``partial_recompute``: when
 the fastest plan recomputes whole layers ("full" on every layer, or on ``r`` of them), it re-plans that
-plan's candidate (``partial_recompute.Probe``: the same mesh, ZeRO stage, accumulation and, for a
-pipeline under AUTO, parameter layout) with those layers recomputed around their attention core. Per
-layer, with ``t`` its forward seconds, ``a`` its attention core's and ``m`` the bytes::
+plan's candidate (``partial_recompute.Probe``: the same mesh, accumulation and ZeRO stage, ZeRO-1 for a
+pipeline at ZeRO-0) with those layers recomputed around their attention core. Per layer, with ``t`` its
+forward seconds and ``a`` its attention core's::
 
     "full":              time + t,      keeps the layer's input
     "except_attention":  time + t - a,  keeps the input and what the core saves (q, k, v, output,
@@ -12,10 +12,11 @@ layer, with ``t`` its forward seconds, ``a`` its attention core's and ``m`` the 
 
 so "except_attention" is faster and holds more. The probe keeps ``j`` of the fully recomputed layers
 "full" (spread evenly, ``recompute_layers.spread``) and turns the others to "except_attention". ``j = 0``
-(all turned) is tried first: at long sequences, where the core is most of the forward, it usually fits.
-Otherwise the smallest ``j`` that fits without the cap shaping the layout (``Plan.memory_bound``) is found
+(all turned) is tried first, its layout solved anew: at long sequences, where the core is most of the
+forward, it usually fits. Otherwise the smallest ``j`` that fits without the cap shaping the layout (``Plan.memory_bound``) is found
 by bisection, as ``partial_recompute`` does (memory falls and time grows with ``j``; ``j`` = all is the
-plan itself); with a pipeline ``j`` moves in steps of ``pp`` (each stage its share). Every probe that
+plan itself; under AUTO a pipeline's probes keep that plan's parameter layout); with a pipeline ``j``
+moves in steps of ``pp`` (each stage its share). Every probe that
 fits joins the plans; the usual ranking picks.
 
 Which plans are probed (``worth_probing``): the fastest plan of each candidate (mesh, or pipeline on its
