@@ -26,7 +26,9 @@ ops' time (``core_share``), and with the all-turned probe only (the best plan's 
 the cores saves their forward again; under "full" a core's time is its forward twice and its backward,
 so where the backward takes at least the forward the saving is at most ``c / 3`` of the ops' time, and
 ``step x (1 - c / 3)`` an optimistic estimate of the probe's step (the stage cut and the schedule scale
-with the ops' time): a filter, not a proof. Llama 3 405B at 131,072 tokens: 8 stages with "full" beat 16
+with the ops' time): a filter, not a proof. No plan is probed, the best included, whose estimate gains
+less than ``MIN_GAIN`` of its step (short sequences, where the cores are a sliver of the work: the probes
+would cost search time for nothing). Llama 3 405B at 131,072 tokens: 8 stages with "full" beat 16
 stages with "full" by 1 %, and with "except_attention" each gains 12 %.
 """
 from __future__ import annotations
@@ -41,6 +43,7 @@ from autopar.solver.request import SolveRequest
 
 KEPT = "except_attention"
 LIMIT = 3
+MIN_GAIN = 0.01         # a plan whose estimate gains less than this share of its step is not probed
 
 
 def attention_cores(gm) -> frozenset[str]:
@@ -137,7 +140,8 @@ def kept_probes(req: SolveRequest, plans: list[Plan], traces: dict, candidates, 
         if progress is not None and progress.out_of_time():
             break
         first = p is min(plans, key=rank_key)
-        if first or p.step_time * (1 - core_share(p, cores) / 3) < best.step_time:
+        gain = core_share(p, cores) / 3
+        if gain >= MIN_GAIN and (first or p.step_time * (1 - gain) < best.step_time):
             out += kept_plans(req, p, traces, candidates, bisect=first)
     return out
 
