@@ -43,7 +43,7 @@ from autopar.solver.request import SolveRequest
 
 KEPT = "except_attention"
 LIMIT = 3
-MIN_GAIN = 0.01         # a plan whose estimate gains less than this share of its step is not probed
+MIN_GAIN = 0.005        # a plan whose estimate gains less than this share of its step is not probed
 
 
 def attention_cores(gm) -> frozenset[str]:
