@@ -33,8 +33,6 @@ stages with "full" by 1 %, and with "except_attention" each gains 12 %.
 """
 from __future__ import annotations
 
-import math
-
 from autopar.graph.recompute_layers import spread
 from autopar.graph.recompute_regions import choices_for, find_regions, layer_names
 from autopar.plan.plan import Plan
@@ -115,20 +113,7 @@ def kept_plans(req: SolveRequest, best: Plan, traces: dict, candidates, bisect: 
                                                                                label(0) + ", layout anew")
     if not bisect or any(not p.memory_bound for p in out):
         return out
-    top = -(-len(full) // probe.step)
-    lo, hi = 0, top
-    for _ in range(math.ceil(math.log2(max(top, 1)))):
-        if hi - lo <= 1 or probe.out_of_time():
-            break
-        mid = (lo + hi) // 2
-        j = min(len(full), mid * probe.step)
-        got = probe.plans([_mapping(rec, names, full, j)], label(j))
-        out += got
-        if any(not p.memory_bound for p in got):
-            hi = mid
-        else:
-            lo = mid
-    return out
+    return out + probe.bisect(len(full), lambda mid, j: ([_mapping(rec, names, full, j)], label(j)))
 
 
 def kept_probes(req: SolveRequest, plans: list[Plan], traces: dict, candidates, rank_key) -> list[Plan]:

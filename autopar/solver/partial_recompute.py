@@ -109,21 +109,9 @@ def partial_plans(req: SolveRequest, best: Plan, traces: dict, candidates) -> li
     if len(names) < 2:
         return []
     probe = Probe(req, best, traces, candidates)
-    top = -(-len(names) // probe.step)
-    lo, hi, out = 0, top, []
-    for _ in range(math.ceil(math.log2(top))):
-        if hi - lo <= 1 or probe.out_of_time():
-            break
-        mid = (lo + hi) // 2
-        r = min(len(names), mid * probe.step)
-        got = probe.plans(_choices(probe.mb.gm, best, mid, r), f"recompute full on {r} of {len(names)} layers"
-                          + (f" ({mid} per stage)" if probe.pipeline else ""))
-        out += got
-        if any(not p.memory_bound for p in got):
-            hi = mid
-        else:
-            lo = mid
-    return out
+    return probe.bisect(len(names), lambda mid, r: (
+        _choices(probe.mb.gm, best, mid, r),
+        f"recompute full on {r} of {len(names)} layers" + (f" ({mid} per stage)" if probe.pipeline else "")))
 
 
 class Probe:
@@ -147,6 +135,25 @@ class Probe:
     def out_of_time(self) -> bool:
         progress = self.req.opts.progress
         return progress is not None and progress.out_of_time()
+
+    def bisect(self, count: int, probe_at) -> list[Plan]:
+        """The bisection over ``mid`` in 0 .. ceil(count / step), 0 taken as not fitting freely and the top
+        as fitting (``best``'s own choice): ``probe_at(mid, r)`` with ``r = min(count, mid * step)`` gives
+        (recompute choices, label) of a probe; one that fits freely (``Plan.memory_bound`` false) moves the
+        upper end down, any other the lower end up. Every probe's plans are returned."""
+        top = -(-count // self.step)
+        lo, hi, out = 0, top, []
+        for _ in range(math.ceil(math.log2(max(top, 1)))):
+            if hi - lo <= 1 or self.out_of_time():
+                break
+            mid = (lo + hi) // 2
+            got = self.plans(*probe_at(mid, min(count, mid * self.step)))
+            out += got
+            if any(not p.memory_bound for p in got):
+                hi = mid
+            else:
+                lo = mid
+        return out
 
     def plans(self, choices: list, label: str) -> list[Plan]:
         """The plans of each recompute choice in ``choices`` (``label`` for the progress line)."""
