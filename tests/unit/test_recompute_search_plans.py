@@ -198,3 +198,11 @@ def test_auto_keeps_the_attention_core_when_that_fits():
     assert plan.step_time == pytest.approx(fixed["except_attention"].step_time)
     assert any(a.memory_options == "recompute full" for a in plan.alternatives)
     assert "recompute except_attention on 4 layers" in plan.report()
+
+
+@pytest.mark.parametrize("value", ["some", {"blocks.0": "all"}])
+def test_a_plan_with_an_unknown_recompute_choice_is_refused(value):
+    from autopar.plan.plan import MemoryOptions, PlanError
+    with pytest.raises(PlanError, match=r"recompute='(some|all)' is not known; use one of none, selective, "
+                                        r"except_attention, full \(or a \{layer name: choice\} mapping\)"):
+        MemoryOptions(recompute=value)
