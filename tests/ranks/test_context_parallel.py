@@ -320,3 +320,35 @@ def test_cp4_recompute_except_attention_trains_like_one_device(form):
         code, parts = r["inspect"]
         assert "self.recompute_blocks_0_part_0(" in code and fn in code, code
         assert all(fn not in body and "linear" in body for body in parts)
+
+
+def _zero3_job(rank, recompute):
+    """cp 4 with ZeRO-3 (the parameters, replicated on cp, sharded over it and gathered per layer) and each
+    layer recomputed (``recompute``)."""
+    x, y = tokens(BATCH)
+    mesh = autopar.Mesh((4,), axis_names=("cp",))
+
+    def setup(model):
+        _cp_input(model)
+        autopar.set_auto_parallel_context(zero=3, recompute=recompute)
+
+    try:
+        return parallel_run(rank, TinyGPT, token_loss, x, y, mesh, "semi_auto", setup=setup)
+    finally:
+        autopar.clear_annotations()
+        autopar.reset_auto_parallel_context()
+
+
+@pytest.mark.parametrize("recompute", ["full", "except_attention"])
+def test_cp4_zero3_with_recomputation_trains_like_one_device(recompute):
+    x, y = tokens(BATCH)
+    ref = reference_run(TinyGPT, token_loss, x, y)
+    results = run_ranks(4, _zero3_job, recompute)
+    for r in results:
+        assert_same_training(ref, r, what=f"cp 4, ZeRO-3, recompute {recompute}")
+    plan = autopar.Plan.from_json(results[0]["plan"])
+    assert plan.memory_options.zero == 3 and plan.memory_options.recompute == recompute and plan.degrees["cp"] == 4
+    # ZeRO-3 gathers each layer's weights before its forward and again before its backward
+    weights = {d.placeholder for d in plan.params.values()}
+    gathered = {(c.phase, c.node) for c in plan.collective_list if c.kind == "all_gather" and c.node in weights}
+    assert {"fwd", "bwd"} <= {phase for phase, _ in gathered}, sorted(gathered)
