@@ -13,11 +13,11 @@ forward seconds and ``a`` its attention core's::
 so "except_attention" is faster and holds more. The probe keeps ``j`` of the fully recomputed layers
 "full" (spread evenly, ``recompute_layers.spread``) and turns the others to "except_attention". ``j = 0``
 (all turned) is tried first (under AUTO a pipeline's both with the "full" plan's parameter layout and with
-one solved anew): at long sequences, where the core is most of the forward, it usually fits. Otherwise the smallest ``j`` that fits without the cap shaping the layout (``Plan.memory_bound``) is found
-by bisection, as ``partial_recompute`` does (memory falls and time grows with ``j``; ``j`` = all is the
-plan itself; under AUTO a pipeline's probes keep that plan's parameter layout); with a pipeline ``j``
-moves in steps of ``pp`` (each stage its share). Every probe that
-fits joins the plans; the usual ranking picks.
+one solved anew): at long sequences, where the core is most of the forward, it usually fits. Otherwise
+the smallest ``j`` that fits without the cap shaping the layout (``Plan.memory_bound``) is found by
+bisection, as ``partial_recompute`` does (memory falls and time grows with ``j``; ``j`` = all is the plan
+itself; under AUTO a pipeline's probes keep that plan's parameter layout); with a pipeline ``j`` moves in
+steps of ``pp`` (each stage its share). Every probe that fits joins the plans; the usual ranking picks.
 
 Which plans are probed (``worth_probing``): the fastest plan of each candidate (mesh, or pipeline on its
 named mesh) that recomputes a layer "full", fastest first, at most ``LIMIT``; one slower than the best plan
@@ -123,16 +123,16 @@ def kept_probes(req: SolveRequest, plans: list[Plan], traces: dict, candidates, 
     if not any(_some_full(p.memory_options.recompute) for p in plans):
         return []           # nothing recomputes "full": no probe (and no need to find the cores)
     cores = attention_cores(req.traced.gm)
+    progress = req.opts.progress
+    found = min(plans, key=rank_key)
     out: list[Plan] = []
     for p in worth_probing(plans, rank_key, cores):
-        best = min(plans + out, key=rank_key)
-        progress = req.opts.progress
         if progress is not None and progress.out_of_time():
             break
-        first = p is min(plans, key=rank_key)
+        best = min(plans + out, key=rank_key)
         gain = core_share(p, cores) / 3
-        if gain >= MIN_GAIN and (first or p.step_time * (1 - gain) < best.step_time):
-            out += kept_plans(req, p, traces, candidates, bisect=first)
+        if gain >= MIN_GAIN and (p is found or p.step_time * (1 - gain) < best.step_time):
+            out += kept_plans(req, p, traces, candidates, bisect=p is found)
     return out
 
 
