@@ -124,21 +124,31 @@ def keep_sequence_split(traced, cands, mesh, input_ann: dict, allowed: dict, onl
         current = set(allowed.get(ph, range(len(cands.strategies[ph]))))
         idx = [k for k in only(ph, lambda spec: all(spec[a] == want[a] for a in axes)) if k in current]
         allowed[ph] = idx
+    # repeated layers share their strategy lists (``sharding/candidates``): each list is read once
+    split_out: dict[int, frozenset[int]] = {}
     for name in fed_by_inputs(traced):
         strategies = cands.strategies.get(name)
         if not strategies:
             continue
-        current = allowed.get(name, range(len(strategies)))
-        keep = [k for k in current if all(not isinstance(spec[a], Replicate) for spec in _outs(strategies[k])
-                                          for a in axes)]
+        if id(strategies) not in split_out:
+            split_out[id(strategies)] = frozenset(
+                k for k, st in enumerate(strategies)
+                if all(not isinstance(spec[a], Replicate) for spec in _outs(st) for a in axes))
+        ok = split_out[id(strategies)]
+        keep = [k for k in allowed.get(name, range(len(strategies))) if k in ok]
         if keep:
             allowed[name] = keep
+    on_cp: dict[int, frozenset[int] | None] = {}
     for name, strategies in cands.strategies.items():
-        names = [st.name.split("×") for st in strategies]
-        if not any(n[a] == "cp" for n in names if len(n) == len(mesh.shape) for a in axes):
+        if id(strategies) not in on_cp:
+            names = [st.name.split("×") for st in strategies]
+            cp_named = [len(n) == len(mesh.shape) and all(n[a] == "cp" for a in axes) for n in names]
+            any_cp = any(n[a] == "cp" for n in names if len(n) == len(mesh.shape) for a in axes)
+            on_cp[id(strategies)] = frozenset(k for k, ok in enumerate(cp_named) if ok) if any_cp else None
+        ok = on_cp[id(strategies)]
+        if ok is None:
             continue
-        current = allowed.get(name, range(len(strategies)))
-        keep = [k for k in current if len(names[k]) == len(mesh.shape) and all(names[k][a] == "cp" for a in axes)]
+        keep = [k for k in allowed.get(name, range(len(strategies))) if k in ok]
         if keep:
             allowed[name] = keep
 
