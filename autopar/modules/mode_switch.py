@@ -21,6 +21,7 @@ lowered graphs are kept: switching back and forth costs nothing after the first 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -248,10 +249,30 @@ def _install(pmodel, inst: _Installed) -> None:
     p._autopar_graph, p._autopar_forward, p._runs = inst.graph, inst.forward, inst.runs
 
 
+def storage_free(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the meta device: what tracing it in another
+    mode needs (shapes, dtypes, structure) without holding its weights. ``pmodel`` trains its own
+    tensors, so the user's ``del model`` frees the whole model's memory. Tensors that are plain
+    attributes (not parameters or buffers: traced in as constants) are copied with their values."""
+    memo: dict = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in memo:
+            m = t.detach().to("meta")
+            memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
+    try:
+        return copy.deepcopy(model, memo)
+    except (TypeError, RuntimeError, copy.Error):     # an attribute that cannot be copied: keep the model
+        return model
+
+
 def attach(pmodel, model: nn.Module, retracer: Retracer | None, build) -> None:
-    """Record ``pmodel``'s programs as those of ``model``'s present mode (``pmodel.training`` follows it)."""
+    """Record ``pmodel``'s programs as those of ``model``'s present mode (``pmodel.training`` follows it).
+    What is kept to trace the other mode later is ``storage_free(model)``, not ``model``."""
     flags = _flags(model)
-    modes = ModePrograms(model, retracer, build, flags, flags)
+    skeleton = storage_free(model)
+    if retracer is not None:
+        retracer = dataclasses.replace(retracer, model=skeleton)
+    modes = ModePrograms(skeleton, retracer, build, flags, flags)
     modes.programs[flags] = _current(pmodel)
     object.__setattr__(pmodel, "_modes", modes)
     pmodel.training = model.training
