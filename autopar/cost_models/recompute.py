@@ -35,12 +35,14 @@ crosses layers, and it is kept either way).
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
+from autopar.core import search_memo
 from autopar.graph.recompute_regions import CHOICES, Region, choices_for, find_regions, layer_names
 
 from autopar.graph.grads import is_parameter
@@ -157,10 +159,27 @@ def layer_options(gm, device: DeviceSpec | None = None, *, dropout_mask_bytes: i
     return out
 
 
+_KEPT: "weakref.WeakKeyDictionary[fx.Graph, tuple[int, dict]]" = weakref.WeakKeyDictionary()
+
+
 def _kept(graph: fx.Graph, recompute: str | dict, dropout_mask_bytes: int | None):
     """(regions' node names, [(saving node, storage key, tensor name, bytes, internal)]): what stays
     saved under a recompute choice: nothing a node inside a region saves, plus each region's
-    non-parameter inputs (charged to the input's node)."""
+    non-parameter inputs (charged to the input's node). Kept per graph (while its node count holds)."""
+    if not search_memo.ENABLED:
+        return _kept_now(graph, recompute, dropout_mask_bytes)
+    size, memo = _KEPT.get(graph, (None, None))
+    if size != len(graph.nodes):
+        memo = {}
+        _KEPT[graph] = (len(graph.nodes), memo)
+    key = (tuple(sorted(recompute.items())) if isinstance(recompute, dict) else recompute, dropout_mask_bytes)
+    if key not in memo:
+        inside, kept = _kept_now(graph, recompute, dropout_mask_bytes)
+        memo[key] = (inside, tuple(kept))
+    return memo[key]
+
+
+def _kept_now(graph: fx.Graph, recompute: str | dict, dropout_mask_bytes: int | None):
     regions = find_regions(graph, choices_for(graph, recompute)) if recompute not in (None, "none") else []
     inside = frozenset(name for r in regions for name in r.nodes)
     kept = [(node.name, key, name, nbytes, isinstance(key, tuple) and key[:1] == ("internal",))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from autopar.core import search_memo
 from autopar.graph.grads import is_parameter
 from autopar.graph.layers import layer_of
 
@@ -50,8 +51,12 @@ class Unit:
 def assign_units(gm: fx.GraphModule, ends: bool = False) -> tuple[list[Unit], dict[str, int]]:
     """Units in order and node name -> unit index (call_function nodes only); ``ends``: the
     embedding and the head as units of their own where worth a cut (module docstring)."""
-    units, unit_of = _layer_units(gm)
-    return split_ends(gm, units, unit_of) if ends and units[0].is_layer else (units, unit_of)
+    cache = search_memo.graph_cache(gm, "assign_units") if search_memo.ENABLED else {}
+    if ends not in cache:
+        units, unit_of = _layer_units(gm)
+        cache[ends] = split_ends(gm, units, unit_of) if ends and units[0].is_layer else (units, unit_of)
+    units, unit_of = cache[ends]
+    return [Unit(u.index, u.name, list(u.nodes)) for u in units], dict(unit_of)     # copies: callers may edit
 
 
 def layer_count(units: list[Unit]) -> int:

@@ -110,10 +110,13 @@ def _kv_local(node: fx.Node, st: Strategy, mesh_shape) -> float:
     return total
 
 
-def cp_saved_bytes(node: fx.Node, st: Strategy, c) -> float:
+def cp_saved_bytes(node: fx.Node, st: Strategy, c, recomputed: bool = False) -> float:
     """What a cp strategy saves for backward beyond the sequence shards the placements count: the
-    gather form's gathered K/V (the other ``pieces - 1`` shards); the ring saves only its own."""
-    if not is_cp(st, c.mesh_shape) or family(st) != "attn_gather":
+    gather form's gathered K/V (the other ``pieces - 1`` shards); the ring saves only its own.
+    ``recomputed``: the node's forward runs again in backward, so it keeps nothing until then (what its
+    region's replay holds while it runs is this with ``recomputed=False``: ``memory_terms``). The one
+    rule every caller reads (the solver's node memory, the pipeline's unit profiles, the replay peak)."""
+    if recomputed or not is_cp(st, c.mesh_shape) or family(st) != "attn_gather":
         return 0.0
     pieces = math.prod(c.mesh_shape[a] for a in cp_axes(st, c.mesh_shape))
     return _kv_local(node, st, c.mesh_shape) * (pieces - 1)

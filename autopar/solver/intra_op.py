@@ -113,6 +113,8 @@ class IntraOpProblem:
     data_allowed: list | None = None  # per node, its batch-split strategies on every data axis or None: a
                                    # second start (``data_start``; ``axis_descent.solve_with_start``)
     free: object = None            # the unbudgeted problem's exact solution, already solved (``axis_descent.free_first``)
+    explain: bool = True           # under the memory floor: solve for the least memory (the error's explanation and
+                                   # ``least_memory``); False where the caller discards the error (``_memory_error``)
 
 
 @dataclass
@@ -273,6 +275,15 @@ def _memory_error(p: IntraOpProblem) -> InfeasibleError:
     return err
 
 
+def _floor_error(p: IntraOpProblem, floor: float) -> InfeasibleError:
+    """The memory floor over the budget, unexplained: no least-memory solve (``IntraOpProblem.explain``)."""
+    err = InfeasibleError(f"no strategy assignment fits the memory budget of {p.memory_budget / GIB:.3f} GiB: every "
+                          f"assignment needs at least {floor / GIB:.3f} GiB (the memory floor)")
+    err.choice = None
+    err.least_memory = None
+    return err
+
+
 def _expand(class_of: list[int], picked: dict[int, int]) -> list[int]:
     return [picked[a] for a in class_of]
 
@@ -343,9 +354,9 @@ def _hint_solution(p: IntraOpProblem, start: float) -> IntraOpSolution | None:
 def _solve_budgeted(p: IntraOpProblem, start: float) -> IntraOpSolution:
     if p.memory_budget is None:
         return _solve(p, start + p.time_limit_s, p.hint, start)
-    if memory_floor(p) > p.memory_budget:
+    if (floor := memory_floor(p)) > p.memory_budget:
         bound = _hopeless(p, start)     # raises DominatedError when the unbudgeted bound reaches the cutoff
-        err = _memory_error(p)          # no assignment can fit: nothing to solve for time
+        err = _memory_error(p) if p.explain else _floor_error(p, floor)   # no assignment can fit
         err.free_bound = bound
         raise err
     if p.free is not None:          # solved before (``axis_descent.free_first``): its time counts as here

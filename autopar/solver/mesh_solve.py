@@ -211,7 +211,7 @@ def _outs(st):
 
 
 def solve_on_mesh(req: SolveRequest, microbatches: int = 1, cutoff: float | None = None,
-                  activation_weight: float = 1.0, ranks_per_node: int | None = None) -> Plan:
+                  activation_weight: float = 1.0, ranks_per_node: int | None = None, explain: bool = True) -> Plan:
     """The plan of ``req.traced`` on ``req.mesh`` in ``req.mode`` (its options and annotations; its
     model and retracer are not used). ``ranks_per_node``: ranks sharing a node (default: this mesh's); a pipeline stage's
     sub-mesh passes the whole mesh's, since every stage runs at the same time. ``traced`` is one
@@ -222,7 +222,8 @@ def solve_on_mesh(req: SolveRequest, microbatches: int = 1, cutoff: float | None
     ``DominatedError`` instead of being solved under the budget. ``activation_weight``: the budget
     counts what a microbatch holds (saved activations, gathered copies) that many times
     (``problem.activation_weighted``; a pipeline's whole-model layout); the plan's memory is then in
-    those units."""
+    those units. ``explain``: False where the caller discards an ``InfeasibleError`` (no least-memory solve
+    behind it: ``IntraOpProblem.explain``)."""
     t0 = time.perf_counter()
     traced, mesh, mode, opts = req.traced, req.mesh, req.mode, req.opts
     device = mesh_device(mesh)
@@ -241,6 +242,7 @@ def solve_on_mesh(req: SolveRequest, microbatches: int = 1, cutoff: float | None
     budget = opts.memory_budget_gb * 2**30 if opts.memory_budget_gb else device.memory_bytes
     built = build_problem(traced.gm, cands, costing, set(traced.params), allowed, ties, budget, opts.time_limit_s)
     built.problem.data_allowed = data_allowed(built.names, batch_split_allowed(traced, cands, mesh, allowed))
+    built.problem.explain = explain
     held = step_input_bytes(traced, microbatches)
     try:
         sol, gathered, transient = _solve_within(traced, cands, built, costing, budget - held, microbatches, cutoff,
@@ -389,8 +391,8 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
             if problem.transient is not None and getattr(err, "least_memory", None) is None:
                 problem = dataclasses.replace(problem, transient=None)   # not proven by the row alone:
                 continue                # the row charges gathered copies per edge, the total once
-            if smallest is not None and sum(memory_parts(traced, cands, built, err.choice, costing).values()) > \
-                    smallest[0]:
+            if smallest is not None and (err.choice is None or sum(
+                    memory_parts(traced, cands, built, err.choice, costing).values()) > smallest[0]):
                 err.choice = smallest[1]
             raise
         if limit < budget:          # solved under a lowered limit: the budget shaped it

@@ -158,7 +158,7 @@ class _CandidateSearch:
             whole = PlanOptions(**{**opts.__dict__, "memory_budget_gb": s * self.budget * cand.pp / 2**30})
             try:
                 sub_plan = solve_on_mesh(self._request(mb, whole), microbatches=m, activation_weight=weight,
-                                         ranks_per_node=self.per_node)
+                                         ranks_per_node=self.per_node, explain=first and self.fitted is not None)
                 self.share = self.fitted = s
             except InfeasibleError as err:      # between it and the last budget that fitted, if any
                 if first:

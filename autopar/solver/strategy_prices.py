@@ -304,7 +304,7 @@ def node_costs(node: fx.Node, strategies: list[Strategy], c: Costing, saved: dic
         compute[s] += _local_impl_time(node, st, c, again=recomputed) if cp is None else 0.0   # cp's are in its time
         # a recomputed node keeps nothing (its region's inputs are charged to their producers): neither
         # what ``saved`` holds for it nor the gather form's gathered K/V
-        memory[s] = local_saved(node, st, saved, c) + (0.0 if recomputed else cp_saved_bytes(node, st, c))
+        memory[s] = local_saved(node, st, saved, c) + cp_saved_bytes(node, st, c, recomputed)
     return compute, memory, once
 
 

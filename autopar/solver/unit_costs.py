@@ -239,8 +239,7 @@ def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts
                     # tp-split input, not its partial output)
                     act += nbytes / (max(out_shard, in_shard) if internal else _split(specs, by_name[tensor], shape))
             params |= {i.name for i in tensor_inputs(node) if i.op == "placeholder" and i.name in traced.params}
-            if name not in recomputed:  # the gather form's gathered K/V, saved where the attention runs once
-                act += cp_saved_bytes(node, d, costing)
+            act += cp_saved_bytes(node, d, costing, recomputed=name in recomputed)   # the gather form's K/V
             param_copies, region_copies = copied.of(node, unit.index)
             held += param_copies
             act += region_copies

@@ -65,3 +65,45 @@ def test_an_infeasible_tightened_budget_steers_between_not_to_no_budget(monkeypa
     assert not isinstance(sub, Exception) and max(sub.memory_per_device) / 2**30 <= steered
     assert all(budget < 1e5 for budget, _ in calls)         # never solved without a budget
     assert plan.pipeline is not None and max(plan.memory_per_device) <= 0.017 * 2**30
+
+
+def _first_share_infeasible(monkeypatch, force_explain: bool):
+    """GPT on pp 2 x tp 2 under a cap whose pp x cap whole-model budget no layout fits: (the PlanError's
+    text, the whole-model solves' (explain, error or None))."""
+    calls = []
+    orig = ps.solve_on_mesh
+
+    def recording(req, *a, **k):
+        if force_explain:
+            k["explain"] = True
+        try:
+            plan = orig(req, *a, **k)
+        except InfeasibleError as err:
+            calls.append((k.get("explain", True), err))
+            raise
+        calls.append((k.get("explain", True), None))
+        return plan
+
+    monkeypatch.setattr(ps, "solve_on_mesh", recording)
+    autopar.set_auto_parallel_context(recompute="none")
+    mesh = autopar.Mesh((2, 2), axis_names=("pp", "tp"), memory_gb=0.012)
+    try:
+        with pytest.raises(autopar.PlanError) as info:
+            autopar.plan(GPT(qkv_bias=False, layers=4, hidden=256), mesh, example_inputs=(X,), loss_fn=lm_loss,
+                         example_target=Y, mode="semi_auto")
+    finally:
+        autopar.reset_auto_parallel_context()
+    return str(info.value), calls
+
+
+def test_a_first_infeasible_share_is_not_explained_and_changes_nothing(monkeypatch):
+    """No budget has fitted yet, so the error of the first whole-model solve is discarded (solved again
+    without a budget): it carries no least-memory solve, only the memory floor; the outcome is the same."""
+    text, calls = _first_share_infeasible(monkeypatch, force_explain=False)
+    (explain, err), (_, loose) = calls[:2]
+    assert explain is False and isinstance(err, InfeasibleError) and loose is None
+    assert err.least_memory is None and "(the memory floor)" in str(err)
+    monkeypatch.undo()
+    explained_text, explained = _first_share_infeasible(monkeypatch, force_explain=True)
+    assert explained[0][1].least_memory is not None and "smallest achievable" in str(explained[0][1])
+    assert explained_text == text
