@@ -35,6 +35,7 @@ from autopar.solver.partial_recompute import applies as partial_applies, partial
 from autopar.solver.progress import SearchProgress
 from autopar.solver.request import SolveRequest
 from autopar.solver.zero_upgrade import applies as zero1_applies, zero1_plans
+from autopar.solver.zero_floor import zero1_floor, zero1_slack
 from autopar.cost_models.devices import mesh_device
 
 
@@ -126,7 +127,7 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
                 break
             tried.add(z)
             got, failed, pipe_failed = _frontier(request.with_options(zero=z), ks, choices, rc, traces, state)
-            _share_floors(z, state, frontiers)
+            _share_floors(z, state, frontiers, request)
             plans += got
             failures += failed
             pipe_failures += pipe_failed
@@ -167,14 +168,22 @@ def make_plans(request: SolveRequest, top_k: int = 1) -> list[Plan]:
     return chosen[:max(1, top_k)]
 
 
-def _share_floors(z: int, state: FrontierState, frontiers: dict) -> None:
+def _share_floors(z: int, state: FrontierState, frontiers: dict, request: SolveRequest) -> None:
     """Hands the floors ZeRO stage ``z`` >= 1 proved (``FrontierState.floors``) to the higher stages.
     A layout's time under ZeRO-2 equals its time under ZeRO-1 at one microbatch (the same
     reduce-scatter of its gradients, one all-gather of its weights after the sharded optimizer step;
     the stages differ in memory only) and ZeRO-3 adds a second all-gather; with k microbatches
     stages 2 and 3 reduce-scatter in each (``strategy_prices._param_state_cost``, ``node_costs``).
-    So a floor of stage ``z`` at any budget is one of every higher stage. Not from ZeRO-0: ZeRO-1
-    shards the optimizer step and may gather less than the all-reduce it replaces."""
+    So a floor of stage ``z`` at any budget is one of every higher stage. From ZeRO-0, ZeRO-1 (which
+    shards the optimizer step and may gather less than the all-reduce it replaces) gets the weaker
+    floor ``zero_floor.zero1_floor``: half the ZeRO-0 floor less the most ZeRO-1 can save."""
+    if z == 0 and 1 in frontiers and STEP_FLOORS:
+        other = frontiers[1].floors
+        for key, proven in state.floors.items():
+            slack = zero1_slack(request.traced, key[0], request.mesh, request.opts)
+            derived = [(j, f) for j, f in ((j, zero1_floor(f, slack)) for j, f in proven) if f > -math.inf]
+            have = other.setdefault(key, [])
+            have += [f for f in derived if f not in have]
     if z < 1:
         return
     for y, other in frontiers.items():

@@ -58,16 +58,25 @@ def test_a_meshes_plan_is_not_a_pipeline_retry():
 
 # ---- floors handed from ZeRO-1 to the higher stages (``search._share_floors``) ----------------
 
-def test_zero1_floors_reach_the_higher_stages_but_zero0_floors_do_not():
+def test_zero1_floors_reach_the_higher_stages_and_zero0_floors_reach_zero1_halved(monkeypatch):
+    """A ZeRO-1 floor holds under ZeRO-2 and -3 as it is; a ZeRO-0 floor F gives ZeRO-1 only F / 2 - S
+    (``zero_floor``: ZeRO-1 may be faster than ZeRO-0), and nothing where that is not positive."""
+    import types
+
+    from autopar.solver import search
     from autopar.solver.search import _share_floors
-    key = ((8, 1024), ("dp", "tp"))
+    monkeypatch.setattr(search, "zero1_slack", lambda traced, shape, mesh, opts: 3.0)
+    req = types.SimpleNamespace(traced=None, mesh=None, opts=None)
+    key, low = ((8, 1024), ("dp", "tp")), ((16, 512), ("dp", "tp"))
     frontiers = {z: FrontierState() for z in (0, 1, 2, 3)}
     frontiers[0].floors[key] = [(0, 30.0)]
-    _share_floors(0, frontiers[0], frontiers)
-    assert all(not frontiers[z].floors for z in (1, 2, 3))     # ZeRO-1 may be faster than ZeRO-0
+    frontiers[0].floors[low] = [(0, 5.0)]
+    _share_floors(0, frontiers[0], frontiers, req)
+    assert frontiers[1].floors[key] == [(0, 12.0)] and not frontiers[1].floors[low]
+    assert not frontiers[2].floors and not frontiers[3].floors
     frontiers[1].floors[key] = [(0, 25.0)]
-    _share_floors(1, frontiers[1], frontiers)
-    _share_floors(1, frontiers[1], frontiers)                   # idempotent
+    _share_floors(1, frontiers[1], frontiers, req)
+    _share_floors(1, frontiers[1], frontiers, req)             # idempotent
     assert frontiers[2].floors[key] == [(0, 25.0)] and frontiers[3].floors[key] == [(0, 25.0)]
     assert frontiers[0].floors[key] == [(0, 30.0)]
 
