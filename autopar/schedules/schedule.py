@@ -181,6 +181,16 @@ def _per_stage(value: float | Sequence[float], n: int) -> list[float]:
     return values
 
 
+@dataclass(frozen=True)
+class _Program:
+    """A schedule's actions as integers, for ``simulate``: ``actions[i]`` is action ``i``; ``order[r]`` rank
+    r's action ids in order; ``deps[i]`` the (action id, boundary) pairs action i waits for, the boundary
+    of the p2p delay paid between two ranks, or -1 where both run on one rank (module docstring)."""
+    actions: tuple[Action, ...]
+    order: tuple[tuple[int, ...], ...]
+    deps: tuple[tuple[tuple[int, int], ...], ...]
+
+
 def _check_complete(schedule: Schedule) -> None:
     seen = [a for rank_actions in schedule.actions for a in rank_actions]
     expected = {Action(k, s, i) for k in "FB" for s in range(schedule.num_stages) for i in range(schedule.microbatches)}
@@ -191,55 +201,89 @@ def _check_complete(schedule: Schedule) -> None:
             raise ValueError(f"rank {r} lists an action of a stage that lives on another rank")
 
 
-def _dependencies(a: Action, schedule: Schedule, p2p: list[float]) -> list[tuple[Action, float]]:
-    """(action, delay) pairs that must end before ``a`` may start."""
-    s, i, last = a.stage, a.microbatch, schedule.num_stages - 1
+def _compile(schedule: Schedule) -> _Program:
+    """``schedule`` checked (``_check_complete``) and numbered: each action's data dependencies,
 
-    def hop(src: int, dst: int) -> float:
-        return 0.0 if schedule.rank_of(src) == schedule.rank_of(dst) else p2p[min(src, dst)]
+        F(s, i) after F(s-1, i)  (+ p2p[s-1] between ranks)
+        B(s, i) after F(s, i) and B(s+1, i)  (+ p2p[s] between ranks)."""
+    _check_complete(schedule)
+    actions = tuple(a for rank_actions in schedule.actions for a in rank_actions)
+    ids = {a: i for i, a in enumerate(actions)}
+    last, rank_of = schedule.num_stages - 1, schedule.rank_of
 
-    if a.kind == "F":
-        return [(Action("F", s - 1, i), hop(s - 1, s))] if s > 0 else []
-    deps = [(Action("F", s, i), 0.0)]
-    if s < last:
-        deps.append((Action("B", s + 1, i), hop(s + 1, s)))
-    return deps
+    def boundary(src: int, dst: int) -> int:
+        return -1 if rank_of(src) == rank_of(dst) else min(src, dst)
+
+    deps = []
+    for a in actions:
+        s, i = a.stage, a.microbatch
+        if a.kind == "F":
+            deps.append(((ids[Action("F", s - 1, i)], boundary(s - 1, s)),) if s > 0 else ())
+        else:
+            mine = [(ids[Action("F", s, i)], -1)]
+            if s < last:
+                mine.append((ids[Action("B", s + 1, i)], boundary(s + 1, s)))
+            deps.append(tuple(mine))
+    order, at = [], 0
+    for rank_actions in schedule.actions:
+        order.append(tuple(range(at, at + len(rank_actions))))
+        at += len(rank_actions)
+    return _Program(actions, tuple(order), tuple(deps))
+
+
+@functools.lru_cache(maxsize=512)
+def compiled_schedule(kind: str, num_stages: int, microbatches: int, virtual_stages: int = 1) -> tuple[Schedule, _Program]:
+    """``build_schedule(...)`` and its ``_Program``, built once per shape (the inter-op solver simulates
+    many partitions of one shape). The schedule is shared: read it, do not change it."""
+    schedule = build_schedule(kind, num_stages, microbatches, virtual_stages)
+    return schedule, _compile(schedule)
 
 
 def simulate(schedule: Schedule, fwd: float | Sequence[float], bwd: float | Sequence[float],
-             p2p: float | Sequence[float] = 0.0) -> SimResult:
+             p2p: float | Sequence[float] = 0.0, program: _Program | None = None) -> SimResult:
     """Critical path of ``schedule`` with per-stage forward/backward times and p2p delays.
 
     ``p2p`` is one delay, or one per stage boundary (``num_stages - 1`` values, boundary
-    ``s`` between stage ``s`` and ``s + 1``), paid only between different ranks.
+    ``s`` between stage ``s`` and ``s + 1``), paid only between different ranks. ``program``:
+    ``schedule``'s own ``_Program`` when at hand (``compiled_schedule``).
     """
-    _check_complete(schedule)
+    prog = program or _compile(schedule)
     n = schedule.num_stages
     fwd_t, bwd_t = _per_stage(fwd, n), _per_stage(bwd, n)
     hops = _per_stage(p2p, max(n - 1, 0))
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
+    dur = [(fwd_t if a.kind == "F" else bwd_t)[a.stage] for a in prog.actions]
+    deps = [tuple((d, hops[b] if b >= 0 else 0.0) for d, b in pairs) for pairs in prog.deps]
+    start: list[float] = [0.0] * len(dur)
+    end: list[float | None] = [None] * len(dur)
     cursor = [0] * schedule.num_ranks
     free_at = [0.0] * schedule.num_ranks
-    remaining = sum(len(a) for a in schedule.actions)
+    remaining = len(dur)
     while remaining:
         progressed = False
-        for r, rank_actions in enumerate(schedule.actions):
-            while cursor[r] < len(rank_actions):
-                a = rank_actions[cursor[r]]
-                deps = _dependencies(a, schedule, hops)
-                if any(d not in end for d, _ in deps):
-                    break
-                start[a] = max([free_at[r]] + [end[d] + delay for d, delay in deps])
-                end[a] = start[a] + (fwd_t if a.kind == "F" else bwd_t)[a.stage]
-                free_at[r] = end[a]
-                cursor[r] += 1
-                remaining -= 1
-                progressed = True
+        for r, ids in enumerate(prog.order):
+            c, t_free = cursor[r], free_at[r]
+            while c < len(ids):
+                a = ids[c]
+                t = t_free
+                for d, delay in deps[a]:
+                    e = end[d]
+                    if e is None:
+                        break
+                    if e + delay > t:
+                        t = e + delay
+                else:
+                    start[a], t_free = t, t + dur[a]
+                    end[a] = t_free
+                    c += 1
+                    continue
+                break
+            if c > cursor[r]:
+                remaining -= c - cursor[r]
+                cursor[r], free_at[r], progressed = c, t_free, True
         if not progressed:
-            stuck = [str(acts[c]) for acts, c in zip(schedule.actions, cursor) if c < len(acts)]
+            stuck = [str(prog.actions[ids[c]]) for ids, c in zip(prog.order, cursor) if c < len(ids)]
             raise ValueError(f"schedule deadlocks: every rank waits ({', '.join(stuck)})")
-    step_time = max(end.values())
-    busy = [sum(end[a] - start[a] for a in rank_actions) for rank_actions in schedule.actions]
+    step_time = max(end)
+    busy = [sum(end[a] - start[a] for a in ids) for ids in prog.order]
     bubble = 1.0 - sum(busy) / (schedule.num_ranks * step_time) if step_time > 0 else 0.0
-    return SimResult(step_time, bubble, busy, start, end)
+    return SimResult(step_time, bubble, busy, dict(zip(prog.actions, start)), dict(zip(prog.actions, end)))

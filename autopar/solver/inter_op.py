@@ -13,7 +13,8 @@ is handled by enumerating the bound ``t_max`` over the distinct stage times and,
 additive DP
     f[0][0] = 0,  f[s+1][l] = min_{k < l, stage [k,l) allowed at s} f[s][k] + t[k, l],
     T(t_max) = f[S][L] + (m - 1) * t_max,
-from the least feasible ``t_max`` (bisection) until the lower bound reaches the best T. The
+from the least feasible ``t_max`` until the lower bound reaches the best T. That ``t_max`` is the
+bottleneck optimum g[S][L], g[s+1][l] = min_k max(g[s][k], t[k, l]) (one DP pass, ``_least_max``). The
 reported ``step_time`` is the simulated critical path of the real schedule (``schedule.simulate``).
 
 Constraints (``_StageTables``, ``_validate``): stage memory = params + max(in_flight[s] *
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autopar.schedules.schedule import build_schedule, simulate
+from autopar.schedules.schedule import compiled_schedule, simulate
 from autopar.solver.interleaved_memory import rank_charges, rank_peaks, stage_budgets
 from autopar.schedules.schedule import in_flight as schedule_in_flight
 
@@ -200,16 +201,24 @@ def _solve_dp(tables: _StageTables, microbatches: int) -> tuple[float, list[int]
 
 
 def _first_feasible(tables: _StageTables, candidates: np.ndarray) -> int:
-    """Index of the smallest ``t_max`` in ``candidates`` under which some partition exists, by bisection
-    (the allowed stages only grow with ``t_max``); ``len(candidates)`` when none is feasible."""
-    lo, hi = 0, len(candidates)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _best_sum(tables, tables.allowed & (tables.time <= candidates[mid])[None])[1]:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    """Index of the smallest ``t_max`` in ``candidates`` under which some partition exists;
+    ``len(candidates)`` when none is feasible. That ``t_max`` is the bottleneck optimum
+    min_{partition} max_s t_s over the allowed stages (``_least_max``), itself a stage time of the
+    tables and so one of ``candidates``."""
+    least = _least_max(tables)
+    return len(candidates) if not np.isfinite(least) else int(np.searchsorted(candidates, least, side="left"))
+
+
+def _least_max(tables: _StageTables) -> float:
+    """min_{partition} max_s t_s over the stages ``tables.allowed`` admits (inf when none): ``_best_sum``'s DP
+    with max for +, g_s(l) = min_k max(g_{s-1}(k), t(k, l))."""
+    mask = tables.allowed
+    size = mask.shape[1]
+    g = np.full(size, np.inf)
+    g[0] = 0.0
+    for s in range(mask.shape[0]):
+        g = np.maximum(g[:, None], np.where(mask[s], tables.time, np.inf)).min(axis=0)
+    return float(g[-1])
 
 
 def _objective(tables: _StageTables, cuts: Sequence[int], microbatches: int) -> float:
@@ -266,13 +275,14 @@ def _infeasible(layers: Sequence[LayerProfile], tables: _StageTables, budget: fl
 def _build_partition(layers: Sequence[LayerProfile], tables: _StageTables, cuts: Sequence[int], objective: float,
                      num_ranks: int, microbatches: int, schedule: str, virtual_stages: int) -> PipelinePartition:
     """The partition at ``cuts``, simulated under its schedule."""
-    sched = build_schedule(schedule, num_ranks, microbatches, virtual_stages)
+    sched, program = compiled_schedule(schedule, num_ranks, microbatches, virtual_stages)
     stages = []
     for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
         fwd = sum(x.fwd for x in layers[a:b])
         bwd = sum(x.bwd for x in layers[a:b])
         stages.append(StagePlan((a, b), fwd, bwd, float(tables.memory[s, a, b]), sched.rank_of(s), float(tables.hop[b])))
-    sim = simulate(sched, [s.fwd for s in stages], [s.bwd for s in stages], [s.send_time for s in stages[:-1]])
+    sim = simulate(sched, [s.fwd for s in stages], [s.bwd for s in stages], [s.send_time for s in stages[:-1]],
+                   program=program)
     rank_memory = [sum(s.memory for s in stages if s.rank == r) for r in range(num_ranks)]
     if virtual_stages > 1:          # a rank's stages peak at different times (``interleaved_memory``)
         spans = list(zip(cuts, cuts[1:]))

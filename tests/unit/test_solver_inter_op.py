@@ -192,3 +192,26 @@ def test_a_count_holding_more_in_flight_fits_no_cut_where_a_lighter_one_fits_non
                             skipped += 1
                             assert fails[m], (m, o, room, peaks[m], peaks[o])
     assert skipped > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_first_feasible_t_max_is_the_bisection_over_the_sum_dp(seed):
+    """``_first_feasible`` (the bottleneck DP, one pass) returns the index the bisection over ``_best_sum``
+    (one DP per probe) finds: the smallest stage-time cap under which some partition fits."""
+    from autopar.solver.inter_op import _best_sum, _first_feasible, _stage_tables
+
+    rng = np.random.default_rng(seed)
+    n, p = int(rng.integers(3, 14)), int(rng.integers(1, 4))
+    layers = [LayerProfile(f"l{i}", *rng.random(2), float(rng.random() * 10), float(rng.random() * 3),
+                           float(rng.random())) for i in range(n)]
+    budget = sum(x.param_bytes for x in layers) / p * float(rng.uniform(0.6, 2.0))
+    tables = _stage_tables(layers, [p - s for s in range(p)], budget, (1e3, 1e-3), [], ())
+    candidates = np.unique(tables.time[tables.allowed.any(axis=0)])
+    lo, hi = 0, len(candidates)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _best_sum(tables, tables.allowed & (tables.time <= candidates[mid])[None])[1]:
+            hi = mid
+        else:
+            lo = mid + 1
+    assert _first_feasible(tables, candidates) == lo

@@ -96,3 +96,21 @@ def test_in_flight_without_building_the_schedule_is_the_built_one():
                     if v > 1 and m % p:
                         continue
                     assert in_flight(kind, p, m, v) == tuple(build_schedule(kind, p, m, v).in_flight()), (kind, p, m, v)
+
+
+def test_a_compiled_schedule_simulates_as_the_schedule():
+    """``compiled_schedule``'s shared program gives ``simulate`` the same times as the schedule alone
+    (uneven stage times and per-boundary delays, every kind)."""
+    from autopar.schedules.schedule import compiled_schedule
+
+    for kind, p, m, v in (("gpipe", 3, 5, 1), ("1f1b", 4, 7, 1), ("interleaved_1f1b", 2, 4, 3)):
+        n = p * v
+        f = [0.1 + 0.03 * s for s in range(n)]
+        b = [0.25 - 0.01 * s for s in range(n)]
+        hops = [0.002 * (s + 1) for s in range(n - 1)]
+        sched, program = compiled_schedule(kind, p, m, v)
+        fast = simulate(sched, f, b, hops, program=program)
+        plain = simulate(build_schedule(kind, p, m, v), f, b, hops)
+        assert fast.step_time == plain.step_time and fast.per_rank_busy == plain.per_rank_busy
+        assert fast.start_times == plain.start_times and fast.end_times == plain.end_times
+        assert compiled_schedule(kind, p, m, v)[1] is program
