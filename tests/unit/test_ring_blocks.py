@@ -51,3 +51,17 @@ def test_fused_blocks_equal_one_attention_call(dtype, tol):
             for a, b, what in zip(got, want, ("out", "dq", "dk", "dv")):
                 err = float((a - b).abs().max() / b.abs().max())
                 assert err < tol, f"{'fused' if fused else 'explicit'} {what}: {err}"
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_one_ring_rank_as_the_runtime_runs_it_equals_one_attention_call(contiguous):
+    """``bench/gpu_ring_rank.py``: a rank's blocks through ``_attend`` / ``_attend_grad`` give one SDPA call's
+    output and gradients (fp32, CPU), so what it times on a GPU is the exact computation."""
+    import argparse
+
+    from bench.gpu_ring_rank import check_and_time
+
+    args = argparse.Namespace(seq=96, n=3, heads=2, dim=8, contiguous=contiguous, reps=1)
+    for rank in range(3):
+        row = check_and_time(args, rank, "cpu", torch.float32)
+        assert max(row["rel_err_out_dq_dk_dv"]) < 1e-5, row
