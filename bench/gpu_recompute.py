@@ -75,16 +75,23 @@ def _activation_peak(step, device) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
-def _autopar(cfg, device, preset, choice, compiled, x, y):
+def _parallelized(cfg, device, preset, choice, compiled, x, y):
+    """The model STAND_ALONE on one ``preset`` device with ``recompute=choice`` (bf16 mixed precision)."""
     import autopar
     from examples.models import lm_loss
 
     autopar.reset_auto_parallel_context()
     autopar.set_auto_parallel_context(recompute=choice)
-    pm = autopar.parallelize(_model(cfg, device), autopar.Mesh(1, device=preset), example_inputs=(x,),
-                             loss_fn=lm_loss, example_target=y, mode="stand_alone", mixed_precision="bf16",
-                             compile=compiled)
-    autopar.reset_auto_parallel_context()
+    try:
+        return autopar.parallelize(_model(cfg, device), autopar.Mesh(1, device=preset), example_inputs=(x,),
+                                   loss_fn=lm_loss, example_target=y, mode="stand_alone", mixed_precision="bf16",
+                                   compile=compiled)
+    finally:
+        autopar.reset_auto_parallel_context()
+
+
+def _autopar(cfg, device, preset, choice, compiled, x, y):
+    pm = _parallelized(cfg, device, preset, choice, compiled, x, y)
     opt = torch.optim.SGD(pm.parameters(), lr=1e-4)
 
     def step():
@@ -99,19 +106,11 @@ def memory_phase(cfg, dev, preset, contenders, x, y) -> None:
     second step (state, gradients, working copies, activations) against ``plan.memory_per_device``."""
     import gc
 
-    import autopar
-    from examples.models import lm_loss
-
     gib = 2 ** 30
     print("| contender (alone, AdamW) | peak GiB measured | predicted | predicted / measured | breakdown (GiB) |")
     print("|---|---|---|---|---|")
     for choice, compiled in contenders:
-        autopar.reset_auto_parallel_context()
-        autopar.set_auto_parallel_context(recompute=choice)
-        pm = autopar.parallelize(_model(cfg, dev), autopar.Mesh(1, device=preset), example_inputs=(x,),
-                                 loss_fn=lm_loss, example_target=y, mode="stand_alone", mixed_precision="bf16",
-                                 compile=compiled)
-        autopar.reset_auto_parallel_context()
+        pm = _parallelized(cfg, dev, preset, choice, compiled, x, y)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-5)
         cuda = dev == "cuda"
         for _ in range(2):

@@ -61,13 +61,18 @@ def ring_share(q, k, v, n: int, fused: bool):
     return out, dq, torch.cat(dks, -2), torch.cat(dvs, -2)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The device and the attention's shape: ``--device --seq --n --heads --dim``."""
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--dim", type=int, default=128)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(ap)
     args = ap.parse_args(argv)
     dev = args.device
     dt = torch.bfloat16 if dev == "cuda" else torch.float32

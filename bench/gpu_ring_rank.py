@@ -29,6 +29,7 @@ from autopar.collectives import attention_cp as cp  # noqa: E402
 from autopar.cost_models.cp_tiles import AttnShape, ring_compute  # noqa: E402
 from autopar.cost_models.devices import get_device  # noqa: E402
 from bench.gpu_calibration import timed  # noqa: E402
+from bench.gpu_ring_blocks import add_shape_args  # noqa: E402
 
 
 def positions(rank: int, n: int, seq: int, zigzag: bool, device) -> torch.Tensor:
@@ -122,11 +123,7 @@ def profile(args, rank: int, dev: str, dt) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--dim", type=int, default=128)
+    add_shape_args(ap)
     ap.add_argument("--ranks", default=None, help="comma-separated ranks (default: 0, n/2, n-1)")
     ap.add_argument("--contiguous", action="store_true", help="contiguous pieces instead of the zig-zag order")
     ap.add_argument("--preset", default="h200", help="the cost model's device preset to print the charge on")
