@@ -33,6 +33,7 @@ Simulation (``simulate``)
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -231,12 +232,27 @@ def _compile(schedule: Schedule) -> _Program:
     return _Program(actions, tuple(order), tuple(deps))
 
 
-@functools.lru_cache(maxsize=512)
+KEPT_ACTIONS = 400_000      # ``compiled_schedule`` keeps at most this many actions' programs (~440 bytes each)
+_COMPILED: OrderedDict = OrderedDict()
+
+
 def compiled_schedule(kind: str, num_stages: int, microbatches: int, virtual_stages: int = 1) -> tuple[Schedule, _Program]:
-    """``build_schedule(...)`` and its ``_Program``, built once per shape (the inter-op solver simulates
-    many partitions of one shape). The schedule is shared: read it, do not change it."""
+    """``build_schedule(...)`` and its ``_Program``, kept for the inter-op solver, which simulates many
+    partitions of one shape: the most recently used shapes up to ``KEPT_ACTIONS`` actions in all (a
+    bigger one is built each time). The schedule is shared: read it, do not change it."""
+    key = (kind, num_stages, microbatches, virtual_stages)
+    hit = _COMPILED.get(key)
+    if hit is not None:
+        _COMPILED.move_to_end(key)
+        return hit
     schedule = build_schedule(kind, num_stages, microbatches, virtual_stages)
-    return schedule, _compile(schedule)
+    hit = schedule, _compile(schedule)
+    size = len(hit[1].actions)
+    if size <= KEPT_ACTIONS:
+        while _COMPILED and sum(len(p.actions) for _, p in _COMPILED.values()) + size > KEPT_ACTIONS:
+            _COMPILED.popitem(last=False)
+        _COMPILED[key] = hit
+    return hit
 
 
 def simulate(schedule: Schedule, fwd: float | Sequence[float], bwd: float | Sequence[float],

@@ -114,3 +114,21 @@ def test_a_compiled_schedule_simulates_as_the_schedule():
         assert fast.step_time == plain.step_time and fast.per_rank_busy == plain.per_rank_busy
         assert fast.start_times == plain.start_times and fast.end_times == plain.end_times
         assert compiled_schedule(kind, p, m, v)[1] is program
+
+
+def test_compiled_schedules_kept_within_their_action_budget(monkeypatch):
+    """``compiled_schedule`` keeps the most recent shapes up to ``KEPT_ACTIONS`` actions; a bigger one is
+    built each time and not kept."""
+    from collections import OrderedDict
+
+    from autopar.schedules import schedule as sch
+
+    monkeypatch.setattr(sch, "_COMPILED", OrderedDict())
+    monkeypatch.setattr(sch, "KEPT_ACTIONS", 100)
+    first = sch.compiled_schedule("1f1b", 2, 8)          # 32 actions
+    assert sch.compiled_schedule("1f1b", 2, 8) is first
+    sch.compiled_schedule("gpipe", 2, 10)                # 40: both kept (72)
+    sch.compiled_schedule("1f1b", 3, 8)                  # 48: the oldest goes (88)
+    assert list(sch._COMPILED) == [("gpipe", 2, 10, 1), ("1f1b", 3, 8, 1)]
+    big = sch.compiled_schedule("1f1b", 4, 20)           # 160 > 100: not kept
+    assert ("1f1b", 4, 20, 1) not in sch._COMPILED and sch.compiled_schedule("1f1b", 4, 20) is not big
