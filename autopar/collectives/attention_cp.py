@@ -40,6 +40,7 @@ The collectives each runs are listed in ``sharding/local_impls.py`` (``_attn_gat
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -120,7 +121,8 @@ def attention_gather(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         keys = held(total, sizes, coords, _zigzag, tuple(reversed(range(len(axes)))), query.device)
         if attn_mask is None and not dropout_p and fused_blocks.runs_fused(query):
             scale = query.shape[-1] ** -0.5 if scale is None else scale
-            return _TiledAttention.apply(query, key, value, rows, keys, scale)
+            return _TiledAttention.apply(query, key, value, rows, keys, scale,
+                                         block_cuts(total, tuple(sizes), tuple(coords), _zigzag, True, gathered=True)[0])
         visible = keys <= rows.unsqueeze(-1)
         attn_mask = _join_masks(attn_mask, visible)
     return aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, False, scale=scale,
@@ -167,13 +169,13 @@ class _Ring:
         return got
 
 
-def _attend(q, kb, vb, mask, qpos, kpos, causal, scale, out, lse, aux: dict) -> None:
+def _attend(q, kb, vb, mask, qpos, kpos, causal, scale, out, lse, aux: dict, cut=None) -> None:
     """Merge the attention of ``q`` to one block of keys (at ``kpos``) into ``out`` and ``lse``,
-    tile by tile (``cp_positions.tiles``); ``aux`` keeps a fused forward's auxiliary outputs for the
-    backward (``fused_blocks``)."""
+    tile by tile (``cut``: the block's ``cp_positions.tiles``, cut from the positions when not given);
+    ``aux`` keeps a fused forward's auxiliary outputs for the backward (``fused_blocks``)."""
     heads = q.shape[-3]
     kb, vb = _expand(kb, heads), _expand(vb, heads)
-    for qs, ks, tile in tiles(qpos, kpos, causal):
+    for qs, ks, tile in tiles(qpos, kpos, causal) if cut is None else cut:
         qt, qp, kp = _rows(q, qs), qpos[qs], kpos[ks]
         kt, vt, mt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs)
         fused = fused_blocks.kind(qt, mt, tile)
@@ -186,12 +188,13 @@ def _attend(q, kb, vb, mask, qpos, kpos, causal, scale, out, lse, aux: dict) -> 
         _put(lse, qs, lse_m, -1)
 
 
-def _attend_grad(q, kb, vb, mask, qpos, kpos, causal, scale, g, out, lse, delta, dq, dk, dv, aux: dict) -> None:
+def _attend_grad(q, kb, vb, mask, qpos, kpos, causal, scale, g, out, lse, delta, dq, dk, dv, aux: dict,
+                 cut=None) -> None:
     """Add one block's gradients (from the merged ``out`` and ``lse``) into ``dq`` and the block's
-    ``dk``, ``dv`` accumulators, tile by tile."""
+    ``dk``, ``dv`` accumulators, tile by tile (``cut`` as for ``_attend``)."""
     heads = q.shape[-3]
     kb, vb = _expand(kb, heads), _expand(vb, heads)
-    for qs, ks, tile in tiles(qpos, kpos, causal):
+    for qs, ks, tile in tiles(qpos, kpos, causal) if cut is None else cut:
         qt, qp, kp = _rows(q, qs), qpos[qs], kpos[ks]
         kt, vt, mt, gt = _rows(kb, ks), _rows(vb, ks), _mask_rows(mask, qs), _rows(g, qs)
         fused = fused_blocks.kind(qt, mt, tile)
@@ -217,19 +220,21 @@ class _RingAttention(torch.autograd.Function):
     ``kpos[s]``: global positions of the keys held by ring rank ``s``; ``qpos``: this rank's queries'."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, qpos, kpos, causal, scale, name):
+    def forward(ctx, q, k, v, mask, qpos, kpos, causal, scale, name, cuts):
         ring = _Ring(_axis(name), "fwd")
         n, r = ring.ax.size, ring.ax.rank
         out, lse = _start(q, v)
         blk, aux = [k, v], {}
         for step in range(n):
             pending = ring.start(blk) if step < n - 1 else None
-            _attend(q, blk[0], blk[1], mask, qpos, kpos[(r - step) % n], causal, scale, out, lse, aux)
+            src = (r - step) % n
+            _attend(q, blk[0], blk[1], mask, qpos, kpos[src], causal, scale, out, lse, aux, cuts[src])
             if pending is not None:
                 blk = _Ring.finish(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, qpos, kpos, out, lse)
         ctx.causal, ctx.scale, ctx.ax, ctx.aux = causal, scale, ring.ax, aux  # backward runs outside the bound axes
+        ctx.cuts = cuts
         return out
 
     @staticmethod
@@ -243,13 +248,14 @@ class _RingAttention(torch.autograd.Function):
         blk = [k, v, torch.zeros_like(k, dtype=_acc(q)), torch.zeros_like(v, dtype=_acc(q))]
         for step in range(n):
             pending = ring.start(blk[:2]) if step < n - 1 else None
-            _attend_grad(q, blk[0], blk[1], mask, qpos, kpos[(r - step) % n], ctx.causal, ctx.scale, g, out, lse,
-                         delta, dq, blk[2], blk[3], ctx.aux)
+            src = (r - step) % n
+            _attend_grad(q, blk[0], blk[1], mask, qpos, kpos[src], ctx.causal, ctx.scale, g, out, lse,
+                         delta, dq, blk[2], blk[3], ctx.aux, ctx.cuts[src])
             grads = _Ring.finish(ring.start(blk[2:]))     # the accumulators move on with their block
             if pending is not None:
                 blk[:2] = _Ring.finish(pending)
             blk[2:] = grads
-        return dq.to(q.dtype), blk[2].to(k.dtype), blk[3].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), blk[2].to(k.dtype), blk[3].to(v.dtype), None, None, None, None, None, None, None
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -261,13 +267,13 @@ class _TiledAttention(torch.autograd.Function):
     rate on CUDA. Saves q, K, V, the output and the log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, qpos, kpos, scale):
+    def forward(ctx, q, k, v, qpos, kpos, scale, cut):
         out, lse = _start(q, v)
         aux = {}
-        _attend(q, k, v, None, qpos, kpos, True, scale, out, lse, aux)
+        _attend(q, k, v, None, qpos, kpos, True, scale, out, lse, aux, cut)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, qpos, kpos, out, lse)
-        ctx.scale, ctx.aux = scale, aux
+        ctx.scale, ctx.aux, ctx.cut = scale, aux, cut
         return out
 
     @staticmethod
@@ -276,8 +282,8 @@ class _TiledAttention(torch.autograd.Function):
         g = g.contiguous()
         delta = (g.to(_acc(q)) * out.to(_acc(q))).sum(-1)
         dq, dk, dv = (torch.zeros_like(t, dtype=_acc(q)) for t in (q, k, v))
-        _attend_grad(q, k, v, None, qpos, kpos, True, ctx.scale, g, out, lse, delta, dq, dk, dv, ctx.aux)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        _attend_grad(q, k, v, None, qpos, kpos, True, ctx.scale, g, out, lse, delta, dq, dk, dv, ctx.aux, ctx.cut)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def _whole(t: torch.Tensor, s: slice, dim: int) -> bool:
@@ -378,4 +384,21 @@ def attention_ring(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     kpos = torch.stack([held(total, sizes, coords[:-1] + [src], _zigzag, outer, query.device)
                         for src in range(sizes[-1])])
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(query, key, value, attn_mask, qpos, kpos, bool(is_causal), scale, axes[-1])
+    cuts = block_cuts(total, tuple(sizes), tuple(coords), _zigzag, bool(is_causal))
+    return _RingAttention.apply(query, key, value, attn_mask, qpos, kpos, bool(is_causal), scale, axes[-1], cuts)
+
+
+@functools.lru_cache(maxsize=256)
+def block_cuts(total: int, sizes: tuple, coords: tuple, zigzag: bool, causal: bool,
+               gathered: bool = False) -> tuple:
+    """The tiles (``cp_positions.tiles``) of each key block a rank's queries meet, cut once per layer shape
+    from positions computed on the CPU: cutting them from the device's positions at every block would
+    wait for the device (a sync per call). The ring's blocks, by source rank on the last cp axis (the
+    outer axes gathered first); ``gathered``: the one block of every rank's keys (the gather form)."""
+    qpos = held(total, list(sizes), list(coords), zigzag)
+    if gathered:
+        return (tiles(qpos, held(total, list(sizes), list(coords), zigzag, tuple(reversed(range(len(sizes))))),
+                      causal),)
+    outer = tuple(reversed(range(len(sizes) - 1)))
+    return tuple(tiles(qpos, held(total, list(sizes), list(coords[:-1]) + [src], zigzag, outer), causal)
+                 for src in range(sizes[-1]))

