@@ -43,26 +43,34 @@ def positions(rank: int, n: int, seq: int, zigzag: bool, device) -> torch.Tensor
                       torch.arange(b * half, (b + 1) * half, device=device)])
 
 
-def rank_attention(q, k, v, qpos, kpos: list[torch.Tensor]):
+def rank_attention(q, k, v, qpos, kpos: list[torch.Tensor], cuts: list | None = None):
     """(out, dq, dk, dv) of the rank's queries against every block ``kpos[s]`` of ``k`` / ``v`` (rows by
-    position), block by block in the ring's order, forward then backward as ``_RingAttention`` runs them."""
+    position), block by block in the ring's order, forward then backward as ``_RingAttention`` runs them
+    (``cuts[s]``: block s's tiles, cut once on the CPU as the runtime's ``block_cuts``)."""
+    cuts = cuts or [None] * len(kpos)
     scale = q.shape[-1] ** -0.5
     out, lse = cp._start(q, v)
     aux: dict = {}
-    blocks = [(k[..., kp, :], v[..., kp, :], kp) for kp in kpos]
-    for kb, vb, kp in blocks:
-        cp._attend(q, kb, vb, None, qpos, kp, True, scale, out, lse, aux)
+    blocks = [(k[..., kp, :], v[..., kp, :], kp, cut) for kp, cut in zip(kpos, cuts)]
+    for kb, vb, kp, cut in blocks:
+        cp._attend(q, kb, vb, None, qpos, kp, True, scale, out, lse, aux, cut)
     out = out.to(q.dtype)
     g = torch.ones_like(out)
     delta = (g.to(cp._acc(q)) * out.to(cp._acc(q))).sum(-1)
     dq = torch.zeros_like(q, dtype=cp._acc(q))
     dks, dvs = [], []
-    for kb, vb, kp in blocks:
+    for kb, vb, kp, cut in blocks:
         dk, dv = torch.zeros_like(kb, dtype=cp._acc(q)), torch.zeros_like(vb, dtype=cp._acc(q))
-        cp._attend_grad(q, kb, vb, None, qpos, kp, True, scale, g, out, lse, delta, dq, dk, dv, aux)
+        cp._attend_grad(q, kb, vb, None, qpos, kp, True, scale, g, out, lse, delta, dq, dk, dv, aux, cut)
         dks.append(dk)
         dvs.append(dv)
     return out, dq, dks, dvs
+
+
+def ring_cuts(args, rank: int) -> list:
+    """The runtime's tiles of each block ``s`` of ``rank_attention`` (source rank ``rank - s``)."""
+    by_source = cp.block_cuts(args.seq, (args.n,), (rank,), not args.contiguous, True)
+    return [by_source[(rank - s) % args.n] for s in range(args.n)]
 
 
 def check_and_time(args, rank: int, dev: str, dt) -> dict:
@@ -70,6 +78,7 @@ def check_and_time(args, rank: int, dev: str, dt) -> dict:
     zigzag = not args.contiguous
     kpos = [positions((rank - s) % args.n, args.n, args.seq, zigzag, dev) for s in range(args.n)]
     qpos = positions(rank, args.n, args.seq, zigzag, dev)
+    cuts = ring_cuts(args, rank)
     g = torch.Generator(device=dev).manual_seed(rank)
     k = torch.randn(1, args.heads, args.seq, args.dim, device=dev, dtype=dt, generator=g)
     v = torch.randn(1, args.heads, args.seq, args.dim, device=dev, dtype=dt, generator=g)
@@ -78,15 +87,17 @@ def check_and_time(args, rank: int, dev: str, dt) -> dict:
     ref = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=qpos[:, None] >= torch.arange(args.seq, device=dev))
     ref.backward(torch.ones_like(ref))
     with torch.no_grad():
-        out, dq, dks, dvs = rank_attention(q, k, v, qpos, kpos)
+        out, dq, dks, dvs = rank_attention(q, k, v, qpos, kpos, cuts)
         dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
         for kp, a, b in zip(kpos, dks, dvs):
             dk[..., kp, :] += a
             dv[..., kp, :] += b
         err = [float((a.float() - b.float()).abs().max() / b.float().abs().max())
                for a, b in zip((out, dq, dk, dv), (ref, qr.grad, kr.grad, vr.grad))]
-        seconds = timed(lambda: rank_attention(q, k, v, qpos, kpos), dev, reps=args.reps, warmup=2)
-    return {"rank": rank, "seconds": seconds, "rel_err_out_dq_dk_dv": [round(e, 5) for e in err]}
+        seconds = timed(lambda: rank_attention(q, k, v, qpos, kpos, cuts), dev, reps=args.reps, warmup=2)
+        unsynced = timed(lambda: rank_attention(q, k, v, qpos, kpos), dev, reps=args.reps, warmup=1)
+    return {"rank": rank, "seconds": seconds, "seconds_tiles_cut_per_block": unsynced,
+            "rel_err_out_dq_dk_dv": [round(e, 5) for e in err]}
 
 
 def profile(args, rank: int, dev: str, dt) -> dict:
@@ -98,18 +109,19 @@ def profile(args, rank: int, dev: str, dt) -> dict:
     zigzag = not args.contiguous
     kpos = [positions((rank - s) % args.n, args.n, args.seq, zigzag, dev) for s in range(args.n)]
     qpos = positions(rank, args.n, args.seq, zigzag, dev)
+    cuts = ring_cuts(args, rank)
     q = torch.randn(1, args.heads, len(qpos), args.dim, device=dev, dtype=dt)
     k = torch.randn(1, args.heads, args.seq, args.dim, device=dev, dtype=dt)
     v = torch.randn(1, args.heads, args.seq, args.dim, device=dev, dtype=dt)
     with torch.no_grad():
         for _ in range(2):
-            rank_attention(q, k, v, qpos, kpos)
+            rank_attention(q, k, v, qpos, kpos, cuts)
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             for _ in range(3):
-                rank_attention(q, k, v, qpos, kpos)
+                rank_attention(q, k, v, qpos, kpos, cuts)
             b.record()
             torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
