@@ -18,7 +18,8 @@ the unsplit op), and mask columns are picked by the keys' positions.
   the blocks' outputs by their log-sum-exp, and in backward recomputes each block's softmax from
   the saved log-sum-exp while the blocks travel again with their gradient accumulators (one more
   hop brings the gradients home). Further cp axes are all-gathered first as in the gather form.
-  Each block is cut into tiles at its runs of consecutive positions (``cp_positions.tiles``):
+  Each block is cut into tiles at its runs of consecutive positions (``cp_positions.tiles``, once per
+  layer shape from positions computed on the CPU, ``block_cuts``: no device sync in the loop):
   tiles entirely above the causal diagonal are skipped (the block is still forwarded), wholly
   visible ones and the diagonal squares run on the device's fused flash kernel where it has one
   (``fused_blocks.py``: the CPU; CUDA in fp16 / bf16), the rest explicitly.
