@@ -95,9 +95,9 @@ class _Zero3GatherFn(torch.autograd.Function):
         mod = ctx.mod
         mod.cache = None                            # every use of this layer's parameters is done
         # the (d, C) input, column block j parameter j's padded gradient viewed (d, c_j), written in
-        # place (no padded copy per gradient, no concatenation): reduced in the shards' (master)
-        # dtype, so under bf16 mixed precision the bf16 weights' gradients are summed in fp32, as
-        # the plan's reduce_dtype says
+        # place (no padded copy per gradient, no concatenation): reduced in the dtype of the shards
+        # this Function receives, the compute dtype. Under bf16 mixed precision that is bf16, not the
+        # plan's fp32 reduce_dtype: an open defect (tests/ranks/test_zero.py, ZERO3_BF16_OPEN)
         dtype, device = ctx.shard_meta[0][1], ctx.shard_meta[0][2]
         for _, dt, _ in ctx.shard_meta[1:]:
             dtype = torch.promote_types(dtype, dt)

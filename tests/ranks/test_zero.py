@@ -189,9 +189,11 @@ def _policy_job(rank, plan_jsons):
     return out
 
 
-ZERO3_BF16_OPEN = ("open (2026-11-28, AMD EPYC VM, at e08e0da too): one blocks.0.qkv.weight element of 3072 lands "
-                   "1.23e-3 from ZeRO-0 after 3 AdamW steps (the bar: 1e-3 + 1 %); torch FSDP2 on the same job equals "
-                   "ZeRO-0 bit for bit, so autopar's ZeRO-3 bf16 path rounds somewhere they do not")
+ZERO3_BF16_OPEN = ("open (found 2026-11-28): ZeRO-3's gather (runtime/zero3.py) receives the bf16 working copies, so its "
+                   "backward reduce-scatters the weights' gradients in bf16 and hands the fp32 masters bf16-rounded "
+                   "sums, where ZeRO-0 and torch FSDP2 (reduce_dtype fp32) sum in fp32 and keep fp32: the first "
+                   "step's gradients already differ (wte 2.4e-4), and after 3 AdamW steps one qkv element of 3072 "
+                   "lands 1.23e-3 from ZeRO-0 (the bar: 1e-3 + 1 %); FSDP2 equals ZeRO-0 bit for bit")
 
 
 @pytest.mark.parametrize("zero,policy", [(2, "bf16 compute"), (2, "bf16 on the wire"),
