@@ -72,6 +72,7 @@ class ParamTree(nn.Module):
         super().__init__()
         self._compute_dtype = compute_dtype
         self._working: dict[str, torch.Tensor] = {}
+        self._masters: frozenset[str] = frozenset()     # fed uncast: their consumer casts (``feed_masters``)
         self._param_names = frozenset(params)
         for name, t in params.items():
             mod, leaf = _owner(self, name)
@@ -87,11 +88,17 @@ class ParamTree(nn.Module):
     def compute_tensor(self, name: str) -> torch.Tensor:
         """What the graphs compute with: the parameter, or its working copy in the compute dtype."""
         t = self.local_tensor(name)
-        if self._compute_dtype is None or name not in self._param_names:
+        if self._compute_dtype is None or name not in self._param_names or name in self._masters:
             return t
         if name not in self._working:
             self._working[name] = cast_floating(t, self._compute_dtype)
         return self._working[name]
+
+    def feed_masters(self, names) -> torch.dtype | None:
+        """Feed the graphs these parameters' masters uncast (their consumer casts them, so that their
+        gradients come back in the masters' dtype: ZeRO-3's gather); returns the compute dtype."""
+        self._masters = self._masters | frozenset(names)
+        return self._compute_dtype
 
     def cast_input(self, x):
         return cast_floating(x, self._compute_dtype) if isinstance(x, torch.Tensor) else x

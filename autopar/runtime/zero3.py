@@ -44,6 +44,7 @@ class Zero3Gather(nn.Module):
         self.live: dict[int, int] = {}       # id(gathered tensor) -> index, this forward
         self.cache: list[torch.Tensor] | None = None
         self.pending = None                  # (work, output, input) of a prefetched forward gather
+        self.compute_dtype = None            # mixed precision: the masters are cast to it here (``Zero3.bind``)
         object.__setattr__(self, "next", None)      # the layer gathered after this one (prefetch)
         object.__setattr__(self, "first", None)     # on the first layer: all layers (reset per forward)
 
@@ -70,7 +71,7 @@ class Zero3Gather(nn.Module):
         self.pending = self._start([sp.shard.to(dtype) for sp in self.items], "fwd", async_op=True)
 
     def forward(self, *shards):
-        self.dtype = shards[0].dtype            # the compute dtype (bf16 copies under mixed precision)
+        self.dtype = self.compute_dtype or shards[0].dtype      # the masters' shards are cast to it here
         if self.first is not None:              # a new forward: settle what an aborted one left
             for m in self.first:
                 if m.pending is not None:
@@ -88,16 +89,17 @@ class _Zero3GatherFn(torch.autograd.Function):
     def forward(ctx, mod: Zero3Gather, *shards):
         ctx.mod = mod
         ctx.shard_meta = [(s.shape, s.dtype, s.device) for s in shards]
-        return tuple(mod.gather(shards, "fwd"))
+        return tuple(mod.gather([s.to(mod.dtype) for s in shards], "fwd"))
 
     @staticmethod
     def backward(ctx, *grads):
         mod = ctx.mod
         mod.cache = None                            # every use of this layer's parameters is done
         # the (d, C) input, column block j parameter j's padded gradient viewed (d, c_j), written in
-        # place (no padded copy per gradient, no concatenation): reduced in the dtype of the shards
-        # this Function receives, the compute dtype. Under bf16 mixed precision that is bf16, not the
-        # plan's fp32 reduce_dtype: an open defect (tests/ranks/test_zero.py, ZERO3_BF16_OPEN)
+        # place (no padded copy per gradient, no concatenation): reduced in the shards' (master)
+        # dtype, which this Function receives uncast (``ParamTree.feed_masters``), so under bf16
+        # mixed precision the bf16 weights' gradients are summed in fp32 and reach the masters in
+        # fp32, as the plan's reduce_dtype says (FSDP2's reduce_dtype=float32)
         dtype, device = ctx.shard_meta[0][1], ctx.shard_meta[0][2]
         for _, dt, _ in ctx.shard_meta[1:]:
             dtype = torch.promote_types(dtype, dt)
@@ -183,6 +185,7 @@ class Zero3:
         """After the program registered the shards: point the records at its parameters."""
         self.params = program
         for mod in self.mods:
+            mod.compute_dtype = program.feed_masters(mod.names)
             s = _SetView(mod)
             for sp in mod.items:
                 sp.shard = program.local_tensor(sp.name)

@@ -153,6 +153,15 @@ PLANS = {   # name: (mesh shape, axis names, mode, annotate, context)
 }
 
 
+
+def _compute_dtypes(pmodel) -> set[str]:
+    """The dtypes the last step computed the parameters in: the working copies, and ZeRO-3's gathers
+    (which cast the masters' shards themselves)."""
+    from autopar.runtime.zero3 import Zero3Gather
+
+    gathers = {str(m.dtype) for m in pmodel.program.modules() if isinstance(m, Zero3Gather)}
+    return {str(t.dtype) for t in pmodel.program._working.values()} | gathers
+
 def _job(rank, name):
     shape, names, mode, annotate, context = PLANS[name]
     x, y = _data()
@@ -177,7 +186,7 @@ def _job(rank, name):
     out = _loop(lambda: pmodel.step(x, target=y), grads, apply, lambda: pmodel.loss_scale,
                 pmodel.full_state_dict)
     out["plan"] = pmodel.plan.to_json()
-    out["working"] = {str(t.dtype) for t in pmodel.program._working.values()}
+    out["working"] = _compute_dtypes(pmodel)
     out.update(_one_rank_overflows(rank, pmodel, opt, x, y))
     return out
 
