@@ -12,7 +12,9 @@ stages that hold it (``tie_sum``: the pipeline's embedding groups, as without Ze
 reduce-scattered over its stage's data-parallel ranks: every stage's shard then holds the same
 sum and takes the same optimizer step. The tie sum is over this step's gradients only: the
 already-summed shard gradient of a tied parameter (steps accumulated without ``zero_grad``) is set
-aside before backward and added back after the reduce-scatter, so it is not summed twice.
+aside before backward and added back after the reduce-scatter, so it is not summed twice. A tied
+parameter with no data-parallel axis is not sharded: its working gradient holds the summed total,
+which is set aside the same way (after a synced step; ``no_sync`` steps add local parts only).
 """
 from __future__ import annotations
 
@@ -37,13 +39,22 @@ class PipelineZero(ZeroSync):
         super().__init__(program, sync, groups, mesh, stage, compression)
         self._tie_sum = tie_sum
         self._tied = sorted(n for n in tied if n in self.sharded)
+        named = dict(program.named_parameters())
+        # tied parameters not sharded (no data-parallel axis): their working gradient holds the summed total
+        self._whole = {n: named[n] for n in sorted(tied) if n not in self.sharded and n in named}
         self._held: dict[str, torch.Tensor] = {}
 
     def before_backward(self) -> None:
         was_local = self.local
         super().before_backward()
+        for name, p in self._whole.items():
+            if p.grad is None:
+                self._held.pop(name, None)      # the user zeroed it: nothing summed is kept
+            elif not was_local:                 # the total summed so far: set aside, not summed again
+                self._held[name] = p.grad.detach().clone()
+                p.grad.zero_()
         if was_local and not self.local:
-            self._held = {}     # the user zeroed the gradients since the no_sync steps
+            self._held = {k: v for k, v in self._held.items() if k in self._whole}  # the user zeroed the shards
         if self.local:
             return              # no_sync steps' local gradients wait to be summed with this step's
         for name in self._tied:
@@ -60,8 +71,8 @@ class PipelineZero(ZeroSync):
         self._tie_sum()
         super().reduce_scatter()
         for name, held in self._held.items():
-            sh = self.sharded[name][1].shard
-            sh.grad = held if sh.grad is None else sh.grad.add_(held)
+            t = self._whole[name] if name in self._whole else self.sharded[name][1].shard
+            t.grad = held if t.grad is None else t.grad.add_(held)
         self._held = {}
 
 

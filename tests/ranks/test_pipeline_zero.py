@@ -210,3 +210,26 @@ def test_zero2_and_3_with_a_pipeline_are_refused_by_name(zero):
                                                 r"\(pp > 1\): .* use zero=1 .* or zero=0"):
         check_zero_supported(bad, pipelined=True)
     check_zero_supported(plan, pipelined=True)
+
+
+def _tied_no_dp_job(rank):
+    autopar.set_auto_parallel_context(zero=1)
+    x, y = (t[:24] for t in _gpt_batch())
+    model_fn = functools.partial(GPT, vocab=64, hidden=32, heads=2, layers=2, seq=x.shape[1])
+    return parallel_run(rank, model_fn, lm_loss, x, y, autopar.Mesh((2,), axis_names=("pp",)), "semi_auto", steps=2,
+                        micro=3)
+
+
+def test_tied_embedding_without_a_dp_axis_accumulated_over_steps_under_zero1():
+    """A tied weight held by both stages with no data-parallel axis is not sharded: its working gradient
+    keeps the stages' summed total, which 3 accumulated ``step`` calls must not sum again (it was summed
+    1 + 2 + 4 times, 129 % off on the 3-D Kitchen)."""
+    x, y = (t[:24] for t in _gpt_batch())
+    model_fn = functools.partial(GPT, vocab=64, hidden=32, heads=2, layers=2, seq=x.shape[1])
+    ref = reference_run(model_fn, lm_loss, x, y, steps=2, micro=3)
+    results = _run(2, _tied_no_dp_job)
+    plan = autopar.Plan.from_json(results[0]["plan"])
+    assert plan.memory_options.zero == 1 and plan.degrees["pp"] == 2, (plan.memory_options, plan.degrees)
+    assert len(plan.params["wte.weight"].aliases) == 2 and plan.params["wte.weight"].grad_sync == []
+    for r, res in enumerate(results):
+        assert_same_training(ref, res, what=f"tied, pp 2 ZeRO-1, 3 accumulated steps, rank {r}")
