@@ -369,7 +369,8 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
     The first solve keeps room for lower bounds of the transients (``op_transients``) where the
     budget binds, so that it usually fits; where that room makes it infeasible (the row charges a
     gathered parameter per edge, the total once, so row + room can exceed the budget when the
-    total does not), it is solved without. The lowered re-solves keep no such room: their limit
+    total does not), it is solved without. The lowered re-solves keep the cutoff (a lower limit only
+    removes assignments, so a bound that reaches it holds for the plan returned) but no such room: their limit
     already leaves the last solution's transients out. The solution's ``free_bound`` (and an error's
     ``step_floor``) is the whole step's: ``microbatches`` x the per-step problem's unbudgeted bound,
     a floor of this mesh's step at any budget (``Plan.step_floor``; -inf where none was proven)."""
@@ -412,7 +413,7 @@ def _solve_within(traced, cands, built, costing: Costing, budget: float, microba
             smallest = (over + budget, sol.choice)
         lowered = min(limit, budget - layer_buffers - transient)
         limit = lowered if lowered < limit else min(limit, sol.memory - over)
-        problem = dataclasses.replace(whole, memory_budget=limit)
+        problem = dataclasses.replace(whole, memory_budget=limit, cutoff=problem.cutoff)   # the cutoff holds
     else:
         err = InfeasibleError(
             f"no strategy assignment fits the memory budget of {budget / 2**30:.3f} GiB ({budget:.4g} B): the best "

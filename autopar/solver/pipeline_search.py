@@ -23,6 +23,8 @@ For one candidate ``(pp, sub-mesh)`` (``plan_pipeline``):
        The best (m, schedule) (ties: less memory) is re-solved at its own microbatch shape and
        re-partitioned with the exact profile, unless its reference estimate is over (1 +
        ``REFERENCE_MARGIN``) x the search's best plan so far (dropped: a heuristic, docs/solver.md).
+       Every sub-mesh solve gets the cutoff pp x that (``whole_step_cutoff``, on the whole step of m
+       microbatches): a layout proven or found at least that slow drops the candidate unpartitioned.
 
 ``pipeline_plans`` enumerates the candidates for a request: a named mesh with a ``pp`` axis
 fixes pp and the sub-mesh; ``pipeline_stage`` tags fix pp = max tag + 1 and the cuts they name;
@@ -48,10 +50,11 @@ from autopar.plan.plan import PipelineInfo, Plan, PlanError, Stage
 from autopar.schedules.receive_window import schedule_receive_buffers
 from autopar.sharding.placements import R, Spec, shard_factor
 from autopar.solver.inter_op import CutRules, PipelinePartition, StageMemoryError, partition_stages
+from autopar.solver.accumulation import accumulated_time
 from autopar.solver.candidate_order import by_flat_steps
 from autopar.solver.pipeline_candidates import PipelineCandidate, pipeline_candidates
 from autopar.solver.fit_error import pipeline_nothing_fits, stage_fit_error
-from autopar.solver.intra_op import InfeasibleError, SolverTimeoutError
+from autopar.solver.intra_op import DominatedError, InfeasibleError, SolverTimeoutError
 from autopar.solver.pipeline_fit import (PipelineDominatedError, PipelineRequestError, budget_bytes, fit_refusal, held, holds_more,
                                          microbatch_counts, model_parallel_first, schedules)
 from autopar.solver.pipeline_bound import bounds_enabled, by_floor, candidate_floors, floor_dominated
@@ -60,7 +63,7 @@ from autopar.solver.mesh_solve import PlanOptions, solve_on_mesh
 from autopar.solver.pipeline_collectives import pipeline_collectives
 from autopar.solver.stage_tags import check_stage_tags
 from autopar.solver.end_units import stage_layer_names
-from autopar.solver.unit_costs import UnitCosts, unit_profiles
+from autopar.solver.unit_costs import UnitCosts, launch_seconds, unit_profiles
 from autopar.solver.stage_cut import free_estimate, free_step, partition_at as _partition
 from autopar.solver.request import SolveRequest
 from autopar.cost_models.devices import mesh_device
@@ -146,28 +149,41 @@ class _CandidateSearch:
         """The sub-mesh solve of traced microbatch ``mb`` under ``opts``."""
         return SolveRequest(mb, None, self.cand.sub, self.mode, opts, self.param_ann, self.input_ann)
 
-    def solve(self, m: int):
-        """The sub-mesh plan at m microbatches: (traced microbatch, plan, units, unit_of, unit costs)."""
+    def solve(self, m: int, reference: bool = False):
+        """The sub-mesh plan at m microbatches: (traced microbatch, plan, units, unit_of, unit costs).
+        Raises ``PipelineDominatedError`` where the layout's whole step reaches ``whole_step_cutoff``
+        (found, or proven by the solve's ``DominatedError``); for the ``reference`` layout, whose costs
+        estimate every count, with room for the counts' fewer kernel launches."""
         cand, opts, batch = self.cand, self.opts, self.batch
         mb = microbatch_trace(self.traced, batch // m, self.retracer)
         self.unbounded = False
         weight = in_flight_weight(self.kinds, cand.pp, self.counts, batch, batch // m)
         shares, sub_plan, first = [self.share], None, True
-        while shares and sub_plan is None:
-            s = shares.pop(0)
-            whole = PlanOptions(**{**opts.__dict__, "memory_budget_gb": s * self.budget * cand.pp / 2**30})
-            try:
-                sub_plan = solve_on_mesh(self._request(mb, whole), microbatches=m, activation_weight=weight,
-                                         ranks_per_node=self.per_node, explain=first and self.fitted is not None)
-                self.share = self.fitted = s
-            except InfeasibleError as err:      # between it and the last budget that fitted, if any
-                if first:
-                    shares = between_shares(s, self.fitted, getattr(err, "least_memory", None), self.budget * cand.pp)
-            first = False
-        if sub_plan is None:        # pp x the cap only guides the whole model's layout:
-            self.unbounded = True
-            sub_plan = solve_on_mesh(self._request(mb, self.loose), microbatches=m,
-                                     ranks_per_node=self.per_node)    # the partition enforces it
+        best = opts.progress.cutoff() if opts.progress is not None else None
+        fewer = (m - min(self.counts)) * launch_seconds(mb, self.device) if reference else 0.0
+        cutoff = whole_step_cutoff(best, cand.pp, fewer)
+        try:
+            while shares and sub_plan is None:
+                s = shares.pop(0)
+                whole = PlanOptions(**{**opts.__dict__, "memory_budget_gb": s * self.budget * cand.pp / 2**30})
+                try:
+                    sub_plan = solve_on_mesh(self._request(mb, whole), microbatches=m, cutoff=cutoff,
+                                             activation_weight=weight, ranks_per_node=self.per_node,
+                                             explain=first and self.fitted is not None)
+                    self.share = self.fitted = s
+                except InfeasibleError as err:      # between it and the last budget that fitted, if any
+                    if first:
+                        shares = between_shares(s, self.fitted, getattr(err, "least_memory", None),
+                                                self.budget * cand.pp)
+                first = False
+            if sub_plan is None:        # pp x the cap only guides the whole model's layout:
+                self.unbounded = True
+                sub_plan = solve_on_mesh(self._request(mb, self.loose), microbatches=m, cutoff=cutoff,
+                                         ranks_per_node=self.per_node)    # the partition enforces it
+        except DominatedError as err:
+            raise _beaten(best, m, cand.pp, err.lower_bound * m) from None
+        if cutoff is not None and accumulated_time(sub_plan, m) >= cutoff:
+            raise _beaten(best, m, cand.pp, accumulated_time(sub_plan, m))
         units_m, unit_of = assign_units(mb.gm, ends=True)
         return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, self.device, opts)
 
@@ -207,7 +223,7 @@ class _CandidateSearch:
     def run(self) -> Plan:
         cand, opts, budget = self.cand, self.opts, self.budget
         ref = reference_count(self.counts, cand.pp)
-        solved = {ref: self.solve(ref)}
+        solved = {ref: self.solve(ref, reference=True)}
         mb, ref_plan, units_ref, _, costs = solved[ref]
         self.rules = CutRules(tuple(_fixed_boundaries(cand, units_ref, mb.gm)), cand.allow_idle, opts.virtual_stages,
                               end_cuts(units_ref))
@@ -216,7 +232,7 @@ class _CandidateSearch:
             if ranked or self.unbounded or (tighter := _tighter(errors, budget - _extra(ref_plan))) is None:
                 break
             self.share = _next_share(self.share, tighter, max(ref_plan.memory_per_device), budget * cand.pp)
-            solved = {ref: self.solve(ref)}
+            solved = {ref: self.solve(ref, reference=True)}
             mb, ref_plan, units_ref, _, costs = solved[ref]
             ranked, reasons, errors = self.rank(costs, ref_plan, ref)
         cutoff = opts.progress.cutoff() if opts.progress is not None else None
@@ -238,7 +254,9 @@ class _CandidateSearch:
         return self.finish(ranked, solved, errors)
 
     def finish(self, ranked: list, solved: dict, errors: list) -> Plan:
-        """Re-solve the ranked counts at their own shapes, best first, until one partitions."""
+        """Re-solve the ranked counts at their own shapes, best first, until one partitions. A count whose
+        layout is proven over the margin (``solve``'s ``PipelineDominatedError``) drops the candidate, as
+        its partition's step over the margin would have (the counts after it estimate slower)."""
         cand, opts, batch, budget = self.cand, self.opts, self.batch, self.budget
         found, failed, timeouts, timeouts_at = None, [], [], set()
         for _, m, schedule in ranked:
@@ -298,6 +316,32 @@ def reference_count(counts: list[int], pp: int) -> int:
     and the drop stays cautious. The most microbatches as the reference would make every other count's
     microbatch larger and its estimate high, so the drop could lose the best count (docs/solver.md)."""
     return max([m for m in counts if m <= 2 * pp] or [min(counts)])
+
+
+def whole_step_cutoff(best: float | None, pp: int, launches: float = 0.0) -> float | None:
+    """The cutoff of a candidate's sub-mesh solves (``solve_on_mesh``'s, on the whole-model step T of m
+    microbatches): pp x (1 + ``REFERENCE_MARGIN``) x the best plan so far, plus ``launches``.
+
+    Any partition of a layout into pp ranks runs at least T / pp: the critical path is at least the
+    busiest rank's work, at least its average m·every / pp, and the fullest rank's once-per-step part
+    at least once / pp. So a layout solved at m itself (``finish``) at least pp x (1 + margin) x best
+    gives a plan over the margin at m. The reference layout's costs estimate every count m' by scaling
+    its units' work less their kernel launches (``UnitCosts.at``), so m''s whole step is at least
+    T - (m - m') x L, L the launches of one microbatch: with ``launches`` = (m - least m') x
+    ``unit_costs.launch_seconds`` every count estimates over the margin, and ``rank`` would drop the
+    candidate. Either way it is dropped before the budgeted solve ends. None without a plan so far."""
+    if best is None or not math.isfinite(best):
+        return None
+    return pp * (1 + REFERENCE_MARGIN) * best + launches
+
+
+def _beaten(best: float, m: int, pp: int, whole: float) -> PipelineDominatedError:
+    """Why a candidate is dropped whose layout at m microbatches takes at least ``whole`` seconds a step
+    on its sub-mesh (``whole_step_cutoff``)."""
+    return PipelineDominatedError(
+        f"slower than the best plan so far ({best:.4g} s): its whole-model layout at {m} microbatches takes at least "
+        f"{whole:.4g} s a step on the sub-mesh, so at least {whole / pp:.4g} s over {pp} stages (over "
+        f"{1 + REFERENCE_MARGIN:g}x; not partitioned)")
 
 
 def _extra_at(ref_plan: Plan, ref: int, m: int) -> float:

@@ -192,6 +192,15 @@ def _listed_times(plan: Plan, params) -> tuple[dict, dict, dict, dict]:
     return coll_time, again_time, held_time, sync_time
 
 
+def launch_seconds(traced, device) -> float:
+    """Kernel-launch seconds of one forward and backward of every op of ``traced`` on ``device``: at least
+    the launches of any layout's units (``UnitCosts.launch``, each unit's capped by its time), known before
+    a layout is solved."""
+    costs = node_cost_table(traced.gm.graph, device)
+    return sum(cached_node_cost(costs, n, device).launch_fwd + cached_node_cost(costs, n, device).launch_bwd
+               for n in traced.gm.graph.nodes if n.op == "call_function")
+
+
 def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts:
     """Per-unit time, memory and crossing bytes under the intra-op ``plan`` (module docstring, step 2)."""
     gm, shape = traced.gm, plan.mesh.shape
