@@ -182,8 +182,8 @@ class _CandidateSearch:
                                          ranks_per_node=self.per_node)    # the partition enforces it
         except DominatedError as err:
             raise _beaten(best, m, cand.pp, err.lower_bound * m) from None
-        if cutoff is not None and accumulated_time(sub_plan, m) >= cutoff:
-            raise _beaten(best, m, cand.pp, accumulated_time(sub_plan, m))
+        if cutoff is not None and (whole_step := accumulated_time(sub_plan, m)) >= cutoff:
+            raise _beaten(best, m, cand.pp, whole_step)
         units_m, unit_of = assign_units(mb.gm, ends=True)
         return mb, sub_plan, units_m, unit_of, unit_profiles(mb, sub_plan, units_m, unit_of, self.device, opts)
 

@@ -197,8 +197,8 @@ def launch_seconds(traced, device) -> float:
     the launches of any layout's units (``UnitCosts.launch``, each unit's capped by its time), known before
     a layout is solved."""
     costs = node_cost_table(traced.gm.graph, device)
-    return sum(cached_node_cost(costs, n, device).launch_fwd + cached_node_cost(costs, n, device).launch_bwd
-               for n in traced.gm.graph.nodes if n.op == "call_function")
+    ops = [cached_node_cost(costs, n, device) for n in traced.gm.graph.nodes if n.op == "call_function"]
+    return sum(c.launch_fwd + c.launch_bwd for c in ops)
 
 
 def unit_profiles(traced, plan: Plan, units, unit_of, device, opts) -> UnitCosts:

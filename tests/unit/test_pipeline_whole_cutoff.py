@@ -49,6 +49,16 @@ def _recording(monkeypatch):
     return calls
 
 
+def _planned(traced, retracer, cands, opts: PlanOptions, calls: list):
+    """(candidate, plan) of each candidate that gives a plan, ``calls`` holding its own solves."""
+    for cand in cands:
+        del calls[:]
+        try:
+            yield cand, plan_pipeline(traced, cand, ParallelMode.AUTO, opts, {}, {}, retracer)
+        except (PipelineRequestError, PlanError):
+            continue
+
+
 def _with_best(opts: PlanOptions, best: float) -> PlanOptions:
     progress = SearchProgress()
     progress.kept_times = [best]
@@ -62,12 +72,7 @@ def test_a_partition_runs_at_least_its_layouts_whole_step_over_the_stages(monkey
     traced, retracer, cands = _setup(autopar.Mesh(4, device="h100", gpus_per_node=2))
     calls = _recording(monkeypatch)
     checked = 0
-    for cand in cands:
-        del calls[:]
-        try:
-            plan = plan_pipeline(traced, cand, ParallelMode.AUTO, opts, {}, {}, retracer)
-        except (PipelineRequestError, PlanError):
-            continue
+    for cand, plan in _planned(traced, retracer, cands, opts, calls):
         layouts = [p for m, _, p in calls if m == plan.microbatches and isinstance(p, autopar.Plan)]
         whole = accumulated_time(layouts[-1], plan.microbatches)
         assert plan.step_time * cand.pp >= whole * (1 - 1e-9), (cand.pp, cand.sub.shape, plan.step_time, whole)
@@ -80,12 +85,7 @@ def test_a_candidate_whose_layout_cannot_come_near_the_best_plan_is_dropped_in_i
     the candidate is dropped without its partition; the sub-mesh solve got pp x (1 + margin) x the best."""
     traced, retracer, cands = _setup(autopar.Mesh(4, device="h100", gpus_per_node=2))
     calls = _recording(monkeypatch)
-    for cand in cands:
-        del calls[:]
-        try:
-            plan = plan_pipeline(traced, cand, ParallelMode.AUTO, TIGHT, {}, {}, retracer)
-        except (PipelineRequestError, PlanError):
-            continue
+    for cand, plan in _planned(traced, retracer, cands, TIGHT, calls):
         if calls[0][2].memory_bound:
             break
     else:
